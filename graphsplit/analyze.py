@@ -1,0 +1,318 @@
+"""Facts about every node of a traced step, computed on ``meta`` tensors (no real weights).
+
+Glossary:
+    batch dim: found by running the graph at two batch sizes; the one dim whose size follows
+        the batch size. ``None`` for values that do not change with it (per-dataset constants).
+    per-sample: a tensor whose batch dim holds exactly one row per sample, so it can be cut
+        into rows and cached. ``(2B, ...)`` layouts or flattened batches are not.
+    random: the node ran an ATen op tagged ``nondeterministic_seeded`` with arguments that do
+        draw (dropout with ``p=0`` or ``train=False`` and attention with ``dropout_p=0`` do not).
+    mixes samples: the node combines samples of a batch (BatchNorm in train mode, a reduction
+        over the batch, a select of one sample), so its value for one sample depends on which
+        others share its batch; caching it per sample would be wrong.
+
+In: :class:`~graphsplit.trace.Traced`, the model (inside ``analysis_view``), example inputs at
+two batch sizes. Out: ``node.meta["facts"]`` = :class:`NodeFacts` for every node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from graphsplit.errors import GraphsplitError, TraceError, user_error
+from graphsplit.meta import meta_execution
+from graphsplit.trace import Traced, execute, meta_failure
+
+UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What graphsplit knows about one node's value and op."""
+
+    is_tensor: bool
+    type_name: str
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+    batch_dim: int | str | None  # an int, None (constant) or UNKNOWN (not per-sample)
+    bytes_per_sample: int
+    total_bytes: int
+    depends_on_data: bool
+    flops: int
+    random_ops: tuple[str, ...]
+    mixing: str | None  # why the node mixes samples, or None
+    params: frozenset[str]  # qualified names of the parameters the node reads directly
+
+    @property
+    def per_sample(self) -> bool:
+        return isinstance(self.batch_dim, int) and not isinstance(self.batch_dim, bool)
+
+    @property
+    def is_constant(self) -> bool:
+        return self.batch_dim is None and not self.depends_on_data
+
+
+# -- ATen-level observation ------------------------------------------------------------------
+_DROPOUT_OPS = {
+    "native_dropout",
+    "dropout",
+    "feature_dropout",
+    "alpha_dropout",
+    "feature_alpha_dropout",
+}
+
+
+def _argument(func, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == name:
+            if index < len(args):
+                return args[index]
+            return kwargs.get(name, default)
+    return default
+
+
+def _draws_randomness(func, args: tuple, kwargs: dict) -> bool:
+    """Tagged ops may consume RNG; check the arguments that make them deterministic."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    op = func._schema.name.split("::")[-1]
+    if op in _DROPOUT_OPS:
+        return float(_argument(func, args, kwargs, "p", 0.0)) != 0.0 and bool(
+            _argument(func, args, kwargs, "train", True)
+        )
+    if "attention" in op:
+        return float(_argument(func, args, kwargs, "dropout_p", 0.0) or 0.0) != 0.0
+    if op.startswith("bernoulli"):
+        p = _argument(func, args, kwargs, "p", None)
+        return not (isinstance(p, float) and p in (0.0, 1.0))
+    if op == "rrelu_with_noise":
+        return bool(_argument(func, args, kwargs, "training", False))
+    return True
+
+
+def _shapes(tree: Any) -> tuple[tuple[int, ...], ...]:
+    return tuple(
+        tuple(leaf.shape) for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)
+    )
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records, per node, the ATen ops it ran: name, input and output shapes, randomness."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple, tuple, bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name.split("::")[-1]
+        if "batch_norm" in name and _argument(func, args, kwargs, "training", False):
+            name = "batch_norm(training=True)"
+        self.ops.append(
+            (name, _shapes((args, kwargs)), _shapes(out), _draws_randomness(func, args, kwargs))
+        )
+        return out
+
+
+# Ops whose output shape legitimately ignores their input's batch size.
+_SHAPE_ONLY_OPS = {
+    "sym_size",
+    "sym_numel",
+    "sym_stride",
+    "new_empty",
+    "new_zeros",
+    "new_ones",
+    "new_full",
+    "new_empty_strided",
+    "_local_scalar_dense",
+    "scalar_tensor",
+}
+
+
+def _mixing_op(ops_a: list, ops_b: list) -> str | None:
+    """The first op whose inputs follow the batch size while none of its outputs do."""
+    if len(ops_a) != len(ops_b) or any(a[0] != b[0] for a, b in zip(ops_a, ops_b)):
+        return "runs different operations at different batch sizes"
+    for (name, ins_a, outs_a, _), (_, ins_b, outs_b, _) in zip(ops_a, ops_b):
+        if name == "batch_norm(training=True)":
+            return "BatchNorm in train mode normalises with batch statistics"
+        if name in _SHAPE_ONLY_OPS or not outs_a:
+            continue
+        if ins_a != ins_b and outs_a == outs_b:
+            return f"aten.{name} reduces or selects across the batch"
+    return None
+
+
+# -- running the graph -----------------------------------------------------------------------
+@dataclass
+class _Run:
+    values: dict[fx.Node, Any]
+    ops: dict[fx.Node, list]
+    flops: dict[fx.Node, int]
+
+
+def _run(traced: Traced, model: nn.Module, inputs: dict[str, Any], count_flops: bool) -> _Run:
+    values: dict[fx.Node, Any] = {}
+    ops: dict[fx.Node, list] = {}
+    flops: dict[fx.Node, int] = {}
+    for node in traced.graph.nodes:
+        if node.op == "placeholder":
+            values[node] = inputs.get(node.target)
+            continue
+        if node.op == "output":
+            continue
+        args = fx.node.map_arg(node.args, values.__getitem__)
+        kwargs = fx.node.map_arg(node.kwargs, values.__getitem__)
+        recorder = _OpRecorder()
+        counter = FlopCounterMode(display=False) if count_flops else None
+        try:
+            with meta_execution(), recorder:
+                if counter is not None:
+                    with counter:
+                        values[node] = execute(model, traced.constants, node, args, kwargs)
+                else:
+                    values[node] = execute(model, traced.constants, node, args, kwargs)
+        except GraphsplitError:
+            raise
+        except Exception as exc:
+            raise meta_failure(node, exc) from exc
+        ops[node] = recorder.ops
+        flops[node] = counter.get_total_flops() if counter is not None else 0
+    return _Run(values, ops, flops)
+
+
+def _check_guards(traced: Traced, second: _Run, batch_sizes: tuple[int, int]) -> None:
+    for guard in traced.guards:
+        try:
+            value = guard.convert(second.values[guard.node])
+        except Exception:  # the value changed type: also a batch-size dependence
+            value = "<error>"
+        if value != guard.value:
+            raise user_error(
+                TraceError,
+                f"Python control flow depends on the batch size: it read {guard.value!r} at "
+                f"batch size {batch_sizes[0]} and {value!r} at batch size {batch_sizes[1]}, so "
+                "the traced step would only be valid for one batch size.",
+                node=guard.node,
+                source=guard.source,
+                fix="use shapes inside tensor ops (x.view(x.shape[0], -1), torch.randn_like) "
+                "instead of converting the batch size to a Python number or loop count",
+            )
+
+
+# -- facts -----------------------------------------------------------------------------------
+def batch_dim_of(shape_a: tuple, shape_b: tuple, batch_sizes: tuple[int, int]) -> int | str | None:
+    """The dim that follows the batch size, None if none does, UNKNOWN if not one row/sample."""
+    if len(shape_a) != len(shape_b):
+        return UNKNOWN
+    differing = [dim for dim, (a, b) in enumerate(zip(shape_a, shape_b)) if a != b]
+    if not differing:
+        return None
+    if len(differing) == 1:
+        dim = differing[0]
+        if (shape_a[dim], shape_b[dim]) == batch_sizes:
+            return dim
+    return UNKNOWN
+
+
+def _params_read(node: fx.Node, model: nn.Module, name_of: dict[int, str]) -> frozenset[str]:
+    if node.op not in ("get_attr", "call_module"):
+        return frozenset()
+    try:
+        target = model.get_submodule(node.target) if node.op == "call_module" else None
+        if target is None:
+            owner, _, attr = node.target.rpartition(".")
+            target = getattr(model.get_submodule(owner) if owner else model, attr)
+    except AttributeError:  # a constant held by the trace, not the model
+        return frozenset()
+    if isinstance(target, nn.Module):
+        return frozenset(name_of[id(p)] for p in target.parameters() if id(p) in name_of)
+    if isinstance(target, nn.Parameter) and id(target) in name_of:
+        return frozenset({name_of[id(target)]})
+    return frozenset()
+
+
+def _tensor_facts(value_a: Any, value_b: Any, batch_sizes: tuple[int, int]) -> dict[str, Any]:
+    type_name = f"{type(value_a).__module__}.{type(value_a).__qualname__}"
+    if not isinstance(value_a, torch.Tensor) or not isinstance(value_b, torch.Tensor):
+        return {
+            "is_tensor": False,
+            "type_name": type_name,
+            "shape": None,
+            "dtype": None,
+            "batch_dim": UNKNOWN,
+            "bytes_per_sample": 0,
+            "total_bytes": 0,
+        }
+    batch_dim = batch_dim_of(tuple(value_a.shape), tuple(value_b.shape), batch_sizes)
+    total = value_a.numel() * value_a.element_size()
+    per_sample = total // batch_sizes[0] if isinstance(batch_dim, int) else 0
+    return {
+        "is_tensor": True,
+        "type_name": "torch.Tensor",
+        "shape": tuple(value_a.shape),
+        "dtype": value_a.dtype,
+        "batch_dim": batch_dim,
+        "bytes_per_sample": per_sample,
+        "total_bytes": total,
+    }
+
+
+def analyze(
+    traced: Traced,
+    model: nn.Module,
+    inputs: tuple[dict[str, Any], dict[str, Any]],
+    batch_sizes: tuple[int, int],
+) -> None:
+    """Write :class:`NodeFacts` to ``node.meta["facts"]`` for every node of ``traced.graph``.
+
+    ``inputs`` are the example inputs as meta values at the two ``batch_sizes``; the model must
+    be in ``analysis_view``. ``NodeFacts.params`` is filled by :func:`resolve_params` once the
+    view is left, because parameters are identified by the real objects.
+    """
+    first = _run(traced, model, inputs[0], count_flops=True)
+    second = _run(traced, model, inputs[1], count_flops=False)
+    _check_guards(traced, second, batch_sizes)
+    batched_inputs = {
+        name
+        for name, value in inputs[0].items()
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch_sizes[0]
+    }
+    depends: dict[fx.Node, bool] = {}
+    for node in traced.graph.nodes:
+        if node.op == "output":
+            continue
+        if node.op == "placeholder":
+            depends[node] = node.target in batched_inputs
+        else:
+            depends[node] = any(depends[arg] for arg in node.all_input_nodes)
+        facts = _tensor_facts(first.values[node], second.values[node], batch_sizes)
+        mixing = _mixing_op(first.ops.get(node, []), second.ops.get(node, []))
+        if mixing is None and depends[node] and facts["is_tensor"] and facts["batch_dim"] is None:
+            mixing = "its value depends on the batch's data but has no batch dimension"
+        node.meta["facts"] = NodeFacts(
+            depends_on_data=depends[node],
+            flops=first.flops.get(node, 0),
+            random_ops=tuple(sorted({op[0] for op in first.ops.get(node, []) if op[3]})),
+            mixing=mixing,
+            params=frozenset(),
+            **facts,
+        )
+
+
+def resolve_params(traced: Traced, model: nn.Module, param_names: dict[int, str]) -> None:
+    """Fill ``NodeFacts.params`` once the model's real parameters are back in place."""
+    for node in traced.graph.nodes:
+        facts = node.meta.get("facts")
+        if facts is None or node.op not in ("get_attr", "call_module"):
+            continue
+        node.meta["facts"] = replace(facts, params=_params_read(node, model, param_names))

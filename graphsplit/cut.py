@@ -1,0 +1,243 @@
+"""Decide which values cross from stage 1 to stage 2: taint, then a min-cut on bytes per sample.
+
+Glossary:
+    tainted: a node that reads a trainable parameter, draws random numbers, mixes samples of a
+        batch, or depends on a tainted node. Tainted nodes run in stage 2, every step.
+    storable: an untainted tensor with one row per sample along a known batch dim, or a
+        per-dataset constant. Only storable values can be boundary values.
+    banned: untainted work that stage 2 must never redo: anything that runs FLOPs (matmuls,
+        convolutions, attention) and any call of a module that owns frozen parameters.
+
+The min-cut (node splitting as in functorch's rematerialisation partitioner): every node ``v``
+becomes ``v_in -> v_out`` whose capacity is the cost of storing ``v`` (infinite if it cannot be
+stored); data edges ``u_out -> v_in`` are infinite. The source feeds inputs and banned nodes
+(they stay in stage 1); tainted nodes and the step's outputs drain to the sink (they are needed
+in stage 2). A cut edge ``v_in -> v_out`` is a boundary value.
+
+Costs are integers, ordered so that bytes dominate everything else:
+``bytes_per_sample * W + 2`` per stored value and ``1`` per node stage 2 recomputes, with ``W``
+larger than every tie-breaker together. Among cuts with equal bytes this prefers fewer stage-2
+operations, then fewer boundary tensors. networkx returns the cut whose sink side is smallest
+(nodes that can reach the sink in the residual network); that set is the same for every maximum
+flow, so the plan does not depend on the flow algorithm's internals.
+
+In: a graph whose nodes carry ``meta["facts"]``, the trainable parameter names.
+Out: :class:`Cut`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+import torch.fx as fx
+
+from graphsplit.analyze import NodeFacts
+from graphsplit.errors import SplitError, user_error
+
+_SOURCE, _SINK = "source", "sink"
+
+
+@dataclass(frozen=True)
+class Taint:
+    """Why a node must run in stage 2; ``origin`` is the node whose own property caused it."""
+
+    reason: str
+    origin: fx.Node
+
+    @property
+    def kind(self) -> str:
+        return self.reason.split(" ", 1)[0]
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The chosen boundary and the nodes each stage runs (a cheap node may be in both)."""
+
+    boundary: tuple[fx.Node, ...]
+    stage1: frozenset[fx.Node]
+    stage2: frozenset[fx.Node]
+    taint: dict[fx.Node, Taint]
+
+
+def facts(node: fx.Node) -> NodeFacts:
+    return node.meta["facts"]
+
+
+def compute_taint(graph: fx.Graph, trainable: frozenset[str]) -> dict[fx.Node, Taint]:
+    """Tainted nodes with their reason, in graph order."""
+    taint: dict[fx.Node, Taint] = {}
+    for node in graph.nodes:
+        if node.op == "output":
+            continue
+        own = _own_taint(facts(node), trainable)
+        if own is not None:
+            taint[node] = Taint(own, node)
+            continue
+        for source in node.all_input_nodes:
+            if source in taint:
+                taint[node] = taint[source]
+                break
+    return taint
+
+
+def _own_taint(node_facts: NodeFacts, trainable: frozenset[str]) -> str | None:
+    read = sorted(node_facts.params & trainable)
+    if read:
+        more = f" (and {len(read) - 1} more)" if len(read) > 1 else ""
+        return f"trainable: reads trainable parameter {read[0]}{more}"
+    if node_facts.random_ops:
+        return f"random: draws random numbers ({', '.join(node_facts.random_ops)})"
+    if node_facts.mixing:
+        return f"mixing: mixes samples of the batch ({node_facts.mixing})"
+    return None
+
+
+def is_storable(node: fx.Node, taint: dict[fx.Node, Taint]) -> bool:
+    node_facts = facts(node)
+    return (
+        node not in taint
+        and node.op != "get_attr"
+        and node_facts.is_tensor
+        and (node_facts.per_sample or node_facts.is_constant)
+    )
+
+
+def is_banned(node: fx.Node, taint: dict[fx.Node, Taint]) -> bool:
+    """Untainted work stage 2 must not redo: FLOPs, or a call into a frozen module."""
+    if node in taint:
+        return False
+    if facts(node).flops > 0:
+        return True
+    if node.op == "call_module":
+        return bool(facts(node).params)
+    if node.op == "call_method" and node.args and isinstance(node.args[0], fx.Node):
+        owner = node.args[0]
+        return owner.op == "get_attr" and bool(facts(owner).params)
+    return False
+
+
+def storage_cost(node: fx.Node) -> int:
+    """Bytes per sample; a per-dataset constant is stored once and costs nothing per sample."""
+    return facts(node).bytes_per_sample if facts(node).per_sample else 0
+
+
+def _flow_network(graph: fx.Graph, taint: dict[fx.Node, Taint]) -> nx.DiGraph:
+    nodes = [node for node in graph.nodes if node.op != "output"]
+    weight = 3 * len(nodes) + 1
+    network = nx.DiGraph()
+    for node in nodes:
+        v_in, v_out = f"{node.name}:in", f"{node.name}:out"
+        if is_storable(node, taint):
+            network.add_edge(v_in, v_out, capacity=storage_cost(node) * weight + 2)
+        else:
+            network.add_edge(v_in, v_out)
+        if node in taint:
+            network.add_edge(v_in, _SINK)
+        elif node.op == "placeholder" or is_banned(node, taint):
+            network.add_edge(_SOURCE, v_in)
+        else:
+            network.add_edge(_SOURCE, v_in, capacity=1)
+        for user in node.users:
+            if user.op == "output":
+                network.add_edge(v_out, _SINK)
+            else:
+                network.add_edge(v_out, f"{user.name}:in")
+    return network
+
+
+def choose_boundary(graph: fx.Graph, trainable: frozenset[str]) -> Cut:
+    """The cheapest exact boundary; raises :class:`SplitError` when none exists."""
+    taint = compute_taint(graph, trainable)
+    network = _flow_network(graph, taint)
+    try:
+        _, (source_side, _) = nx.minimum_cut(
+            network, _SOURCE, _SINK, flow_func=nx.algorithms.flow.dinitz
+        )
+    except nx.NetworkXUnbounded:
+        raise _infeasible(graph, taint) from None
+    boundary = tuple(
+        node
+        for node in graph.nodes
+        if node.op != "output"
+        and f"{node.name}:in" in source_side
+        and f"{node.name}:out" not in source_side
+    )
+    return stages_for(graph, boundary, taint)
+
+
+def stages_for(
+    graph: fx.Graph, boundary: tuple[fx.Node, ...], taint: dict[fx.Node, Taint] | None = None
+) -> Cut:
+    """The nodes each stage runs for a given boundary (any boundary: tests hand-write them)."""
+    taint = taint if taint is not None else {}
+    boundary_set = set(boundary)
+    output = next(node for node in graph.nodes if node.op == "output")
+    stage2: set[fx.Node] = set()
+    pending = list(output.all_input_nodes)
+    while pending:
+        node = pending.pop()
+        if node in stage2 or node in boundary_set:
+            continue
+        if node.op == "placeholder":
+            raise AssertionError(f"stage 2 would need input {node.name}: boundary is not a cut")
+        stage2.add(node)
+        pending.extend(node.all_input_nodes)
+    stage1: set[fx.Node] = {node for node in graph.nodes if node.op == "placeholder"}
+    pending = list(boundary)
+    while pending:
+        node = pending.pop()
+        if node not in stage1:
+            stage1.add(node)
+            pending.extend(node.all_input_nodes)
+    return Cut(boundary, frozenset(stage1), frozenset(stage2), taint)
+
+
+def _infeasible(graph: fx.Graph, taint: dict[fx.Node, Taint]) -> SplitError:
+    """Find the value stage 2 needs that can be neither stored nor recomputed, and say why."""
+    needed = [node for node in graph.nodes if node in taint]
+    needed += next(n for n in graph.nodes if n.op == "output").all_input_nodes
+    seen: set[fx.Node] = set()
+    for start in needed:
+        culprit = _unreachable_input(start, taint, seen)
+        if culprit is not None:
+            return _explain(culprit)
+    return SplitError("no exact split exists for this step (internal: unexplained infinite cut)")
+
+
+def _unreachable_input(
+    start: fx.Node, taint: dict[fx.Node, Taint], seen: set[fx.Node]
+) -> fx.Node | None:
+    pending = [start] if start not in taint else list(start.all_input_nodes)
+    while pending:
+        node = pending.pop()
+        if node in seen or node in taint:
+            continue
+        seen.add(node)
+        if is_storable(node, taint):
+            continue
+        if node.op == "placeholder" or is_banned(node, taint):
+            return node
+        pending.extend(node.all_input_nodes)
+    return None
+
+
+def _explain(node: fx.Node) -> SplitError:
+    node_facts = facts(node)
+    if not node_facts.is_tensor:
+        return user_error(
+            SplitError,
+            f"Stage 2 needs this value, a {node_facts.type_name}, but it is not a tensor, so it "
+            "cannot be cached, and recomputing it would rerun frozen work in stage 2.",
+            node=node,
+            fix="register a codec for the type with graphsplit.register_codec(type, encode, "
+            "decode), or make the step pass tensors (e.g. use .sample / [0] on outputs)",
+        )
+    return user_error(
+        SplitError,
+        f"Stage 2 needs this tensor (shape {tuple(node_facts.shape or ())}), but it does not hold"
+        " one row per sample along a single batch dimension, so it cannot be cached per sample.",
+        node=node,
+        fix="keep the batch as its own dimension in frozen code (avoid folding it into other "
+        "dims or repeating it, e.g. for classifier-free guidance) before the trainable part",
+    )

@@ -1,0 +1,71 @@
+"""graphsplit's exceptions and the one helper that formats every user-facing error.
+
+Every error a user can fix names four things: the graph node, the user's source line, the
+reason, and the fix. :func:`user_error` builds that message so all of them read alike.
+"""
+
+from __future__ import annotations
+
+import torch.fx
+
+__all__ = [
+    "GraphsplitError",
+    "MetaParameterError",
+    "SplitError",
+    "TraceError",
+    "VerifyError",
+    "user_error",
+]
+
+
+class GraphsplitError(Exception):
+    """Base class of every error graphsplit raises on purpose."""
+
+
+class TraceError(GraphsplitError):
+    """The training step cannot be traced into a graph that is valid for every batch."""
+
+
+class SplitError(GraphsplitError):
+    """The traced step cannot be cut into two exact stages (or the arguments are invalid)."""
+
+
+class VerifyError(GraphsplitError, AssertionError):
+    """The split stages do not reproduce the model's outputs or gradients."""
+
+
+class MetaParameterError(GraphsplitError):
+    """A stage was called while it holds a parameter or buffer on the ``meta`` device."""
+
+
+def describe_node(node: torch.fx.Node) -> str:
+    """``name = target(args)`` in fx's own notation, short enough for one line."""
+    text = node.format_node() or node.name
+    text = text.strip().removeprefix("%")
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def user_error(
+    error_type: type[GraphsplitError],
+    reason: str,
+    *,
+    fix: str,
+    node: torch.fx.Node | None = None,
+    source: str | None = None,
+) -> GraphsplitError:
+    """Build an error whose message names the node, the user's source line, the reason and fix.
+
+    ``source`` defaults to the ``file:line`` graphsplit recorded for ``node`` while tracing.
+    """
+    if source is None and node is not None:
+        source = node.meta.get("source")
+        code = node.meta.get("source_code")
+        if source and code:
+            source = f"{source}  {code}"
+    lines = [reason]
+    if node is not None:
+        lines.append(f"  node:   {describe_node(node)}")
+    if source:
+        lines.append(f"  source: {source}")
+    lines.append(f"  fix:    {fix}")
+    return error_type("\n".join(lines))

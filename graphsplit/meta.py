@@ -1,0 +1,136 @@
+"""Run a model's code on the ``meta`` device: shapes, dtypes and FLOPs without real weights.
+
+Glossary:
+    analysis view: the model with every parameter and buffer temporarily replaced by a ``meta``
+        tensor of the same shape, dtype and ``requires_grad`` (restored on exit). A 20B model
+        costs no memory here, and models built on ``meta`` (``init_empty_weights``) work too.
+    helper object: a non-module attribute of a module that holds state, such as a diffusers
+        scheduler; code under analysis may rebind its tensors (``add_noise`` moves
+        ``alphas_cumprod`` to the input's device), so its attributes are restored on exit.
+
+``meta_execution()`` is the context every analysis op runs in: no autograd, factories default
+to ``meta``, and stray real tensors (constants in helper objects) are moved to ``meta``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+META = torch.device("meta")
+
+
+def to_meta(value: Any) -> Any:
+    """``value`` with every tensor in it moved to ``meta`` (no data is copied)."""
+
+    def convert(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type == "meta":
+            return tensor
+        return torch.empty_strided(
+            tensor.shape, tensor.stride(), dtype=tensor.dtype, device=META
+        ).requires_grad_(tensor.requires_grad and tensor.is_floating_point())
+
+    return pytree.tree_map_only(torch.Tensor, convert, value)
+
+
+class _StrayTensorsToMeta(TorchFunctionMode):
+    """Moves real tensors that meet meta tensors in one op onto ``meta``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _has_meta_tensor((args, kwargs)):
+            args, kwargs = to_meta((args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _has_meta_tensor(tree: Any) -> bool:
+    return any(
+        isinstance(leaf, torch.Tensor) and leaf.device.type == "meta"
+        for leaf in pytree.tree_leaves(tree)
+    )
+
+
+@contextlib.contextmanager
+def meta_execution() -> Iterator[None]:
+    """Run code on ``meta``: no autograd, ``meta`` factories, stray tensors moved to ``meta``."""
+    with torch.no_grad(), META, _StrayTensorsToMeta():
+        yield
+
+
+@contextlib.contextmanager
+def analysis_view(model: nn.Module) -> Iterator[None]:
+    """Temporarily give ``model`` meta parameters and buffers; restore everything on exit.
+
+    Parameters keep their ``requires_grad`` and tied parameters stay tied (one meta tensor per
+    original object). Helper objects' attributes and attributes added to any module (torch.fx
+    stores traced constants on the root) are restored too.
+    """
+    replaced: list[tuple[dict[str, Any], str, Any]] = []
+    meta_of: dict[int, torch.Tensor] = {}
+    module_dicts = {id(module): dict(vars(module)) for module in model.modules()}
+    helpers = _helper_objects(model)
+    helper_dicts = {id(obj): dict(vars(obj)) for obj in helpers}
+    try:
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, tensor in table.items():
+                    if tensor is None or tensor.device.type == "meta":
+                        continue
+                    replaced.append((table, name, tensor))
+                    table[name] = _meta_twin(tensor, meta_of)
+        yield
+    finally:
+        for table, name, tensor in reversed(replaced):
+            table[name] = tensor
+        for module in model.modules():
+            _restore_dict(module, module_dicts.get(id(module)))
+        for obj in helpers:
+            _restore_dict(obj, helper_dicts[id(obj)])
+
+
+def _meta_twin(tensor: torch.Tensor, meta_of: dict[int, torch.Tensor]) -> torch.Tensor:
+    twin = meta_of.get(id(tensor))
+    if twin is None:
+        empty = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=META)
+        if isinstance(tensor, nn.Parameter):
+            twin = nn.Parameter(empty, requires_grad=tensor.requires_grad)
+        else:
+            twin = empty
+        meta_of[id(tensor)] = twin
+    return twin
+
+
+def _helper_objects(model: nn.Module) -> list[Any]:
+    """Plain Python objects (schedulers, configs) stored as attributes of the model's modules."""
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        for value in vars(module).values():
+            if _is_helper_object(value):
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def _is_helper_object(value: Any) -> bool:
+    if isinstance(value, (nn.Module, torch.Tensor, type)) or callable(value):
+        return False
+    return hasattr(value, "__dict__") and not isinstance(value, (dict, list, tuple))
+
+
+def _restore_dict(obj: Any, saved: dict[str, Any] | None) -> None:
+    if saved is None:
+        return
+    current = vars(obj)
+    for key in [key for key in current if key not in saved]:
+        del current[key]
+    for key, value in saved.items():
+        if current.get(key, _MISSING) is not value:
+            current[key] = value
+
+
+_MISSING = object()

@@ -1,0 +1,179 @@
+"""Render a :class:`~graphsplit.api.Split` for humans (``report()``) and as JSON (``plan.json``).
+
+The report answers what a careful user asks before trusting a plan: what is cached (and how
+big per sample), which parameters each stage holds, how much frozen work leaves the training
+step, which random draws stay in stage 2, and what could not be cached and why.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from graphsplit.cut import Taint, facts, is_banned
+
+if TYPE_CHECKING:
+    from graphsplit.api import Split
+
+
+def human_bytes(count: float) -> str:
+    """``1536 -> '1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(count) < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_flops(count: float) -> str:
+    for unit in ("", "K", "M", "G", "T", "P"):
+        if abs(count) < 1000 or unit == "P":
+            return f"{count:.3g} {unit}FLOP"
+        count /= 1000
+    raise AssertionError("unreachable")
+
+
+def _param_summary(params: list[tuple[str, torch.Tensor]], trainable: frozenset[str]) -> str:
+    frozen = [(n, p) for n, p in params if n not in trainable]
+    train = [(n, p) for n, p in params if n in trainable]
+    total = sum(p.numel() * p.element_size() for _, p in params)
+    return (
+        f"{len(params)} tensors, {human_bytes(total)} "
+        f"({len(train)} trainable, {len(frozen)} frozen)"
+    )
+
+
+def _qualified(stage: nn.Module, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Stage parameters under the model's own names (stages keep the model's paths)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [(names.get(id(p), n), p) for n, p in stage.named_parameters()]
+
+
+def moved_flops(split: Split) -> int:
+    """FLOPs per sample that stage 1 runs and stage 2 does not."""
+    total = sum(facts(node).flops for node in split.cut.stage1 - split.cut.stage2)
+    return total // max(split.batch_sizes[0], 1)
+
+
+def random_nodes(split: Split) -> list[fx.Node]:
+    return [node for node in split.graph.nodes if node.op != "output" and facts(node).random_ops]
+
+
+def uncached_roots(split: Split) -> list[tuple[fx.Node, Taint]]:
+    """Nodes that would have been cacheable but for their own randomness or sample mixing."""
+    roots = []
+    for node, taint in split.cut.taint.items():
+        if taint.origin is node and taint.kind in ("random", "mixing"):
+            upstream = [split.cut.taint.get(source) for source in node.all_input_nodes]
+            if not any(t is not None and t.kind == "trainable" for t in upstream):
+                roots.append((node, taint))
+    return roots
+
+
+def trap_hint(node: fx.Node, taint: Taint) -> str:
+    """How to make a frozen module's random or mixing behaviour cacheable, if that's the cause."""
+    owner = node.target if node.op == "call_module" else None
+    if node.op == "call_method" and isinstance(node.args[0], fx.Node):
+        owner = node.args[0].target if node.args[0].op == "get_attr" else None
+    if owner is None or not is_banned_module(node):
+        return ""
+    if taint.kind == "random":
+        return (
+            f"frozen module {owner} draws random numbers (dropout active in train mode?); "
+            f"call {owner}.eval() to make it cacheable"
+        )
+    return (
+        f"frozen module {owner} mixes samples (BatchNorm in train mode updates running "
+        f"stats and normalises across the batch); call {owner}.eval() to make it cacheable"
+    )
+
+
+def is_banned_module(node: fx.Node) -> bool:
+    return is_banned(node, {}) and not facts(node).params & set()
+
+
+def render_report(split: Split) -> str:
+    model = split._model
+    lines = [
+        f"graphsplit plan for {split.model_name} (traced at batch {split.batch_sizes[0]},"
+        f" batch dims checked at batch {split.batch_sizes[1]})",
+        "",
+    ]
+    per_sample = sum(spec.bytes_per_sample for spec in split.boundary.values())
+    lines.append(f"Boundary: {len(split.boundary)} tensors, {human_bytes(per_sample)} per sample")
+    lines.append(f"  {'name':<40} {'shape':<22} {'dtype':<9} {'batch':<6} {'/sample':<10} source")
+    for spec in split.boundary.values():
+        batch = "const" if spec.batch_dim is None else str(spec.batch_dim)
+        dtype = str(spec.dtype).removeprefix("torch.")
+        lines.append(
+            f"  {spec.name:<40} {spec.shape!s:<22} {dtype:<9} {batch:<6} "
+            f"{human_bytes(spec.bytes_per_sample):<10} {spec.source}"
+        )
+    if model is not None:
+        stage1 = _qualified(split.stage1, model)
+        stage2 = _qualified(split.stage2, model)
+        in_stage2 = {n for n, _ in stage2}
+        not_needed = [
+            (n, p)
+            for n, p in model.named_parameters()
+            if n not in split.trainable and n not in in_stage2
+        ]
+        lines += [
+            "",
+            "Parameters",
+            f"  stage 1: {_param_summary(stage1, split.trainable)}",
+            f"  stage 2: {_param_summary(stage2, split.trainable)}",
+            f"  frozen parameters stage 2 does not need: {len(not_needed)} tensors, "
+            f"{human_bytes(sum(p.numel() * p.element_size() for _, p in not_needed))}",
+        ]
+    lines += [
+        "",
+        f"Work moved out of the training step: {human_flops(moved_flops(split))} "
+        "per sample (matmul/conv/attention FLOPs)",
+    ]
+    randoms = random_nodes(split)
+    if randoms:
+        lines += ["", "Random draws kept in stage 2 (same order as the original step):"]
+        for node in randoms:
+            ops = ", ".join(f"aten.{op}" for op in facts(node).random_ops)
+            lines.append(f"  {node.name:<40} {ops:<24} {node.meta.get('source', '')}")
+    roots = uncached_roots(split)
+    if roots:
+        lines += ["", "Not cached (frozen work that stays in stage 2):"]
+        for node, taint in roots:
+            lines.append(f"  {node.name:<40} {taint.reason}  {node.meta.get('source', '')}")
+            hint = trap_hint(node, taint)
+            if hint:
+                lines.append(f"  {'':<40} hint: {hint}")
+    if split.notes:
+        lines += ["", "Notes:"] + [f"  {note}" for note in split.notes]
+    return "\n".join(lines)
+
+
+def plan_json(split: Split) -> dict[str, Any]:
+    return {
+        "model": split.model_name,
+        "batch_sizes": list(split.batch_sizes),
+        "inputs": list(split.input_names),
+        "boundary": [spec.to_json() for spec in split.boundary.values()],
+        "stage1_nodes": [n.name for n in split.graph.nodes if n in split.cut.stage1],
+        "stage2_nodes": [n.name for n in split.graph.nodes if n in split.cut.stage2],
+        "moved_flops_per_sample": moved_flops(split),
+        "random": [
+            {"node": n.name, "ops": list(facts(n).random_ops), "source": n.meta.get("source")}
+            for n in random_nodes(split)
+        ],
+        "not_cached": [
+            {
+                "node": n.name,
+                "reason": t.reason,
+                "source": n.meta.get("source"),
+                "hint": trap_hint(n, t),
+            }
+            for n, t in uncached_roots(split)
+        ],
+        "notes": list(split.notes),
+    }

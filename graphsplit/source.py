@@ -1,0 +1,55 @@
+"""Find the user's source line behind a traced operation.
+
+While tracing, the Python stack holds torch's and graphsplit's own frames on top of the user's.
+The innermost frame that belongs to neither is where the user wrote the operation; we record it
+as ``file:line  code`` on every node so reports and errors can point at it.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import sys
+from types import FrameType
+
+import torch
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_GRAPHSPLIT_DIR = os.path.dirname(__file__) + os.sep
+# Built-in example steps live inside the package but are user code for reporting purposes.
+_USER_DIRS_INSIDE_GRAPHSPLIT = (os.path.join(_GRAPHSPLIT_DIR, "zoo") + os.sep,)
+
+
+def is_internal(filename: str) -> bool:
+    """True for frames of torch or of graphsplit's machinery (not its example steps)."""
+    if filename.startswith(_GRAPHSPLIT_DIR):
+        return not filename.startswith(_USER_DIRS_INSIDE_GRAPHSPLIT)
+    return filename.startswith(_TORCH_DIR) or filename.startswith("<")
+
+
+def user_frame() -> FrameType | None:
+    """The innermost frame on the current stack that is not torch's or graphsplit's."""
+    frame = sys._getframe(1)
+    while frame is not None and is_internal(frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame
+
+
+def frame_location(frame: FrameType | None) -> tuple[str, str]:
+    """``("path:line", "code on that line")``, the path relative to the cwd when inside it."""
+    if frame is None:
+        return "<unknown>", ""
+    filename = frame.f_code.co_filename
+    try:
+        relative = os.path.relpath(filename)
+        if not relative.startswith(".."):
+            filename = relative
+    except ValueError:  # another drive on Windows
+        pass
+    code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+    return f"{filename}:{frame.f_lineno}", code
+
+
+def current_source() -> tuple[str, str]:
+    """The user's ``("file:line", code)`` for the operation being traced right now."""
+    return frame_location(user_frame())

@@ -1,0 +1,401 @@
+"""Trace a training step into a torch.fx graph at the level of the user's code.
+
+Glossary:
+    leaf module: a submodule recorded as one ``call_module`` node instead of being traced into.
+        Modules whose parameters are all frozen or all trainable are leaves (so stage 2 calls
+        the user's own trainable modules: their forward, hooks and checkpointing stay theirs).
+        Modules that mix both are traced into when :func:`trace_step` is asked to.
+    leaf method call: ``vae.encode(x)`` on a leaf module, recorded as ``get_attr(vae)`` followed
+        by ``call_method(encode)``, just like ``forward``.
+    meta value: every node carries ``node.meta["val"]``, the value its op produced on ``meta``
+        tensors. Python control flow on shapes, ranks, dtypes and devices reads these values;
+        control flow on tensor *values* raises :class:`~graphsplit.errors.TraceError`.
+    guard: a Python value the trace read from a meta value (a ``len``, ``bool``, ``int``), kept
+        so the analysis can check it does not change with the batch size.
+
+In: the model, example inputs as meta values, the names of modules to trace into.
+Out: :class:`Traced` — the graph, the constants it references, and its guards.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import random
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import FunctionType
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from graphsplit.errors import GraphsplitError, TraceError, user_error
+from graphsplit.meta import meta_execution, to_meta
+from graphsplit.source import current_source
+
+_MAX_NAME = 48
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A Python value the traced code derived from a meta value, e.g. ``len(x.shape)``."""
+
+    node: fx.Node
+    convert: Callable[[Any], Any]
+    value: Any
+    source: str
+
+
+@dataclass
+class Traced:
+    """The traced step: ``graph`` references the model's attributes and ``constants`` by name."""
+
+    graph: fx.Graph
+    constants: dict[str, torch.Tensor]
+    guards: list[Guard]
+    leaf_modules: frozenset[str]
+    input_names: tuple[str, ...]
+    notes: list[str] = field(default_factory=list)
+
+
+def fetch(model: nn.Module, constants: dict[str, Any], target: str) -> Any:
+    """The object a ``get_attr`` / ``call_module`` target names."""
+    if target in constants:
+        return constants[target]
+    value: Any = model
+    for atom in target.split("."):
+        value = getattr(value, atom)
+    return value
+
+
+def execute(
+    model: nn.Module, constants: dict[str, Any], node: fx.Node, args: tuple, kwargs: dict
+) -> Any:
+    """Run one node's op on already-evaluated ``args``/``kwargs`` (the caller picks the device)."""
+    if node.op == "get_attr":
+        return to_meta(fetch(model, constants, node.target))
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        self_obj, *rest = args
+        return getattr(self_obj, node.target)(*rest, **kwargs)
+    if node.op == "call_module":
+        return model.get_submodule(node.target)(*args, **kwargs)
+    raise AssertionError(f"execute() does not run {node.op} nodes")
+
+
+class _Proxy(fx.Proxy):
+    """A proxy whose Python conversions (``len``, ``bool``, ``int``) read the meta value."""
+
+    def __getattr__(self, name: str) -> _Attribute:
+        return _Attribute(self, name)
+
+    def __len__(self) -> int:
+        return self.tracer.concrete(self, len)
+
+    def __int__(self) -> int:
+        return self.tracer.concrete(self, int)
+
+    def __float__(self) -> float:
+        return self.tracer.concrete(self, float)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.tracer.iter(self)
+
+
+class _Attribute(_Proxy):
+    """``proxy.name``: a method call if called, else a lazily created ``getattr`` node."""
+
+    def __init__(self, root: _Proxy, attr: str) -> None:
+        self.root = root
+        self.attr = attr
+        self.tracer = root.tracer
+        self._node: fx.Node | None = None
+
+    @property
+    def node(self) -> fx.Node:  # type: ignore[override]
+        if self._node is None:
+            self._node = self.tracer.create_proxy(
+                "call_function", getattr, (self.root, self.attr), {}
+            ).node
+        return self._node
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Proxy:
+        return self.tracer.create_proxy("call_method", self.attr, (self.root, *args), kwargs)
+
+
+class _Tracer(fx.Tracer):
+    """fx tracer whose proxies carry meta values and whose leaves include method calls."""
+
+    def __init__(self, leaf_names: frozenset[str], example_values: dict[str, Any]) -> None:
+        super().__init__(autowrap_modules=(math,), param_shapes_constant=False)
+        self.leaf_names = leaf_names
+        self.example_values = example_values
+        self.guards: list[Guard] = []
+        self.computing_meta = False
+        self.module_proxies: dict[str, _Proxy] = {}
+
+    # -- graph construction -------------------------------------------------------------
+    def proxy(self, node: fx.Node) -> _Proxy:
+        return _Proxy(node, self)
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return qualified_name in self.leaf_names or super().is_leaf_module(module, qualified_name)
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        if name is None:
+            name = _descriptive_name(kind, target, args)
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if kind != "output":
+            node.meta["source"], node.meta["source_code"] = current_source()
+            node.meta["val"] = self._meta_value(node)
+        return node
+
+    def call_module(self, module, forward, args, kwargs):
+        if self.computing_meta:
+            return forward(*args, **kwargs)
+        return super().call_module(module, forward, args, kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if self.computing_meta:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def module_proxy(self, qualified_name: str) -> _Proxy:
+        """One ``get_attr`` node per leaf module whose methods the step calls."""
+        if qualified_name not in self.module_proxies:
+            self.module_proxies[qualified_name] = self.create_proxy(
+                "get_attr", qualified_name, (), {}
+            )
+        return self.module_proxies[qualified_name]
+
+    # -- meta values ----------------------------------------------------------------------
+    def _meta_value(self, node: fx.Node) -> Any:
+        if node.op == "placeholder":
+            return self.example_values.get(node.target)
+        args = fx.node.map_arg(node.args, lambda n: n.meta["val"])
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: n.meta["val"])
+        self.computing_meta = True
+        try:
+            with meta_execution():
+                return execute(self.root, {}, node, args, kwargs)
+        except GraphsplitError:
+            raise
+        except Exception as exc:
+            raise meta_failure(node, exc) from exc
+        finally:
+            self.computing_meta = False
+
+    # -- Python conversions of traced values ---------------------------------------------
+    def concrete(self, proxy: _Proxy, convert: Callable[[Any], Any]) -> Any:
+        """Resolve a Python conversion from the meta value; refuse it on tensor data."""
+        node = proxy.node
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            raise user_error(
+                TraceError,
+                "Python control flow depends on the value of a tensor, which differs per "
+                "batch and cannot be decided while tracing.",
+                node=node,
+                source=_source_here(),
+                fix="express it with tensor ops (torch.where, masking, clamp) or move it "
+                "into the data pipeline, before the step is called",
+            )
+        result = convert(value)
+        location, _ = current_source()
+        self.guards.append(Guard(node, convert, result, location))
+        return result
+
+    def to_bool(self, obj: _Proxy) -> bool:
+        return self.concrete(obj, bool)
+
+    def iter(self, obj: _Proxy) -> Iterator[Any]:
+        value = obj.node.meta.get("val")
+        if isinstance(value, dict):
+            return iter(list(value.keys()))
+        length = self.concrete(obj, len)
+        return iter([obj[index] for index in range(length)])
+
+    def keys(self, obj: _Proxy) -> Any:
+        value = obj.node.meta.get("val")
+        if hasattr(value, "keys"):
+            return list(value.keys())
+        return super().keys(obj)
+
+
+def _source_here() -> str:
+    location, code = current_source()
+    return f"{location}  {code}" if code else location
+
+
+def meta_failure(node: fx.Node, exc: Exception) -> TraceError:
+    """A TraceError for an op that failed on meta tensors, the usual cause spelled out."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if _is_data_dependent(message):
+        return user_error(
+            TraceError,
+            f"The step reads the value of a tensor ({message}); graphsplit decides the split "
+            "without real data, so values cannot steer the step.",
+            node=node,
+            fix="replace .item()/.tolist()/nonzero-style code with tensor ops (torch.where, "
+            "masking), or move it into the data pipeline",
+        )
+    return user_error(
+        TraceError,
+        f"Running this operation on meta tensors failed: {type(exc).__name__}: {message}",
+        node=node,
+        fix="make the step device-agnostic (take devices from input tensors, avoid .cpu()/"
+        ".numpy()); if the failure is inside a library module, report it with this message",
+    )
+
+
+def _is_data_dependent(message: str) -> bool:
+    markers = ("meta tensor", "_local_scalar_dense", "data-dependent", "item()", "tolist")
+    return any(marker in message for marker in markers)
+
+
+def _descriptive_name(kind: str, target: Any, args: tuple) -> str | None:
+    """Names that read like the user's code: ``vae_encode``, ``latent_dist``, ``text_encoder_0``."""
+    base = args[0] if args else None
+    if not isinstance(base, fx.Node):
+        return None
+    if (
+        kind == "call_method"
+        and base.op == "get_attr"
+        and isinstance(base.meta.get("val"), nn.Module)
+    ):
+        name = f"{base.name}_{target}"
+    elif kind == "call_function" and target is getattr and len(args) > 1:
+        name = f"{base.name}_{args[1]}" if base.op != "placeholder" else str(args[1])
+    elif kind == "call_function" and target is operator.getitem and isinstance(args[1], (int, str)):
+        name = f"{base.name}_{args[1]}"
+    else:
+        return None
+    return name[-_MAX_NAME:].lstrip("_") or None
+
+
+# -- leaf method interception ------------------------------------------------------------------
+def _public_methods(module: nn.Module) -> list[str]:
+    names: list[str] = []
+    for klass in type(module).__mro__:
+        if klass in (nn.Module, object):
+            break
+        for name, attr in vars(klass).items():
+            if isinstance(attr, FunctionType) and not name.startswith("_") and name not in names:
+                names.append(name)
+    return names
+
+
+def _contains_proxy(tree: Any) -> bool:
+    return any(isinstance(leaf, fx.Proxy) for leaf in torch.utils._pytree.tree_leaves(tree))
+
+
+def _intercept_methods(tracer: _Tracer, model: nn.Module, leaf_names: frozenset[str]) -> list:
+    """Record method calls on leaf modules (``vae.encode(x)``) as single nodes."""
+    patched = []
+    for qualified_name in sorted(leaf_names):
+        module = model.get_submodule(qualified_name)
+        for method_name in _public_methods(module):
+            original = getattr(module, method_name)
+
+            def recorded(
+                *args, __name=qualified_name, __method=method_name, __orig=original, **kwargs
+            ):
+                if tracer.computing_meta or not _contains_proxy((args, kwargs)):
+                    return __orig(*args, **kwargs)
+                handle = tracer.module_proxy(__name)
+                return tracer.create_proxy("call_method", __method, (handle, *args), kwargs)
+
+            had = method_name in vars(module)
+            previous = vars(module).get(method_name)
+            object.__setattr__(module, method_name, recorded)
+            patched.append((module, method_name, had, previous))
+    return patched
+
+
+def _restore_methods(patched: list) -> None:
+    for module, method_name, had, previous in reversed(patched):
+        if had:
+            object.__setattr__(module, method_name, previous)
+        else:
+            vars(module).pop(method_name, None)
+
+
+# -- randomness drawn while tracing ------------------------------------------------------------
+def _rng_states() -> dict[str, Any]:
+    states: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["numpy.random"] = numpy.random.get_state()[1].copy()
+    return states
+
+
+def _changed_generators(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    changed = []
+    for name, state in before.items():
+        other = after[name]
+        same = (
+            torch.equal(state, other)
+            if isinstance(state, torch.Tensor)
+            else (state == other if name == "random" else bool((state == other).all()))
+        )
+        if not same:
+            changed.append(name)
+    return changed
+
+
+# -- entry point ----------------------------------------------------------------------------
+def trace_step(
+    model: nn.Module,
+    example_values: dict[str, Any],
+    leaf_names: frozenset[str],
+) -> Traced:
+    """Trace ``model.forward`` into a graph whose proxies carry meta values.
+
+    Must run inside :func:`graphsplit.meta.analysis_view` (the model's tensors are meta).
+    ``example_values`` maps each forward parameter name to its meta example value.
+    """
+    tracer = _Tracer(leaf_names, example_values)
+    tracer.record_stack_traces = False
+    patched = _intercept_methods(tracer, model, leaf_names)
+    states = _rng_states()
+    before = set(vars(model))
+    try:
+        graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
+    finally:
+        _restore_methods(patched)
+    changed = _changed_generators(states, _rng_states())
+    if changed:
+        raise user_error(
+            TraceError,
+            f"Random numbers were drawn while tracing ({', '.join(changed)} generator); the "
+            "draw would be frozen into the plan instead of happening every step.",
+            fix="draw randomness with torch ops that take a traced tensor (torch.randn_like(x),"
+            " torch.randint(..., device=x.device)); move Python/NumPy randomness into the data "
+            "pipeline and pass the result as an input",
+        )
+    constants = {
+        name: vars(model)[name]
+        for name in set(vars(model)) - before
+        if isinstance(vars(model)[name], torch.Tensor)
+    }
+    input_names = tuple(n.target for n in graph.nodes if n.op == "placeholder")
+    return Traced(graph, constants, tracer.guards, leaf_names, input_names)
+
+
+def _concrete_args(model: nn.Module, example_values: dict[str, Any]) -> dict[str, Any] | None:
+    """Parameters of ``forward`` the caller did not pass keep their defaults as constants."""
+    import inspect
+
+    signature = inspect.signature(model.forward)
+    missing = {
+        name: parameter.default
+        for name, parameter in signature.parameters.items()
+        if name not in example_values
+        and parameter.default is not inspect.Parameter.empty
+        and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+    }
+    return missing or None

@@ -1,0 +1,39 @@
+"""Shared test helper: split a step, check its structure, and check exactness against eager."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import graphsplit
+
+
+def split_and_verify(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, **split_kwargs
+) -> graphsplit.Split:
+    """Split ``model`` and assert the stages reproduce it bit for bit (outputs and gradients)."""
+    split = graphsplit.split(model, args, kwargs, **split_kwargs)
+    comparisons = graphsplit.verify(model, split, args, kwargs, seed=0)
+    assert comparisons and all(c.ok for c in comparisons)
+    assert_stage1_holds_no_trainable(split)
+    return split
+
+
+def assert_stage1_holds_no_trainable(split: graphsplit.Split) -> None:
+    model = split._model
+    names = {id(p): n for n, p in model.named_parameters()}
+    held = {names[id(p)] for p in split.stage1.parameters()}
+    assert not held & split.trainable, f"stage 1 holds trainable {held & split.trainable}"
+
+
+def param_names(module: nn.Module, model: nn.Module) -> set[str]:
+    """Names (as in ``model``) of the parameters ``module`` holds."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)] for p in module.parameters()}
+
+
+def batch(size: int, *shape: int, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(size, *shape, generator=generator)
