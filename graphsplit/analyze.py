@@ -160,7 +160,7 @@ class _Run:
     flops: dict[fx.Node, int]
 
 
-def _run(traced: Traced, model: nn.Module, inputs: dict[str, Any], count_flops: bool) -> _Run:
+def _run(traced: Traced, model: nn.Module, inputs: dict[str, Any]) -> _Run:
     values: dict[fx.Node, Any] = {}
     ops: dict[fx.Node, list] = {}
     flops: dict[fx.Node, int] = {}
@@ -173,20 +173,18 @@ def _run(traced: Traced, model: nn.Module, inputs: dict[str, Any], count_flops: 
         args = fx.node.map_arg(node.args, values.__getitem__)
         kwargs = fx.node.map_arg(node.kwargs, values.__getitem__)
         recorder = _OpRecorder()
-        counter = FlopCounterMode(display=False) if count_flops else None
+        # Both runs count FLOPs: the counter changes how some ops dispatch, and the mixing check
+        # compares the two runs op by op.
+        counter = FlopCounterMode(display=False)
         try:
-            with meta_execution(), recorder:
-                if counter is not None:
-                    with counter:
-                        values[node] = execute(model, traced.constants, node, args, kwargs)
-                else:
-                    values[node] = execute(model, traced.constants, node, args, kwargs)
+            with meta_execution(), recorder, counter:
+                values[node] = execute(model, traced.constants, node, args, kwargs)
         except GraphsplitError:
             raise
         except Exception as exc:
             raise meta_failure(node, exc) from exc
         ops[node] = recorder.ops
-        flops[node] = counter.get_total_flops() if counter is not None else 0
+        flops[node] = counter.get_total_flops()
     return _Run(values, ops, flops)
 
 
@@ -279,8 +277,8 @@ def analyze(
     be in ``analysis_view``. ``NodeFacts.params`` is filled by :func:`resolve_params` once the
     view is left, because parameters are identified by the real objects.
     """
-    first = _run(traced, model, inputs[0], count_flops=True)
-    second = _run(traced, model, inputs[1], count_flops=False)
+    first = _run(traced, model, inputs[0])
+    second = _run(traced, model, inputs[1])
     _check_guards(traced, second, batch_sizes)
     batched_inputs = {
         name

@@ -119,4 +119,6 @@ def insert_codecs(graph: fx.Graph) -> None:
         with meta_execution():
             encoded.meta["val"] = codec.encode(value)
             decoded.meta["val"] = decode(encoded.meta["val"])
-        node.replace_all_uses_with(decoded, delete_user_cb=encoded.__ne__)
+        node.replace_all_uses_with(
+            decoded, delete_user_cb=lambda user, skip=encoded: user is not skip
+        )

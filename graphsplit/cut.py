@@ -47,7 +47,7 @@ class Taint:
 
     @property
     def kind(self) -> str:
-        return self.reason.split(" ", 1)[0]
+        return self.reason.split(":", 1)[0]
 
 
 @dataclass(frozen=True)

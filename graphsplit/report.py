@@ -73,26 +73,26 @@ def uncached_roots(split: Split) -> list[tuple[fx.Node, Taint]]:
     return roots
 
 
-def trap_hint(node: fx.Node, taint: Taint) -> str:
+def trap_hint(node: fx.Node, taint: Taint, trainable: frozenset[str]) -> str:
     """How to make a frozen module's random or mixing behaviour cacheable, if that's the cause."""
-    owner = node.target if node.op == "call_module" else None
+    owner = node
     if node.op == "call_method" and isinstance(node.args[0], fx.Node):
-        owner = node.args[0].target if node.args[0].op == "get_attr" else None
-    if owner is None or not is_banned_module(node):
+        owner = node.args[0]
+    if owner.op not in ("call_module", "get_attr") or not is_banned(node, {}):
+        return ""
+    params = facts(owner).params
+    if not params or params & trainable:
         return ""
     if taint.kind == "random":
         return (
-            f"frozen module {owner} draws random numbers (dropout active in train mode?); "
-            f"call {owner}.eval() to make it cacheable"
+            f"frozen module {owner.target} draws random numbers (dropout active in train "
+            f"mode?); call {owner.target}.eval() to make it cacheable"
         )
     return (
-        f"frozen module {owner} mixes samples (BatchNorm in train mode updates running "
-        f"stats and normalises across the batch); call {owner}.eval() to make it cacheable"
+        f"frozen module {owner.target} mixes samples (BatchNorm in train mode normalises "
+        f"across the batch and updates running stats); call {owner.target}.eval() to make "
+        "it cacheable"
     )
-
-
-def is_banned_module(node: fx.Node) -> bool:
-    return is_banned(node, {}) and not facts(node).params & set()
 
 
 def render_report(split: Split) -> str:
@@ -145,7 +145,7 @@ def render_report(split: Split) -> str:
         lines += ["", "Not cached (frozen work that stays in stage 2):"]
         for node, taint in roots:
             lines.append(f"  {node.name:<40} {taint.reason}  {node.meta.get('source', '')}")
-            hint = trap_hint(node, taint)
+            hint = trap_hint(node, taint, split.trainable)
             if hint:
                 lines.append(f"  {'':<40} hint: {hint}")
     if split.notes:
@@ -171,7 +171,7 @@ def plan_json(split: Split) -> dict[str, Any]:
                 "node": n.name,
                 "reason": t.reason,
                 "source": n.meta.get("source"),
-                "hint": trap_hint(n, t),
+                "hint": trap_hint(n, t, split.trainable),
             }
             for n, t in uncached_roots(split)
         ],

@@ -37,6 +37,7 @@ from graphsplit.meta import meta_execution, to_meta
 from graphsplit.source import current_source
 
 _MAX_NAME = 48
+_STATIC_TENSOR_ATTRIBUTES = frozenset({"dtype", "is_floating_point", "is_complex"})
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,13 @@ def execute(
 class _Proxy(fx.Proxy):
     """A proxy whose Python conversions (``len``, ``bool``, ``int``) read the meta value."""
 
-    def __getattr__(self, name: str) -> _Attribute:
+    def __getattr__(self, name: str) -> Any:
+        if name in _STATIC_TENSOR_ATTRIBUTES:
+            value = self.node.meta.get("val")
+            if isinstance(value, torch.Tensor):
+                # A traced op's dtype is fixed by the trace; code such as torch.finfo(x.dtype)
+                # needs the real object. (Under autocast, split with the same autocast on.)
+                return getattr(value, name)
         return _Attribute(self, name)
 
     def __len__(self) -> int:
