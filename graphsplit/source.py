@@ -39,15 +39,20 @@ def frame_location(frame: FrameType | None) -> tuple[str, str]:
     """``("path:line", "code on that line")``, the path relative to the cwd when inside it."""
     if frame is None:
         return "<unknown>", ""
-    filename = frame.f_code.co_filename
+    return frame_location_of(frame.f_code.co_filename, frame.f_lineno)
+
+
+def frame_location_of(filename: str, line: int) -> tuple[str, str]:
+    """As :func:`frame_location`, for a file name and line number."""
+    original = filename
     try:
         relative = os.path.relpath(filename)
         if not relative.startswith(".."):
             filename = relative
     except ValueError:  # another drive on Windows
         pass
-    code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-    return f"{filename}:{frame.f_lineno}", code
+    code = linecache.getline(original, line).strip()
+    return f"{filename}:{line}", code
 
 
 def current_source() -> tuple[str, str]:

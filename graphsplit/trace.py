@@ -34,7 +34,7 @@ from torch import nn
 
 from graphsplit.errors import GraphsplitError, TraceError, user_error
 from graphsplit.meta import meta_execution, to_meta
-from graphsplit.source import current_source
+from graphsplit.source import current_source, frame_location_of
 
 _MAX_NAME = 48
 _STATIC_TENSOR_ATTRIBUTES = frozenset({"dtype", "is_floating_point", "is_complex"})
@@ -144,6 +144,7 @@ class _Tracer(fx.Tracer):
         self.guards: list[Guard] = []
         self.computing_meta = False
         self.module_proxies: dict[str, _Proxy] = {}
+        self.forward_location: tuple[str, str] = ("<unknown>", "")
 
     # -- graph construction -------------------------------------------------------------
     def proxy(self, node: fx.Node) -> _Proxy:
@@ -156,7 +157,10 @@ class _Tracer(fx.Tracer):
         if name is None:
             name = _descriptive_name(kind, target, args)
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
-        if kind != "output":
+        if kind == "placeholder":
+            node.meta["source"], node.meta["source_code"] = self.forward_location
+            node.meta["val"] = self._meta_value(node)
+        elif kind != "output":
             node.meta["source"], node.meta["source_code"] = current_source()
             node.meta["val"] = self._meta_value(node)
         return node
@@ -366,7 +370,7 @@ def trace_step(
     ``example_values`` maps each forward parameter name to its meta example value.
     """
     tracer = _Tracer(leaf_names, example_values)
-    tracer.record_stack_traces = False
+    tracer.forward_location = _definition_of(type(model).forward)
     patched = _intercept_methods(tracer, model, leaf_names)
     states = _rng_states()
     before = set(vars(model))
@@ -391,6 +395,17 @@ def trace_step(
     }
     input_names = tuple(n.target for n in graph.nodes if n.op == "placeholder")
     return Traced(graph, constants, tracer.guards, leaf_names, input_names)
+
+
+def _definition_of(function: Any) -> tuple[str, str]:
+    """``("file:line", "def forward(...)")`` of the step's forward: where inputs come from."""
+    import inspect
+
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    if code is None:
+        return "<unknown>", ""
+    location, text = frame_location_of(code.co_filename, code.co_firstlineno)
+    return location, text
 
 
 def _concrete_args(model: nn.Module, example_values: dict[str, Any]) -> dict[str, Any] | None:
