@@ -28,3 +28,6 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache site
+
+docs: $(STAMP)
+	$(PY) -m mkdocs build --strict --site-dir site

@@ -1,0 +1,163 @@
+"""What the ``graphsplit`` command line needs from a user's step: :class:`StepSpec`, and its loader.
+
+A spec is named on the command line as ``path/to/file.py:function`` or ``package.module:function``;
+the function takes no arguments and returns a :class:`StepSpec`::
+
+    # my_step.py
+    import graphsplit.spec
+
+    def step():
+        model = build_my_training_step()          # forward(batch...) -> loss
+        pixels, ids = torch.randn(2, 3, 64, 64), torch.randint(0, 1000, (2, 77))
+        return graphsplit.spec.StepSpec(model, example_args=(pixels, ids), dataset=my_dataset)
+
+    $ graphsplit inspect my_step.py:step --out plan/
+
+In: the spec text. Out: :class:`StepSpec`, or :class:`SpecError` whose message says what to fix.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from graphsplit.errors import GraphsplitError
+from graphsplit.frozen import FrozenSpec
+
+__all__ = ["SpecError", "StepSpec", "load_spec"]
+
+
+class SpecError(GraphsplitError):
+    """A ``file.py:function`` / ``module:function`` spec cannot be loaded."""
+
+
+@dataclass
+class StepSpec:
+    """A training step for the command line: the model, an example batch, and the dataset.
+
+    Args:
+        model: the module whose ``forward`` runs the whole step and returns the loss.
+        example_args, example_kwargs: an example batch, as for :func:`graphsplit.split`.
+        frozen: which parameters are frozen (see :func:`graphsplit.split`); ``None`` uses
+            ``requires_grad``.
+        dataset: the dataset ``graphsplit cache`` runs stage 1 over (items are dicts of the
+            forward's inputs); not needed by ``inspect``.
+
+    Example:
+        >>> import torch
+        >>> spec = StepSpec(torch.nn.Linear(2, 1), example_args=(torch.randn(3, 2),))
+        >>> spec.example_kwargs
+        {}
+    """
+
+    model: nn.Module
+    example_args: tuple[Any, ...] = ()
+    example_kwargs: dict[str, Any] | None = None
+    frozen: FrozenSpec = None
+    dataset: Any = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.example_args, tuple):
+            self.example_args = (self.example_args,)
+        self.example_kwargs = dict(self.example_kwargs or {})
+
+
+def load_spec(text: str) -> StepSpec:
+    """Import ``path/to/file.py:function`` or ``module:function``, call it, check the result.
+
+    Raises:
+        SpecError: bad format, missing file, import error, missing function, or a function
+            that does not return a :class:`StepSpec`.
+    """
+    location, function_name = _parse(text)
+    module = _import(location)
+    function = getattr(module, function_name, None)
+    if function is None or not callable(function):
+        raise SpecError(
+            f"{location} has no function {function_name!r}.\n"
+            f"  fix: define `def {function_name}(): return graphsplit.spec.StepSpec(...)` there"
+        )
+    try:
+        result = function()
+    except Exception as error:
+        raise SpecError(
+            f"calling {text} failed: {type(error).__name__}: {error}.\n"
+            "  fix: call the function in Python to see the full traceback"
+        ) from None
+    if not _looks_like_spec(result):
+        raise SpecError(
+            f"{text} returned a {type(result).__name__}, not a graphsplit.spec.StepSpec.\n"
+            "  fix: return StepSpec(model, example_args=(...), dataset=...)"
+        )
+    if not isinstance(result, StepSpec):
+        result = StepSpec(
+            result.model,
+            tuple(getattr(result, "example_args", ()) or ()),
+            getattr(result, "example_kwargs", None),
+            getattr(result, "frozen", None),
+            getattr(result, "dataset", None),
+        )
+    if not isinstance(result.model, nn.Module):
+        raise SpecError(
+            f"{text} returned a StepSpec whose model is a {type(result.model).__name__}, "
+            "not a torch.nn.Module.\n  fix: pass the module that runs the training step"
+        )
+    return result
+
+
+def _looks_like_spec(value: Any) -> bool:
+    return isinstance(value, StepSpec) or (
+        hasattr(value, "model") and hasattr(value, "example_args")
+    )
+
+
+def _parse(text: str) -> tuple[str, str]:
+    location, separator, function_name = text.rpartition(":")
+    if not separator or not location or not function_name.isidentifier():
+        raise SpecError(
+            f"{text!r} is not a step spec.\n"
+            "  fix: write path/to/file.py:function or package.module:function"
+        )
+    return location, function_name
+
+
+def _import(location: str) -> Any:
+    is_file = location.endswith(".py") or "/" in location or "\\" in location
+    if not is_file:
+        try:
+            return importlib.import_module(location)
+        except ImportError as error:
+            raise SpecError(
+                f"cannot import module {location!r}: {error}.\n"
+                "  fix: check the module name and that it is on PYTHONPATH, or pass a file path"
+            ) from None
+        except Exception as error:
+            raise _import_failed(location, error) from None
+    path = Path(location)
+    if not path.is_file():
+        raise SpecError(f"no such file: {location}.\n  fix: check the path to the spec file")
+    name = f"_graphsplit_spec_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise SpecError(f"cannot load {location} as Python.\n  fix: pass a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:
+        sys.modules.pop(name, None)
+        raise _import_failed(location, error) from None
+    return module
+
+
+def _import_failed(location: str, error: Exception) -> SpecError:
+    return SpecError(
+        f"importing {location} failed: {type(error).__name__}: {error}.\n"
+        "  fix: run the file with python to see the full traceback"
+    )

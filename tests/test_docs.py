@@ -1,0 +1,55 @@
+"""The docs build offline with no warnings, and troubleshooting lists every error class."""
+
+import importlib
+import importlib.util
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import graphsplit
+import graphsplit.errors
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _error_classes(module):
+    return {
+        name
+        for name, value in vars(module).items()
+        if inspect.isclass(value)
+        and issubclass(value, BaseException)
+        and value.__module__ == module.__name__
+    }
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="mkdocs not installed")
+def test_mkdocs_build_strict(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (tmp_path / "index.html").is_file()
+    assert (tmp_path / "troubleshooting" / "index.html").is_file()
+
+
+def test_troubleshooting_lists_every_error_class():
+    text = (ROOT / "docs" / "troubleshooting.md").read_text()
+    names = _error_classes(graphsplit.errors)
+    for module_name in ("graphsplit.cache_errors", "graphsplit.spec"):
+        if importlib.util.find_spec(module_name) is not None:
+            names |= _error_classes(importlib.import_module(module_name))
+    assert {"GraphsplitError", "TraceError", "SplitError"} <= names
+    missing = sorted(name for name in names if f"## {name}" not in text)
+    assert not missing, f"docs/troubleshooting.md has no section for {missing}"
+
+
+def test_api_reference_covers_the_public_names():
+    text = (ROOT / "docs" / "api.md").read_text()
+    missing = [name for name in graphsplit.__all__ if name not in text]
+    assert not missing, f"docs/api.md does not document {missing}"
