@@ -160,8 +160,10 @@ class _Run:
     flops: dict[fx.Node, int]
 
 
-def _run(traced: Traced, model: nn.Module, inputs: dict[str, Any]) -> _Run:
-    values: dict[fx.Node, Any] = {}
+def _run(
+    traced: Traced, model: nn.Module, inputs: dict[str, Any], values: dict[fx.Node, Any]
+) -> _Run:
+    """Evaluate every node on meta; ``values`` is filled as it goes (kept if a node fails)."""
     ops: dict[fx.Node, list] = {}
     flops: dict[fx.Node, int] = {}
     for node in traced.graph.nodes:
@@ -188,10 +190,14 @@ def _run(traced: Traced, model: nn.Module, inputs: dict[str, Any]) -> _Run:
     return _Run(values, ops, flops)
 
 
-def _check_guards(traced: Traced, second: _Run, batch_sizes: tuple[int, int]) -> None:
+def _check_guards(
+    traced: Traced, values: dict[fx.Node, Any], batch_sizes: tuple[int, int]
+) -> None:
     for guard in traced.guards:
+        if guard.node not in values:
+            continue
         try:
-            value = guard.convert(second.values[guard.node])
+            value = guard.convert(values[guard.node])
         except Exception:  # the value changed type: also a batch-size dependence
             value = "<error>"
         if value != guard.value:
@@ -277,9 +283,15 @@ def analyze(
     be in ``analysis_view``. ``NodeFacts.params`` is filled by :func:`resolve_params` once the
     view is left, because parameters are identified by the real objects.
     """
-    first = _run(traced, model, inputs[0])
-    second = _run(traced, model, inputs[1])
-    _check_guards(traced, second, batch_sizes)
+    first = _run(traced, model, inputs[0], {})
+    second_values: dict[fx.Node, Any] = {}
+    try:
+        second = _run(traced, model, inputs[1], second_values)
+    except GraphsplitError:
+        # A graph unrolled for one batch size often fails at another: name the real cause.
+        _check_guards(traced, second_values, batch_sizes)
+        raise
+    _check_guards(traced, second.values, batch_sizes)
     batched_inputs = {
         name
         for name, value in inputs[0].items()

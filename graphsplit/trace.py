@@ -34,7 +34,7 @@ from torch import nn
 
 from graphsplit.errors import GraphsplitError, TraceError, user_error
 from graphsplit.meta import meta_execution, to_meta
-from graphsplit.source import current_source, frame_location_of
+from graphsplit.source import current_source, frame_location, frame_location_of, is_internal
 
 _MAX_NAME = 48
 _STATIC_TENSOR_ATTRIBUTES = frozenset({"dtype", "is_floating_point", "is_complex"})
@@ -205,7 +205,7 @@ class _Tracer(fx.Tracer):
         """Resolve a Python conversion from the meta value; refuse it on tensor data."""
         node = proxy.node
         value = node.meta.get("val")
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and convert is not len:  # len() reads the shape
             raise user_error(
                 TraceError,
                 "Python control flow depends on the value of a tensor, which differs per "
@@ -340,19 +340,67 @@ def _rng_states() -> dict[str, Any]:
     states: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
     numpy = sys.modules.get("numpy")
     if numpy is not None:
-        states["numpy.random"] = numpy.random.get_state()[1].copy()
+        states["numpy.random"] = numpy.random.get_state()
     return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["torch"])
+    random.setstate(states["random"])
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and "numpy.random" in states:
+        numpy.random.set_state(states["numpy.random"])
+
+
+def _locate_random_draw(run: Callable[[], Any]) -> str | None:
+    """Rerun ``run`` line by line; return the first user line after which a generator moved.
+
+    Only called once a draw is known to have happened, so its cost (a trace function on every
+    user-code line) is paid on the error path alone.
+    """
+    found: list[str] = []
+    state = [_rng_states()]
+    last_line: list[str] = []
+
+    def local(frame, event, arg):
+        if found:
+            return None
+        if event in ("line", "return"):
+            current = _rng_states()
+            if last_line and _changed_generators(state[0], current):
+                found.append(last_line[0])
+                return None
+            state[0] = current
+            location, code = frame_location(frame)
+            last_line[:] = [f"{location}  {code}" if code else location]
+        return local
+
+    def global_trace(frame, event, arg):
+        if found or is_internal(frame.f_code.co_filename):
+            return None
+        return local
+
+    previous = sys.gettrace()
+    sys.settrace(global_trace)
+    try:
+        run()
+    except Exception:  # the first trace succeeded; a failure here only loses the location
+        pass
+    finally:
+        sys.settrace(previous)
+    return found[0] if found else None
 
 
 def _changed_generators(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     changed = []
     for name, state in before.items():
         other = after[name]
-        same = (
-            torch.equal(state, other)
-            if isinstance(state, torch.Tensor)
-            else (state == other if name == "random" else bool((state == other).all()))
-        )
+        if name == "torch":
+            same = torch.equal(state, other)
+        elif name == "random":
+            same = state == other
+        else:  # numpy: (name, keys array, position, has_gauss, cached_gaussian)
+            same = bool((state[1] == other[1]).all()) and state[2:] == other[2:]
         if not same:
             changed.append(name)
     return changed
@@ -369,21 +417,19 @@ def trace_step(
     Must run inside :func:`graphsplit.meta.analysis_view` (the model's tensors are meta).
     ``example_values`` maps each forward parameter name to its meta example value.
     """
-    tracer = _Tracer(leaf_names, example_values)
-    tracer.forward_location = _definition_of(type(model).forward)
-    patched = _intercept_methods(tracer, model, leaf_names)
     states = _rng_states()
     before = set(vars(model))
-    try:
-        graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
-    finally:
-        _restore_methods(patched)
+    tracer, graph = _trace_graph(model, example_values, leaf_names)
     changed = _changed_generators(states, _rng_states())
     if changed:
+        _set_rng_states(states)  # the user's generators must not move because we traced
+        location = _locate_random_draw(lambda: _trace_graph(model, example_values, leaf_names))
+        _set_rng_states(states)
         raise user_error(
             TraceError,
             f"Random numbers were drawn while tracing ({', '.join(changed)} generator); the "
             "draw would be frozen into the plan instead of happening every step.",
+            source=location,
             fix="draw randomness with torch ops that take a traced tensor (torch.randn_like(x),"
             " torch.randint(..., device=x.device)); move Python/NumPy randomness into the data "
             "pipeline and pass the result as an input",
@@ -395,6 +441,43 @@ def trace_step(
     }
     input_names = tuple(n.target for n in graph.nodes if n.op == "placeholder")
     return Traced(graph, constants, tracer.guards, leaf_names, input_names)
+
+
+def _trace_graph(
+    model: nn.Module, example_values: dict[str, Any], leaf_names: frozenset[str]
+) -> tuple[_Tracer, fx.Graph]:
+    tracer = _Tracer(leaf_names, example_values)
+    tracer.forward_location = _definition_of(type(model).forward)
+    patched = _intercept_methods(tracer, model, leaf_names)
+    try:
+        graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
+    except TypeError as exc:
+        if "Proxy' object cannot be interpreted as an integer" not in str(exc):
+            raise
+        raise user_error(
+            TraceError,
+            "Python code uses a traced size as a Python integer (range(), a list index, a "
+            "slice bound); such a size may depend on the batch size, so it cannot become a "
+            "Python number in a plan that must work for every batch.",
+            source=_innermost_user_line(exc),
+            fix="use tensor ops over the whole batch (no Python loop over samples), or read "
+            "fixed sizes (not the batch size) from the model's config",
+        ) from None
+    finally:
+        _restore_methods(patched)
+    return tracer, graph
+
+
+def _innermost_user_line(exc: BaseException) -> str | None:
+    """The last user-code line in ``exc``'s traceback, as ``file:line  code``."""
+    found = None
+    trace = exc.__traceback__
+    while trace is not None:
+        if not is_internal(trace.tb_frame.f_code.co_filename):
+            location, code = frame_location_of(trace.tb_frame.f_code.co_filename, trace.tb_lineno)
+            found = f"{location}  {code}" if code else location
+        trace = trace.tb_next
+    return found
 
 
 def _definition_of(function: Any) -> tuple[str, str]:
