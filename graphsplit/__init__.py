@@ -8,7 +8,9 @@ storing; stage 2 trains from those stored tensors with the same loss and gradien
 """
 
 from graphsplit.api import Split, split
+from graphsplit.caching import CacheInfo, cache
 from graphsplit.codecs import register_codec
+from graphsplit.data import CachedDataset, CacheReport, check_cache, collate, verify_inputs
 from graphsplit.errors import (
     GraphsplitError,
     MetaParameterError,
@@ -23,6 +25,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BoundarySpec",
+    "CacheInfo",
+    "CacheReport",
+    "CachedDataset",
     "GraphsplitError",
     "MetaParameterError",
     "Split",
@@ -30,7 +35,11 @@ __all__ = [
     "TraceError",
     "VerifyError",
     "__version__",
+    "cache",
+    "check_cache",
+    "collate",
     "register_codec",
     "split",
     "verify",
+    "verify_inputs",
 ]

@@ -174,7 +174,9 @@ def stages_for(
     boundary_set = set(boundary)
     output = next(node for node in graph.nodes if node.op == "output")
     stage2: set[fx.Node] = set()
-    pending = list(output.all_input_nodes)
+    # Every random draw runs in stage 2, used or not: skipping one would shift the draws after it.
+    draws = [n for n in graph.nodes if "facts" in n.meta and facts(n).random_ops]
+    pending = list(output.all_input_nodes) + draws
     while pending:
         node = pending.pop()
         if node in stage2 or node in boundary_set:

@@ -19,6 +19,8 @@ Out: :class:`Traced` — the graph, the constants it references, and its guards.
 
 from __future__ import annotations
 
+import builtins
+import contextlib
 import math
 import operator
 import random
@@ -439,6 +441,7 @@ def trace_step(
         for name in set(vars(model)) - before
         if isinstance(vars(model)[name], torch.Tensor)
     }
+    _restore_input_names(graph, model)
     input_names = tuple(n.target for n in graph.nodes if n.op == "placeholder")
     return Traced(graph, constants, tracer.guards, leaf_names, input_names)
 
@@ -450,7 +453,8 @@ def _trace_graph(
     tracer.forward_location = _definition_of(type(model).forward)
     patched = _intercept_methods(tracer, model, leaf_names)
     try:
-        graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
+        with _traced_range(tracer):
+            graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
     except TypeError as exc:
         if "Proxy' object cannot be interpreted as an integer" not in str(exc):
             raise
@@ -466,6 +470,33 @@ def _trace_graph(
     finally:
         _restore_methods(patched)
     return tracer, graph
+
+
+class _RangeType(type):
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return isinstance(instance, _BUILTIN_RANGE)
+
+
+_BUILTIN_RANGE = range
+
+
+@contextlib.contextmanager
+def _traced_range(tracer: _Tracer) -> Iterator[None]:
+    """``range(x.shape[1])`` works while tracing: traced sizes become guarded Python ints."""
+
+    class TracedRange(metaclass=_RangeType):
+        def __new__(cls, *args: Any) -> range:
+            args = tuple(
+                tracer.concrete(arg, operator.index) if isinstance(arg, fx.Proxy) else arg
+                for arg in args
+            )
+            return _BUILTIN_RANGE(*args)
+
+    builtins.range = TracedRange
+    try:
+        yield
+    finally:
+        builtins.range = _BUILTIN_RANGE
 
 
 def _innermost_user_line(exc: BaseException) -> str | None:
@@ -489,6 +520,17 @@ def _definition_of(function: Any) -> tuple[str, str]:
         return "<unknown>", ""
     location, text = frame_location_of(code.co_filename, code.co_firstlineno)
     return location, text
+
+
+def _restore_input_names(graph: fx.Graph, model: nn.Module) -> None:
+    """fx renames parameters it received as concrete args (``weight`` -> ``weight_1``)."""
+    import inspect
+
+    names = list(inspect.signature(model.forward).parameters)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for node, name in zip(placeholders, names):
+        if node.target != name:
+            node.target = name
 
 
 def _concrete_args(model: nn.Module, example_values: dict[str, Any]) -> dict[str, Any] | None:

@@ -1,0 +1,249 @@
+"""Cache I/O: graphsplit.cache and CachedDataset vs raw safetensors on the same tensors.
+
+Writing: ``graphsplit.cache`` (rows cut from batches, input digests, a sha256 and an fsync per
+shard, atomic renames, the manifest) with a stage 1 that only looks the rows up, against
+``safetensors.torch.save_file`` writing the same rows into the same shards, once bare (the
+bytes stay in the page cache) and once followed by ``fsync`` (durable, as graphsplit's shards
+are). On caches larger than the page cache the two baselines converge. Reading: one shuffled
+epoch of ``CachedDataset`` items against raw ``safe_open(...).get_tensor`` reads of the same
+rows, handles already open, every byte touched; with ``verify=False`` (or after the first
+epoch) and with the first-epoch checksums. Variants run interleaved; the report gives ratios
+of medians (target >= 0.9) with the files in the page cache.
+
+    python -m benchmarks.bench_cache_io --help
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from graphsplit.caching import cache
+from graphsplit.data import CachedDataset
+from graphsplit.manifest import read_manifest
+from graphsplit.plan import BoundarySpec
+
+# One Stable-Diffusion-like sample: 64x64 latents and a 77-token text embedding, float32.
+SHAPES = {"latents": (4, 64, 64), "text": (77, 768)}
+
+
+class _Lookup(torch.nn.Module):
+    """A stage 1 that costs nothing: it returns precomputed batches, so only I/O is measured."""
+
+    code = "def forward(self, index):\n    return batches[index[0] // batch_size]\n"
+
+    def __init__(self, batches: list[dict[str, torch.Tensor]], batch_size: int) -> None:
+        super().__init__()
+        self._batches = batches  # a plain list: not buffers, so not part of the fingerprint
+        self._batch_size = batch_size
+
+    def forward(self, index: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self._batches[int(index[0]) // self._batch_size]
+
+
+def _workload(samples: int, batch_size: int) -> tuple[SimpleNamespace, list[dict], int]:
+    generator = torch.Generator().manual_seed(0)
+    starts = range(0, samples, batch_size)
+    outputs = [
+        {
+            name: torch.randn(min(batch_size, samples - start), *shape, generator=generator)
+            for name, shape in SHAPES.items()
+        }
+        for start in starts
+    ]
+    boundary = {
+        name: BoundarySpec(name, (batch_size, *shape), torch.float32, 0, 4 * _numel(shape), "bench")
+        for name, shape in SHAPES.items()
+    }
+    split = SimpleNamespace(
+        stage1=_Lookup(outputs, batch_size), boundary=boundary, input_names=("index",)
+    )
+    batches = [{"index": torch.arange(start, min(start + batch_size, samples))} for start in starts]
+    row_bytes = sum(4 * _numel(shape) for shape in SHAPES.values())
+    return split, batches, row_bytes * samples
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _raw_shards(split: SimpleNamespace, folder: Path) -> list[dict[str, torch.Tensor]]:
+    """The rows of each shard of the graphsplit cache in ``folder``, under the same names."""
+    rows = [
+        {name: values[row].clone() for name, values in batch.items()}
+        for batch in split.stage1._batches
+        for row in range(len(batch["latents"]))
+    ]
+    shards, index = [], 0
+    for record in read_manifest(folder).shards:
+        shard = {}
+        for row in range(len(record.keys)):
+            for name in SHAPES:
+                shard[f"{row}/{name}"] = rows[index][name]
+            index += 1
+        shards.append(shard)
+    return shards
+
+
+def _write_raw(shards: list[dict[str, torch.Tensor]], folder: Path, *, fsync: bool) -> None:
+    for number, rows in enumerate(shards):
+        path = folder / f"raw-{number:05d}.safetensors"
+        save_file(rows, path)
+        if fsync:
+            descriptor = os.open(path, os.O_RDONLY)
+            os.fsync(descriptor)
+            os.close(descriptor)
+
+
+def _touch(tensor: torch.Tensor) -> None:
+    """Read every byte once (numpy: no torch kernel launch in the measurement)."""
+    tensor.numpy().sum()
+
+
+def _read_cached(cached: CachedDataset, order: list[int]) -> None:
+    for index in order:
+        item = cached[index]
+        for name in SHAPES:
+            _touch(item[name])
+
+
+def _open_raw(folder: Path, shards: list[dict[str, torch.Tensor]]):
+    handles = [
+        safe_open(str(folder / f"raw-{number:05d}.safetensors"), framework="pt")
+        for number in range(len(shards))
+    ]
+    where = [(number, row) for number, rows in enumerate(shards) for row in range(len(rows) // 2)]
+    return handles, where
+
+
+def _read_raw(opened, order: list[int]) -> None:
+    handles, where = opened
+    for index in order:
+        number, row = where[index]
+        for name in SHAPES:
+            _touch(handles[number].get_tensor(f"{row}/{name}"))
+
+
+def _fresh(folder: Path) -> Path:
+    folder.mkdir()
+    return folder
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
+def measure(
+    samples: int, batch_size: int, shard_mb: float, rounds: int, folder: Path | None = None
+) -> dict:
+    """Median seconds of each variant over ``rounds`` interleaved rounds, and the ratios."""
+    split, batches, total_bytes = _workload(samples, batch_size)
+    shard_bytes = int(shard_mb * 2**20)
+    root = Path(tempfile.mkdtemp(prefix="graphsplit-bench-", dir=folder))
+    try:
+        ours, raw = root / "cache", root / "raw"
+        cache(split, batches, ours, shard_bytes=shard_bytes, progress=False)
+        shards = _raw_shards(split, ours)
+        raw.mkdir()
+        order = torch.randperm(samples, generator=torch.Generator().manual_seed(1)).tolist()
+        _write_raw(shards, raw, fsync=False)
+        cached = CachedDataset(ours, verify=False)
+        opened = _open_raw(raw, shards)
+        fresh: list[CachedDataset] = []  # verification happens once per dataset object
+        variants = {
+            "write_graphsplit": lambda: cache(
+                split, batches, _fresh(root / "w"), shard_bytes=shard_bytes, progress=False
+            ),
+            "write_save_file": lambda: _write_raw(shards, _fresh(root / "w"), fsync=False),
+            "write_save_file_fsync": lambda: _write_raw(shards, _fresh(root / "w"), fsync=True),
+            "read_graphsplit": lambda: _read_cached(cached, order),
+            "read_graphsplit_verified": lambda: _read_cached(fresh.pop(), order),
+            "read_safe_open": lambda: _read_raw(opened, order),
+        }
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(rounds + 1):  # the first round warms up
+            fresh.append(CachedDataset(ours, verify=True))
+            for name, fn in variants.items():
+                shutil.rmtree(root / "w", ignore_errors=True)  # every write starts empty
+                times[name].append(_timed(fn))
+        median = {name: statistics.median(values[1:]) for name, values in times.items()}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    throughput = {name: total_bytes / seconds / 1e6 for name, seconds in median.items()}
+    return {
+        "samples": samples,
+        "batch_size": batch_size,
+        "bytes_per_sample": total_bytes // samples,
+        "shard_mb": shard_mb,
+        "num_shards": len(shards),
+        "rounds": rounds,
+        "median_seconds": median,
+        "throughput_mb_s": throughput,
+        "write_ratio": median["write_save_file"] / median["write_graphsplit"],
+        "write_ratio_vs_fsync": median["write_save_file_fsync"] / median["write_graphsplit"],
+        "read_ratio": median["read_safe_open"] / median["read_graphsplit"],
+        "read_ratio_verified": median["read_safe_open"] / median["read_graphsplit_verified"],
+    }
+
+
+def to_markdown(result: dict) -> str:
+    mb = result["throughput_mb_s"]
+    return (
+        f"{result['samples']} samples × {result['bytes_per_sample'] / 1e3:.0f} KB in "
+        f"{result['num_shards']} shards, page cache warm, median of {result['rounds']} rounds\n\n"
+        "| | graphsplit MB/s | safetensors MB/s | ratio (≥ 0.9) |\n"
+        "|---|---|---|---|\n"
+        f"| write (vs save_file) | {mb['write_graphsplit']:.0f} | {mb['write_save_file']:.0f} | "
+        f"{result['write_ratio']:.2f} |\n"
+        f"| write (vs save_file + fsync) | {mb['write_graphsplit']:.0f} | "
+        f"{mb['write_save_file_fsync']:.0f} | {result['write_ratio_vs_fsync']:.2f} |\n"
+        f"| shuffled read (verify=False) | {mb['read_graphsplit']:.0f} | "
+        f"{mb['read_safe_open']:.0f} | {result['read_ratio']:.2f} |\n"
+        f"| shuffled read, first epoch (verify=True) | {mb['read_graphsplit_verified']:.0f} | "
+        f"{mb['read_safe_open']:.0f} | {result['read_ratio_verified']:.2f} |\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=256, help="samples (default: 256, ~80 MB)")
+    parser.add_argument("--batch-size", type=int, default=8, help="loader batch size (default: 8)")
+    parser.add_argument("--shard-mb", type=float, default=16.0, help="shard size (default: 16 MiB)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default: 5)")
+    parser.add_argument(
+        "--dir", type=Path, help="where to write the caches (default: the temporary folder)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("benchmarks/results"),
+        help="folder for cache_io.json and cache_io.md",
+    )
+    args = parser.parse_args(argv)
+    result = measure(args.samples, args.batch_size, args.shard_mb, args.rounds, args.dir)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cache_io.json").write_text(json.dumps(result, indent=2) + "\n")
+    markdown = to_markdown(result)
+    (args.out / "cache_io.md").write_text(markdown)
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

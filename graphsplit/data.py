@@ -1,0 +1,669 @@
+"""Read a cache written by :func:`graphsplit.cache`, check it, and batch it for stage 2.
+
+Glossary:
+    item: one sample of a :class:`CachedDataset`: ``{"key": str, name: row tensor, ...}`` for
+        the boundary tensors that have a batch dim, in their storage dtype.
+    constants: the boundary tensors without a batch dim, stored once; :func:`collate` adds them
+        to every batch.
+    stale: made from other frozen weights, stage-1 code or boundary than a given split (the
+        fingerprint tells), or from other inputs than a given dataset (the input digests tell).
+
+In and out::
+
+    CachedDataset(path, split=None, *, dataset=None, expected_keys=None, verify=True)
+        cached[i] -> CachedSample    cached.shapes(i) -> {name: shape}    cached.buckets()
+    collate(items) -> dict[str, Tensor]            # the keyword arguments of split.stage2
+    check_cache(path) -> CacheReport               # every checksum, size and tensor header
+    verify_inputs(cached, dataset) -> None         # raises StaleCacheError naming changed keys
+
+Nothing here unpickles: shards are read with safetensors' memory-mapped ``safe_open`` and the
+manifest is strictly validated JSON.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors import safe_open
+
+from graphsplit.cache_errors import CacheError, CorruptCacheError, ManifestError, StaleCacheError
+from graphsplit.fingerprint import (
+    BINDING_PARTS,
+    Fingerprint,
+    describe_differences,
+    differences,
+    fingerprint,
+    item_input_digest,
+)
+from graphsplit.manifest import (
+    CONSTANTS_FILE,
+    FileRecord,
+    Manifest,
+    Order,
+    ShardRecord,
+    inverse,
+    read_manifest,
+    row_order,
+    sha256_file,
+    tensor_name,
+)
+
+if TYPE_CHECKING:
+    from graphsplit.api import Split
+
+__all__ = [
+    "CacheProblem",
+    "CacheReport",
+    "CachedDataset",
+    "CachedSample",
+    "check_cache",
+    "collate",
+    "verify_inputs",
+]
+
+_MAX_OPEN_SHARDS = 64
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What :func:`collate` needs to batch items of one cache: batch dims, dtypes, constants."""
+
+    path: Path
+    rows: tuple[tuple[str, int, torch.dtype], ...]  # (name, batch dim, dtype stage 2 takes)
+    constants: Mapping[str, torch.Tensor]
+    order: tuple[str, ...]
+
+
+class CachedSample(dict):
+    """One item of a :class:`CachedDataset`: a plain dict that also knows its cache's layout.
+
+    ``dim_orders`` holds, per row tensor, the memory order of the batch it was computed in
+    (None: plain contiguous), so :func:`collate` rebuilds batches with stage 1's strides.
+    """
+
+    layout: _Layout | None = None
+    dim_orders: tuple[Order | None, ...] | None = None
+
+
+class CachedDataset(torch.utils.data.Dataset):
+    """A map-style dataset over a cache folder; item ``i`` is sample ``i``'s rows.
+
+    Shards are opened lazily with safetensors' memory-mapped ``safe_open`` (at most 64 at a
+    time per process; a forked DataLoader worker keeps the ones already open) and, unless
+    ``verify=False``, checked against their sha256 the first time each is opened: a damaged
+    shard raises :class:`CorruptCacheError` naming it and its samples, while the other shards
+    still read.
+
+    Args:
+        path: the cache folder.
+        split: when given, refuse a cache made from other frozen weights, stage-1 code or
+            boundary (:class:`StaleCacheError` naming what differs); other library versions
+            only warn.
+        dataset: when given, rehash every item's stage-1 inputs and refuse a cache whose
+            samples changed, were added or were removed (reads the whole dataset once; see
+            :func:`verify_inputs`).
+        expected_keys: when given, refuse a cache whose sample keys are not exactly these
+            (a cheap check for added or removed samples).
+        verify: check each shard's sha256 on first use (reads each shard once more).
+
+    Example:
+        >>> import tempfile, graphsplit
+        >>> from graphsplit.caching import cache
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        >>> _ = model[0].requires_grad_(False)  # frozen: its output is cached
+        >>> split = graphsplit.split(model, args=(torch.randn(2, 4),))
+        >>> data = [{"input": torch.randn(4)} for _ in range(6)]
+        >>> path = tempfile.mkdtemp()
+        >>> _ = cache(split, torch.utils.data.DataLoader(data, batch_size=2), path, progress=False)
+        >>> cached = CachedDataset(path, split)
+        >>> loader = torch.utils.data.DataLoader(cached, batch_size=3, shuffle=True,
+        ...                                      collate_fn=collate)
+        >>> split.stage2(**next(iter(loader))).shape
+        torch.Size([3, 1])
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        split: Split | None = None,
+        *,
+        dataset: Any = None,
+        expected_keys: Iterable[Any] | None = None,
+        verify: bool = True,
+    ) -> None:
+        self.path = Path(path)
+        self.manifest: Manifest = read_manifest(self.path)
+        self.verify = verify
+        header = self.manifest.header
+        self.boundary = {spec.name: spec for spec in header.boundary}
+        self.keys: list[str] = [key for shard in self.manifest.shards for key in shard.keys]
+        self._starts: list[int] = [0]
+        for shard in self.manifest.shards:
+            self._starts.append(self._starts[-1] + len(shard.keys))
+        self._sample_names = tuple(spec.name for spec in header.sample_specs)
+        most_rows = max((len(shard.keys) for shard in self.manifest.shards), default=0)
+        self._tensor_names = [
+            tuple(zip(self._sample_names, [tensor_name(row, n) for n in self._sample_names]))
+            for row in range(most_rows)
+        ]
+        self._handles: dict[int, Any] = {}
+        self._verified: set[int] = set()
+        self._corrupt: dict[int, str] = {}
+        if split is not None:
+            _check_fingerprint(self.manifest, fingerprint(split), self.path)
+        if expected_keys is not None:
+            self._check_keys(expected_keys)
+        self.layout = _Layout(
+            path=self.path,
+            rows=tuple((spec.name, spec.batch_dim, spec.dtype) for spec in header.sample_specs),
+            constants=self._load_constants(),
+            order=tuple(self.boundary),
+        )
+        if dataset is not None:
+            verify_inputs(self, dataset)
+
+    @property
+    def constants(self) -> Mapping[str, torch.Tensor]:
+        """The per-dataset constants, in the dtypes stage 2 takes."""
+        return self.layout.constants
+
+    @property
+    def max_abs_error(self) -> Mapping[str, float]:
+        """The largest error lower-precision storage introduced, per tensor (empty: lossless)."""
+        return self.manifest.max_abs_error
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, index: int) -> CachedSample:
+        shard, row = self._locate(index)
+        handle = self._handles.get(shard)
+        if handle is None:
+            handle = self._open(shard)
+        item = CachedSample(key=self.keys[self._starts[shard] + row])
+        item.layout = self.layout
+        orders = self.manifest.shards[shard].row_orders[row]
+        try:
+            for name, stored_name in self._tensor_names[row]:
+                item[name] = handle.get_tensor(stored_name)
+        except Exception as error:  # safetensors raises its own error types
+            raise self._corrupt_error(shard, f"reading row {row} failed ({error})") from None
+        if any(orders):
+            item.dim_orders = orders
+            for (name, batch_dim, _), order in zip(self.layout.rows, orders):
+                if order is not None:
+                    item[name] = item[name].permute(inverse(row_order(order, batch_dim)))
+        return item
+
+    def shapes(self, index: int) -> dict[str, tuple[int, ...]]:
+        """The shape of each of sample ``index``'s rows, without reading the shard."""
+        shard, row = self._locate(index)
+        return dict(zip(self._sample_names, self.manifest.shards[shard].shapes[row]))
+
+    @cached_property
+    def sample_shapes(self) -> list[dict[str, tuple[int, ...]]]:
+        """``shapes(i)`` for every sample, for bucketing samplers."""
+        return [
+            dict(zip(self._sample_names, shapes))
+            for shard in self.manifest.shards
+            for shapes in shard.shapes
+        ]
+
+    def buckets(self) -> dict[tuple[tuple[int, ...], ...], list[int]]:
+        """Sample indices grouped by their rows' shapes: each group collates into batches.
+
+        Example:
+            >>> batches = [group[i : i + 8] for group in cached.buckets().values()
+            ...            for i in range(0, len(group), 8)]  # doctest: +SKIP
+            >>> loader = DataLoader(cached, batch_sampler=batches, collate_fn=graphsplit.collate)
+            ... # doctest: +SKIP
+        """
+        groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+        index = 0
+        for shard in self.manifest.shards:
+            for shapes in shard.shapes:
+                groups.setdefault(shapes, []).append(index)
+                index += 1
+        return groups
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_handles"] = {}  # open files do not cross processes (forked ones may)
+        return state
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        if index < 0:
+            index += len(self.keys)
+        if not 0 <= index < len(self.keys):
+            raise IndexError(f"sample {index} is out of range for a cache of {len(self.keys)}")
+        shard = bisect.bisect_right(self._starts, index) - 1
+        return shard, index - self._starts[shard]
+
+    def _open(self, shard: int) -> Any:
+        if shard in self._corrupt:
+            raise self._corrupt_error(shard, self._corrupt[shard])
+        record = self.manifest.shards[shard]
+        problem = _file_problem(
+            self.path, record, checksum=self.verify and shard not in self._verified
+        )
+        if problem is None:
+            try:
+                handle = safe_open(str(self.path / record.file), framework="pt", device="cpu")
+            except Exception as error:
+                problem = f"safetensors cannot open it ({error})"
+            else:
+                problem = _header_problem(handle, record, self.manifest)
+        if problem is not None:
+            self._corrupt[shard] = problem
+            raise self._corrupt_error(shard, problem)
+        self._verified.add(shard)
+        if len(self._handles) >= _MAX_OPEN_SHARDS:
+            del self._handles[next(iter(self._handles))]  # the longest open
+        self._handles[shard] = handle
+        return handle
+
+    def _corrupt_error(self, shard: int, problem: str) -> CorruptCacheError:
+        record = self.manifest.shards[shard]
+        return CorruptCacheError(
+            f"shard {record.file} of the cache at {self.path} is damaged: {problem}. It holds "
+            f"{len(record.keys)} samples: {_some(record.keys)}; the other shards still read.\n"
+            "  fix: run graphsplit.check_cache(path) to list every damaged shard, then rebuild "
+            "the cache with graphsplit.cache(split, loader, path, overwrite=True)"
+        )
+
+    def _load_constants(self) -> dict[str, torch.Tensor]:
+        header = self.manifest.header
+        record = self.manifest.constants
+        if record is None:
+            return {}
+        problem = _file_problem(self.path, record, checksum=self.verify)
+        constants: dict[str, torch.Tensor] = {}
+        if problem is None:
+            try:
+                with safe_open(str(self.path / record.file), framework="pt", device="cpu") as f:
+                    for spec in header.constant_specs:
+                        value = f.get_tensor(spec.name)
+                        order = record.dim_orders.get(spec.name)
+                        if order is not None:
+                            value = value.permute(inverse(order))
+                        constants[spec.name] = value.to(spec.dtype)
+            except Exception as error:
+                problem = f"it cannot be read ({error})"
+        if problem is not None:
+            raise CorruptCacheError(
+                f"{CONSTANTS_FILE} of the cache at {self.path} is damaged: {problem}; every "
+                "batch needs it.\n  fix: rebuild the cache with graphsplit.cache(split, loader, "
+                "path, overwrite=True)"
+            )
+        return constants
+
+    def _check_keys(self, expected_keys: Iterable[Any]) -> None:
+        expected = [str(key) for key in expected_keys]
+        cached = set(self.keys)
+        missing = [key for key in expected if key not in cached]
+        wanted = set(expected)
+        extra = [key for key in self.keys if key not in wanted]
+        if missing or extra:
+            raise StaleCacheError(
+                f"the cache at {self.path} holds other samples than expected: "
+                + _key_changes(missing=missing, removed=extra)
+                + ".\n  fix: rebuild the cache with graphsplit.cache(split, loader, path, "
+                "overwrite=True)"
+            )
+
+
+def collate(items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """Stack :class:`CachedDataset` items into the keyword arguments of ``split.stage2``.
+
+    Each row is stacked along its tensor's batch dim and cast back to the dtype stage 2 takes
+    (a lower ``storage_dtype`` is undone here); the cache's constants are added. Samples in
+    one batch must have rows of the same shapes: group them with :meth:`CachedDataset.buckets`.
+
+    Example:
+        >>> loader = DataLoader(cached, batch_size=8, collate_fn=graphsplit.collate)
+        ... # doctest: +SKIP
+        >>> loss = split.stage2(**next(iter(loader)))  # doctest: +SKIP
+    """
+    if not items:
+        raise ValueError("graphsplit.collate needs at least one item")
+    layout = getattr(items[0], "layout", None)
+    if layout is None:
+        raise CacheError(
+            f"graphsplit.collate got a {type(items[0]).__name__}, not an item of a "
+            "graphsplit.CachedDataset (those carry the batch dims and constants it needs).\n"
+            "  fix: index a CachedDataset, or stack the tensors yourself"
+        )
+    if any(getattr(item, "layout", None) is not layout for item in items):
+        paths = sorted({str(getattr(getattr(item, "layout", None), "path", "?")) for item in items})
+        raise CacheError(
+            f"graphsplit.collate got items of different caches {paths}; batch each cache apart"
+        )
+    batch: dict[str, torch.Tensor] = {}
+    for column, (name, batch_dim, dtype) in enumerate(layout.rows):
+        rows = [item[name] for item in items]
+        if len({tuple(row.shape) for row in rows}) > 1:
+            raise CacheError(_mixed_shapes_message(name, items, rows))
+        order = _batch_order(name, column, batch_dim, items)
+        if order is None:
+            stacked = torch.stack(rows, dim=batch_dim)
+        else:  # stack in memory order, then view in logical order: stage 1's strides
+            within = row_order(order, batch_dim)
+            physical = [row.permute(within) for row in rows]
+            stacked = torch.stack(physical, dim=order.index(batch_dim)).permute(inverse(order))
+        batch[name] = stacked if stacked.dtype == dtype else stacked.to(dtype)
+    batch.update(layout.constants)
+    return {name: batch[name] for name in layout.order}
+
+
+def _batch_order(
+    name: str, column: int, batch_dim: int, items: Sequence[Mapping[str, Any]]
+) -> Order | None:
+    """The memory order of a batch of ``items``' rows of tensor ``name``.
+
+    Rows must share their own memory order. Batches of one sample record no place for the
+    batch dim (its stride means nothing), so a recorded order wins over None.
+    """
+    orders = [
+        None if getattr(item, "dim_orders", None) is None else item.dim_orders[column]
+        for item in items
+    ]
+    within = {None if order is None else row_order(order, batch_dim) for order in orders}
+    within = {None if order == tuple(sorted(order or ())) else order for order in within}
+    if len(within) > 1:
+        raise CacheError(
+            f"cannot batch {name!r}: its samples were stored in different memory layouts "
+            f"({sorted(map(str, within))}).\n  fix: batch samples of one bucket together; if "
+            "they are, report this with the step that produced them"
+        )
+    recorded = [order for order in orders if order is not None]
+    return max(recorded, key=recorded.count) if recorded else None
+
+
+def _mixed_shapes_message(
+    name: str, items: Sequence[Mapping[str, Any]], rows: Sequence[torch.Tensor]
+) -> str:
+    by_shape: dict[tuple[int, ...], list[str]] = {}
+    for item, row in zip(items, rows):
+        by_shape.setdefault(tuple(row.shape), []).append(str(item.get("key")))
+    listed = "; ".join(f"{shape} for {_some(keys, 3)}" for shape, keys in by_shape.items())
+    return (
+        f"cannot batch {name!r}: the samples have different shapes: {listed}.\n  fix: put only "
+        "samples of one shape in a batch, e.g. with a batch sampler over "
+        "CachedDataset.buckets() (aspect-ratio bucketing)"
+    )
+
+
+def _check_fingerprint(manifest: Manifest, current: Fingerprint, path: Path) -> None:
+    """Refuse a cache made from other weights, code or boundary; warn on other versions."""
+    cached = manifest.header.fingerprint
+    parts = differences(cached, current)
+    binding = [part for part in parts if part in BINDING_PARTS]
+    if binding:
+        raise StaleCacheError(
+            f"the cache at {path} was not made by this split: "
+            f"{describe_differences(cached, current, parts=binding)}.\n  fix: rebuild the cache "
+            "with graphsplit.cache(split, loader, path, overwrite=True)"
+        )
+    if "versions" in parts:
+        warnings.warn(
+            f"the cache at {path} was written with other library versions; "
+            f"{describe_differences(cached, current, parts=['versions'])}. Its weights, code "
+            "and boundary match, so it is used as it is.",
+            stacklevel=3,
+        )
+
+
+def verify_inputs(cached: CachedDataset | str | os.PathLike[str], dataset: Any) -> None:
+    """Refuse a cache whose samples' stage-1 inputs differ from ``dataset``'s items.
+
+    Every item's inputs (the fields ``split.input_names``, as ``default_collate`` would batch
+    them) are hashed and compared with the digest recorded when the cache was written; items
+    are matched by their ``"key"`` field, or by index when they have none. This reads the whole
+    dataset once.
+
+    Raises:
+        StaleCacheError: naming the changed, added and removed sample keys.
+
+    Example:
+        >>> verify_inputs(path, CaptionedImages(16))  # doctest: +SKIP
+    """
+    if not isinstance(cached, CachedDataset):
+        cached = CachedDataset(cached, verify=False)
+    names = cached.manifest.header.inputs
+    recorded = {
+        key: digest
+        for shard in cached.manifest.shards
+        for key, digest in zip(shard.keys, shard.input_sha256)
+    }
+    changed: list[str] = []
+    added: list[str] = []
+    seen: set[str] = set()
+    for index in range(len(dataset)):
+        item = dataset[index]
+        if not isinstance(item, Mapping):
+            item = dict(zip(names, item))
+        missing = [name for name in names if name not in item]
+        if missing:
+            raise CacheError(
+                f"item {index} of the dataset lacks {missing}; stage 1 of the cache at "
+                f"{cached.path} takes {list(names)}"
+            )
+        key = str(item["key"]) if "key" in item else str(index)
+        seen.add(key)
+        if key not in recorded:
+            added.append(key)
+        elif item_input_digest(item, names) != recorded[key]:
+            changed.append(key)
+    removed = [key for key in recorded if key not in seen]
+    if changed or added or removed:
+        hint = ""
+        if changed and len(changed) == len(recorded):
+            hint = (
+                " (every sample differs: if the loader's collate_fn transforms items, e.g. "
+                "pads them, inputs cannot be compared item by item)"
+            )
+        raise StaleCacheError(
+            f"the cache at {cached.path} was made from other data: "
+            + _key_changes(changed=changed, added=added, removed=removed)
+            + f"{hint}.\n  fix: rebuild the cache with graphsplit.cache(split, loader, path, "
+            "overwrite=True)"
+        )
+
+
+# ----------------------------------------------------------------------------------- checking
+
+
+@dataclass(frozen=True)
+class CacheProblem:
+    """One damaged file of a cache and the samples it affects."""
+
+    file: str
+    reason: str
+    keys: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        affected = f" ({len(self.keys)} samples: {_some(self.keys)})" if self.keys else ""
+        return f"{self.file}: {self.reason}{affected}"
+
+
+@dataclass(frozen=True)
+class CacheReport:
+    """What :func:`check_cache` found; ``ok`` when every file is intact."""
+
+    path: Path
+    num_samples: int
+    num_shards: int
+    checked_bytes: int
+    problems: tuple[CacheProblem, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def damaged_keys(self) -> list[str]:
+        """The keys of every sample that cannot be read."""
+        return [key for problem in self.problems for key in problem.keys]
+
+    def __str__(self) -> str:
+        if self.ok:
+            return (
+                f"cache {self.path}: OK ({self.num_samples} samples, {self.num_shards} shards, "
+                f"{self.checked_bytes:,} bytes verified)"
+            )
+        lines = [
+            f"cache {self.path}: {len(self.problems)} problem(s), "
+            f"{len(self.damaged_keys)} of {self.num_samples} samples unreadable"
+        ]
+        lines += [f"  {problem}" for problem in self.problems]
+        lines.append(
+            "  fix: rebuild the cache with graphsplit.cache(split, loader, path, overwrite=True)"
+        )
+        return "\n".join(lines)
+
+
+def check_cache(path: str | os.PathLike[str]) -> CacheReport:
+    """Verify a cache folder: the manifest, and every file's size, sha256 and tensor header.
+
+    Reads every byte of the cache once. Problems are collected, not raised, so one call
+    lists every damaged shard and the samples it holds.
+
+    Example:
+        >>> report = check_cache(path)  # doctest: +SKIP
+        >>> report.ok, report.damaged_keys  # doctest: +SKIP
+        (True, [])
+    """
+    folder = Path(path)
+    try:
+        manifest = read_manifest(folder)
+    except ManifestError as error:
+        return CacheReport(folder, 0, 0, 0, (CacheProblem("manifest.json", str(error)),))
+    problems: list[CacheProblem] = []
+    checked = 0
+    if manifest.constants is not None:
+        problem = _file_problem(folder, manifest.constants, checksum=True)
+        if problem is None:
+            problem = _constants_problem(folder, manifest)
+        if problem is not None:
+            problems.append(CacheProblem(CONSTANTS_FILE, problem + " (every batch needs it)"))
+        else:
+            checked += manifest.constants.bytes
+    for record in manifest.shards:
+        problem = _file_problem(folder, record, checksum=True)
+        if problem is None:
+            try:
+                with safe_open(str(folder / record.file), framework="pt", device="cpu") as f:
+                    problem = _header_problem(f, record, manifest)
+            except Exception as error:
+                problem = f"safetensors cannot open it ({error})"
+        if problem is None:
+            checked += record.bytes
+        else:
+            problems.append(CacheProblem(record.file, problem, record.keys))
+    return CacheReport(folder, manifest.num_samples, len(manifest.shards), checked, tuple(problems))
+
+
+def _file_problem(folder: Path, record: FileRecord, *, checksum: bool) -> str | None:
+    path = folder / record.file
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "the file is missing"
+    except OSError as error:
+        return f"the file cannot be read ({error})"
+    if size != record.bytes:
+        return f"it has {size:,} bytes, the manifest records {record.bytes:,}"
+    if checksum:
+        try:
+            digest = sha256_file(path)
+        except OSError as error:
+            return f"the file cannot be read ({error})"
+        if digest != record.sha256:
+            return "its sha256 differs from the manifest's (the bytes changed)"
+    return None
+
+
+def _header_problem(handle: Any, record: ShardRecord, manifest: Manifest) -> str | None:
+    """Whether a shard's tensors are exactly the rows the manifest lists, in their shapes."""
+    header = manifest.header
+    specs = header.sample_specs
+    expected = {}
+    for row, (shapes, orders) in enumerate(zip(record.shapes, record.row_orders)):
+        for spec, shape, order in zip(specs, shapes, orders):
+            if order is not None:  # stored in memory order
+                shape = tuple(shape[d] for d in row_order(order, spec.batch_dim))
+            expected[tensor_name(row, spec.name)] = (shape, header.stored_dtype(spec))
+    names = set(handle.keys())
+    if names != set(expected):
+        unexpected = sorted(names - set(expected))
+        absent = sorted(set(expected) - names)
+        return (
+            f"its tensors differ from the manifest's (absent: {absent[:3]}, "
+            f"extra: {unexpected[:3]})"
+        )
+    for name, (shape, dtype) in expected.items():
+        tensor = handle.get_slice(name)
+        found_dtype = _SAFETENSORS_DTYPES.get(tensor.get_dtype())
+        if tuple(tensor.get_shape()) != shape or found_dtype != dtype:
+            return (
+                f"tensor {name!r} is {tensor.get_dtype()} {tuple(tensor.get_shape())}, the "
+                f"manifest records {dtype} {shape}"
+            )
+    return None
+
+
+def _constants_problem(folder: Path, manifest: Manifest) -> str | None:
+    header = manifest.header
+    try:
+        with safe_open(str(folder / CONSTANTS_FILE), framework="pt", device="cpu") as f:
+            names = set(f.keys())
+            wanted = {spec.name for spec in header.constant_specs}
+            if names != wanted:
+                return f"it holds {sorted(names)}, the manifest lists {sorted(wanted)}"
+    except Exception as error:
+        return f"safetensors cannot open it ({error})"
+    return None
+
+
+def _key_changes(
+    *,
+    changed: Sequence[str] = (),
+    added: Sequence[str] = (),
+    missing: Sequence[str] = (),
+    removed: Sequence[str] = (),
+) -> str:
+    parts = []
+    if changed:
+        parts.append(f"{len(changed)} sample(s) changed ({_some(changed)})")
+    if added:
+        parts.append(f"{len(added)} sample(s) are new ({_some(added)})")
+    if missing:
+        parts.append(f"{len(missing)} expected sample(s) are not in the cache ({_some(missing)})")
+    if removed:
+        parts.append(f"{len(removed)} cached sample(s) are no longer there ({_some(removed)})")
+    return "; ".join(parts)
+
+
+def _some(keys: Sequence[str], limit: int = 5) -> str:
+    shown = ", ".join(repr(key) for key in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")

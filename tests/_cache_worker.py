@@ -1,0 +1,112 @@
+"""Run graphsplit.cache in a separate process, for the kill -9 and accelerate tests.
+
+    python tests/_cache_worker.py PATH [--length N] [--shard-bytes B] [--delay S]
+    accelerate launch --multi_gpu --num_processes 2 tests/_cache_worker.py PATH --accelerate \
+        [--train-steps N] [--report FILE]
+
+(``--multi_gpu`` picks accelerate's torchrun launcher; ``Accelerator(cpu=True)`` here makes the
+processes CPU ones. ``accelerate launch --cpu --num_processes 2`` starts a single process
+unless MPI is set up.) ``--delay`` sleeps after each finished shard so a test can kill the run
+mid-way; ``--train-steps`` then trains stage 2 on the cache with ``accelerator.prepare`` (DDP)
+and writes each process's shards, losses and final parameter checksum to ``FILE.<rank>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+import graphsplit.caching as cache_module
+from graphsplit.caching import cache
+from graphsplit.data import CachedDataset, collate
+from tests._cache_fixtures import Pictures, loader, make_split
+
+WRITTEN: list[int] = []  # the shards this process wrote
+
+
+def watch_shards(delay: float) -> None:
+    """Record each shard this process commits, then sleep ``delay`` seconds."""
+    original = cache_module._ShardWriter._commit_shard
+
+    def commit(self, shard, temporary):
+        record = original(self, shard, temporary)
+        WRITTEN.append(shard.index)
+        time.sleep(delay)
+        return record
+
+    cache_module._ShardWriter._commit_shard = commit
+
+
+def train(split, path: Path, accelerator, steps: int) -> dict[str, object]:
+    cached = CachedDataset(path, split)
+    data = torch.utils.data.DataLoader(cached, batch_size=2, collate_fn=collate)
+    optimizer = torch.optim.SGD(split.stage2.parameters(), lr=0.1)
+    stage2, optimizer, data = accelerator.prepare(split.stage2, optimizer, data)
+    torch.manual_seed(accelerator.process_index)
+    losses = []
+    batches = iter(data)
+    for _ in range(steps):
+        loss = stage2(**next(batches))
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    weights = accelerator.unwrap_model(stage2).state_dict()
+    return {
+        "losses": losses,
+        "checksum": float(sum(value.double().sum() for value in weights.values())),
+        "ddp": type(stage2).__name__,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--length", type=int, default=12)
+    parser.add_argument("--shard-bytes", type=int, default=1500)
+    parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--accelerate", action="store_true")
+    parser.add_argument("--train-steps", type=int, default=0)
+    parser.add_argument("--report", type=Path)
+    args = parser.parse_args()
+    watch_shards(args.delay)
+    accelerator = None
+    if args.accelerate:
+        from accelerate import Accelerator
+
+        accelerator = Accelerator(cpu=True)
+    split = make_split()
+    info = cache(
+        split,
+        loader(Pictures(args.length)),
+        args.path,
+        accelerator=accelerator,
+        shard_bytes=args.shard_bytes,
+        progress=False,
+    )
+    report: dict[str, object] = {
+        "num_samples": info.num_samples,
+        "shards": info.num_shards,
+        "written": sorted(WRITTEN),
+    }
+    if accelerator is not None:
+        report["world"] = accelerator.num_processes
+        if args.train_steps:
+            report.update(train(split, args.path, accelerator, args.train_steps))
+    if args.report:
+        rank = 0 if accelerator is None else accelerator.process_index
+        args.report.with_suffix(f".{rank}.json").write_text(json.dumps(report))
+    if accelerator is not None:
+        accelerator.wait_for_everyone()  # no process tears the group down under another
+        accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

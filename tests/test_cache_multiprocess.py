@@ -1,0 +1,149 @@
+"""graphsplit.cache across processes: kill -9 and resume, and accelerate with two processes.
+
+Both run tests/_cache_worker.py in subprocesses and compare the result, file for file, with a
+cache written here in one uninterrupted process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+import graphsplit.caching as cache_module
+from graphsplit.cache_errors import CacheError, StaleCacheError
+from graphsplit.caching import cache
+from graphsplit.data import CachedDataset
+from graphsplit.fingerprint import fingerprint
+from tests._cache_fixtures import Pictures, cache_contents, loader, make_split
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "_cache_worker.py"
+SMALL = 1500
+
+
+def environment() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("ACCELERATE_CONFIG_FILE", None)
+    return env
+
+
+def test_kill_9_mid_run_then_resume_equals_an_uninterrupted_cache(tmp_path):
+    cache(make_split(), loader(Pictures(16)), tmp_path / "whole", shard_bytes=SMALL, progress=False)
+    target = tmp_path / "killed"
+    worker = subprocess.Popen(
+        [sys.executable, str(WORKER), str(target), "--length", "16", "--delay", "0.4"],
+        env=environment(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 60
+    third = target / ".partial" / "shard-00002.json"
+    while not third.exists():
+        assert worker.poll() is None, worker.stderr.read().decode()
+        assert time.monotonic() < deadline, "the worker wrote no shards in 60 s"
+        time.sleep(0.05)
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.wait()
+    worker.stderr.close()
+    assert worker.returncode == -signal.SIGKILL
+    assert not (target / "manifest.json").exists()
+    assert (target / ".lock").exists()  # left behind by the killed writer: stale
+
+    info = cache(make_split(), loader(Pictures(16)), target, shard_bytes=SMALL, progress=False)
+    assert info.reused_shards >= 3 and info.written_shards >= 1
+    assert info.reused_shards + info.written_shards == 8
+    assert cache_contents(target) == cache_contents(tmp_path / "whole")
+    assert sorted(entry.name for entry in target.iterdir()) == sorted(
+        entry.name for entry in (tmp_path / "whole").iterdir()
+    )
+
+
+def test_two_accelerate_processes_write_the_single_process_cache_and_train(tmp_path):
+    pytest.importorskip("accelerate")
+    single = tmp_path / "single"
+    cache(make_split(), loader(Pictures(12)), single, shard_bytes=SMALL, progress=False)
+    shared = tmp_path / "shared"
+    report = tmp_path / "report"
+    # `--multi_gpu` selects accelerate's torchrun launcher; the worker's Accelerator(cpu=True)
+    # makes it a two-process CPU (gloo) run. `--cpu --num_processes 2` alone starts only one
+    # process unless MPI is configured.
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(29500 + os.getpid() % 1000),
+        str(WORKER),
+        str(shared),
+        "--accelerate",
+        "--train-steps",
+        "3",
+        "--report",
+        str(report),
+    ]
+    finished = subprocess.run(command, env=environment(), capture_output=True, timeout=120)
+    assert finished.returncode == 0, finished.stderr.decode()[-4000:]
+    reports = [json.loads(report.with_suffix(f".{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["world"] for r in reports] == [2, 2]
+    assert reports[0]["written"] == [0, 2, 4] and reports[1]["written"] == [1, 3, 5]
+    # the same cache as one process writes, file for file
+    assert cache_contents(shared) == cache_contents(single)
+    # stage 2 trained with DDP: finite losses, and both processes end with the same weights
+    assert all(r["ddp"] == "DistributedDataParallel" for r in reports)
+    assert all(math.isfinite(loss) for r in reports for loss in r["losses"])
+    assert reports[0]["checksum"] == reports[1]["checksum"]
+    assert len(CachedDataset(shared, make_split())) == 12
+
+
+# ------------------------------------------------------- how processes agree (no launch needed)
+
+
+def fake_processes(rank: int) -> cache_module._Processes:
+    return cache_module._Processes(SimpleNamespace(process_index=rank, num_processes=2))
+
+
+def test_a_failure_in_another_process_fails_every_process(monkeypatch):
+    utils = pytest.importorskip("accelerate.utils")
+    others = [None, ("StaleCacheError", "the frozen weights differ")]
+    monkeypatch.setattr(utils, "gather_object", lambda mine: [mine[0], others[1]])
+    with pytest.raises(StaleCacheError, match="process 1 failed: the frozen weights differ"):
+        fake_processes(0).everywhere(lambda: None)
+
+
+def test_a_failure_on_the_main_process_reaches_the_others(monkeypatch):
+    utils = pytest.importorskip("accelerate.utils")
+
+    def broadcast(objects, from_process):
+        objects[0] = ("error", ("OSError", "disk on fire"))
+        return objects
+
+    monkeypatch.setattr(utils, "broadcast_object_list", broadcast)
+    with pytest.raises(CacheError, match="process 0 failed: OSError: disk on fire"):
+        fake_processes(1).on_main(lambda: "never runs here")
+
+
+def test_processes_with_other_weights_are_refused(monkeypatch):
+    utils = pytest.importorskip("accelerate.utils")
+    mine = fingerprint(make_split())
+    other = {**mine.to_json(), "weights": "sha256:" + "0" * 64}
+    monkeypatch.setattr(utils, "gather_object", lambda objects: [objects[0], other])
+    with pytest.raises(CacheError, match=r"(?s)process 1 has other weights.*seed random init"):
+        fake_processes(0).check_same_fingerprint(mine)

@@ -1,0 +1,350 @@
+"""Every way a split can fail raises a graphsplit exception that says where, why and what to do.
+
+Errors about the step's code name the graph node, the user's source line (this file's path and
+line) and a fix; errors about the arguments name the offending argument and a fix.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+
+import numpy
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphsplit
+import graphsplit.codecs
+from graphsplit import MetaParameterError, SplitError, TraceError, VerifyError
+from tests.helpers import batch, split_and_verify
+
+
+def line_of(owner: object, text: str) -> str:
+    """``test_errors.py:N`` for the line of ``owner``'s source that contains ``text``."""
+    lines, start = inspect.getsourcelines(owner)
+    matches = [start + offset for offset, line in enumerate(lines) if text in line]
+    assert len(matches) == 1, f"{text!r} found {len(matches)} times"
+    return f"test_errors.py:{matches[0]}"
+
+
+def message_lines(error: BaseException) -> dict[str, str]:
+    """The ``node:``, ``source:`` and ``fix:`` lines of a user error, by label."""
+    labelled = {}
+    for line in str(error).splitlines()[1:]:
+        label, _, rest = line.strip().partition(":")
+        if label in ("node", "source", "fix"):
+            labelled[label] = rest.strip()
+    return labelled
+
+
+def assert_names_node_source_and_fix(
+    error: BaseException, node: str, owner: object, text: str
+) -> None:
+    parts = message_lines(error)
+    assert parts.get("node", "").startswith(node), str(error)
+    assert line_of(owner, text) in parts.get("source", ""), str(error)
+    assert parts.get("fix"), str(error)
+
+
+class Step(nn.Module):
+    """A frozen encoder and a trainable head; subclasses change ``forward`` only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(4, 4).requires_grad_(False)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.encoder(x)).mean()
+
+
+# -- values steering Python control flow --------------------------------------------------------
+class BranchOnTensorValue(Step):
+    def forward(self, x):
+        latents = self.encoder(x)
+        if latents.sum() > 0:
+            latents = latents * 2
+        return self.head(latents).mean()
+
+
+def test_control_flow_on_a_tensor_value():
+    with pytest.raises(TraceError) as caught:
+        graphsplit.split(BranchOnTensorValue(), (batch(3, 4),))
+    assert "control flow depends on the value of a tensor" in str(caught.value)
+    assert_names_node_source_and_fix(
+        caught.value, "gt", BranchOnTensorValue.forward, "if latents.sum() > 0"
+    )
+    assert "torch.where" in message_lines(caught.value)["fix"]
+
+
+class ReadsItem(Step):
+    def forward(self, x):
+        latents = self.encoder(x)
+        scale = latents.abs().max().item()
+        return self.head(latents / scale).mean()
+
+
+def test_item_reads_a_tensor_value():
+    with pytest.raises(TraceError) as caught:
+        graphsplit.split(ReadsItem(), (batch(3, 4),))
+    assert "reads the value of a tensor" in str(caught.value)
+    assert_names_node_source_and_fix(caught.value, "item", ReadsItem.forward, ".item()")
+    assert ".item()" in message_lines(caught.value)["fix"]
+
+
+# -- randomness drawn while tracing -------------------------------------------------------------
+class PythonRandom(Step):
+    def forward(self, x):
+        scale = random.random()
+        return self.head(self.encoder(x) * scale).mean()
+
+
+class NumpyRandom(Step):
+    def forward(self, x):
+        scale = float(numpy.random.rand())
+        return self.head(self.encoder(x) * scale).mean()
+
+
+class TorchRandWithConstantArguments(Step):
+    def forward(self, x):
+        offset = torch.rand(4)
+        return self.head(self.encoder(x) + offset).mean()
+
+
+@pytest.mark.parametrize(
+    ("step", "generator", "text"),
+    [
+        (PythonRandom, "random", "random.random()"),
+        (NumpyRandom, "numpy.random", "numpy.random.rand()"),
+        (TorchRandWithConstantArguments, "torch", "torch.rand(4)"),
+    ],
+)
+def test_randomness_drawn_while_tracing(step, generator, text):
+    with pytest.raises(TraceError) as caught:
+        graphsplit.split(step(), (batch(3, 4),))
+    message = str(caught.value)
+    assert "Random numbers were drawn while tracing" in message
+    assert f"({generator} generator)" in message
+    assert "torch.randn_like" in message_lines(caught.value).get("fix", "")
+    assert line_of(step.forward, text) in message_lines(caught.value).get("source", ""), message
+
+
+# -- Python control flow on the batch size ------------------------------------------------------
+class LoopOverBatchByShape(Step):
+    def forward(self, x):
+        latents = self.encoder(x)
+        total = 0
+        for index in range(x.shape[0]):
+            total = total + self.head(latents[index]).sum()
+        return total
+
+
+class LoopOverBatchByLen(Step):
+    def forward(self, x):
+        latents = self.encoder(x)
+        total = 0
+        for index in range(len(x)):
+            total = total + self.head(latents[index]).sum()
+        return total
+
+
+class BatchSizeAsPythonSize(Step):
+    def forward(self, x):
+        latents = self.encoder(x)
+        bias = torch.zeros(int(x.shape[0]), 4)
+        return self.head(latents + bias).mean()
+
+
+class BatchSizeAsPythonNumber(Step):
+    def forward(self, x):
+        latents = self.encoder(x)
+        return self.head(latents).sum() / int(x.shape[0])
+
+
+@pytest.mark.parametrize(
+    ("step", "text"),
+    [
+        (LoopOverBatchByShape, "range(x.shape[0])"),
+        (LoopOverBatchByLen, "range(len(x))"),
+        (BatchSizeAsPythonSize, "int(x.shape[0])"),
+        (BatchSizeAsPythonNumber, "int(x.shape[0])"),
+    ],
+)
+def test_python_control_flow_on_the_batch_size(step, text):
+    with pytest.raises(TraceError) as caught:
+        graphsplit.split(step(), (batch(3, 4),))
+    message = str(caught.value)
+    assert "batch size" in message.splitlines()[0]
+    parts = message_lines(caught.value)
+    assert parts.get("node") and line_of(step.forward, text) in parts.get("source", ""), message
+    assert parts.get("fix"), message
+
+
+# -- values that cannot cross the boundary ------------------------------------------------------
+class Latents:
+    """A frozen module's custom output type (like a library's distribution object)."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.values = values
+
+
+class LatentsEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return Latents(self.linear(x))
+
+
+class LatentsHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+
+    def forward(self, latents):
+        return self.linear(latents.values)
+
+
+class CustomObjectAcrossTheBoundary(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = LatentsEncoder().requires_grad_(False)
+        self.head = LatentsHead()
+
+    def forward(self, x):
+        latents = self.encoder(x)
+        return self.head(latents).mean()
+
+
+def encode_latents(latents: Latents) -> torch.Tensor:
+    return latents.values
+
+
+def decode_latents(values: torch.Tensor) -> Latents:
+    return Latents(values)
+
+
+@pytest.fixture
+def codec_registry(monkeypatch):
+    """Codecs registered by a test are forgotten after it."""
+    monkeypatch.setattr(graphsplit.codecs, "_CODECS", dict(graphsplit.codecs._CODECS))
+
+
+def test_non_tensor_value_without_codec(codec_registry):
+    with pytest.raises(SplitError) as caught:
+        graphsplit.split(CustomObjectAcrossTheBoundary(), (batch(3, 4),))
+    message = str(caught.value)
+    assert "Latents" in message.splitlines()[0] and "not a tensor" in message
+    assert_names_node_source_and_fix(
+        caught.value, "encoder", CustomObjectAcrossTheBoundary.forward, "self.encoder(x)"
+    )
+    assert "graphsplit.register_codec" in message_lines(caught.value)["fix"]
+
+
+def test_register_codec_makes_the_value_cacheable(codec_registry):
+    graphsplit.register_codec(Latents, encode_latents, decode_latents, suffix="values")
+    model = CustomObjectAcrossTheBoundary()
+    split = split_and_verify(model, (batch(3, 4),))
+    assert list(split.boundary) == ["encoder_values"]
+    spec = split.boundary["encoder_values"]
+    assert (spec.shape, spec.batch_dim, spec.bytes_per_sample) == ((3, 4), 0, 16)
+    assert split.stage1.encoder is model.encoder
+    assert not hasattr(split.stage2, "encoder")
+
+
+# -- bad arguments ------------------------------------------------------------------------------
+def test_frozen_prefix_that_matches_nothing():
+    with pytest.raises(SplitError, match="'encodr' matches no parameter") as caught:
+        graphsplit.split(Step(), (batch(3, 4),), frozen=["encodr"])
+    assert "fix:" in str(caught.value)
+
+
+def test_frozen_module_that_is_not_in_the_model():
+    with pytest.raises(SplitError, match="Linear that is not a submodule") as caught:
+        graphsplit.split(Step(), (batch(3, 4),), frozen=[nn.Linear(4, 4)])
+    assert "fix:" in str(caught.value)
+
+
+def test_frozen_mixing_modules_and_prefixes():
+    model = Step()
+    with pytest.raises(SplitError, match=r"mixes or uses unsupported types \(Linear, str\)"):
+        graphsplit.split(model, (batch(3, 4),), frozen=[model.encoder, "head"])
+    with pytest.raises(SplitError, match=r"unsupported types \(int\)"):
+        graphsplit.split(model, (batch(3, 4),), frozen=[3])
+
+
+class TwoInputs(Step):
+    def forward(self, x, y):
+        return F.mse_loss(self.head(self.encoder(x)), y)
+
+
+class StarArgs(Step):
+    def forward(self, *inputs):
+        return self.head(self.encoder(inputs[0])).mean()
+
+
+class NoBatchedTensor(Step):
+    def forward(self, scale):
+        return self.head(self.encoder(torch.ones(2, 4))).mean() * scale
+
+
+def test_example_batch_that_does_not_match_forward():
+    with pytest.raises(SplitError, match=r"does not match TwoInputs\.forward") as caught:
+        graphsplit.split(TwoInputs(), (batch(3, 4),))
+    assert "'y'" in str(caught.value) and "fix:" in str(caught.value)
+    with pytest.raises(SplitError, match=r"does not match TwoInputs\.forward"):
+        graphsplit.split(TwoInputs(), (batch(3, 4), batch(3, 1)), {"z": batch(3, 1)})
+
+
+def test_forward_with_star_args():
+    with pytest.raises(SplitError, match=r"StarArgs.forward takes \*inputs") as caught:
+        graphsplit.split(StarArgs(), (batch(3, 4),))
+    assert "fix:" in str(caught.value)
+
+
+def test_example_batch_without_a_batched_tensor():
+    with pytest.raises(SplitError, match="no tensor with a batch dimension") as caught:
+        graphsplit.split(NoBatchedTensor(), (2.0,))
+    assert "fix:" in str(caught.value)
+
+
+# -- verify and meta parameters -----------------------------------------------------------------
+def test_verify_mismatch_shows_a_table_per_tensor(monkeypatch):
+    model = Step()
+    x = batch(3, 4)
+    split = graphsplit.split(model, (x,))
+    exact_stage2 = split.stage2
+    monkeypatch.setattr(split, "stage2", lambda **boundary: exact_stage2(**boundary) + 1e-3)
+    with pytest.raises(VerifyError) as caught:
+        graphsplit.verify(model, split, (x,))
+    assert isinstance(caught.value, AssertionError)
+    lines = str(caught.value).splitlines()
+    assert "do not reproduce Step" in lines[0] and "rtol=0.0, atol=0.0" in lines[0]
+    assert "max |diff|" in lines[1]
+    rows = {line[:62].strip(): line for line in lines[2:]}  # the name column is 60 wide
+    assert rows["output[0]"].rstrip().endswith("MISMATCH")
+    assert rows["grad head.weight"].rstrip().endswith("ok")
+    assert rows["grad head.bias"].rstrip().endswith("ok")
+    # A tolerance that covers the difference passes, and gradients were left as they were.
+    assert all(c.ok for c in graphsplit.verify(model, split, (x,), atol=1e-2))
+    assert model.head.weight.grad is None
+
+
+def test_stage_holding_a_meta_parameter_refuses_to_run():
+    model = Step()
+    x = batch(3, 4)
+    split = graphsplit.split(model, (x,))
+    boundary = split.stage1(x)
+    expected = model(x)
+    model.encoder.to("meta")  # e.g. a training process that never loads the frozen weights
+    with pytest.raises(MetaParameterError) as caught:
+        split.stage1(x)
+    assert "'encoder.weight'" in str(caught.value) and "fix:" in str(caught.value)
+    # Stage 2 does not hold the frozen encoder, so it still trains.
+    assert torch.equal(split.stage2(**boundary), expected)
+    model.head.to("meta")
+    with pytest.raises(MetaParameterError, match=r"'head\.weight'"):
+        split.stage2(**boundary)

@@ -1,0 +1,290 @@
+"""Property tests of the partition on randomly generated steps (hypothesis).
+
+Each example is a small DAG drawn as a spec: node 0 is the batch ``x`` (batch 3, width 4), every
+other node applies one op from a menu to one or two earlier nodes, and the step returns a loss
+over a subset of the sinks (the other sinks are dead code, as in real steps that compute values
+they do not use). The frozen set is random too, and given to ``split`` in one of its four forms.
+
+Properties:
+    1. ``graphsplit.verify`` is exact (outputs and gradients bit for bit).
+    2. Stage ownership: stage 1 holds no trainable parameter and runs no tainted node; stage 2
+       runs no banned node, and every tainted node the output needs and every random draw
+       (dead or not: skipping one would shift the RNG stream of later draws).
+    3. Optimality: the boundary's bytes per sample equal a brute-force optimum over all sets of
+       storable nodes that form a valid boundary.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import graphsplit
+from graphsplit.cut import Taint, facts, is_banned, is_storable, storage_cost
+from tests.helpers import batch, param_names
+
+BATCH = 3
+WIDTH = 4
+# Brute force enumerates 2**k boundaries; steps with more candidate nodes are skipped.
+MAX_CANDIDATES = 16
+
+# op -> number of inputs. Ops with parameters draw whether those are frozen.
+ARITY = {
+    "frozen_or_trainable_linear": 1,
+    "add": 2,
+    "mul": 2,
+    "tanh": 1,
+    "view_transpose_reshape": 1,  # cheap: no FLOPs, may be recomputed in stage 2
+    "cat": 1,  # cheap, doubles the width (makes storing the input cheaper)
+    "narrow": 1,  # cheap, halves the width
+    "randn_like_add": 1,  # random
+    "dropout_train": 1,  # random
+    "batch_mean": 1,  # mixes samples: h - h.mean(0)
+    "dataset_constant_add": 1,  # h + tanh(c @ m) from parameters only: no batch dim
+}
+HAS_PARAMS = {"frozen_or_trainable_linear", "dataset_constant_add"}
+FROZEN_FORMS = ("requires_grad", "prefixes", "modules", "predicate")
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str
+    inputs: tuple[int, ...]
+    width: int  # width of this node's output
+    frozen: bool = False
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    ops: tuple[Op, ...]
+    outputs: tuple[int, ...]  # node indices (0 is x) summed into the prediction
+    loss: str  # "mse" against a target y, or "mean" of the raw prediction
+    frozen_form: str
+
+
+def _allowed(kind: str, width: int) -> bool:
+    if kind == "cat":
+        return width <= 8
+    if kind in ("narrow", "view_transpose_reshape"):
+        return width >= 2 and width % 2 == 0
+    return True
+
+
+@st.composite
+def step_specs(draw: st.DrawFn) -> StepSpec:
+    widths = [WIDTH]
+    ops: list[Op] = []
+    for index in range(1, draw(st.integers(1, 11)) + 1):
+        first = draw(st.integers(0, index - 1))
+        width = widths[first]
+        kind = draw(st.sampled_from([k for k in ARITY if _allowed(k, width)]))
+        inputs: tuple[int, ...] = (first,)
+        if ARITY[kind] == 2:
+            same_width = [j for j in range(index) if widths[j] == width]
+            inputs = (first, draw(st.sampled_from(same_width)))
+        if kind == "frozen_or_trainable_linear":
+            width = draw(st.sampled_from((2, 4, 8)))
+        elif kind == "cat":
+            width *= 2
+        elif kind == "narrow":
+            width //= 2
+        frozen = draw(st.booleans()) if kind in HAS_PARAMS else False
+        ops.append(Op(kind, inputs, width, frozen))
+        widths.append(width)
+    used = {source for op in ops for source in op.inputs}
+    sinks = [index for index in range(len(widths)) if index not in used]
+    outputs = draw(st.lists(st.sampled_from(sinks), min_size=1, max_size=len(sinks), unique=True))
+    return StepSpec(
+        ops=tuple(ops),
+        outputs=tuple(sorted(outputs)),
+        loss=draw(st.sampled_from(("mse", "mean"))),
+        frozen_form=draw(st.sampled_from(FROZEN_FORMS)),
+    )
+
+
+class GeneratedStep(nn.Module):
+    """Runs a :class:`StepSpec`; node ``i``'s parameters live in submodule ``node{i}``."""
+
+    def __init__(self, spec: StepSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        generator = torch.Generator().manual_seed(len(spec.ops))
+        widths = [WIDTH] + [op.width for op in spec.ops]
+        for index, op in enumerate(spec.ops, start=1):
+            width_in = widths[op.inputs[0]]
+            if op.kind == "frozen_or_trainable_linear":
+                layer = nn.Linear(width_in, op.width)
+            elif op.kind == "dataset_constant_add":
+                layer = nn.Module()
+                layer.c = nn.Parameter(torch.randn(width_in, generator=generator))
+                layer.m = nn.Parameter(torch.randn(width_in, width_in, generator=generator))
+            else:
+                continue
+            self.add_module(f"node{index}", layer)
+
+    def forward(self, x, y):
+        values = [x]
+        for index, op in enumerate(self.spec.ops, start=1):
+            values.append(self._apply(index, op, [values[i] for i in op.inputs]))
+        prediction = sum(values[index].sum(1) for index in self.spec.outputs)
+        if self.spec.loss == "mse":
+            return F.mse_loss(prediction, y)
+        return prediction.mean()
+
+    def _apply(self, index: int, op: Op, inputs: list[torch.Tensor]) -> torch.Tensor:
+        h = inputs[0]
+        if op.kind == "frozen_or_trainable_linear":
+            return getattr(self, f"node{index}")(h)
+        if op.kind == "add":
+            return h + inputs[1]
+        if op.kind == "mul":
+            return h * inputs[1]
+        if op.kind == "tanh":
+            return torch.tanh(h)
+        if op.kind == "view_transpose_reshape":
+            return h.view(-1, 2, op.width // 2).transpose(1, 2).reshape(-1, op.width)
+        if op.kind == "cat":
+            return torch.cat([h, h], dim=1)
+        if op.kind == "narrow":
+            return h[:, : op.width]
+        if op.kind == "randn_like_add":
+            return h + torch.randn_like(h)
+        if op.kind == "dropout_train":
+            return F.dropout(h, p=0.5, training=True)
+        if op.kind == "batch_mean":
+            return h - h.mean(0)
+        if op.kind == "dataset_constant_add":
+            holder = getattr(self, f"node{index}")
+            return h + torch.tanh(holder.c @ holder.m)
+        raise AssertionError(op.kind)
+
+
+def build(spec: StepSpec) -> tuple[GeneratedStep, tuple[torch.Tensor, torch.Tensor], object]:
+    """The model, an example batch, and the ``frozen=`` argument in the drawn form."""
+    torch.manual_seed(0)
+    model = GeneratedStep(spec)
+    frozen_modules = [f"node{index}" for index, op in enumerate(spec.ops, start=1) if op.frozen]
+    if spec.frozen_form == "requires_grad":
+        for name in frozen_modules:
+            model.get_submodule(name).requires_grad_(False)
+        frozen = None
+    elif spec.frozen_form == "prefixes":
+        frozen = frozen_modules
+    elif spec.frozen_form == "modules":
+        frozen = [model.get_submodule(name) for name in frozen_modules]
+    else:
+        frozen = lambda name, param: name.split(".")[0] in frozen_modules  # noqa: E731
+    args = (batch(BATCH, WIDTH, seed=1), batch(BATCH, seed=2))
+    return model, args, frozen
+
+
+def split_spec(spec: StepSpec) -> tuple[GeneratedStep, tuple, graphsplit.Split]:
+    model, args, frozen = build(spec)
+    return model, args, graphsplit.split(model, args, frozen=frozen)
+
+
+# -- brute force ------------------------------------------------------------------------------
+def _closure(starts: set[fx.Node], step) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    pending = list(starts)
+    while pending:
+        node = pending.pop()
+        if node not in seen:
+            seen.add(node)
+            pending.extend(step(node))
+    return seen
+
+
+def brute_force_optimum(graph: fx.Graph, taint: dict[fx.Node, Taint]) -> int:
+    """The least bytes per sample of any valid boundary, by enumerating candidate sets.
+
+    A set of storable nodes is a valid boundary when stage 2 -- walking back from what it must
+    compute through inputs, stopping at boundary values, as ``graphsplit.cut.stages_for`` does --
+    never reaches an input (placeholder) or a banned node. What stage 2 must compute is the
+    output and every tainted node (the cut drains both to its sink: a random draw must happen in
+    stage 2 even when its value is unused). Only storable nodes that lie between a forbidden node
+    and a required one can matter, so only those are enumerated.
+    """
+    nodes = [node for node in graph.nodes if node.op != "output"]
+    output = next(node for node in graph.nodes if node.op == "output")
+    required = set(output.all_input_nodes) | set(taint)
+    forbidden = {n for n in nodes if n.op == "placeholder" or is_banned(n, taint)}
+    upstream = _closure(required, lambda node: node.all_input_nodes)
+    downstream = _closure(forbidden, lambda node: node.users)
+    candidates = [
+        node
+        for node in nodes
+        if is_storable(node, taint) and node in upstream and node in downstream
+    ]
+    assume(len(candidates) <= MAX_CANDIDATES)
+
+    def valid(boundary: set[fx.Node]) -> bool:
+        seen: set[fx.Node] = set()
+        pending = list(required)
+        while pending:
+            node = pending.pop()
+            if node in seen or node in boundary:
+                continue
+            if node in forbidden:
+                return False
+            seen.add(node)
+            pending.extend(node.all_input_nodes)
+        return True
+
+    best = None
+    for size in range(len(candidates) + 1):
+        for subset in itertools.combinations(candidates, size):
+            cost = sum(storage_cost(node) for node in subset)
+            if (best is None or cost < best) and valid(set(subset)):
+                best = cost
+    assert best is not None, "no valid boundary: the inputs themselves always are one"
+    return best
+
+
+# -- properties ------------------------------------------------------------------------------
+PROPERTY_SETTINGS = settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+@PROPERTY_SETTINGS
+@given(step_specs())
+def test_verify_is_exact(spec):
+    model, args, split = split_spec(spec)
+    comparisons = graphsplit.verify(model, split, args)
+    assert comparisons and all(comparison.ok for comparison in comparisons)
+
+
+@PROPERTY_SETTINGS
+@given(step_specs())
+def test_each_stage_owns_what_it_must(spec):
+    model, _, split = split_spec(spec)
+    taint = split.cut.taint
+    assert not param_names(split.stage1, model) & split.trainable
+    assert not [node.name for node in split.cut.stage1 if node in taint]
+    output = next(node for node in split.graph.nodes if node.op == "output")
+    needed = _closure(set(output.all_input_nodes), lambda node: node.all_input_nodes)
+    # Dead pure values may be dropped; a dead random draw may not (it moves the RNG stream).
+    must_run = [node for node in taint if node in needed or facts(node).random_ops]
+    assert not [node.name for node in must_run if node not in split.cut.stage2]
+    assert not [node.name for node in split.cut.stage2 if is_banned(node, taint)]
+
+
+@PROPERTY_SETTINGS
+@given(step_specs())
+def test_boundary_bytes_are_optimal(spec):
+    _, _, split = split_spec(spec)
+    chosen = sum(storage_cost(node) for node in split.cut.boundary)
+    assert all(is_storable(node, split.cut.taint) for node in split.cut.boundary)
+    assert chosen == brute_force_optimum(split.graph, split.cut.taint)
