@@ -3,6 +3,8 @@
 Glossary:
     batch dim: found by running the graph at two batch sizes; the one dim whose size follows
         the batch size. ``None`` for values that do not change with it (per-dataset constants).
+    batch-size value: a Python int equal to the batch size in both runs (``x.shape[0]``);
+        stage 2 can read it off any cached tensor instead of the tensor it came from.
     per-sample: a tensor whose batch dim holds exactly one row per sample, so it can be cut
         into rows and cached. ``(2B, ...)`` layouts or flattened batches are not.
     random: the node ran an ATen op tagged ``nondeterministic_seeded`` with arguments that do
@@ -50,6 +52,7 @@ class NodeFacts:
     random_ops: tuple[str, ...]
     mixing: str | None  # why the node mixes samples, or None
     params: frozenset[str]  # qualified names of the parameters the node reads directly
+    is_batch_size: bool = False  # a Python int equal to the batch size in both runs
 
     @property
     def per_sample(self) -> bool:
@@ -190,9 +193,7 @@ def _run(
     return _Run(values, ops, flops)
 
 
-def _check_guards(
-    traced: Traced, values: dict[fx.Node, Any], batch_sizes: tuple[int, int]
-) -> None:
+def _check_guards(traced: Traced, values: dict[fx.Node, Any], batch_sizes: tuple[int, int]) -> None:
     for guard in traced.guards:
         if guard.node not in values:
             continue
@@ -248,8 +249,12 @@ def _params_read(node: fx.Node, model: nn.Module, name_of: dict[int, str]) -> fr
 def _tensor_facts(value_a: Any, value_b: Any, batch_sizes: tuple[int, int]) -> dict[str, Any]:
     type_name = f"{type(value_a).__module__}.{type(value_a).__qualname__}"
     if not isinstance(value_a, torch.Tensor) or not isinstance(value_b, torch.Tensor):
+        is_batch_size = (
+            type(value_a) is int and type(value_b) is int and (value_a, value_b) == batch_sizes
+        )
         return {
             "is_tensor": False,
+            "is_batch_size": is_batch_size,
             "type_name": type_name,
             "shape": None,
             "dtype": None,
@@ -262,6 +267,7 @@ def _tensor_facts(value_a: Any, value_b: Any, batch_sizes: tuple[int, int]) -> d
     per_sample = total // batch_sizes[0] if isinstance(batch_dim, int) else 0
     return {
         "is_tensor": True,
+        "is_batch_size": False,
         "type_name": "torch.Tensor",
         "shape": tuple(value_a.shape),
         "dtype": value_a.dtype,

@@ -121,10 +121,13 @@ def split(
         True
     """
     inputs = _bind_inputs(model, args, dict(kwargs or {}))
-    batch_sizes = _batch_sizes(inputs)
+    example_batch = _example_batch_size(inputs)
+    # Probe at two sizes >= 2: at size 1, kernels pick other ops (a reshape of a transposed
+    # tensor is a view at batch 1 and a copy at batch 3), which would look like batch mixing.
+    batch_sizes = (max(example_batch, 2), max(example_batch, 2) + 2)
     examples = (
-        _example_values(inputs, batch_sizes[0], batch_sizes[0]),
-        _example_values(inputs, batch_sizes[0], batch_sizes[1]),
+        _example_values(inputs, example_batch, batch_sizes[0]),
+        _example_values(inputs, example_batch, batch_sizes[1]),
     )
     frozen_names = resolve_frozen(model, frozen)
     param_names = {id(param): name for name, param in model.named_parameters()}
@@ -171,11 +174,10 @@ def _bind_inputs(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     return dict(bound.arguments)
 
 
-def _batch_sizes(inputs: dict[str, Any]) -> tuple[int, int]:
+def _example_batch_size(inputs: dict[str, Any]) -> int:
     for value in inputs.values():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
-            size = int(value.shape[0])
-            return size, size + 2
+            return int(value.shape[0])
     raise SplitError(
         "The example batch holds no tensor with a batch dimension.\n"
         "  fix:    pass at least one batched tensor (batch along dim 0) in args/kwargs"

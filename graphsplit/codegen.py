@@ -76,6 +76,13 @@ def build_stage2(
         env[node] = stage.placeholder(key)
         env[node].meta = dict(node.meta)
     for node in graph.nodes:
-        if node in cut.stage2 or node.op == "output":
+        if node in cut.reanchored:
+            # The batch size, read off a cached tensor instead of the input it came from.
+            batch_dim = cut.anchor.meta["facts"].batch_dim
+            env[node] = stage.create_node(
+                "call_method", "size", (env[cut.anchor], batch_dim), name=node.name
+            )
+            env[node].meta = dict(node.meta)
+        elif node in cut.stage2 or node.op == "output":
             env[node] = stage.node_copy(node, env.__getitem__)
     return _module(stage, model, constants, "Stage2")

@@ -58,6 +58,10 @@ class Cut:
     stage1: frozenset[fx.Node]
     stage2: frozenset[fx.Node]
     taint: dict[fx.Node, Taint]
+    # Batch-size values stage 2 reads off a cached tensor (``anchor.size(batch_dim)``) because
+    # the tensor they came from is not in stage 2.
+    reanchored: frozenset[fx.Node] = frozenset()
+    anchor: fx.Node | None = None
 
 
 def facts(node: fx.Node) -> NodeFacts:
@@ -122,7 +126,12 @@ def storage_cost(node: fx.Node) -> int:
     return facts(node).bytes_per_sample if facts(node).per_sample else 0
 
 
-def _flow_network(graph: fx.Graph, taint: dict[fx.Node, Taint]) -> nx.DiGraph:
+def _is_batch_size(node: fx.Node, taint: dict[fx.Node, Taint]) -> bool:
+    return node not in taint and "facts" in node.meta and facts(node).is_batch_size
+
+
+def _flow_network(graph: fx.Graph, taint: dict[fx.Node, Taint], *, anchorable: bool) -> nx.DiGraph:
+    """The node-split network; with ``anchorable``, batch-size values need no inputs."""
     nodes = [node for node in graph.nodes if node.op != "output"]
     weight = 3 * len(nodes) + 1
     network = nx.DiGraph()
@@ -141,7 +150,7 @@ def _flow_network(graph: fx.Graph, taint: dict[fx.Node, Taint]) -> nx.DiGraph:
         for user in node.users:
             if user.op == "output":
                 network.add_edge(v_out, _SINK)
-            else:
+            elif not (anchorable and _is_batch_size(user, taint)):
                 network.add_edge(v_out, f"{user.name}:in")
     return network
 
@@ -149,21 +158,29 @@ def _flow_network(graph: fx.Graph, taint: dict[fx.Node, Taint]) -> nx.DiGraph:
 def choose_boundary(graph: fx.Graph, trainable: frozenset[str]) -> Cut:
     """The cheapest exact boundary; raises :class:`SplitError` when none exists."""
     taint = compute_taint(graph, trainable)
-    network = _flow_network(graph, taint)
+    cut = stages_for(graph, _min_cut(graph, taint, anchorable=True), taint)
+    if cut.reanchored and cut.anchor is None:  # nothing per-sample to read the batch size off
+        cut = stages_for(graph, _min_cut(graph, taint, anchorable=False), taint)
+    return cut
+
+
+def _min_cut(
+    graph: fx.Graph, taint: dict[fx.Node, Taint], *, anchorable: bool
+) -> tuple[fx.Node, ...]:
+    network = _flow_network(graph, taint, anchorable=anchorable)
     try:
         _, (source_side, _) = nx.minimum_cut(
             network, _SOURCE, _SINK, flow_func=nx.algorithms.flow.dinitz
         )
     except nx.NetworkXUnbounded:
         raise _infeasible(graph, taint) from None
-    boundary = tuple(
+    return tuple(
         node
         for node in graph.nodes
         if node.op != "output"
         and f"{node.name}:in" in source_side
         and f"{node.name}:out" not in source_side
     )
-    return stages_for(graph, boundary, taint)
 
 
 def stages_for(
@@ -177,14 +194,28 @@ def stages_for(
     # Every random draw runs in stage 2, used or not: skipping one would shift the draws after it.
     draws = [n for n in graph.nodes if "facts" in n.meta and facts(n).random_ops]
     pending = list(output.all_input_nodes) + draws
+    deferred: list[fx.Node] = []  # batch-size values: their inputs are needed only maybe
     while pending:
         node = pending.pop()
         if node in stage2 or node in boundary_set:
+            continue
+        if _is_batch_size(node, taint):
+            if node not in deferred:
+                deferred.append(node)
             continue
         if node.op == "placeholder":
             raise AssertionError(f"stage 2 would need input {node.name}: boundary is not a cut")
         stage2.add(node)
         pending.extend(node.all_input_nodes)
+    reanchored = set()
+    for node in deferred:
+        needed = _size_inputs(node, stage2 | boundary_set)
+        if needed is None:
+            reanchored.add(node)
+        else:
+            stage2 |= needed | {node}
+    anchor = next((n for n in boundary if "facts" in n.meta and facts(n).per_sample), None)
+    stage2 |= reanchored
     stage1: set[fx.Node] = {node for node in graph.nodes if node.op == "placeholder"}
     pending = list(boundary)
     while pending:
@@ -192,7 +223,24 @@ def stages_for(
         if node not in stage1:
             stage1.add(node)
             pending.extend(node.all_input_nodes)
-    return Cut(boundary, frozenset(stage1), frozenset(stage2), taint)
+    return Cut(boundary, frozenset(stage1), frozenset(stage2), taint, frozenset(reanchored), anchor)
+
+
+def _size_inputs(node: fx.Node, available: set[fx.Node]) -> set[fx.Node] | None:
+    """The shape-reading nodes between ``node`` and tensors stage 2 has, or None if missing."""
+    needed: set[fx.Node] = set()
+    pending = list(node.all_input_nodes)
+    while pending:
+        source = pending.pop()
+        if source in available or source in needed:
+            continue
+        if "facts" in source.meta and facts(source).is_tensor:
+            return None  # reading this size would need a tensor stage 2 does not have
+        if source.op == "placeholder":
+            return None
+        needed.add(source)
+        pending.extend(source.all_input_nodes)
+    return needed
 
 
 def _infeasible(graph: fx.Graph, taint: dict[fx.Node, Taint]) -> SplitError:

@@ -37,6 +37,7 @@ from safetensors import safe_open
 from graphsplit.cache_errors import CacheError, CorruptCacheError, ManifestError, StaleCacheError
 from graphsplit.fingerprint import (
     BINDING_PARTS,
+    UNKNOWN_WEIGHTS,
     Fingerprint,
     describe_differences,
     differences,
@@ -170,7 +171,7 @@ class CachedDataset(torch.utils.data.Dataset):
         self._verified: set[int] = set()
         self._corrupt: dict[int, str] = {}
         if split is not None:
-            _check_fingerprint(self.manifest, fingerprint(split), self.path)
+            _check_fingerprint(self.manifest, fingerprint(split, allow_meta=True), self.path)
         if expected_keys is not None:
             self._check_keys(expected_keys)
         self.layout = _Layout(
@@ -423,6 +424,13 @@ def _check_fingerprint(manifest: Manifest, current: Fingerprint, path: Path) -> 
             f"the cache at {path} was not made by this split: "
             f"{describe_differences(cached, current, parts=binding)}.\n  fix: rebuild the cache "
             "with graphsplit.cache(split, loader, path, overwrite=True)"
+        )
+    if current.weights == UNKNOWN_WEIGHTS:
+        warnings.warn(
+            f"the frozen weights of this split are on the meta device, so the cache at {path} "
+            "is checked for code and boundary only; its weights were fingerprinted when it "
+            "was written (graphsplit.cache refuses stale weights then).",
+            stacklevel=3,
         )
     if "versions" in parts:
         warnings.warn(

@@ -67,10 +67,16 @@ class Fingerprint:
         }
 
 
-def fingerprint(split: Any) -> Fingerprint:
+# The weights digest of a split whose frozen modules are on ``meta`` (a stage-2 process).
+UNKNOWN_WEIGHTS = "unknown: stage 1's frozen tensors are on the meta device"
+
+
+def fingerprint(split: Any, *, allow_meta: bool = False) -> Fingerprint:
     """Fingerprint ``split.stage1``: its code, the frozen tensors it holds and its boundary.
 
-    Hashing reads every frozen weight once (about 1.5 GB/s on one CPU core).
+    Hashing reads every frozen weight once (about 1.5 GB/s on one CPU core). With
+    ``allow_meta``, a split whose frozen tensors are on ``meta`` (a training process that never
+    loads them) gets :data:`UNKNOWN_WEIGHTS`: its code and boundary can still be checked.
 
     Example:
         >>> import torch
@@ -82,17 +88,27 @@ def fingerprint(split: Any) -> Fingerprint:
         >>> differences(a, fingerprint(SimpleNamespace(stage1=stage1, boundary={})))
         ('weights',)
     """
+    held = _held_tensors(split.stage1)
+    on_meta = any(tensor.device.type == "meta" for _, tensor in held)
     return Fingerprint(
         code=_digest_text(_normalized_code(split.stage1.code)),
-        weights=_digest_tensors(_held_tensors(split.stage1)),
+        weights=UNKNOWN_WEIGHTS if allow_meta and on_meta else _digest_tensors(held),
         boundary=_digest_text(json.dumps(_boundary_identity(split.boundary))),
         versions=current_versions(),
     )
 
 
 def differences(cached: Fingerprint, current: Fingerprint) -> tuple[str, ...]:
-    """The parts (in :data:`PARTS` order) whose digests differ between two fingerprints."""
-    return tuple(part for part in PARTS if getattr(cached, part) != getattr(current, part))
+    """The parts (in :data:`PARTS` order) whose digests differ between two fingerprints.
+
+    Weights that one side could not read (:data:`UNKNOWN_WEIGHTS`) are not compared.
+    """
+    unknown = UNKNOWN_WEIGHTS in (cached.weights, current.weights)
+    return tuple(
+        part
+        for part in PARTS
+        if getattr(cached, part) != getattr(current, part) and not (part == "weights" and unknown)
+    )
 
 
 def describe_differences(

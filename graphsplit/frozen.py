@@ -14,9 +14,7 @@ from torch import nn
 
 from graphsplit.errors import SplitError
 
-FrozenSpec = (
-    None | Callable[[str, nn.Parameter], bool] | Iterable[nn.Module] | Iterable[str]
-)
+FrozenSpec = None | Callable[[str, nn.Parameter], bool] | Iterable[nn.Module] | Iterable[str]
 
 
 def resolve_frozen(model: nn.Module, frozen: FrozenSpec) -> frozenset[str]:

@@ -88,10 +88,15 @@ def trap_hint(node: fx.Node, taint: Taint, trainable: frozenset[str]) -> str:
             f"frozen module {owner.target} draws random numbers (dropout active in train "
             f"mode?); call {owner.target}.eval() to make it cacheable"
         )
+    if "BatchNorm" in taint.reason:
+        return (
+            f"frozen module {owner.target} mixes samples (BatchNorm in train mode normalises "
+            f"across the batch and updates running stats); call {owner.target}.eval() to make "
+            "it cacheable"
+        )
     return (
-        f"frozen module {owner.target} mixes samples (BatchNorm in train mode normalises "
-        f"across the batch and updates running stats); call {owner.target}.eval() to make "
-        "it cacheable"
+        f"frozen module {owner.target} was judged to mix samples of the batch; if it treats "
+        "samples independently, please report this plan"
     )
 
 

@@ -437,3 +437,33 @@ def test_no_warnings_on_a_clean_read(path):
         cached = CachedDataset(path, make_split())
         collate([cached[0], cached[1]])
     assert data_module.CachedDataset is CachedDataset
+
+
+def test_a_split_with_frozen_weights_on_meta_checks_code_and_boundary_only(tmp_path):
+    """A stage-2 process never loads the frozen weights; the cache run checked them."""
+
+    def step(on_meta: bool) -> torch.nn.Module:
+        with torch.device("meta" if on_meta else "cpu"):
+            encoder = torch.nn.Linear(4, 4).requires_grad_(False)
+        torch.manual_seed(0)
+        return torch.nn.Sequential(encoder, torch.nn.Linear(4, 1))
+
+    import graphsplit
+
+    x = torch.randn(2, 4)
+    cache(
+        graphsplit.split(step(False), (x,)),
+        [{"input": torch.randn(2, 4)}],
+        tmp_path,
+        progress=False,
+    )
+    with pytest.warns(UserWarning, match="checked for code and boundary only"):
+        dataset = CachedDataset(tmp_path, graphsplit.split(step(True), (x,)))
+    assert len(dataset) == 2
+    other = torch.nn.Sequential(
+        torch.nn.Linear(4, 4, device="meta").requires_grad_(False),
+        torch.nn.Tanh(),
+        torch.nn.Linear(4, 1),
+    )
+    with pytest.raises(StaleCacheError, match="stage-1 code differs"):
+        CachedDataset(tmp_path, graphsplit.split(other, (x,)))

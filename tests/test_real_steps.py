@@ -211,3 +211,10 @@ def test_traps_are_reported_not_cached(model_type, words):
     model.eval()
     cached = split_and_verify(model, (torch.randn(4, 8),))
     assert "encoder" in cached.boundary
+
+
+def test_batch_of_one_caches_the_text_encoder_too():
+    """At batch 1 kernels dispatch other ops (views for copies); that is not batch mixing."""
+    step = build_sd_lora_step(seed=0)
+    split = split_and_verify(step, _batch(size=1))
+    assert list(split.boundary) == ["vae_encode_latent_dist_parameters", "text_encoder_0"]

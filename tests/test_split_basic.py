@@ -29,8 +29,9 @@ def test_frozen_encoder_output_is_the_boundary():
     assert spec.shape == (3, 4) and spec.batch_dim == 0 and spec.bytes_per_sample == 16
     assert spec.source.endswith(".py:" + spec.source.rsplit(":", 1)[1])
     assert param_names(split.stage2, model) == {"head.weight", "head.bias"}
-    assert param_names(split.stage1, model) == {n for n, _ in model.encoder.named_parameters(
-        prefix="encoder")}
+    assert param_names(split.stage1, model) == {
+        n for n, _ in model.encoder.named_parameters(prefix="encoder")
+    }
 
 
 def test_stage_code_calls_the_users_modules():

@@ -464,8 +464,6 @@ class BatchSizeFromTheRawInput(nn.Module):
         return (self.head(latents).squeeze(-1) * steps).mean()
 
 
-@pytest.mark.xfail(strict=True, reason="stage 2 reads the batch size from the raw input; "
-                   "re-anchoring batch-size reads on a boundary tensor is not built yet")
 def test_stage2_reading_the_batch_size_of_an_input_does_not_cache_the_input():
     model = BatchSizeFromTheRawInput()
     split = split_and_verify(model, (batch(3, 64),))

@@ -1,0 +1,486 @@
+"""Planning at full size: ``graphsplit.split()`` on real-sized configs built entirely on ``meta``.
+
+No real weight is ever allocated: every module and every example input lives on the ``meta``
+device, which is all ``split()`` needs (it reads shapes, dtypes and devices only). Cases:
+
+- ``sdxl``: a CLIP-L text encoder, the SD VAE and an SDXL-sized ``UNet2DConditionModel``
+  (cross-attention 768, fed by CLIP-L) with peft LoRA on ``to_q/to_k/to_v/to_out.0``; the
+  zoo's :class:`~graphsplit.zoo.SDLoRAStep`, batch 1 at 1024 px (latents 128 x 128).
+- ``flux``: a 12B-parameter ``FluxTransformer2DModel`` with LoRA, a T5-XXL-sized
+  ``T5EncoderModel`` (512 tokens), a CLIP-L text model for the pooled embedding and a Flux VAE
+  (16 latent channels); a rectified-flow step written as users write it, batch 1 at 1024 px.
+- ``tiny``: the zoo's tiny SD step on ``meta`` (for the smoke test).
+
+Each case runs in a fresh subprocess (``--child CASE``), so its ``ru_maxrss`` is its own: it
+reports the time to build the models on ``meta``, the wall time of ``split()`` (after a warm-up
+split of the tiny step that pays torch's and fx's first-call costs), the Python heap peak during
+a second ``split()`` under tracemalloc, the process's RSS before and after, and the bytes the
+weights *would* take, so "no real weight memory" can be checked against it. A case that fails
+inside graphsplit is recorded with its error text (``status: "failed: ..."``); the others run.
+
+    python -m benchmarks.bench_plan_scale                   # sdxl and flux
+    python -m benchmarks.bench_plan_scale --cases tiny --out /tmp/results
+
+Writes ``plan_scale.json`` and ``plan_scale.md`` to ``--out`` (default ``benchmarks/results/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+DEFAULT_CASES = ("sdxl", "flux", "flux_diffusers_ids")
+ALL_CASES = ("tiny", *DEFAULT_CASES)
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+META = torch.device("meta")
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+
+# -- configs ----------------------------------------------------------------------------------
+CLIP_L = {
+    "vocab_size": 49408,
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "max_position_embeddings": 77,
+    "hidden_act": "quick_gelu",
+    "projection_dim": 768,
+    "bos_token_id": 49406,
+    "eos_token_id": 49407,
+    "pad_token_id": 1,
+}
+T5_XXL = {
+    "vocab_size": 32128,
+    "d_model": 4096,
+    "d_ff": 10240,
+    "d_kv": 64,
+    "num_layers": 24,
+    "num_heads": 64,
+    "feed_forward_proj": "gated-gelu",
+    "is_encoder_decoder": False,
+    "use_cache": False,
+}
+SD_VAE = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ("DownEncoderBlock2D",) * 4,
+    "up_block_types": ("UpDecoderBlock2D",) * 4,
+    "block_out_channels": (128, 256, 512, 512),
+    "layers_per_block": 2,
+    "latent_channels": 4,
+    "norm_num_groups": 32,
+    "sample_size": 1024,
+}
+FLUX_VAE = {
+    **SD_VAE,
+    "latent_channels": 16,
+    "scaling_factor": 0.3611,
+    "shift_factor": 0.1159,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+}
+SDXL_UNET = {
+    "sample_size": 128,
+    "in_channels": 4,
+    "out_channels": 4,
+    "block_out_channels": (320, 640, 1280),
+    "layers_per_block": 2,
+    "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    "up_block_types": ("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+    "transformer_layers_per_block": (1, 2, 10),
+    "attention_head_dim": (5, 10, 20),
+    "cross_attention_dim": 768,  # CLIP-L's width (SDXL proper concatenates two encoders: 2048)
+    "use_linear_projection": True,
+    "norm_num_groups": 32,
+}
+FLUX_DIT = {
+    "patch_size": 1,
+    "in_channels": 64,
+    "num_layers": 19,
+    "num_single_layers": 38,
+    "attention_head_dim": 128,
+    "num_attention_heads": 24,
+    "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768,
+    "guidance_embeds": True,
+    "axes_dims_rope": (16, 56, 56),
+}
+RESOLUTION = 1024
+T5_TOKENS = 512
+CLIP_TOKENS = 77
+
+
+# -- models -----------------------------------------------------------------------------------
+def _frozen(module: nn.Module) -> nn.Module:
+    module.requires_grad_(False)
+    return module.eval()
+
+
+def _lora(module: nn.Module, rank: int = 16) -> nn.Module:
+    """diffusers' own ``add_adapter``, as in its LoRA training examples; only LoRA trains."""
+    from peft import LoraConfig
+
+    module.add_adapter(
+        LoraConfig(
+            r=rank, lora_alpha=rank, init_lora_weights="gaussian", target_modules=LORA_TARGETS
+        )
+    )
+    for name, param in module.named_parameters():
+        param.requires_grad_("lora_" in name)
+    return module.train()
+
+
+def _clip_l() -> nn.Module:
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    return _frozen(CLIPTextModel(CLIPTextConfig(**CLIP_L)))
+
+
+class FluxLoRAStep(nn.Module):
+    """A rectified-flow (flow-matching) LoRA step for a Flux-style DiT, as users write it.
+
+    ``forward(pixel_values, t5_ids, clip_ids)`` returns the velocity-matching loss. The VAE
+    latent is sampled, shifted and scaled; ``t ~ U(0, 1)``; ``x_t = (1 - t) x0 + t noise``; the
+    latent is packed into 2 x 2 patches as tokens; the DiT predicts ``noise - x0``. With
+    ``diffusers_helpers`` the image position ids come from ``FluxPipeline``'s own helper (as in
+    diffusers' Flux LoRA training script), which fills a ``torch.zeros(h, w, 3)`` in place.
+    """
+
+    def __init__(
+        self, vae, t5, clip, transformer, guidance_scale=3.5, diffusers_helpers=False
+    ) -> None:
+        super().__init__()
+        self.diffusers_helpers = diffusers_helpers
+        self.vae = vae
+        self.text_encoder = clip
+        self.text_encoder_2 = t5
+        self.transformer = transformer
+        self.guidance_scale = guidance_scale
+
+    @staticmethod
+    def pack(latents: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = latents.shape
+        latents = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+        return latents.reshape(b, (h // 2) * (w // 2), c * 4)
+
+    @staticmethod
+    def unpack(tokens: torch.Tensor, c: int, h: int, w: int) -> torch.Tensor:
+        b = tokens.shape[0]
+        tokens = tokens.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
+        return tokens.reshape(b, c, h, w)
+
+    def forward(self, pixel_values, t5_ids, clip_ids) -> torch.Tensor:
+        config = self.vae.config
+        x0 = self.vae.encode(pixel_values).latent_dist.sample()
+        x0 = (x0 - config.shift_factor) * config.scaling_factor
+        prompt_embeds = self.text_encoder_2(t5_ids)[0]
+        pooled = self.text_encoder(clip_ids).pooler_output
+        b, c, h, w = x0.shape
+        noise = torch.randn_like(x0)
+        t = torch.rand(b, device=x0.device, dtype=x0.dtype)
+        x_t = (1 - t.view(b, 1, 1, 1)) * x0 + t.view(b, 1, 1, 1) * noise
+        if self.diffusers_helpers:  # diffusers' train_dreambooth_lora_flux.py, verbatim
+            from diffusers import FluxPipeline
+
+            img_ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, x0.device, x0.dtype)
+        else:  # the same ids, written without in-place item assignment
+            rows = torch.arange(h // 2, device=x0.device, dtype=x0.dtype)
+            cols = torch.arange(w // 2, device=x0.device, dtype=x0.dtype)
+            rows = rows[:, None].expand(h // 2, w // 2)
+            cols = cols[None, :].expand(h // 2, w // 2)
+            img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3)
+        seq = prompt_embeds.shape[1]
+        if self.diffusers_helpers:  # FluxPipeline.encode_prompt's text ids
+            txt_ids = torch.zeros(seq, 3, device=x0.device, dtype=x0.dtype)
+        else:
+            txt_ids = torch.zeros((seq, 3), device=x0.device, dtype=x0.dtype)
+        guidance = None
+        if self.guidance_scale is not None:
+            guidance = torch.full((b,), self.guidance_scale, device=x0.device)
+        pred = self.transformer(
+            hidden_states=self.pack(x_t),
+            encoder_hidden_states=prompt_embeds,
+            pooled_projections=pooled,
+            timestep=t,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=guidance,
+            return_dict=False,
+        )[0]
+        target = noise - x0
+        return F.mse_loss(self.unpack(pred, c, h, w).float(), target.float())
+
+
+def build_tiny(batch: int = 2) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    from graphsplit.zoo import SD_SIZES, build_sd_lora_step
+
+    size = SD_SIZES["tiny"]
+    step = build_sd_lora_step(size="tiny", frozen_on_meta=True, trainable_on_meta=True)
+    with META:
+        pixels = torch.empty(batch, 3, size.resolution, size.resolution)
+        ids = torch.zeros(batch, size.max_tokens, dtype=torch.long)
+    return step, (pixels, ids)
+
+
+def build_sdxl(batch: int = 1) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+
+    from graphsplit.zoo import SDLoRAStep
+
+    with META:
+        vae = _frozen(AutoencoderKL(**SD_VAE))
+        text_encoder = _clip_l()
+        unet = _lora(_frozen(UNet2DConditionModel(**SDXL_UNET)))
+        pixels = torch.empty(batch, 3, RESOLUTION, RESOLUTION)
+        ids = torch.zeros(batch, CLIP_TOKENS, dtype=torch.long)
+    scheduler = DDPMScheduler(num_train_timesteps=1000, beta_schedule="scaled_linear")
+    return SDLoRAStep(vae, text_encoder, unet, scheduler), (pixels, ids)
+
+
+def build_flux(batch: int = 1, diffusers_helpers: bool = False) -> tuple[nn.Module, tuple]:
+    from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from transformers import T5Config, T5EncoderModel
+
+    with META:
+        vae = _frozen(AutoencoderKL(**FLUX_VAE))
+        t5 = _frozen(T5EncoderModel(T5Config(**T5_XXL)))
+        clip = _clip_l()
+        transformer = _lora(_frozen(FluxTransformer2DModel(**FLUX_DIT)))
+        pixels = torch.empty(batch, 3, RESOLUTION, RESOLUTION)
+        t5_ids = torch.zeros(batch, T5_TOKENS, dtype=torch.long)
+        clip_ids = torch.zeros(batch, CLIP_TOKENS, dtype=torch.long)
+    step = FluxLoRAStep(vae, t5, clip, transformer, diffusers_helpers=diffusers_helpers)
+    return step, (pixels, t5_ids, clip_ids)
+
+
+def build_flux_diffusers_ids(batch: int = 1) -> tuple[nn.Module, tuple]:
+    return build_flux(batch, diffusers_helpers=True)
+
+
+BUILDERS: dict[str, Callable[[int], tuple[nn.Module, tuple[torch.Tensor, ...]]]] = {
+    "tiny": build_tiny,
+    "sdxl": build_sdxl,
+    "flux": build_flux,
+    "flux_diffusers_ids": build_flux_diffusers_ids,
+}
+
+
+# -- measuring (child process) ----------------------------------------------------------------
+def _rss_mib(kind: str = "max") -> float:
+    if kind == "max":
+        # ru_maxrss is KiB on Linux and bytes on macOS.
+        per_mib = 2**20 if sys.platform == "darwin" else 2**10
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / per_mib
+    try:  # current RSS (Linux); falls back to the maximum elsewhere
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return _rss_mib("max")
+
+
+def _component_params(model: nn.Module) -> dict[str, float]:
+    return {
+        name: sum(p.numel() for p in child.parameters()) / 1e9
+        for name, child in model.named_children()
+        if next(child.parameters(), None) is not None
+    }
+
+
+def measure_case(case: str, batch: int | None = None) -> dict[str, Any]:
+    """Build ``case`` on meta and split it; everything a row of the table needs."""
+    import graphsplit
+
+    batch = batch or (2 if case == "tiny" else 1)
+    row: dict[str, Any] = {"case": case, "batch": batch, "status": "ok"}
+    graphsplit.split(*build_tiny())  # warm-up: first-call costs of torch, fx, diffusers
+    row["rss_before_build_mib"] = _rss_mib("now")
+    try:
+        started = time.perf_counter()
+        model, args = BUILDERS[case](batch)
+        row["build_seconds"] = time.perf_counter() - started
+        row["rss_after_build_mib"] = _rss_mib("now")
+        params = list(model.parameters())
+        row["params_billion"] = sum(p.numel() for p in params) / 1e9
+        row["trainable_params_million"] = sum(p.numel() for p in params if p.requires_grad) / 1e6
+        row["component_params_billion"] = _component_params(model)
+        row["weights_gib_if_real"] = sum(p.numel() * p.element_size() for p in params) / 2**30
+        row["all_params_on_meta"] = all(p.is_meta for p in params)
+        row["batch_shapes"] = [list(a.shape) for a in args]
+        started = time.perf_counter()
+        split = graphsplit.split(model, args)
+        row["split_seconds"] = time.perf_counter() - started
+        row["rss_after_split_mib"] = _rss_mib("now")
+        row["graph_nodes"] = len(split.graph.nodes)
+        row["stage2_nodes"] = len(split.cut.stage2)
+        row["boundary"] = {
+            key: {"shape": list(spec.shape), "bytes_per_sample": spec.bytes_per_sample}
+            for key, spec in split.boundary.items()
+        }
+        row["boundary_bytes_per_sample"] = sum(
+            spec.bytes_per_sample for spec in split.boundary.values()
+        )
+        row["frozen_modules_in_stage2"] = [
+            name
+            for name, child in split.stage2.named_children()
+            if next(child.parameters(), None) is not None
+            and not any(p.requires_grad for p in child.parameters())
+        ]
+        row["notes"] = list(split.notes)
+        del split
+        tracemalloc.start()
+        try:
+            graphsplit.split(model, args)
+            row["peak_python_mib"] = tracemalloc.get_traced_memory()[1] / 2**20
+        finally:
+            tracemalloc.stop()
+    except Exception as exc:  # a failing case is a result, not a crash of the benchmark
+        text = str(exc).strip() or repr(exc)
+        row["status"] = f"failed: {type(exc).__name__}: {text}"
+    row["max_rss_mib"] = _rss_mib("max")
+    return row
+
+
+# -- orchestration (parent process) -----------------------------------------------------------
+def run_case(case: str, timeout: float, batch: int | None = None) -> dict[str, Any]:
+    """Run ``--child case`` in a fresh interpreter; a crash becomes a failed row."""
+    command = [sys.executable, "-m", "benchmarks.bench_plan_scale", "--child", case]
+    if batch:
+        command += ["--batch", str(batch)]
+    root = Path(__file__).resolve().parent.parent
+    try:
+        done = subprocess.run(
+            command, cwd=root, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return {"case": case, "status": f"failed: timed out after {timeout:.0f} s"}
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+    return {"case": case, "status": f"failed: exit {done.returncode}: {' | '.join(tail)}"}
+
+
+def environment() -> dict[str, Any]:
+    import diffusers
+    import transformers
+
+    import graphsplit
+
+    return {
+        "graphsplit": graphsplit.__version__,
+        "torch": torch.__version__,
+        "diffusers": diffusers.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+    }
+
+
+def _fmt(row: dict[str, Any], key: str, spec: str) -> str:
+    value = row.get(key)
+    return "–" if value is None else format(value, spec)
+
+
+def markdown_table(results: list[dict[str, Any]]) -> str:
+    lines = [
+        "| case | batch | params (B) | weights if real (GiB) | build on meta s | split() s (≤ 5) "
+        "| graph nodes | boundary | boundary bytes/sample | peak Python MiB | RSS before → after "
+        "split MiB | max RSS MiB | frozen modules left in stage 2 | status |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---|",
+    ]
+    for row in results:
+        boundary = ", ".join(
+            f"`{key}` {tuple(spec['shape'])}" for key, spec in row.get("boundary", {}).items()
+        )
+        rss = "–"
+        if "rss_after_split_mib" in row:
+            rss = f"{row['rss_before_build_mib']:.0f} → {row['rss_after_split_mib']:.0f}"
+        status = row["status"].splitlines()[0].replace("|", "\\|")
+        lines.append(
+            f"| {row['case']} | {_fmt(row, 'batch', 'd')} | {_fmt(row, 'params_billion', '.2f')} "
+            f"| {_fmt(row, 'weights_gib_if_real', '.1f')} | {_fmt(row, 'build_seconds', '.2f')} "
+            f"| {_fmt(row, 'split_seconds', '.2f')} | {_fmt(row, 'graph_nodes', 'd')} "
+            f"| {boundary or '–'} | {_fmt(row, 'boundary_bytes_per_sample', ',d')} "
+            f"| {_fmt(row, 'peak_python_mib', '.1f')} | {rss} | {_fmt(row, 'max_rss_mib', '.0f')} "
+            f"| {', '.join(row.get('frozen_modules_in_stage2', [])) or 'none'} | {status} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_results(results: list[dict[str, Any]], out: Path) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"benchmark": "plan_scale", "environment": environment(), "results": results}
+    json_path = out / "plan_scale.json"
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    markdown_path = out / "plan_scale.md"
+    markdown_path.write_text(markdown_table(results))
+    return json_path, markdown_path
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.bench_plan_scale",
+        description="Time and peak memory of graphsplit.split() on full-size configs on meta.",
+    )
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        choices=ALL_CASES,
+        default=list(DEFAULT_CASES),
+        help="cases to run (default: sdxl flux; tiny is the zoo's tiny SD step)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=600, help="seconds allowed per case (default 600)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT,
+        help="folder for plan_scale.json and plan_scale.md (default: benchmarks/results/)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        help="example batch size (default: 1 for sdxl and flux, as at 1024 px; 2 for tiny)",
+    )
+    parser.add_argument("--child", choices=ALL_CASES, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = parse_args(argv)
+    if options.child:
+        print(json.dumps(measure_case(options.child, options.batch)), flush=True)
+        return 0
+    results = []
+    for case in options.cases:
+        row = run_case(case, options.timeout, options.batch)
+        results.append(row)
+        print(
+            f"{case}: {row['status'].splitlines()[0]}; split {_fmt(row, 'split_seconds', '.2f')} s,"
+            f" max RSS {_fmt(row, 'max_rss_mib', '.0f')} MiB",
+            flush=True,
+        )
+    json_path, markdown_path = write_results(results, options.out)
+    print(markdown_table(results))
+    print(f"wrote {json_path} and {markdown_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
