@@ -215,6 +215,13 @@ def _check_guards(traced: Traced, values: dict[fx.Node, Any], batch_sizes: tuple
 
 
 # -- facts -----------------------------------------------------------------------------------
+def _is_metadata(value: Any) -> bool:
+    """Values that describe tensors rather than hold their data."""
+    if isinstance(value, (torch.device, torch.dtype, torch.Size, bool, int, float)):
+        return True
+    return isinstance(value, tuple) and all(isinstance(item, int) for item in value)
+
+
 def batch_dim_of(shape_a: tuple, shape_b: tuple, batch_sizes: tuple[int, int]) -> int | str | None:
     """The dim that follows the batch size, None if none does, UNKNOWN if not one row/sample."""
     if len(shape_a) != len(shape_b):
@@ -310,8 +317,16 @@ def analyze(
         if node.op == "placeholder":
             depends[node] = node.target in batched_inputs
         else:
-            depends[node] = any(depends[arg] for arg in node.all_input_nodes)
+            # Shapes, devices and dtypes of data are not data: only values carry it along.
+            depends[node] = any(
+                depends[arg] and not _is_metadata(first.values[arg]) for arg in node.all_input_nodes
+            )
         facts = _tensor_facts(first.values[node], second.values[node], batch_sizes)
+        if facts["is_tensor"] and isinstance(facts["batch_dim"], int) and not depends[node]:
+            # Follows the batch size but not the data (torch.arange(B), torch.zeros(B, ...)):
+            # a row belongs to a position in the batch, not to a sample, so it is not cached.
+            facts["batch_dim"] = UNKNOWN
+            facts["bytes_per_sample"] = 0
         mixing = _mixing_op(first.ops.get(node, []), second.ops.get(node, []))
         if mixing is None and depends[node] and facts["is_tensor"] and facts["batch_dim"] is None:
             mixing = "its value depends on the batch's data but has no batch dimension"

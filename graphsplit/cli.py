@@ -1,7 +1,8 @@
 """The ``graphsplit`` command line.
 
-graphsplit demo [--batch-size N] [--resolution PX]   split a built-in text-to-image LoRA step
+graphsplit demo [--steps N] [--samples N] ...       split, cache and train a built-in LoRA step
 graphsplit inspect SPEC [--out DIR]                  report, generated code and picture of a split
+graphsplit cache SPEC --out DIR                      stage 1 over the spec's dataset, into a cache
 graphsplit check-cache DIR                           verify every file of a cache
 
 ``SPEC`` is ``path/to/file.py:function`` or ``package.module:function``; the function returns a
@@ -15,6 +16,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from graphsplit.spec import SpecError, StepSpec, load_spec
 
@@ -35,9 +37,15 @@ def _fail(message: str, code: int) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from graphsplit.demo import run_demo
+    from graphsplit.demo import DemoConfig, run_demo
 
-    return run_demo(batch_size=args.batch_size, resolution=args.resolution)
+    config = DemoConfig(
+        samples=args.samples,
+        batch_size=args.batch_size,
+        resolution=args.resolution,
+        steps=args.steps,
+    )
+    return run_demo(config, out=args.out)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -62,6 +70,64 @@ def _inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _accelerator_if_launched() -> Any:
+    """An ``accelerate.Accelerator`` when run under ``accelerate launch`` with >1 process."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    import torch
+    from accelerate import Accelerator
+
+    return Accelerator(cpu=not torch.cuda.is_available())
+
+
+def _cache(args: argparse.Namespace) -> int:
+    from torch.utils.data import DataLoader
+
+    from graphsplit.api import split
+    from graphsplit.caching import cache
+    from graphsplit.errors import GraphsplitError
+
+    try:
+        spec = load_spec(args.spec)
+    except SpecError as error:
+        return _fail(str(error), EXIT_USAGE)
+    if spec.dataset is None:
+        return _fail(
+            f"{args.spec} returned a StepSpec without a dataset, so there is nothing to cache.\n"
+            "  fix:    pass dataset=... (items are dicts of the step's inputs, optionally 'key')",
+            EXIT_USAGE,
+        )
+    accelerator = _accelerator_if_launched()
+    try:
+        parts = split(spec.model, spec.example_args, spec.example_kwargs, frozen=spec.frozen)
+        batch_size = args.batch_size or _example_batch(spec)
+        loader = DataLoader(spec.dataset, batch_size=batch_size, shuffle=False)
+        info = cache(
+            parts,
+            loader,
+            args.out,
+            accelerator=accelerator,
+            overwrite=args.overwrite,
+            shard_bytes=args.shard_bytes,
+        )
+    except GraphsplitError as error:
+        return _fail(f"{type(error).__name__}: {error}", EXIT_FAILED)
+    if accelerator is None or accelerator.is_main_process:
+        print(info)
+    return EXIT_OK
+
+
+def _example_batch(spec: StepSpec) -> int:
+    import torch
+
+    for value in (*spec.example_args, *spec.example_kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    return 1
+
+
 def _check_cache(args: argparse.Namespace) -> int:
     try:
         from graphsplit.data import check_cache
@@ -81,11 +147,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser(
-        "demo", help="split a built-in text-to-image LoRA step (random weights) and verify it"
+        "demo",
+        help="split a built-in text-to-image LoRA step (random weights), cache its dataset, "
+        "train stage 2 and the unsplit step side by side",
     )
-    demo.add_argument("--batch-size", type=int, default=2, help="samples per batch (default 2)")
+    demo.add_argument("--samples", type=int, default=16, help="dataset length (default 16)")
+    demo.add_argument("--batch-size", type=int, default=4, help="samples per batch (default 4)")
     demo.add_argument("--resolution", type=int, default=32, help="image size in px (default 32)")
+    demo.add_argument("--steps", type=int, default=4, help="training steps (default 4)")
+    demo.add_argument("--out", help="keep the cache in this folder (default: a temporary one)")
     demo.set_defaults(run=_demo)
+
+    cache = commands.add_parser(
+        "cache",
+        help="run stage 1 of SPEC over its dataset into a cache folder (works under "
+        "accelerate launch: each process writes its share)",
+    )
+    cache.add_argument("spec", metavar="SPEC", help="path/to/file.py:function or module:function")
+    cache.add_argument("--out", required=True, help="the cache folder")
+    cache.add_argument("--batch-size", type=int, help="default: the example batch's size")
+    cache.add_argument(
+        "--shard-bytes", type=int, default=256 << 20, help="shard size bound (default 256 MiB)"
+    )
+    cache.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a cache made by another split instead of refusing",
+    )
+    cache.set_defaults(run=_cache)
 
     inspect = commands.add_parser(
         "inspect",

@@ -63,10 +63,13 @@ def random_nodes(split: Split) -> list[fx.Node]:
 
 
 def uncached_roots(split: Split) -> list[tuple[fx.Node, Taint]]:
-    """Nodes that would have been cacheable but for their own randomness or sample mixing."""
+    """Values that would have been cacheable but for their own sample mixing, and frozen
+    modules that draw random numbers. Plain draws (``randn_like``) are listed as random draws.
+    """
     roots = []
     for node, taint in split.cut.taint.items():
-        if taint.origin is node and taint.kind in ("random", "mixing"):
+        own = taint.origin is node
+        if own and (taint.kind == "mixing" or (taint.kind == "random" and is_banned(node, {}))):
             upstream = [split.cut.taint.get(source) for source in node.all_input_nodes]
             if not any(t is not None and t.kind == "trainable" for t in upstream):
                 roots.append((node, taint))

@@ -74,7 +74,9 @@ def test_bad_spec_in_a_subprocess_has_no_traceback(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["inspect", "--help"], ["check-cache", "--help"]])
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["inspect", "--help"], ["cache", "--help"], ["check-cache", "--help"]]
+)
 def test_help(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -87,7 +89,7 @@ def test_help_lists_commands(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for command in ("demo", "inspect", "check-cache"):
+    for command in ("demo", "inspect", "cache", "check-cache"):
         assert command in out
 
 
@@ -95,3 +97,62 @@ def test_usage_error_exits_2(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["inspect"])
     assert exit_info.value.code == 2
+
+
+def test_cache_command_writes_a_cache_that_checks_ok(tmp_path, capsys):
+    out = tmp_path / "cache"
+    assert main(["cache", f"{SPEC_FILE}:step", "--out", str(out)]) == 0
+    assert "10 samples" in capsys.readouterr().out
+    assert main(["check-cache", str(out)]) == 0
+    assert "OK (10 samples" in capsys.readouterr().out
+
+
+def test_check_cache_on_a_corrupt_cache_exits_1_and_names_the_shard(tmp_path, capsys):
+    out = tmp_path / "cache"
+    assert main(["cache", f"{SPEC_FILE}:step", "--out", str(out)]) == 0
+    shard = next(out.glob("shard-*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["check-cache", str(out)]) == 1
+    assert shard.name in capsys.readouterr().out
+
+
+def test_cache_command_needs_a_dataset(tmp_path, capsys, monkeypatch):
+    spec_file = tmp_path / "no_dataset.py"
+    spec_file.write_text(
+        "import torch\nfrom graphsplit.spec import StepSpec\n"
+        "def step():\n"
+        "    return StepSpec(torch.nn.Linear(2, 1), example_args=(torch.randn(3, 2),))\n"
+    )
+    assert main(["cache", f"{spec_file}:step", "--out", str(tmp_path / "c")]) == 2
+    error = capsys.readouterr().err
+    assert "without a dataset" in error and "fix:" in error
+
+
+def test_cache_command_on_a_bad_spec_exits_2(tmp_path, capsys):
+    assert main(["cache", f"{SPEC_FILE}:missing", "--out", str(tmp_path / "c")]) == 2
+    assert "has no function" in capsys.readouterr().err
+
+
+def test_cache_command_under_accelerate_launch_with_two_processes(tmp_path):
+    pytest.importorskip("accelerate")
+    import os
+
+    out = tmp_path / "cache"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu"]
+    launch += ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
+    launch += ["--dynamo_backend", "no", "--main_process_port", str(29600 + os.getpid() % 1000)]
+    command = [*launch, "-m", "graphsplit", "cache", f"{SPEC_FILE}:step", "--out", str(out)]
+    command += ["--batch-size", "2", "--shard-bytes", "60"]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    env.pop("ACCELERATE_CONFIG_FILE", None)
+    result = subprocess.run(
+        command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=240
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("graphsplit cache at") == 1  # printed by the main process only
+    assert main(["check-cache", str(out)]) == 0
+    assert len(list(out.glob("shard-*.safetensors"))) > 1  # both processes wrote shards

@@ -20,9 +20,26 @@ class TinyStep(nn.Module):
         return nn.functional.mse_loss(self.head(noisy), y)
 
 
+class Pairs(torch.utils.data.Dataset):
+    """Ten deterministic (x, y) samples with keys, as ``graphsplit cache`` expects."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, index: int) -> dict:
+        generator = torch.Generator().manual_seed(index)
+        return {
+            "key": f"pair-{index:02d}",
+            "x": torch.randn(8, generator=generator),
+            "y": torch.randn(1, generator=generator),
+        }
+
+
 def step() -> StepSpec:
     torch.manual_seed(0)
-    return StepSpec(TinyStep(), example_args=(torch.randn(3, 8), torch.randn(3, 1)))
+    return StepSpec(
+        TinyStep(), example_args=(torch.randn(3, 8), torch.randn(3, 1)), dataset=Pairs()
+    )
 
 
 def not_a_spec() -> str:
