@@ -164,9 +164,20 @@ class _Run:
 
 
 def _run(
-    traced: Traced, model: nn.Module, inputs: dict[str, Any], values: dict[fx.Node, Any]
+    traced: Traced,
+    model: nn.Module,
+    inputs: dict[str, Any],
+    values: dict[fx.Node, Any],
+    *,
+    trainable_calls: frozenset[fx.Node] = frozenset(),
+    reuse_trace: bool = False,
 ) -> _Run:
-    """Evaluate every node on meta; ``values`` is filled as it goes (kept if a node fails)."""
+    """Evaluate every node on meta; ``values`` is filled as it goes (kept if a node fails).
+
+    ``trainable_calls`` (calls into modules holding trainable parameters) run in stage 2
+    whatever they do, so they skip the op recording and FLOP counting; with ``reuse_trace``
+    their value is the one the tracer already computed at this batch size.
+    """
     ops: dict[fx.Node, list] = {}
     flops: dict[fx.Node, int] = {}
     for node in traced.graph.nodes:
@@ -175,21 +186,29 @@ def _run(
             continue
         if node.op == "output":
             continue
+        if reuse_trace and node in trainable_calls:
+            values[node] = node.meta["val"]
+            continue
         args = fx.node.map_arg(node.args, values.__getitem__)
         kwargs = fx.node.map_arg(node.kwargs, values.__getitem__)
         recorder = _OpRecorder()
         # Both runs count FLOPs: the counter changes how some ops dispatch, and the mixing check
         # compares the two runs op by op.
         counter = FlopCounterMode(display=False)
+        instrumented = node not in trainable_calls
         try:
-            with meta_execution(), recorder, counter:
-                values[node] = execute(model, traced.constants, node, args, kwargs)
+            with meta_execution():
+                if instrumented:
+                    with recorder, counter:
+                        values[node] = execute(model, traced.constants, node, args, kwargs)
+                else:
+                    values[node] = execute(model, traced.constants, node, args, kwargs)
         except GraphsplitError:
             raise
         except Exception as exc:
             raise meta_failure(node, exc) from exc
         ops[node] = recorder.ops
-        flops[node] = counter.get_total_flops()
+        flops[node] = counter.get_total_flops() if instrumented else 0
     return _Run(values, ops, flops)
 
 
@@ -289,6 +308,7 @@ def analyze(
     model: nn.Module,
     inputs: tuple[dict[str, Any], dict[str, Any]],
     batch_sizes: tuple[int, int],
+    trainable_calls: frozenset[fx.Node] = frozenset(),
 ) -> None:
     """Write :class:`NodeFacts` to ``node.meta["facts"]`` for every node of ``traced.graph``.
 
@@ -296,10 +316,10 @@ def analyze(
     be in ``analysis_view``. ``NodeFacts.params`` is filled by :func:`resolve_params` once the
     view is left, because parameters are identified by the real objects.
     """
-    first = _run(traced, model, inputs[0], {})
+    first = _run(traced, model, inputs[0], {}, trainable_calls=trainable_calls, reuse_trace=True)
     second_values: dict[fx.Node, Any] = {}
     try:
-        second = _run(traced, model, inputs[1], second_values)
+        second = _run(traced, model, inputs[1], second_values, trainable_calls=trainable_calls)
     except GraphsplitError:
         # A graph unrolled for one batch size often fails at another: name the real cause.
         _check_guards(traced, second_values, batch_sizes)

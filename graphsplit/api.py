@@ -228,13 +228,15 @@ def _trace_and_analyze(
     """Trace, analyse, and trace into mixed modules whose inputs are all cacheable; repeat."""
     leaves = _initial_leaves(model)
     notes: list[str] = []
-    traced = _trace_once(model, examples, batch_sizes, param_names, leaves)
+    traced = _trace_once(model, examples, batch_sizes, param_names, leaves, trainable)
     for _ in range(_MAX_TRACE_ROUNDS):
         expand = _mixed_calls_worth_tracing(traced, model, trainable) & leaves
         if not expand:
             break
         try:
-            traced = _trace_once(model, examples, batch_sizes, param_names, leaves - expand)
+            traced = _trace_once(
+                model, examples, batch_sizes, param_names, leaves - expand, trainable
+            )
         except TraceError as exc:
             first_line = str(exc).splitlines()[0]
             notes.append(
@@ -250,13 +252,35 @@ def _trace_and_analyze(
     return traced
 
 
-def _trace_once(model, examples, batch_sizes, param_names, leaves) -> Traced:
+def _trace_once(model, examples, batch_sizes, param_names, leaves, trainable) -> Traced:
     with analysis_view(model):
         traced = trace_step(model, examples[0], leaves)
         insert_codecs(traced.graph)
-        analyze(traced, model, examples, batch_sizes)
+        calls = _trainable_calls(traced.graph, model, trainable)
+        analyze(traced, model, examples, batch_sizes, calls)
     resolve_params(traced, model, param_names)
     return traced
+
+
+def _trainable_calls(
+    graph: fx.Graph, model: nn.Module, trainable: frozenset[str]
+) -> frozenset[fx.Node]:
+    """Calls into modules that hold a trainable parameter: they run in stage 2 regardless."""
+    found = set()
+    for node in graph.nodes:
+        if node.op == "call_module":
+            target = node.target
+        elif node.op == "call_method" and getattr(node.args[0], "op", "") == "get_attr":
+            target = node.args[0].target
+        else:
+            continue
+        try:
+            module = model.get_submodule(target)
+        except AttributeError:  # a method called on a parameter or constant
+            continue
+        if any(name in trainable for name, _ in module.named_parameters(prefix=target)):
+            found.add(node)
+    return frozenset(found)
 
 
 def _initial_leaves(model: nn.Module) -> frozenset[str]:

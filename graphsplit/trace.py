@@ -114,6 +114,17 @@ class _Proxy(fx.Proxy):
     def __iter__(self) -> Iterator[Any]:
         return self.tracer.iter(self)
 
+    def __setitem__(self, key: Any, value: Any) -> None:
+        # Recorded in place, then rewritten as a copy by _functionalize_setitem.
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+
+def functional_setitem(tensor: torch.Tensor, key: Any, value: Any) -> torch.Tensor:
+    """``tensor[key] = value`` without mutating ``tensor``: what ``x[k] = v`` becomes."""
+    result = tensor.clone()
+    result[key] = value
+    return result
+
 
 class _Attribute(_Proxy):
     """``proxy.name``: a method call if called, else a lazily created ``getattr`` node."""
@@ -442,6 +453,7 @@ def trace_step(
         if isinstance(vars(model)[name], torch.Tensor)
     }
     _restore_input_names(graph, model)
+    _functionalize_setitem(graph)
     input_names = tuple(n.target for n in graph.nodes if n.op == "placeholder")
     return Traced(graph, constants, tracer.guards, leaf_names, input_names)
 
@@ -453,7 +465,7 @@ def _trace_graph(
     tracer.forward_location = _definition_of(type(model).forward)
     patched = _intercept_methods(tracer, model, leaf_names)
     try:
-        with _traced_range(tracer):
+        with _traced_range(tracer), _traced_factories():
             graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
     except TypeError as exc:
         if "Proxy' object cannot be interpreted as an integer" not in str(exc):
@@ -478,6 +490,34 @@ class _RangeType(type):
 
 
 _BUILTIN_RANGE = range
+
+
+_SIZE_VARARG_FACTORIES = ("zeros", "ones", "empty", "rand", "randn")
+
+
+def _packing_sizes(factory: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.zeros(h, w, 3)`` with traced ``h``/``w``: torch's parser takes them as a tuple."""
+
+    def factory_with_traced_sizes(*args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(arg, fx.Proxy) for arg in args) and all(
+            isinstance(arg, (int, fx.Proxy)) for arg in args
+        ):
+            return factory(tuple(args), **kwargs)
+        return factory(*args, **kwargs)
+
+    return factory_with_traced_sizes
+
+
+@contextlib.contextmanager
+def _traced_factories() -> Iterator[None]:
+    originals = {name: getattr(torch, name) for name in _SIZE_VARARG_FACTORIES}
+    for name, factory in originals.items():
+        setattr(torch, name, _packing_sizes(factory))
+    try:
+        yield
+    finally:
+        for name, factory in originals.items():
+            setattr(torch, name, factory)
 
 
 @contextlib.contextmanager
@@ -520,6 +560,71 @@ def _definition_of(function: Any) -> tuple[str, str]:
         return "<unknown>", ""
     location, text = frame_location_of(code.co_filename, code.co_firstlineno)
     return location, text
+
+
+_VIEW_METHODS = frozenset(
+    {
+        "view",
+        "reshape",
+        "transpose",
+        "permute",
+        "expand",
+        "squeeze",
+        "unsqueeze",
+        "flatten",
+        "unflatten",
+        "narrow",
+        "select",
+        "unbind",
+        "split",
+        "chunk",
+        "t",
+        "view_as",
+        "as_strided",
+        "diagonal",
+        "movedim",
+        "swapaxes",
+        "unfold",
+    }
+)
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target is operator.getitem:
+        return isinstance(node.meta.get("val"), torch.Tensor)
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return node.op in ("call_method", "call_function") and name in _VIEW_METHODS
+
+
+def _functionalize_setitem(graph: fx.Graph) -> None:
+    """Rewrite ``x[k] = v`` as ``x2 = functional_setitem(x, k, v)``; later reads use ``x2``.
+
+    The cut and the stages then see plain dataflow. Assignments into a view would also change
+    its base tensor, which dataflow cannot express, so they are refused.
+    """
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if not (node.op == "call_function" and node.target is operator.setitem):
+            continue
+        target = node.args[0]
+        producers = ("call_function", "call_method", "call_module")
+        if not isinstance(target, fx.Node) or _is_view(target) or target.op not in producers:
+            raise user_error(
+                TraceError,
+                "The step assigns into a slice of a tensor view or input (x[...] = value); "
+                "graphsplit traces dataflow and cannot follow the write into the tensor it "
+                "views.",
+                node=node,
+                fix="build the tensor with torch.where / torch.cat / torch.stack, or assign "
+                "into a fresh tensor created in the step (torch.zeros(...)) rather than a view",
+            )
+        with graph.inserting_before(node):
+            updated = graph.call_function(functional_setitem, node.args)
+        updated.meta = {**node.meta, "val": target.meta.get("val")}
+        later = [user for user in target.users if order.get(user, -1) > order[node]]
+        for user in later:
+            user.replace_input_with(target, updated)
+        graph.erase_node(node)
 
 
 def _restore_input_names(graph: fx.Graph, model: nn.Module) -> None:

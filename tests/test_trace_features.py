@@ -1,0 +1,60 @@
+"""Python idioms of real training code that the tracer supports (Flux-style position ids)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import graphsplit
+from tests.helpers import split_and_verify
+
+
+class PositionIds(nn.Module):
+    """Position ids built as diffusers' Flux pipeline does: zeros(h, w, 3), then item writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(8, 8).requires_grad_(False)
+        self.head = nn.Linear(11, 1)
+
+    def forward(self, x):
+        hidden = self.encoder(x)
+        batch, tokens, _ = hidden.shape
+        ids = torch.zeros(tokens, 3)
+        ids[..., 1] = ids[..., 1] + torch.arange(tokens)
+        ids[..., 2] = ids[..., 2] + 2.0
+        features = torch.cat([hidden, ids.unsqueeze(0).expand(batch, -1, -1)], dim=-1)
+        return self.head(features).mean()
+
+
+def test_factories_with_traced_sizes_and_item_assignment_trace_exactly():
+    model = PositionIds()
+    split = split_and_verify(model, (torch.randn(3, 4, 8),))
+    assert "graphsplit_trace_functional_setitem" in split.stage1.code
+    assert split.boundary["encoder"].batch_dim == 0
+    constants = [spec for spec in split.boundary.values() if spec.batch_dim is None]
+    assert constants and all(spec.bytes_per_sample == 0 for spec in constants)
+    other = torch.randn(5, 4, 8)  # the ids follow the traced token count, not a baked one
+    assert torch.equal(split.stage2(**split.stage1(other)), model(other))
+
+
+class AssignIntoView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        buffer = torch.zeros(x.shape[0], 8)
+        window = buffer[:, :4]
+        window[...] = x  # writes through the view into `buffer`
+        return self.head(buffer[:, :4]).mean()
+
+
+def test_item_assignment_into_a_view_is_refused_with_the_line():
+    with pytest.raises(graphsplit.TraceError) as caught:
+        graphsplit.split(AssignIntoView(), (torch.randn(3, 4),))
+    message = str(caught.value)
+    assert "assigns into a slice of a tensor view" in message
+    assert "test_trace_features.py:" in message and "window[...] = x" in message
+    assert "fix:" in message
