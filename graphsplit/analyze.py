@@ -171,12 +171,14 @@ def _run(
     *,
     trainable_calls: frozenset[fx.Node] = frozenset(),
     reuse_trace: bool = False,
+    skip: frozenset[fx.Node] = frozenset(),
 ) -> _Run:
     """Evaluate every node on meta; ``values`` is filled as it goes (kept if a node fails).
 
     ``trainable_calls`` (calls into modules holding trainable parameters) run in stage 2
     whatever they do, so they skip the op recording and FLOP counting; with ``reuse_trace``
-    their value is the one the tracer already computed at this batch size.
+    their value is the one the tracer already computed at this batch size. ``skip`` nodes are
+    not run at all (their value is None).
     """
     ops: dict[fx.Node, list] = {}
     flops: dict[fx.Node, int] = {}
@@ -188,6 +190,9 @@ def _run(
             continue
         if reuse_trace and node in trainable_calls:
             values[node] = node.meta["val"]
+            continue
+        if node in skip:
+            values[node] = None
             continue
         args = fx.node.map_arg(node.args, values.__getitem__)
         kwargs = fx.node.map_arg(node.kwargs, values.__getitem__)
@@ -303,6 +308,25 @@ def _tensor_facts(value_a: Any, value_b: Any, batch_sizes: tuple[int, int]) -> d
     }
 
 
+def _unguarded_trainable_region(
+    traced: Traced, trainable_calls: frozenset[fx.Node]
+) -> frozenset[fx.Node]:
+    """Calls into trainable modules and everything after them, if no guard reads that region.
+
+    Those nodes run in stage 2 whatever their facts say, so the second run (the batch-dim
+    probe) may skip them, which halves planning time for a big trainable model. A guard (a
+    Python value the trace read) inside the region still needs its value at the second size.
+    """
+    region: set[fx.Node] = set()
+    for node in traced.graph.nodes:
+        if node in trainable_calls or any(source in region for source in node.all_input_nodes):
+            region.add(node)
+    if any(guard.node in region for guard in traced.guards):
+        return frozenset()
+    region.discard(next(iter(n for n in traced.graph.nodes if n.op == "output")))
+    return frozenset(region)
+
+
 def analyze(
     traced: Traced,
     model: nn.Module,
@@ -318,8 +342,16 @@ def analyze(
     """
     first = _run(traced, model, inputs[0], {}, trainable_calls=trainable_calls, reuse_trace=True)
     second_values: dict[fx.Node, Any] = {}
+    skip = _unguarded_trainable_region(traced, trainable_calls)
     try:
-        second = _run(traced, model, inputs[1], second_values, trainable_calls=trainable_calls)
+        second = _run(
+            traced,
+            model,
+            inputs[1],
+            second_values,
+            trainable_calls=trainable_calls,
+            skip=skip,
+        )
     except GraphsplitError:
         # A graph unrolled for one batch size often fails at another: name the real cause.
         _check_guards(traced, second_values, batch_sizes)
@@ -342,12 +374,18 @@ def analyze(
                 depends[arg] and not _is_metadata(first.values[arg]) for arg in node.all_input_nodes
             )
         facts = _tensor_facts(first.values[node], second.values[node], batch_sizes)
+        if node in skip:  # runs in stage 2 whatever it is: shape and type are enough
+            facts = _tensor_facts(first.values[node], first.values[node], batch_sizes)
+            facts["batch_dim"] = UNKNOWN
+            facts["bytes_per_sample"] = 0
         if facts["is_tensor"] and isinstance(facts["batch_dim"], int) and not depends[node]:
             # Follows the batch size but not the data (torch.arange(B), torch.zeros(B, ...)):
             # a row belongs to a position in the batch, not to a sample, so it is not cached.
             facts["batch_dim"] = UNKNOWN
             facts["bytes_per_sample"] = 0
-        mixing = _mixing_op(first.ops.get(node, []), second.ops.get(node, []))
+        mixing = (
+            None if node in skip else _mixing_op(first.ops.get(node, []), second.ops.get(node, []))
+        )
         if mixing is None and depends[node] and facts["is_tensor"] and facts["batch_dim"] is None:
             mixing = "its value depends on the batch's data but has no batch dimension"
         node.meta["facts"] = NodeFacts(

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._device
 from torch import nn
 
 from graphsplit.errors import GraphsplitError, TraceError, user_error
@@ -510,6 +511,11 @@ def _packing_sizes(factory: Callable[..., Any]) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def _traced_factories() -> Iterator[None]:
+    # torch.device(...) as a context manager caches the set of factory functions it redirects
+    # on first use; fill that cache with the real functions before they are wrapped.
+    device_constructors = getattr(torch.utils._device, "_device_constructors", None)
+    if device_constructors is not None:
+        device_constructors()
     originals = {name: getattr(torch, name) for name in _SIZE_VARARG_FACTORIES}
     for name, factory in originals.items():
         setattr(torch, name, _packing_sizes(factory))
