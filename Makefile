@@ -24,7 +24,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check graphsplit tests benchmarks
 
 bench: $(STAMP)
-	$(PY) -m benchmarks.run_all
+	$(PY) -m benchmarks.run_all $(if $(FULL),--full,)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache site

@@ -36,6 +36,11 @@ def test_mkdocs_build_strict(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert (tmp_path / "index.html").is_file()
     assert (tmp_path / "troubleshooting" / "index.html").is_file()
+    api = (tmp_path / "api" / "index.html").read_text()
+    assert ":::" not in api  # every marker was expanded by docs/hooks/api_reference.py
+    for name in ("split", "verify", "cache", "CachedDataset", "register_codec"):
+        first_line = inspect.getdoc(getattr(graphsplit, name)).splitlines()[0]
+        assert first_line.split("(")[0].split("``")[0][:40] in api, name
 
 
 def test_troubleshooting_lists_every_error_class():

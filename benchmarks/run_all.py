@@ -1,0 +1,55 @@
+"""Run every benchmark: small versions by default (a few minutes on 2 CPU cores), ``--full``
+for the sizes reported in docs/benchmarks.md.
+
+    python -m benchmarks.run_all [--full] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from benchmarks import (
+    bench_cache_io,
+    bench_memory,
+    bench_plan_scale,
+    bench_split_scale,
+    bench_step_time,
+)
+
+
+def plan(full: bool, out: Path) -> list[tuple[str, object, list[str]]]:
+    """(name, module, argv) for each benchmark at the chosen size."""
+    target = ["--out", str(out)]
+    if full:
+        return [
+            ("step time", bench_step_time, ["--rounds", "15", *target]),
+            ("memory", bench_memory, ["--steps", "3", *target]),
+            ("cache I/O", bench_cache_io, ["--samples", "256", "--rounds", "5", *target]),
+            ("planning, synthetic", bench_split_scale, ["--full", *target]),
+            ("planning, full size", bench_plan_scale,
+             ["--cases", "sdxl", "flux", "flux_diffusers_ids", *target]),
+        ]  # fmt: skip
+    return [
+        ("step time", bench_step_time, ["--sizes", "tiny", "--rounds", "3", *target]),
+        ("memory", bench_memory, ["--sizes", "tiny", "--steps", "1", *target]),
+        ("cache I/O", bench_cache_io, ["--samples", "64", "--rounds", "2", *target]),
+        ("planning, synthetic", bench_split_scale, ["--sizes", "10", "100", *target]),
+        ("planning, full size", bench_plan_scale, ["--cases", "tiny", *target]),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--full", action="store_true", help="the sizes in docs/benchmarks.md")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    failures = 0
+    for name, module, module_argv in plan(args.full, args.out):
+        print(f"\n== {name}: python -m {module.__name__} {' '.join(module_argv)}", flush=True)
+        failures += int(module.main(module_argv) != 0)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
