@@ -72,8 +72,13 @@ def measure(size: str, *, rounds: int, warmup: int = 2) -> dict:
         "hand_written": lambda: hand(latent_parameters, text_embedding),
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
     for index in range(warmup + rounds):
-        for name, fn in variants.items():
+        # Rotate the order every round: a variant that always runs right after the unsplit
+        # step (which churns the allocator and caches) would otherwise be biased.
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn = variants[name]
             for param in step.parameters():
                 param.grad = None
             torch.manual_seed(index)

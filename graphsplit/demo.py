@@ -112,10 +112,26 @@ def _run_stage2(config: DemoConfig, cache_dir: str) -> dict[str, Any]:
     return {**result, "weights_bytes": _held_bytes(split.stage2)}
 
 
+def _peak_rss_bytes() -> int:
+    """This process's own peak RSS.
+
+    ``ru_maxrss`` survives ``exec`` (a spawned child starts from its parent's RSS at fork
+    time), so on Linux read the memory map's high-water mark, which a new process resets.
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _child(name: str, config: DemoConfig, cache_dir: str, queue) -> None:
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     result = _run_unsplit(config) if name == "unsplit" else _run_stage2(config, cache_dir)
-    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["peak_rss_bytes"] = _peak_rss_bytes()
     queue.put(json.dumps(result))
 
 
