@@ -16,6 +16,7 @@ from pathlib import Path
 bench_step_time = "benchmarks.bench_step_time"
 bench_memory = "benchmarks.bench_memory"
 bench_cache_io = "benchmarks.bench_cache_io"
+bench_cache_bytes = "benchmarks.bench_cache_bytes"
 bench_split_scale = "benchmarks.bench_split_scale"
 bench_plan_scale = "benchmarks.bench_plan_scale"
 
@@ -28,6 +29,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
             ("step time", bench_step_time, ["--rounds", "15", *target]),
             ("memory", bench_memory, ["--steps", "3", *target]),
             ("cache I/O", bench_cache_io, ["--samples", "256", "--rounds", "5", *target]),
+            ("cache bytes", bench_cache_bytes, ["--cases", "tiny", "sdxl", *target]),
             ("planning, synthetic", bench_split_scale, ["--full", *target]),
             ("planning, full size", bench_plan_scale,
              ["--cases", "sdxl", "flux", "flux_diffusers_ids", *target]),
@@ -36,6 +38,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
         ("step time", bench_step_time, ["--sizes", "tiny", "--rounds", "3", *target]),
         ("memory", bench_memory, ["--sizes", "tiny", "--steps", "1", *target]),
         ("cache I/O", bench_cache_io, ["--samples", "64", "--rounds", "2", *target]),
+        ("cache bytes", bench_cache_bytes, ["--cases", "tiny", *target]),
         ("planning, synthetic", bench_split_scale, ["--sizes", "10", "100", *target]),
         ("planning, full size", bench_plan_scale, ["--cases", "tiny", *target]),
     ]
