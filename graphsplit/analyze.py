@@ -112,7 +112,7 @@ class _OpRecorder(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops: list[tuple[str, tuple, tuple, bool]] = []
+        self.ops: list[tuple[str, tuple, tuple, bool, tuple[int, ...]]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -120,9 +120,15 @@ class _OpRecorder(TorchDispatchMode):
         name = func._schema.name.split("::")[-1]
         if "batch_norm" in name and _argument(func, args, kwargs, "training", False):
             name = "batch_norm(training=True)"
+        dims: tuple[int, ...] = ()
+        if name.lstrip("_") in _ALONG_DIM_OPS:
+            dim = _argument(func, args, kwargs, "dims", None)
+            dim = _argument(func, args, kwargs, "dim", None) if dim is None else dim
+            dims = tuple(dim) if isinstance(dim, (list, tuple)) else (() if dim is None else (dim,))
         self.ops.append(
-            (name, _shapes((args, kwargs)), _shapes(out), _draws_randomness(func, args, kwargs))
-        )
+            (name, _shapes((args, kwargs)), _shapes(out), _draws_randomness(func, args, kwargs),
+             dims)
+        )  # fmt: skip
         return out
 
 
@@ -141,17 +147,56 @@ _SHAPE_ONLY_OPS = {
 }
 
 
+# Ops that move or combine values along a dimension without changing its size: along the batch
+# dimension they make one sample's result depend on the others (or on its position).
+_ALONG_DIM_OPS = {
+    "roll",
+    "flip",
+    "cumsum",
+    "cumprod",
+    "cummax",
+    "cummin",
+    "logcumsumexp",
+    "sort",
+    "argsort",
+    "topk",
+    "kthvalue",
+    "softmax",
+    "log_softmax",
+    "index_select",
+    "gather",
+    "take_along_dim",
+    "median",
+    "mode",
+    "scatter",
+    "scatter_add",
+    "index_add",
+    "index_copy",
+    "index_fill",
+}
+
+
+def _moves_along_batch(shape_a: tuple, shape_b: tuple, dims: tuple[int, ...]) -> bool:
+    """Whether ``dims`` name the dimension of the first input that follows the batch size."""
+    if len(shape_a) != len(shape_b) or not dims:
+        return False
+    batch_dims = {d for d, (a, b) in enumerate(zip(shape_a, shape_b)) if a != b}
+    return any(int(dim) % max(len(shape_a), 1) in batch_dims for dim in dims)
+
+
 def _mixing_op(ops_a: list, ops_b: list) -> str | None:
-    """The first op whose inputs follow the batch size while none of its outputs do."""
+    """The first op that combines samples: reduces/selects across, or moves along, the batch."""
     if len(ops_a) != len(ops_b) or any(a[0] != b[0] for a, b in zip(ops_a, ops_b)):
         return "runs different operations at different batch sizes"
-    for (name, ins_a, outs_a, _), (_, ins_b, outs_b, _) in zip(ops_a, ops_b):
+    for (name, ins_a, outs_a, _, dims), (_, ins_b, outs_b, _, _) in zip(ops_a, ops_b):
         if name == "batch_norm(training=True)":
             return "BatchNorm in train mode normalises with batch statistics"
         if name in _SHAPE_ONLY_OPS or not outs_a:
             continue
         if ins_a != ins_b and outs_a == outs_b:
             return f"aten.{name} reduces or selects across the batch"
+        if ins_a and ins_b and _moves_along_batch(ins_a[0], ins_b[0], dims):
+            return f"aten.{name} moves values along the batch dimension"
     return None
 
 
