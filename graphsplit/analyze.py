@@ -19,6 +19,7 @@ two batch sizes. Out: ``node.meta["facts"]`` = :class:`NodeFacts` for every node
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -200,6 +201,30 @@ def _mixing_op(ops_a: list, ops_b: list) -> str | None:
     return None
 
 
+def recording_observer(
+    should_record: Callable[[fx.Node], bool],
+) -> Callable[[fx.Node, Callable[[], Any]], Any]:
+    """An observer for :func:`graphsplit.trace.trace_step` that records what ``_run`` would.
+
+    It stores ``node.meta["ops"]`` and ``node.meta["flops"]`` for the nodes ``should_record``
+    accepts, with the same modes in the same order as the analysis, so the first probe run
+    reuses them instead of executing the model a second time at the traced batch size.
+    """
+
+    def observe(node: fx.Node, run: Callable[[], Any]) -> Any:
+        if not should_record(node):
+            return run()
+        recorder = _OpRecorder()
+        counter = FlopCounterMode(display=False)
+        with recorder, counter:
+            value = run()
+        node.meta["ops"] = recorder.ops
+        node.meta["flops"] = counter.get_total_flops()
+        return value
+
+    return observe
+
+
 # -- running the graph -----------------------------------------------------------------------
 @dataclass
 class _Run:
@@ -235,6 +260,13 @@ def _run(
             continue
         if reuse_trace and node in trainable_calls:
             values[node] = node.meta["val"]
+            continue
+        if reuse_trace and "ops" in node.meta:  # observed while tracing, at this batch size
+            values[node], ops[node], flops[node] = (
+                node.meta["val"],
+                node.meta["ops"],
+                node.meta["flops"],
+            )
             continue
         if node in skip:
             values[node] = None

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from graphsplit.analyze import analyze, resolve_params
+from graphsplit.analyze import analyze, recording_observer, resolve_params
 from graphsplit.codecs import insert_codecs
 from graphsplit.codegen import build_stage1, build_stage2
 from graphsplit.cut import Cut, choose_boundary, compute_taint
@@ -254,7 +254,8 @@ def _trace_and_analyze(
 
 def _trace_once(model, examples, batch_sizes, param_names, leaves, trainable) -> Traced:
     with analysis_view(model):
-        traced = trace_step(model, examples[0], leaves)
+        observe = recording_observer(lambda node: not _is_trainable_call(node, model, trainable))
+        traced = trace_step(model, examples[0], leaves, observe)
         insert_codecs(traced.graph)
         calls = _trainable_calls(traced.graph, model, trainable)
         analyze(traced, model, examples, batch_sizes, calls)
@@ -262,25 +263,25 @@ def _trace_once(model, examples, batch_sizes, param_names, leaves, trainable) ->
     return traced
 
 
+def _is_trainable_call(node: fx.Node, model: nn.Module, trainable: frozenset[str]) -> bool:
+    """A call into a module that holds a trainable parameter: it runs in stage 2 regardless."""
+    if node.op == "call_module":
+        target = node.target
+    elif node.op == "call_method" and getattr(node.args[0], "op", "") == "get_attr":
+        target = node.args[0].target
+    else:
+        return False
+    try:
+        module = model.get_submodule(target)
+    except AttributeError:  # a method called on a parameter or constant
+        return False
+    return any(name in trainable for name, _ in module.named_parameters(prefix=target))
+
+
 def _trainable_calls(
     graph: fx.Graph, model: nn.Module, trainable: frozenset[str]
 ) -> frozenset[fx.Node]:
-    """Calls into modules that hold a trainable parameter: they run in stage 2 regardless."""
-    found = set()
-    for node in graph.nodes:
-        if node.op == "call_module":
-            target = node.target
-        elif node.op == "call_method" and getattr(node.args[0], "op", "") == "get_attr":
-            target = node.args[0].target
-        else:
-            continue
-        try:
-            module = model.get_submodule(target)
-        except AttributeError:  # a method called on a parameter or constant
-            continue
-        if any(name in trainable for name, _ in module.named_parameters(prefix=target)):
-            found.add(node)
-    return frozenset(found)
+    return frozenset(node for node in graph.nodes if _is_trainable_call(node, model, trainable))
 
 
 def _initial_leaves(model: nn.Module) -> frozenset[str]:

@@ -159,6 +159,9 @@ class _Tracer(fx.Tracer):
         self.computing_meta = False
         self.module_proxies: dict[str, _Proxy] = {}
         self.forward_location: tuple[str, str] = ("<unknown>", "")
+        # Wraps each op's meta execution; the analysis records ATen ops here once, so its
+        # first probe run can reuse the trace instead of running the model again.
+        self.observe: Callable[[fx.Node, Callable[[], Any]], Any] | None = None
 
     # -- graph construction -------------------------------------------------------------
     def proxy(self, node: fx.Node) -> _Proxy:
@@ -206,7 +209,9 @@ class _Tracer(fx.Tracer):
         self.computing_meta = True
         try:
             with meta_execution():
-                return execute(self.root, {}, node, args, kwargs)
+                if self.observe is None:
+                    return execute(self.root, {}, node, args, kwargs)
+                return self.observe(node, lambda: execute(self.root, {}, node, args, kwargs))
         except GraphsplitError:
             raise
         except Exception as exc:
@@ -425,6 +430,7 @@ def trace_step(
     model: nn.Module,
     example_values: dict[str, Any],
     leaf_names: frozenset[str],
+    observe: Callable[[fx.Node, Callable[[], Any]], Any] | None = None,
 ) -> Traced:
     """Trace ``model.forward`` into a graph whose proxies carry meta values.
 
@@ -433,7 +439,7 @@ def trace_step(
     """
     states = _rng_states()
     before = set(vars(model))
-    tracer, graph = _trace_graph(model, example_values, leaf_names)
+    tracer, graph = _trace_graph(model, example_values, leaf_names, observe)
     changed = _changed_generators(states, _rng_states())
     if changed:
         _set_rng_states(states)  # the user's generators must not move because we traced
@@ -460,9 +466,13 @@ def trace_step(
 
 
 def _trace_graph(
-    model: nn.Module, example_values: dict[str, Any], leaf_names: frozenset[str]
+    model: nn.Module,
+    example_values: dict[str, Any],
+    leaf_names: frozenset[str],
+    observe: Callable[[fx.Node, Callable[[], Any]], Any] | None = None,
 ) -> tuple[_Tracer, fx.Graph]:
     tracer = _Tracer(leaf_names, example_values)
+    tracer.observe = observe
     tracer.forward_location = _definition_of(type(model).forward)
     patched = _intercept_methods(tracer, model, leaf_names)
     try:
@@ -626,7 +636,11 @@ def _functionalize_setitem(graph: fx.Graph) -> None:
             )
         with graph.inserting_before(node):
             updated = graph.call_function(functional_setitem, node.args)
-        updated.meta = {**node.meta, "val": target.meta.get("val")}
+        # Keep the source line; drop what the in-place op recorded (the copy runs other ops).
+        updated.meta = {
+            key: node.meta[key] for key in ("source", "source_code") if key in node.meta
+        }
+        updated.meta["val"] = target.meta.get("val")
         later = [user for user in target.users if order.get(user, -1) > order[node]]
         for user in later:
             user.replace_input_with(target, updated)
