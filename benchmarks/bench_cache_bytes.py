@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 import graphsplit
+from graphsplit.cut import module_owner
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -51,13 +52,8 @@ def _frozen_calls(split: graphsplit.Split) -> list[fx.Node]:
     for node in split.graph.nodes:
         if node not in split.cut.stage1 or node in split.cut.stage2:
             continue
-        if node.op == "call_module":
-            owner = node
-        elif node.op == "call_method" and getattr(node.args[0], "op", "") == "get_attr":
-            owner = node.args[0]  # vae.encode(x): the parameters belong to `vae`
-        else:
-            continue
-        if owner.meta["facts"].params:
+        owner = module_owner(node)  # vae.encode(x): the parameters belong to `vae`
+        if owner is not None and owner.meta["facts"].params:
             calls.append(node)
     return calls
 

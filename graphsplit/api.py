@@ -21,7 +21,7 @@ from torch import nn
 from graphsplit.analyze import analyze, recording_observer, resolve_params
 from graphsplit.codecs import insert_codecs
 from graphsplit.codegen import build_stage1, build_stage2
-from graphsplit.cut import Cut, choose_boundary, compute_taint
+from graphsplit.cut import Cut, choose_boundary, compute_taint, module_owner
 from graphsplit.errors import SplitError, TraceError
 from graphsplit.frozen import FrozenSpec, resolve_frozen
 from graphsplit.meta import META, analysis_view, to_meta
@@ -265,17 +265,11 @@ def _trace_once(model, examples, batch_sizes, param_names, leaves, trainable) ->
 
 def _is_trainable_call(node: fx.Node, model: nn.Module, trainable: frozenset[str]) -> bool:
     """A call into a module that holds a trainable parameter: it runs in stage 2 regardless."""
-    if node.op == "call_module":
-        target = node.target
-    elif node.op == "call_method" and getattr(node.args[0], "op", "") == "get_attr":
-        target = node.args[0].target
-    else:
+    owner = module_owner(node)
+    if owner is None:
         return False
-    try:
-        module = model.get_submodule(target)
-    except AttributeError:  # a method called on a parameter or constant
-        return False
-    return any(name in trainable for name, _ in module.named_parameters(prefix=target))
+    module = model.get_submodule(owner.target)
+    return any(name in trainable for name, _ in module.named_parameters(prefix=owner.target))
 
 
 def _trainable_calls(
@@ -299,20 +293,14 @@ def _mixed_calls_worth_tracing(
     taint = compute_taint(traced.graph, trainable)
     found = set()
     for node in traced.graph.nodes:
-        if node.op == "call_module":
-            target, inputs = node.target, node.all_input_nodes
-        elif (
-            node.op == "call_method" and node.args and getattr(node.args[0], "op", "") == "get_attr"
-        ):
-            target, inputs = node.args[0].target, node.all_input_nodes[1:]
-        else:
+        owner = module_owner(node)
+        if owner is None:
             continue
-        params = node.meta["facts"].params or (
-            node.args[0].meta["facts"].params if node.op == "call_method" else frozenset()
-        )
+        inputs = [source for source in node.all_input_nodes if source is not owner]
+        params = owner.meta["facts"].params
         mixed = bool(params & trainable) and bool(params - trainable)
         if mixed and inputs and not any(source in taint for source in inputs):
-            found.add(target)
+            found.add(owner.target)
     return frozenset(found)
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 import torch.fx as fx
+from torch import nn
 
 from graphsplit.analyze import NodeFacts
 from graphsplit.errors import SplitError, user_error
@@ -107,18 +108,26 @@ def is_storable(node: fx.Node, taint: dict[fx.Node, Taint]) -> bool:
     )
 
 
+def module_owner(node: fx.Node) -> fx.Node | None:
+    """The node naming the module a call runs: ``self.unet(x)`` itself, ``vae`` for
+    ``vae.encode(x)``; None for anything that is not a module call."""
+    if node.op == "call_module":
+        return node
+    if node.op == "call_method" and node.args and isinstance(node.args[0], fx.Node):
+        handle = node.args[0]
+        if handle.op == "get_attr" and isinstance(handle.meta.get("val"), nn.Module):
+            return handle
+    return None
+
+
 def is_banned(node: fx.Node, taint: dict[fx.Node, Taint]) -> bool:
     """Untainted work stage 2 must not redo: FLOPs, or a call into a frozen module."""
     if node in taint:
         return False
     if facts(node).flops > 0:
         return True
-    if node.op == "call_module":
-        return bool(facts(node).params)
-    if node.op == "call_method" and node.args and isinstance(node.args[0], fx.Node):
-        owner = node.args[0]
-        return owner.op == "get_attr" and bool(facts(owner).params)
-    return False
+    owner = module_owner(node)
+    return owner is not None and bool(facts(owner).params)
 
 
 def storage_cost(node: fx.Node) -> int:

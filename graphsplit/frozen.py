@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-import torch
 from torch import nn
 
 from graphsplit.errors import SplitError
@@ -69,8 +68,3 @@ def _by_module(
 
 def _example_prefix(named: list[tuple[str, nn.Parameter]]) -> str:
     return named[0][0].rsplit(".", 1)[0] if named else "encoder"
-
-
-def is_trainable(name: str, frozen_names: frozenset[str], param: torch.Tensor) -> bool:
-    """A parameter is trainable unless it is frozen; buffers never are."""
-    return isinstance(param, nn.Parameter) and name not in frozen_names

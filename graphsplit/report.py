@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from graphsplit.cut import Taint, facts, is_banned
+from graphsplit.cut import Taint, facts, is_banned, module_owner
 
 if TYPE_CHECKING:
     from graphsplit.api import Split
@@ -78,10 +78,8 @@ def uncached_roots(split: Split) -> list[tuple[fx.Node, Taint]]:
 
 def trap_hint(node: fx.Node, taint: Taint, trainable: frozenset[str]) -> str:
     """How to make a frozen module's random or mixing behaviour cacheable, if that's the cause."""
-    owner = node
-    if node.op == "call_method" and isinstance(node.args[0], fx.Node):
-        owner = node.args[0]
-    if owner.op not in ("call_module", "get_attr") or not is_banned(node, {}):
+    owner = module_owner(node)
+    if owner is None or not is_banned(node, {}):
         return ""
     params = facts(owner).params
     if not params or params & trainable:

@@ -60,7 +60,6 @@ class Traced:
     graph: fx.Graph
     constants: dict[str, torch.Tensor]
     guards: list[Guard]
-    leaf_modules: frozenset[str]
     input_names: tuple[str, ...]
     notes: list[str] = field(default_factory=list)
 
@@ -462,7 +461,7 @@ def trace_step(
     _restore_input_names(graph, model)
     _functionalize_setitem(graph)
     input_names = tuple(n.target for n in graph.nodes if n.op == "placeholder")
-    return Traced(graph, constants, tracer.guards, leaf_names, input_names)
+    return Traced(graph, constants, tracer.guards, input_names)
 
 
 def _trace_graph(
