@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m graphsplit demo
+	$(PY) -m examples.demo
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 import graphsplit
-from graphsplit.cut import module_owner
+from graphsplit.planning.cut import module_owner
 
 
 def _tensors(value) -> list[torch.Tensor]:

@@ -29,10 +29,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from graphsplit.caching import cache
-from graphsplit.data import CachedDataset
-from graphsplit.manifest import read_manifest
-from graphsplit.plan import BoundarySpec
+from graphsplit.artifacts import BoundarySpec
+from graphsplit.caching import CachedDataset, cache
+from graphsplit.caching.format import read_manifest
 
 # One Stable-Diffusion-like sample: 64x64 latents and a 77-token text embedding, float32.
 SHAPES = {"latents": (4, 64, 64), "text": (77, 768)}

@@ -54,7 +54,7 @@ def _import_libraries() -> None:
     import torch  # noqa: F401
     import transformers  # noqa: F401
 
-    import graphsplit.zoo  # noqa: F401
+    import tests.zoo  # noqa: F401
 
 
 def _max_rss_mib() -> float:
@@ -70,8 +70,8 @@ def build_hand_written(size: str):
     from diffusers import DDPMScheduler, UNet2DConditionModel
     from peft import LoraConfig
 
-    from graphsplit.zoo import SD_SIZES
-    from graphsplit.zoo.sd import UNET_LORA_TARGETS
+    from tests.zoo import SD_SIZES
+    from tests.zoo.sd import UNET_LORA_TARGETS
 
     config = SD_SIZES[size]
     with torch.random.fork_rng(devices=[]):
@@ -134,7 +134,7 @@ def run_child(variant: str, size: str, steps: int, data: Path) -> dict[str, Any]
     from safetensors.torch import load_file
 
     import graphsplit
-    from graphsplit.zoo import build_sd_lora_step
+    from tests.zoo import build_sd_lora_step
 
     batch = load_file(str(data / "batch.safetensors"))
     if variant == "unsplit":
@@ -187,7 +187,7 @@ def prepare_data(size: str, folder: Path) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     import graphsplit
-    from graphsplit.zoo import SD_SIZES, CaptionedImages, build_sd_lora_step
+    from tests.zoo import SD_SIZES, CaptionedImages, build_sd_lora_step
 
     config = SD_SIZES[size]
     dataset = CaptionedImages(length=config.batch_size, resolution=config.resolution)

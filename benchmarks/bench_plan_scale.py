@@ -5,7 +5,7 @@ device, which is all ``split()`` needs (it reads shapes, dtypes and devices only
 
 - ``sdxl``: a CLIP-L text encoder, the SD VAE and an SDXL-sized ``UNet2DConditionModel``
   (cross-attention 768, fed by CLIP-L) with peft LoRA on ``to_q/to_k/to_v/to_out.0``; the
-  zoo's :class:`~graphsplit.zoo.SDLoRAStep`, batch 1 at 1024 px (latents 128 x 128).
+  zoo's :class:`~tests.zoo.SDLoRAStep`, batch 1 at 1024 px (latents 128 x 128).
 - ``flux``: a 12B-parameter ``FluxTransformer2DModel`` with LoRA, a T5-XXL-sized
   ``T5EncoderModel`` (512 tokens), a CLIP-L text model for the pooled embedding and a Flux VAE
   (16 latent channels); a rectified-flow step written as users write it, batch 1 at 1024 px.
@@ -226,7 +226,7 @@ class FluxLoRAStep(nn.Module):
 
 
 def build_tiny(batch: int = 2) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    from graphsplit.zoo import SD_SIZES, build_sd_lora_step
+    from tests.zoo import SD_SIZES, build_sd_lora_step
 
     size = SD_SIZES["tiny"]
     step = build_sd_lora_step(size="tiny", frozen_on_meta=True, trainable_on_meta=True)
@@ -239,7 +239,7 @@ def build_tiny(batch: int = 2) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 def build_sdxl(batch: int = 1) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
 
-    from graphsplit.zoo import SDLoRAStep
+    from tests.zoo import SDLoRAStep
 
     with META:
         vae = _frozen(AutoencoderKL(**SD_VAE))

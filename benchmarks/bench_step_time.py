@@ -52,7 +52,7 @@ def _timed(fn: Callable[[], torch.Tensor]) -> float:
 
 def measure(size: str, *, rounds: int, warmup: int = 2) -> dict:
     """Median seconds per step of the three variants, and the ratios."""
-    from graphsplit.zoo import SD_SIZES, CaptionedImages, build_sd_lora_step
+    from tests.zoo import SD_SIZES, CaptionedImages, build_sd_lora_step
 
     config = SD_SIZES[size]
     step = build_sd_lora_step(seed=0, size=size)

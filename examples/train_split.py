@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -29,8 +30,11 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, default_collate
 
 import graphsplit
-from graphsplit.zoo.data import CaptionedImages
-from graphsplit.zoo.sd import SD_SIZES, build_sd_lora_step
+
+# The tiny real models this example trains live in the repository's tests/zoo.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.zoo.data import CaptionedImages
+from tests.zoo.sd import SD_SIZES, build_sd_lora_step
 
 CHECKPOINT = "pytorch_lora_weights.safetensors"
 

@@ -8,9 +8,16 @@ storing; stage 2 trains from those stored tensors with the same loss and gradien
 """
 
 from graphsplit.api import Split, split
-from graphsplit.caching import CacheInfo, cache
-from graphsplit.codecs import register_codec
-from graphsplit.data import CachedDataset, CacheReport, check_cache, collate, verify_inputs
+from graphsplit.artifacts import BoundarySpec
+from graphsplit.caching import (
+    CachedDataset,
+    CacheInfo,
+    CacheReport,
+    cache,
+    check_cache,
+    collate,
+    verify_inputs,
+)
 from graphsplit.errors import (
     GraphsplitError,
     MetaParameterError,
@@ -18,10 +25,11 @@ from graphsplit.errors import (
     TraceError,
     VerifyError,
 )
-from graphsplit.plan import BoundarySpec
+from graphsplit.planning.codecs import register_codec
+from graphsplit.tools.spec import StepSpec
 from graphsplit.verify import verify
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "BoundarySpec",
@@ -32,6 +40,7 @@ __all__ = [
     "MetaParameterError",
     "Split",
     "SplitError",
+    "StepSpec",
     "TraceError",
     "VerifyError",
     "__version__",

@@ -1,5 +1,5 @@
-"""``python -m graphsplit``: the command-line interface (see :mod:`graphsplit.cli`)."""
+"""``python -m graphsplit``: the command-line interface (see :mod:`graphsplit.tools.cli`)."""
 
-from graphsplit.cli import main
+from graphsplit.tools.cli import main
 
 raise SystemExit(main())

@@ -9,9 +9,14 @@ from __future__ import annotations
 import torch.fx
 
 __all__ = [
+    "CacheError",
+    "CacheLockedError",
+    "CorruptCacheError",
     "GraphsplitError",
+    "ManifestError",
     "MetaParameterError",
     "SplitError",
+    "StaleCacheError",
     "TraceError",
     "VerifyError",
     "user_error",
@@ -36,6 +41,28 @@ class VerifyError(GraphsplitError, AssertionError):
 
 class MetaParameterError(GraphsplitError):
     """A stage was called while it holds a parameter or buffer on the ``meta`` device."""
+
+
+# -- the disk side: writing, checking and reading a cache ---------------------------------------
+# Each says what went wrong, where (the cache folder, the shard, the sample keys) and what to do.
+class CacheError(GraphsplitError):
+    """A cache cannot be written or read as asked (no disk space, bad loader, mixed batch...)."""
+
+
+class CacheLockedError(CacheError):
+    """Another ``graphsplit.cache`` run holds the cache folder's lock."""
+
+
+class ManifestError(CacheError):
+    """``manifest.json`` (or a resume record) is missing, malformed or not graphsplit's."""
+
+
+class CorruptCacheError(CacheError):
+    """A shard is missing, has the wrong size or checksum, or does not hold what it should."""
+
+
+class StaleCacheError(CacheError):
+    """The cache was produced by other weights, code, boundary or data than the ones given."""
 
 
 def describe_node(node: torch.fx.Node) -> str:

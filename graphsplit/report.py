@@ -13,27 +13,11 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from graphsplit.cut import Taint, facts, is_banned, module_owner
+from graphsplit.planning.cut import Taint, facts, is_banned, module_owner
+from graphsplit.units import human_bytes, human_flops
 
 if TYPE_CHECKING:
     from graphsplit.api import Split
-
-
-def human_bytes(count: float) -> str:
-    """``1536 -> '1.5 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(count) < 1024 or unit == "TiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    raise AssertionError("unreachable")
-
-
-def human_flops(count: float) -> str:
-    for unit in ("", "K", "M", "G", "T", "P"):
-        if abs(count) < 1000 or unit == "P":
-            return f"{count:.3g} {unit}FLOP"
-        count /= 1000
-    raise AssertionError("unreachable")
 
 
 def _param_summary(params: list[tuple[str, torch.Tensor]], trainable: frozenset[str]) -> str:

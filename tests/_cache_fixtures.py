@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsplit.plan import BoundarySpec
+from graphsplit.artifacts import BoundarySpec
 
 INPUT_NAMES = ("pixel_values", "input_ids")
 TOKENS = 6
@@ -157,7 +157,7 @@ def cache_contents(path: Path) -> dict[str, Any]:
 
 def rows_by_key(path: Path) -> dict[str, dict[str, torch.Tensor]]:
     """Every sample's rows, by key (layout independent)."""
-    from graphsplit.data import CachedDataset
+    from graphsplit.caching.dataset import CachedDataset
 
     cached = CachedDataset(path)
     return {item["key"]: {k: v for k, v in item.items() if k != "key"} for item in cached}

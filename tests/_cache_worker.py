@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-import graphsplit.caching as cache_module
-from graphsplit.caching import cache
-from graphsplit.data import CachedDataset, collate
+import graphsplit.caching.run as cache_module
+from graphsplit.caching.dataset import CachedDataset, collate
+from graphsplit.caching.run import cache
 from tests._cache_fixtures import Pictures, loader, make_split
 
 WRITTEN: list[int] = []  # the shards this process wrote

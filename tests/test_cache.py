@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import graphsplit.caching as cache_module
-from graphsplit.cache_errors import CacheError, CacheLockedError, ManifestError, StaleCacheError
-from graphsplit.caching import CacheInfo, cache
-from graphsplit.data import CachedDataset, collate
-from graphsplit.manifest import read_manifest
+import graphsplit.caching.run as cache_module
+from graphsplit.caching.dataset import CachedDataset, collate
+from graphsplit.caching.format import read_manifest
+from graphsplit.caching.run import CacheInfo, cache
+from graphsplit.errors import CacheError, CacheLockedError, ManifestError, StaleCacheError
 from tests._cache_fixtures import (
     Pictures,
     bucket_batches,
@@ -341,7 +341,7 @@ def test_lock_is_held_while_writing(split, tmp_path, monkeypatch):
 def test_refuses_when_the_disk_lacks_room(split, tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(cache_module.shutil, "disk_usage", lambda path: usage(10**6, 0, 1000))
-    with pytest.raises(CacheError, match=r"(?s)not enough disk space.*needs about.*only 1.0 KB"):
+    with pytest.raises(CacheError, match=r"(?s)not enough disk space.*needs about.*only 1000 B"):
         cache(split, loader(), tmp_path, progress=False)
     assert not list(tmp_path.glob("shard-*"))
 
@@ -531,7 +531,7 @@ def test_a_damaged_resume_record_refuses_unless_overwrite(split, tmp_path, monke
 def test_progress_bar_shows_samples_and_bytes(split, tmp_path, capsys):
     cache(split, loader(), tmp_path / "a", shard_bytes=SMALL, progress=True)
     err = capsys.readouterr().err
-    assert "12/12" in err and "sample" in err and "KB written" in err
+    assert "12/12" in err and "sample" in err and "KiB written" in err
 
 
 def test_progress_bar_is_quiet_off_a_terminal_and_when_disabled(split, tmp_path, capsys):
@@ -609,7 +609,7 @@ def test_round_trip_of_a_real_sd_step_is_bit_exact(tmp_path):
     """Frozen VAE + text encoder, LoRA UNet: stage 2 on the cache == the unsplit step."""
     pytest.importorskip("diffusers")
     import graphsplit
-    from graphsplit.zoo import CaptionedImages, build_sd_lora_step
+    from tests.zoo import CaptionedImages, build_sd_lora_step
 
     step = build_sd_lora_step(seed=0)
     dataset = CaptionedImages(length=6, resolution=32)
@@ -647,7 +647,7 @@ class ChannelsLastEncoder(torch.nn.Module):
 
 
 def test_memory_layout_of_stage1_outputs_survives_the_cache(tmp_path):
-    from graphsplit.plan import BoundarySpec
+    from graphsplit.artifacts import BoundarySpec
     from tests._cache_fixtures import trace
 
     encoder = ChannelsLastEncoder()
@@ -685,7 +685,7 @@ def channels_last_strides(shape):
 
 
 def test_memory_order_of_common_layouts():
-    from graphsplit.manifest import memory_order
+    from graphsplit.caching.format import memory_order
 
     channels_last = torch.randn(2, 8, 4, 4).contiguous(memory_format=torch.channels_last)
     assert memory_order(channels_last) == (0, 2, 3, 1)

@@ -18,11 +18,11 @@ from types import SimpleNamespace
 
 import pytest
 
-import graphsplit.caching as cache_module
-from graphsplit.cache_errors import CacheError, StaleCacheError
-from graphsplit.caching import cache
-from graphsplit.data import CachedDataset
-from graphsplit.fingerprint import fingerprint
+import graphsplit.caching.run as cache_module
+from graphsplit.caching.dataset import CachedDataset
+from graphsplit.caching.fingerprint import fingerprint
+from graphsplit.caching.run import cache
+from graphsplit.errors import CacheError, StaleCacheError
 from tests._cache_fixtures import Pictures, cache_contents, loader, make_split
 
 ROOT = Path(__file__).resolve().parents[1]

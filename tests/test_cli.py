@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from graphsplit.cli import main
-from graphsplit.spec import SpecError, StepSpec, load_spec
+from graphsplit.tools.cli import main
+from graphsplit.tools.spec import SpecError, StepSpec, load_spec
 
 SPEC_FILE = Path(__file__).parent / "specs" / "tiny_step.py"
 
@@ -37,7 +37,7 @@ def test_inspect_accepts_a_module_spec(tmp_path, capsys):
         ("tests/specs/does_not_exist.py:step", "no such file"),
         ("graphsplit_no_such_module:step", "cannot import module"),
         (f"{SPEC_FILE}:missing", "has no function 'missing'"),
-        (f"{SPEC_FILE}:not_a_spec", "not a graphsplit.spec.StepSpec"),
+        (f"{SPEC_FILE}:not_a_spec", "not a graphsplit.StepSpec"),
         (f"{SPEC_FILE}:raises", "RuntimeError: boom"),
     ],
 )
@@ -89,7 +89,7 @@ def test_help_lists_commands(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for command in ("demo", "inspect", "cache", "check-cache"):
+    for command in ("inspect", "cache", "check-cache"):
         assert command in out
 
 
@@ -122,7 +122,7 @@ def test_check_cache_on_a_corrupt_cache_exits_1_and_names_the_shard(tmp_path, ca
 def test_cache_command_needs_a_dataset(tmp_path, capsys, monkeypatch):
     spec_file = tmp_path / "no_dataset.py"
     spec_file.write_text(
-        "import torch\nfrom graphsplit.spec import StepSpec\n"
+        "import torch\nfrom graphsplit import StepSpec\n"
         "def step():\n"
         "    return StepSpec(torch.nn.Linear(2, 1), example_args=(torch.randn(3, 2),))\n"
     )

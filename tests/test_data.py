@@ -10,12 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import graphsplit.data as data_module
-from graphsplit.cache_errors import CacheError, CorruptCacheError, ManifestError, StaleCacheError
-from graphsplit.caching import cache
-from graphsplit.data import CachedDataset, CachedSample, check_cache, collate, verify_inputs
-from graphsplit.fingerprint import differences, fingerprint
-from graphsplit.plan import BoundarySpec
+import graphsplit.caching.dataset as data_module
+from graphsplit.artifacts import BoundarySpec
+from graphsplit.caching.dataset import (
+    CachedDataset,
+    CachedSample,
+    check_cache,
+    collate,
+    verify_inputs,
+)
+from graphsplit.caching.fingerprint import differences, fingerprint
+from graphsplit.caching.run import cache
+from graphsplit.errors import CacheError, CorruptCacheError, ManifestError, StaleCacheError
 from tests._cache_fixtures import Model, Pictures, loader, make_split, trace
 
 SMALL = 1500
@@ -263,7 +269,7 @@ def test_corrupt_constants_are_refused(path):
 def test_shard_with_other_tensors_than_listed_is_reported(path):
     from safetensors.torch import save_file
 
-    from graphsplit.manifest import sha256_file
+    from graphsplit.caching.format import sha256_file
 
     shard = path / "shard-00000.safetensors"
     save_file({"0/latents": torch.zeros(4, 4, 4)}, shard)
@@ -332,7 +338,7 @@ def test_a_pickle_in_place_of_a_shard_is_refused(path, tmp_path, no_unpickling):
     shard.write_bytes(payload)
     with pytest.raises(CorruptCacheError, match="shard-00001"):
         CachedDataset(path)[2]
-    from graphsplit.manifest import sha256_file
+    from graphsplit.caching.format import sha256_file
 
     rewrite_manifest(
         path, lambda d: d["shards"][1].update(sha256=sha256_file(shard), bytes=len(payload))

@@ -6,11 +6,11 @@ import pytest
 
 pytest.importorskip("diffusers")
 
-from graphsplit.cli import main
+from examples.demo import main
 
 
 def test_demo_prints_the_side_by_side_table_with_equal_losses(capsys):
-    code = main(["demo", "--samples", "4", "--batch-size", "2", "--steps", "2"])
+    code = main(["--samples", "4", "--batch-size", "2", "--steps", "2"])
     out = capsys.readouterr().out
     assert code == 0
     assert "graphsplit plan for SDLoRAStep" in out and "4 samples in" in out

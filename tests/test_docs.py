@@ -46,7 +46,7 @@ def test_mkdocs_build_strict(tmp_path):
 def test_troubleshooting_lists_every_error_class():
     text = (ROOT / "docs" / "troubleshooting.md").read_text()
     names = _error_classes(graphsplit.errors)
-    for module_name in ("graphsplit.cache_errors", "graphsplit.spec"):
+    for module_name in ("graphsplit.errors", "graphsplit.tools.spec"):
         if importlib.util.find_spec(module_name) is not None:
             names |= _error_classes(importlib.import_module(module_name))
     assert {"GraphsplitError", "TraceError", "SplitError"} <= names

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphsplit
-import graphsplit.codecs
+import graphsplit.planning.codecs
 from graphsplit import MetaParameterError, SplitError, TraceError, VerifyError
 from tests.helpers import batch, split_and_verify
 
@@ -230,7 +230,9 @@ def decode_latents(values: torch.Tensor) -> Latents:
 @pytest.fixture
 def codec_registry(monkeypatch):
     """Codecs registered by a test are forgotten after it."""
-    monkeypatch.setattr(graphsplit.codecs, "_CODECS", dict(graphsplit.codecs._CODECS))
+    monkeypatch.setattr(
+        graphsplit.planning.codecs, "_CODECS", dict(graphsplit.planning.codecs._CODECS)
+    )
 
 
 def test_non_tensor_value_without_codec(codec_registry):

@@ -24,7 +24,7 @@ from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 
 import graphsplit
-from graphsplit.zoo.sd import build_sd_lora_step
+from tests.zoo.sd import build_sd_lora_step
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_split.py"

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import graphsplit
-from graphsplit.cut import Taint, facts, is_banned, is_storable, storage_cost
+from graphsplit.planning.cut import Taint, facts, is_banned, is_storable, storage_cost
 from tests.helpers import batch, param_names
 
 BATCH = 3
@@ -206,7 +206,7 @@ def brute_force_optimum(graph: fx.Graph, taint: dict[fx.Node, Taint]) -> int:
     """The least bytes per sample of any valid boundary, by enumerating candidate sets.
 
     A set of storable nodes is a valid boundary when stage 2 -- walking back from what it must
-    compute through inputs, stopping at boundary values, as ``graphsplit.cut.stages_for`` does --
+    compute through inputs, stopping at boundary values, as ``planning.cut.stages_for`` does --
     never reaches an input (placeholder) or a banned node. What stage 2 must compute is the
     output and every tainted node (the cut drains both to its sink: a random draw must happen in
     stage 2 even when its value is unused). Only storable nodes that lie between a forbidden node

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import graphsplit
-from graphsplit.picture import STAGE_COLOURS, render_split, stage_of, to_dot, to_html
+from graphsplit.tools.picture import STAGE_COLOURS, render_split, stage_of, to_dot, to_html
 
 
 class FrozenEncoderNoisyHead(nn.Module):

@@ -20,6 +20,7 @@ PUBLIC_NAMES = [
     "MetaParameterError",
     "Split",
     "SplitError",
+    "StepSpec",
     "TraceError",
     "VerifyError",
     "__version__",

@@ -16,7 +16,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from graphsplit.zoo import (
+from tests.zoo import (
     CaptionedImages,
     build_partial_encoder_lora_step,
     build_sd_lora_step,
@@ -48,7 +48,7 @@ def test_sd_lora_boundary_is_latent_distribution_and_text_embedding(sd_split):
     latent = sd_split.boundary["vae_encode_latent_dist_parameters"]
     assert latent.shape == (2, 8, 16, 16) and latent.batch_dim == 0  # mean and log-variance
     assert latent.bytes_per_sample == 8 * 16 * 16 * 4
-    assert latent.source.startswith("graphsplit/zoo/sd.py:")
+    assert latent.source.startswith("tests/zoo/sd.py:")
     text = sd_split.boundary["text_encoder_0"]
     assert text.shape == (2, 16, 32) and text.batch_dim == 0
 

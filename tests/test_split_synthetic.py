@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphsplit
-from graphsplit.cut import facts, is_banned
+from graphsplit.planning.cut import facts, is_banned
 from tests.helpers import batch, param_names, split_and_verify
 
 

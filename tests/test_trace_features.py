@@ -31,7 +31,7 @@ class PositionIds(nn.Module):
 def test_factories_with_traced_sizes_and_item_assignment_trace_exactly():
     model = PositionIds()
     split = split_and_verify(model, (torch.randn(3, 4, 8),))
-    assert "graphsplit_trace_functional_setitem" in split.stage1.code
+    assert "graphsplit_runtime_functional_setitem" in split.stage1.code
     assert split.boundary["encoder"].batch_dim == 0
     constants = [spec for spec in split.boundary.values() if spec.batch_dim is None]
     assert constants and all(spec.bytes_per_sample == 0 for spec in constants)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import default_collate
 
-from graphsplit.zoo import (
+from tests.zoo import (
     SD_SIZES,
     CaptionedImages,
     build_partial_encoder_lora_step,

@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from graphsplit.spec import StepSpec
+from graphsplit import StepSpec
 
 
 class TinyStep(nn.Module):

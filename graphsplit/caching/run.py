@@ -1,6 +1,6 @@
 """Run stage 1 over a data loader once and store its outputs in a cache folder.
 
-Glossary (the folder's files are described in :mod:`graphsplit.manifest`):
+Glossary (the folder's files are described in :mod:`graphsplit.caching.format`):
     row: one sample's slice of a boundary tensor, cut along the tensor's batch dim and stored
         as its own contiguous tensor, so samples of different shapes can share a cache.
     position: a sample's place in the loader's order: its dataset index for a map-style
@@ -42,14 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save_file
 
-from graphsplit.cache_errors import (
-    CacheError,
-    CacheLockedError,
-    CorruptCacheError,
-    ManifestError,
-    StaleCacheError,
-)
-from graphsplit.fingerprint import (
+from graphsplit.caching.fingerprint import (
     BINDING_PARTS,
     Fingerprint,
     batch_input_digests,
@@ -57,7 +50,7 @@ from graphsplit.fingerprint import (
     differences,
     fingerprint,
 )
-from graphsplit.manifest import (
+from graphsplit.caching.format import (
     CONSTANTS_FILE,
     LOCK_FILE,
     MANIFEST_FILE,
@@ -83,6 +76,14 @@ from graphsplit.manifest import (
     write_plan,
     write_shard_record,
 )
+from graphsplit.errors import (
+    CacheError,
+    CacheLockedError,
+    CorruptCacheError,
+    ManifestError,
+    StaleCacheError,
+)
+from graphsplit.units import human_bytes
 
 if TYPE_CHECKING:
     from graphsplit.api import Split
@@ -115,7 +116,7 @@ class CacheInfo:
     def __str__(self) -> str:
         lines = [
             f"graphsplit cache at {self.path}: {self.num_samples} samples in {self.num_shards} "
-            f"shards, {_size(self.total_bytes)} ({self.written_shards} shards written, "
+            f"shards, {human_bytes(self.total_bytes)} ({self.written_shards} shards written, "
             f"{self.reused_shards} reused)"
         ]
         if self.storage_dtype is not None:
@@ -426,8 +427,9 @@ def _check_disk_space(
         ):
             hint = ", or store in lower precision (storage_dtype=torch.bfloat16)"
         raise CacheError(
-            f"not enough disk space for the cache at {folder}: it needs about {_size(needed)} "
-            f"({remaining} samples x {_size(per_sample)}) but only {_size(free)} are free there.\n"
+            f"not enough disk space for the cache at {folder}: it needs about "
+            f"{human_bytes(needed)} ({remaining} samples x {human_bytes(per_sample)}) but only "
+            f"{human_bytes(free)} are free there.\n"
             f"  fix: free some space or choose another path{hint}"
         )
 
@@ -511,7 +513,9 @@ def _write_shards(
             _add_rows(pending, header, stored, errors, keys, digests, batch.positions)
             if bar is not None:
                 bar.update(len(keys))
-                bar.set_postfix_str(f"{_size(writer.bytes_submitted + pending.nbytes)} written")
+                bar.set_postfix_str(
+                    f"{human_bytes(writer.bytes_submitted + pending.nbytes)} written"
+                )
         if pending is not None:
             writer.submit(pending)
         writer.close()
@@ -1265,14 +1269,6 @@ def _progress_bar(enabled: bool | None, total: int | None, processes: _Processes
     )
 
 
-def _size(count: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(count) < 1000 or unit == "TB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1000
-    return f"{count:.1f} TB"
-
-
 def _and(reasons: str, reason: str) -> str:
     return f"{reasons}; {reason}" if reasons else reason
 
@@ -1361,7 +1357,7 @@ def _describe_error(error: BaseException) -> tuple[str, str]:
 
 
 def _remote_error(described: tuple[str, str], rank: int) -> BaseException:
-    import graphsplit.cache_errors as errors
+    import graphsplit.errors as errors
 
     name, message = described
     kind = getattr(errors, name, None)

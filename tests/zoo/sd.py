@@ -24,7 +24,7 @@ from peft import LoraConfig, inject_adapter_in_model
 from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModel
 
-from graphsplit.zoo.data import special_token_ids
+from tests.zoo.data import special_token_ids
 
 __all__ = [
     "SD_SIZES",

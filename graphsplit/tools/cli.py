@@ -1,12 +1,11 @@
 """The ``graphsplit`` command line.
 
-graphsplit demo [--steps N] [--samples N] ...       split, cache and train a built-in LoRA step
 graphsplit inspect SPEC [--out DIR]                  report, generated code and picture of a split
 graphsplit cache SPEC --out DIR                      stage 1 over the spec's dataset, into a cache
 graphsplit check-cache DIR                           verify every file of a cache
 
 ``SPEC`` is ``path/to/file.py:function`` or ``package.module:function``; the function returns a
-:class:`graphsplit.spec.StepSpec`. Exit codes: 0 success, 1 the operation failed (the step cannot
+:class:`graphsplit.StepSpec`. Exit codes: 0 success, 1 the operation failed (the step cannot
 be split, the cache is damaged), 2 usage errors (bad arguments, a spec that cannot be loaded).
 """
 
@@ -18,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from graphsplit.spec import SpecError, StepSpec, load_spec
+from graphsplit.tools.spec import SpecError, StepSpec, load_spec
 
 __all__ = ["StepSpec", "build_parser", "main"]
 
@@ -26,7 +25,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 _SPEC_HELP = (
     "path/to/file.py:function or package.module:function; the function takes no arguments and "
-    "returns graphsplit.spec.StepSpec(model, example_args=(...), example_kwargs=None, "
+    "returns graphsplit.StepSpec(model, example_args=(...), example_kwargs=None, "
     "frozen=None, dataset=None)"
 )
 
@@ -36,22 +35,10 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from graphsplit.demo import DemoConfig, run_demo
-
-    config = DemoConfig(
-        samples=args.samples,
-        batch_size=args.batch_size,
-        resolution=args.resolution,
-        steps=args.steps,
-    )
-    return run_demo(config, out=args.out)
-
-
 def _inspect(args: argparse.Namespace) -> int:
     from graphsplit.api import split
     from graphsplit.errors import GraphsplitError
-    from graphsplit.picture import render_split
+    from graphsplit.tools.picture import render_split
 
     try:
         spec = load_spec(args.spec)
@@ -130,7 +117,7 @@ def _example_batch(spec: StepSpec) -> int:
 
 def _check_cache(args: argparse.Namespace) -> int:
     try:
-        from graphsplit.data import check_cache
+        from graphsplit.caching import check_cache
     except ImportError as error:
         return _fail(f"cache checking is not available in this install ({error})", EXIT_USAGE)
     report = check_cache(args.dir)
@@ -146,18 +133,6 @@ def build_parser() -> argparse.ArgumentParser:
         "Example: graphsplit inspect my_step.py:step --out plan/",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    demo = commands.add_parser(
-        "demo",
-        help="split a built-in text-to-image LoRA step (random weights), cache its dataset, "
-        "train stage 2 and the unsplit step side by side",
-    )
-    demo.add_argument("--samples", type=int, default=16, help="dataset length (default 16)")
-    demo.add_argument("--batch-size", type=int, default=4, help="samples per batch (default 4)")
-    demo.add_argument("--resolution", type=int, default=32, help="image size in px (default 32)")
-    demo.add_argument("--steps", type=int, default=4, help="training steps (default 4)")
-    demo.add_argument("--out", help="keep the cache in this folder (default: a temporary one)")
-    demo.set_defaults(run=_demo)
-
     cache = commands.add_parser(
         "cache",
         help="run stage 1 of SPEC over its dataset into a cache folder (works under "

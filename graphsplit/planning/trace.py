@@ -36,8 +36,14 @@ import torch.utils._device
 from torch import nn
 
 from graphsplit.errors import GraphsplitError, TraceError, user_error
-from graphsplit.meta import meta_execution, to_meta
-from graphsplit.source import current_source, frame_location, frame_location_of, is_internal
+from graphsplit.planning.meta import meta_execution, to_meta
+from graphsplit.planning.source import (
+    current_source,
+    frame_location,
+    frame_location_of,
+    is_internal,
+)
+from graphsplit.runtime import functional_setitem
 
 _MAX_NAME = 48
 _STATIC_TENSOR_ATTRIBUTES = frozenset({"dtype", "is_floating_point", "is_complex"})
@@ -117,13 +123,6 @@ class _Proxy(fx.Proxy):
     def __setitem__(self, key: Any, value: Any) -> None:
         # Recorded in place, then rewritten as a copy by _functionalize_setitem.
         self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
-
-
-def functional_setitem(tensor: torch.Tensor, key: Any, value: Any) -> torch.Tensor:
-    """``tensor[key] = value`` without mutating ``tensor``: what ``x[k] = v`` becomes."""
-    result = tensor.clone()
-    result[key] = value
-    return result
 
 
 class _Attribute(_Proxy):
@@ -433,7 +432,7 @@ def trace_step(
 ) -> Traced:
     """Trace ``model.forward`` into a graph whose proxies carry meta values.
 
-    Must run inside :func:`graphsplit.meta.analysis_view` (the model's tensors are meta).
+    Must run inside :func:`graphsplit.planning.meta.analysis_view` (the model's tensors are meta).
     ``example_values`` maps each forward parameter name to its meta example value.
     """
     states = _rng_states()

@@ -50,9 +50,9 @@ from typing import Any, NoReturn
 
 import torch
 
-from graphsplit.cache_errors import ManifestError
-from graphsplit.fingerprint import Fingerprint
-from graphsplit.plan import BoundarySpec
+from graphsplit.artifacts import BoundarySpec
+from graphsplit.caching.fingerprint import Fingerprint
+from graphsplit.errors import ManifestError
 
 __all__ = [
     "CONSTANTS_FILE",

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from graphsplit.report import human_bytes
+from graphsplit.units import human_bytes
 
 if TYPE_CHECKING:
     from graphsplit.api import Split
@@ -53,7 +53,7 @@ def render_split(split: Split, path: str | os.PathLike[str]) -> Path:
 
     Example:
         >>> import tempfile, torch, graphsplit
-        >>> from graphsplit.picture import render_split
+        >>> from graphsplit.tools.picture import render_split
         >>> step = torch.nn.Sequential(torch.nn.Linear(4, 4).requires_grad_(False),
         ...                            torch.nn.Linear(4, 1))
         >>> page = render_split(graphsplit.split(step, (torch.randn(2, 4),)), tempfile.mkdtemp())

@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from graphsplit.cache_errors import CacheError
+from graphsplit.errors import CacheError
+from graphsplit.runtime import LEGACY_NAMES
 
 __all__ = [
     "PARTS",
@@ -57,6 +59,9 @@ class Fingerprint:
     weights: str
     boundary: str
     versions: Mapping[str, str]
+    # Digests of the same stage-1 code as older graphsplit releases spelled it (helpers that
+    # lived elsewhere, see graphsplit.runtime): a cache they wrote still matches. Never stored.
+    code_aliases: tuple[str, ...] = field(default=(), compare=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -90,11 +95,14 @@ def fingerprint(split: Any, *, allow_meta: bool = False) -> Fingerprint:
     """
     held = _held_tensors(split.stage1)
     on_meta = any(tensor.device.type == "meta" for _, tensor in held)
+    code = _normalized_code(split.stage1.code)
+    legacy = _legacy_spelling(code)
     return Fingerprint(
-        code=_digest_text(_normalized_code(split.stage1.code)),
+        code=_digest_text(code),
         weights=UNKNOWN_WEIGHTS if allow_meta and on_meta else _digest_tensors(held),
         boundary=_digest_text(json.dumps(_boundary_identity(split.boundary))),
         versions=current_versions(),
+        code_aliases=(_digest_text(legacy),) if legacy != code else (),
     )
 
 
@@ -104,10 +112,17 @@ def differences(cached: Fingerprint, current: Fingerprint) -> tuple[str, ...]:
     Weights that one side could not read (:data:`UNKNOWN_WEIGHTS`) are not compared.
     """
     unknown = UNKNOWN_WEIGHTS in (cached.weights, current.weights)
+    same_code = (
+        cached.code == current.code
+        or cached.code in current.code_aliases
+        or current.code in cached.code_aliases
+    )
     return tuple(
         part
         for part in PARTS
-        if getattr(cached, part) != getattr(current, part) and not (part == "weights" and unknown)
+        if getattr(cached, part) != getattr(current, part)
+        and not (part == "weights" and unknown)
+        and not (part == "code" and same_code)
     )
 
 
@@ -118,7 +133,9 @@ def describe_differences(
     clauses = {
         "weights": "the frozen weights differ (a parameter or buffer that stage 1 reads has "
         "changed since the cache was written)",
-        "code": "the stage-1 code differs (the training step, or how it was split, has changed)",
+        "code": "the stage-1 code differs (the training step, or how it was split, has changed"
+        + _older_release(cached.versions, current.versions)
+        + ")",
         "boundary": "the boundary differs (stage 2 now takes other tensors, dtypes or batch dims)",
         "versions": "the versions differ (cache: "
         f"{_format_versions(cached.versions)}; now: {_format_versions(current.versions)})",
@@ -150,6 +167,30 @@ def item_input_digest(item: Mapping[str, Any], names: Sequence[str]) -> str:
     from torch.utils.data import default_collate
 
     return _digest_values((name, _row(default_collate([item[name]]), 0, 1)) for name in names)
+
+
+def _older_release(cached: Mapping[str, str], current: Mapping[str, str]) -> str:
+    """A clause naming an older graphsplit as the likely cause of a code difference."""
+    made_by, running = cached.get("graphsplit", "?"), current.get("graphsplit", "?")
+    if _release(made_by) >= _release(running):
+        return ""
+    return (
+        f"; or the cache was made by an older graphsplit, {made_by} (this is {running}), "
+        "which generated other code"
+    )
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"0.2.0rc1" -> (0, 2, 0)``: enough to order graphsplit's own releases."""
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+_LEGACY_PATTERN = re.compile(r"\b(" + "|".join(map(re.escape, LEGACY_NAMES)) + r")\b")
+
+
+def _legacy_spelling(code: str) -> str:
+    """``code`` as graphsplit 0.1 wrote it: runtime helpers under their old module paths."""
+    return _LEGACY_PATTERN.sub(lambda match: LEGACY_NAMES[match.group(1)], code)
 
 
 def _normalized_code(code: str) -> str:

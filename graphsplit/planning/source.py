@@ -15,16 +15,13 @@ from types import FrameType
 import torch
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_GRAPHSPLIT_DIR = os.path.dirname(__file__) + os.sep
-# Built-in example steps live inside the package but are user code for reporting purposes.
-_USER_DIRS_INSIDE_GRAPHSPLIT = (os.path.join(_GRAPHSPLIT_DIR, "zoo") + os.sep,)
+# The package root (this file is graphsplit/planning/source.py): every graphsplit frame.
+_GRAPHSPLIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 def is_internal(filename: str) -> bool:
-    """True for frames of torch or of graphsplit's machinery (not its example steps)."""
-    if filename.startswith(_GRAPHSPLIT_DIR):
-        return not filename.startswith(_USER_DIRS_INSIDE_GRAPHSPLIT)
-    return filename.startswith(_TORCH_DIR) or filename.startswith("<")
+    """True for frames of torch or of graphsplit itself."""
+    return filename.startswith((_GRAPHSPLIT_DIR, _TORCH_DIR)) or filename.startswith("<")
 
 
 def user_frame() -> FrameType | None:

@@ -23,7 +23,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphsplit.meta import meta_execution
+from graphsplit.planning.meta import meta_execution
+from graphsplit.runtime import (
+    decode_diagonal_gaussian,
+    decode_diagonal_gaussian_deterministic,
+    encode_diagonal_gaussian,
+)
 
 
 @dataclass(frozen=True)
@@ -68,25 +73,6 @@ def register_codec(
 def codec_for(value: Any) -> Codec | None:
     """The registered codec for ``value``'s exact type, if any."""
     return _CODECS.get(_type_name(type(value)))
-
-
-def encode_diagonal_gaussian(distribution: Any) -> torch.Tensor:
-    """The distribution's ``parameters``: mean and log-variance, concatenated on dim 1."""
-    return distribution.parameters
-
-
-def decode_diagonal_gaussian(parameters: torch.Tensor) -> Any:
-    """Rebuild diffusers' ``DiagonalGaussianDistribution`` (sampling stays in stage 2)."""
-    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-
-    return DiagonalGaussianDistribution(parameters)
-
-
-def decode_diagonal_gaussian_deterministic(parameters: torch.Tensor) -> Any:
-    """As :func:`decode_diagonal_gaussian`, for distributions built with ``deterministic=True``."""
-    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-
-    return DiagonalGaussianDistribution(parameters, deterministic=True)
 
 
 register_codec(

@@ -4,12 +4,12 @@ A spec is named on the command line as ``path/to/file.py:function`` or ``package
 the function takes no arguments and returns a :class:`StepSpec`::
 
     # my_step.py
-    import graphsplit.spec
+    import graphsplit.tools.spec
 
     def step():
         model = build_my_training_step()          # forward(batch...) -> loss
         pixels, ids = torch.randn(2, 3, 64, 64), torch.randint(0, 1000, (2, 77))
-        return graphsplit.spec.StepSpec(model, example_args=(pixels, ids), dataset=my_dataset)
+        return graphsplit.StepSpec(model, example_args=(pixels, ids), dataset=my_dataset)
 
     $ graphsplit inspect my_step.py:step --out plan/
 
@@ -28,7 +28,7 @@ from typing import Any
 from torch import nn
 
 from graphsplit.errors import GraphsplitError
-from graphsplit.frozen import FrozenSpec
+from graphsplit.planning.frozen import FrozenSpec
 
 __all__ = ["SpecError", "StepSpec", "load_spec"]
 
@@ -81,7 +81,7 @@ def load_spec(text: str) -> StepSpec:
     if function is None or not callable(function):
         raise SpecError(
             f"{location} has no function {function_name!r}.\n"
-            f"  fix: define `def {function_name}(): return graphsplit.spec.StepSpec(...)` there"
+            f"  fix: define `def {function_name}(): return graphsplit.StepSpec(...)` there"
         )
     try:
         result = function()
@@ -92,7 +92,7 @@ def load_spec(text: str) -> StepSpec:
         ) from None
     if not _looks_like_spec(result):
         raise SpecError(
-            f"{text} returned a {type(result).__name__}, not a graphsplit.spec.StepSpec.\n"
+            f"{text} returned a {type(result).__name__}, not a graphsplit.StepSpec.\n"
             "  fix: return StepSpec(model, example_args=(...), dataset=...)"
         )
     if not isinstance(result, StepSpec):

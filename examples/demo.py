@@ -1,4 +1,4 @@
-"""``graphsplit demo``: the main job end to end on a small text-to-image LoRA step.
+"""``make demo`` (``python -m examples.demo``): the main job end to end on a small LoRA step.
 
 1. split the step (real diffusers VAE + UNet with peft LoRA, transformers CLIP text encoder;
    tiny configs, random weights) and print the plan;
@@ -12,6 +12,7 @@ Nothing is downloaded; it needs the ``hf`` extra (diffusers, transformers, peft)
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 import resource
@@ -40,7 +41,7 @@ class DemoConfig:
 
 
 def _dataset(config: DemoConfig):
-    from graphsplit.zoo import CaptionedImages
+    from tests.zoo import CaptionedImages
 
     return CaptionedImages(length=config.samples, resolution=config.resolution, seed=config.seed)
 
@@ -86,7 +87,7 @@ def _held_bytes(module: torch.nn.Module) -> int:
 
 
 def _run_unsplit(config: DemoConfig) -> dict[str, Any]:
-    from graphsplit.zoo import build_sd_lora_step
+    from tests.zoo import build_sd_lora_step
 
     step = build_sd_lora_step(seed=config.seed)
     params = [p for p in step.parameters() if p.requires_grad]
@@ -97,7 +98,7 @@ def _run_unsplit(config: DemoConfig) -> dict[str, Any]:
 def _run_stage2(config: DemoConfig, cache_dir: str) -> dict[str, Any]:
     from torch.utils.data import DataLoader
 
-    from graphsplit.zoo import build_sd_lora_step
+    from tests.zoo import build_sd_lora_step
 
     step = build_sd_lora_step(seed=config.seed, frozen_on_meta=True)  # never loads VAE/CLIP
     split = graphsplit.split(step, _example(config))
@@ -176,7 +177,7 @@ def side_by_side(unsplit: dict[str, Any], stage2: dict[str, Any], cache_bytes: i
 
 def run_demo(config: DemoConfig | None = None, *, out: str | None = None) -> int:
     """Split, cache, train both ways and print the comparison; returns the exit code."""
-    from graphsplit.zoo import build_sd_lora_step
+    from tests.zoo import build_sd_lora_step
 
     config = config or DemoConfig()
     step = build_sd_lora_step(seed=config.seed)
@@ -205,5 +206,27 @@ def run_demo(config: DemoConfig | None = None, *, out: str | None = None) -> int
     return 0 if equal else 1
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``python -m examples.demo [--samples N] [--batch-size N] [--resolution PX] [--steps N]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m examples.demo",
+        description="Split a text-to-image LoRA step (random weights), cache its dataset, "
+        "train stage 2 and the unsplit step side by side.",
+    )
+    parser.add_argument("--samples", type=int, default=16, help="dataset length (default 16)")
+    parser.add_argument("--batch-size", type=int, default=4, help="samples per batch (default 4)")
+    parser.add_argument("--resolution", type=int, default=32, help="image size in px (default 32)")
+    parser.add_argument("--steps", type=int, default=4, help="training steps (default 4)")
+    parser.add_argument("--out", help="keep the cache in this folder (default: a temporary one)")
+    args = parser.parse_args(argv)
+    config = DemoConfig(
+        samples=args.samples,
+        batch_size=args.batch_size,
+        resolution=args.resolution,
+        steps=args.steps,
+    )
+    return run_demo(config, out=args.out)
+
+
 if __name__ == "__main__":
-    sys.exit(run_demo())
+    sys.exit(main())

@@ -13,8 +13,8 @@ Glossary:
         over the batch, a select of one sample), so its value for one sample depends on which
         others share its batch; caching it per sample would be wrong.
 
-In: :class:`~graphsplit.trace.Traced`, the model (inside ``analysis_view``), example inputs at
-two batch sizes. Out: ``node.meta["facts"]`` = :class:`NodeFacts` for every node.
+In: :class:`~graphsplit.planning.trace.Traced`, the model (inside ``analysis_view``), example
+inputs at two batch sizes. Out: ``node.meta["facts"]`` = :class:`NodeFacts` for every node.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from graphsplit.errors import GraphsplitError, TraceError, user_error
-from graphsplit.meta import meta_execution
-from graphsplit.trace import Traced, execute, meta_failure
+from graphsplit.planning.meta import meta_execution
+from graphsplit.planning.trace import Traced, execute, meta_failure
 
 UNKNOWN = "unknown"
 
@@ -204,7 +204,7 @@ def _mixing_op(ops_a: list, ops_b: list) -> str | None:
 def recording_observer(
     should_record: Callable[[fx.Node], bool],
 ) -> Callable[[fx.Node, Callable[[], Any]], Any]:
-    """An observer for :func:`graphsplit.trace.trace_step` that records what ``_run`` would.
+    """An observer for :func:`~graphsplit.planning.trace.trace_step` recording what ``_run`` would.
 
     It stores ``node.meta["ops"]`` and ``node.meta["flops"]`` for the nodes ``should_record``
     accepts, with the same modes in the same order as the analysis, so the first probe run

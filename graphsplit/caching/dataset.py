@@ -34,8 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
-from graphsplit.cache_errors import CacheError, CorruptCacheError, ManifestError, StaleCacheError
-from graphsplit.fingerprint import (
+from graphsplit.caching.fingerprint import (
     BINDING_PARTS,
     UNKNOWN_WEIGHTS,
     Fingerprint,
@@ -44,7 +43,7 @@ from graphsplit.fingerprint import (
     fingerprint,
     item_input_digest,
 )
-from graphsplit.manifest import (
+from graphsplit.caching.format import (
     CONSTANTS_FILE,
     FileRecord,
     Manifest,
@@ -56,6 +55,7 @@ from graphsplit.manifest import (
     sha256_file,
     tensor_name,
 )
+from graphsplit.errors import CacheError, CorruptCacheError, ManifestError, StaleCacheError
 
 if TYPE_CHECKING:
     from graphsplit.api import Split
@@ -129,7 +129,7 @@ class CachedDataset(torch.utils.data.Dataset):
 
     Example:
         >>> import tempfile, graphsplit
-        >>> from graphsplit.caching import cache
+        >>> from graphsplit.caching.run import cache
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
         >>> _ = model[0].requires_grad_(False)  # frozen: its output is cached
         >>> split = graphsplit.split(model, args=(torch.randn(2, 4),))

@@ -6,8 +6,8 @@ LoRA UNet, a shape-branching scheduler) without downloads. Importing this packag
 diffusers, transformers and peft; nothing else in graphsplit imports it.
 """
 
-from graphsplit.zoo.data import CaptionedImages, special_token_ids, tokenize
-from graphsplit.zoo.sd import (
+from tests.zoo.data import CaptionedImages, special_token_ids, tokenize
+from tests.zoo.sd import (
     SD_SIZES,
     CLIPPartialLoRAStep,
     SDLoRAStep,

@@ -33,8 +33,8 @@ import networkx as nx
 import torch.fx as fx
 from torch import nn
 
-from graphsplit.analyze import NodeFacts
 from graphsplit.errors import SplitError, user_error
+from graphsplit.planning.analyze import NodeFacts
 
 _SOURCE, _SINK = "source", "sink"
 

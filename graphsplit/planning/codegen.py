@@ -1,0 +1,179 @@
+"""Generate stage 1 and stage 2 as ``torch.fx.GraphModule``s from a cut of the traced graph.
+
+Stage 1 is the traced graph restricted to the ancestors of the boundary; it takes the step's
+inputs and returns ``{key: tensor}``. Stage 2 is the graph from the boundary to the output; it
+takes the boundary as keyword arguments and returns what the step returned. Each stage holds only
+the attributes its nodes reference, as the *same objects* as the model (an optimizer built on the
+model still works, checkpoints keep their names), so stage 2 never holds the frozen modules whose
+work moved to stage 1 and they may stay on ``meta`` in a training process.
+
+In: traced graph, :class:`~graphsplit.planning.cut.Cut`, boundary keys, the model and trace
+constants.
+Out: two GraphModules.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+from graphsplit.errors import MetaParameterError, SplitError
+from graphsplit.planning.cut import Cut
+from graphsplit.planning.trace import fetch
+
+
+def _refuse_meta_tensors(stage: nn.Module, args: Any) -> None:
+    """Forward pre-hook: a stage must not run while it holds a tensor on ``meta``."""
+    for kind, tensors in (
+        ("parameter", stage.named_parameters()),
+        ("buffer", stage.named_buffers()),
+    ):
+        for name, tensor in tensors:
+            if tensor.is_meta:
+                raise MetaParameterError(
+                    f"{type(stage).__name__} holds the {kind} {name!r} on the meta device, so it"
+                    " cannot run.\n"
+                    "  fix:    load real weights into the modules this stage uses (e.g. "
+                    "load_state_dict(..., assign=True) or build them on a real device); "
+                    "graphsplit only leaves the *other* stage's modules on meta"
+                )
+
+
+def _module(
+    graph: fx.Graph, model: nn.Module, constants: dict[str, Any], name: str
+) -> fx.GraphModule:
+    targets = sorted(
+        {node.target for node in graph.nodes if node.op in ("get_attr", "call_module")},
+        key=lambda target: (target.count("."), target),
+    )
+    root = {target: fetch(model, constants, target) for target in targets}
+    stage = fx.GraphModule(root, graph, class_name=name)
+    stage.register_forward_pre_hook(_refuse_meta_tensors)
+    return stage
+
+
+def build_stage1(
+    graph: fx.Graph, cut: Cut, keys: list[str], model: nn.Module, constants: dict[str, Any]
+) -> fx.GraphModule:
+    """Inputs -> ``{key: boundary tensor}``."""
+    stage = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op == "placeholder" or node in cut.stage1:
+            env[node] = stage.node_copy(node, env.__getitem__)
+    stage.output({key: env[node] for key, node in zip(keys, cut.boundary)})
+    return _module(stage, model, constants, "Stage1")
+
+
+def build_stage2(
+    graph: fx.Graph, cut: Cut, keys: list[str], model: nn.Module, constants: dict[str, Any]
+) -> fx.GraphModule:
+    """``**boundary`` -> what the step returned."""
+    stage = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for key, node in zip(keys, cut.boundary):
+        env[node] = stage.placeholder(key)
+        env[node].meta = dict(node.meta)
+    for node in graph.nodes:
+        if node in cut.reanchored:
+            # The batch size, read off a cached tensor instead of the input it came from.
+            batch_dim = cut.anchor.meta["facts"].batch_dim
+            env[node] = stage.create_node(
+                "call_method", "size", (env[cut.anchor], batch_dim), name=node.name
+            )
+            env[node].meta = dict(node.meta)
+        elif node in cut.stage2 or node.op == "output":
+            env[node] = stage.node_copy(node, env.__getitem__)
+    return _module(stage, model, constants, "Stage2")
+
+
+# -- saved code ---------------------------------------------------------------------------------
+_LOADER = '''
+
+def _load(module: str, qualname: str) -> Any:
+    value = importlib.import_module(module)
+    for part in qualname.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _bind(stage: torch.nn.Module, root: torch.nn.Module, target: str) -> None:
+    """Make ``root``'s attribute ``target`` (a dotted path) ``stage``'s, the same object."""
+    *path, name = target.split(".")
+    source, owner = root, stage
+    for part in path:
+        source = getattr(source, part)
+        if not hasattr(owner, part):
+            owner.add_module(part, torch.nn.Module())
+        owner = getattr(owner, part)
+    value = getattr(source, name)
+    if isinstance(value, torch.nn.Module):
+        owner.add_module(name, value)
+    else:
+        setattr(owner, name, value)
+'''
+
+
+def standalone_source(stage: fx.GraphModule, class_name: str, header: str) -> str:
+    """``stage``'s generated code as a module that runs on its own.
+
+    ``GraphModule.code`` refers to globals fx keeps beside it (``_torch_Tensor_``, helper
+    functions); here each is imported by name, and the code becomes the ``forward`` of a class
+    whose constructor takes the module the attributes come from (the live stage, or a model
+    with the same attribute paths) and holds the same objects.
+    """
+    code = stage.graph.python_code(root_module="self")
+    targets = sorted(
+        {node.target for node in stage.graph.nodes if node.op in ("get_attr", "call_module")}
+    )
+    lines = [header.rstrip("\n"), "from __future__ import annotations", ""]
+    lines += ["import importlib", "import math", "from typing import Any", "", "import torch"]
+    lines += [_LOADER.rstrip("\n"), ""]
+    lines += [
+        f"{name} = {_global_expression(value)}"
+        for name, value in sorted(code.globals.items())
+        if name != "torch"  # imported above
+    ]
+    source = code.src.strip("\n").splitlines()
+    body = "\n".join("    " + line if line.strip() else "" for line in source)
+    lines += [
+        "",
+        "",
+        f"class {class_name}(torch.nn.Module):",
+        f"    TARGETS = {tuple(targets)!r}",
+        "",
+        "    def __init__(self, root: torch.nn.Module) -> None:",
+        "        super().__init__()",
+        "        for target in self.TARGETS:",
+        "            _bind(self, root, target)",
+        "",
+        body.rstrip(),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _global_expression(value: Any) -> str:
+    """Python source that evaluates to ``value`` in the saved module."""
+    if isinstance(value, float):
+        return {"inf": "math.inf", "-inf": "-math.inf", "nan": "math.nan"}.get(
+            repr(value), repr(value)
+        )
+    if value is type(None):
+        return "type(None)"
+    if isinstance(value, types.ModuleType):
+        return f"importlib.import_module({value.__name__!r})"
+    if isinstance(value, str):  # an annotation fx spelled as a dotted name, e.g. "torch.Tensor"
+        module, _, name = value.rpartition(".")
+        return f"_load({module!r}, {name!r})" if module else repr(value)
+    module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", "")
+    if module is None or "<" in qualname:
+        raise SplitError(
+            f"the generated code refers to {value!r}, which cannot be imported by name, so it "
+            "cannot be saved as a standalone file.\n"
+            "  fix:    define functions the step calls (and codecs) at module level"
+        )
+    return f"_load({module!r}, {qualname!r})"
