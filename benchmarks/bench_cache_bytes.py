@@ -16,14 +16,11 @@ models built on ``meta``; no weights, no data):
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import torch
 import torch.fx as fx
 
 import graphsplit
+from benchmarks.common import markdown_table, parser, write_results
 from graphsplit.planning.cut import module_owner
 
 
@@ -88,43 +85,34 @@ def measure(case: str) -> dict:
 
 
 def to_markdown(results: list[dict]) -> str:
-    lines = [
-        "| case | every frozen output | one VAE sample (not exact) | graphsplit (exact) "
-        "| graphsplit / every output | graphsplit / one sample |",
-        "|---|---:|---:|---:|---:|---:|",
+    header = ["case", "every frozen output", "one VAE sample (not exact)", "graphsplit (exact)",
+              "graphsplit / every output", "graphsplit / one sample"]  # fmt: skip
+    rows = [
+        [
+            r["case"],
+            f"{r['bytes_per_sample']['every_frozen_output']:,}",
+            f"{r['bytes_per_sample']['one_vae_sample']:,}",
+            f"{r['bytes_per_sample']['graphsplit']:,}",
+            f"{r['graphsplit_over_every_output']:.2f}",
+            f"{r['graphsplit_over_one_sample']:.2f}",
+        ]
+        for r in results
     ]
-    for r in results:
-        b = r["bytes_per_sample"]
-        lines.append(
-            f"| {r['case']} | {b['every_frozen_output']:,} | {b['one_vae_sample']:,} | "
-            f"{b['graphsplit']:,} | {r['graphsplit_over_every_output']:.2f} | "
-            f"{r['graphsplit_over_one_sample']:.2f} |"
-        )
-    return "\n".join(lines) + "\n"
+    return markdown_table(header, rows, "lrrrrr")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
+    command = parser("bench_cache_bytes", __doc__)
+    command.add_argument(
         "--cases",
         nargs="+",
         choices=("tiny", "sdxl"),
         default=["sdxl"],
         help="tiny: the zoo's tiny step; sdxl: full-size SDXL-like on meta",
     )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path("benchmarks/results"),
-        help="folder for cache_bytes.json and cache_bytes.md",
-    )
-    args = parser.parse_args(argv)
+    args = command.parse_args(argv)
     results = [measure(case) for case in args.cases]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cache_bytes.json").write_text(json.dumps(results, indent=2) + "\n")
-    markdown = to_markdown(results)
-    (args.out / "cache_bytes.md").write_text(markdown)
-    print(markdown)
+    write_results(args.out, "cache_bytes", results, to_markdown(results))
     return 0
 
 

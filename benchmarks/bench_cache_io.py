@@ -15,8 +15,6 @@ of medians (target >= 0.9) with the files in the page cache.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
@@ -29,6 +27,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from benchmarks.common import markdown_table, parser, write_results
 from graphsplit.artifacts import BoundarySpec
 from graphsplit.caching import CachedDataset, cache
 from graphsplit.caching.format import read_manifest
@@ -203,44 +202,39 @@ def measure(
 
 def to_markdown(result: dict) -> str:
     mb = result["throughput_mb_s"]
+    read = f"{mb['read_safe_open']:.0f}"
+    rows = [
+        ["write (vs save_file)", f"{mb['write_graphsplit']:.0f}",
+         f"{mb['write_save_file']:.0f}", f"{result['write_ratio']:.2f}"],
+        ["write (vs save_file + fsync)", f"{mb['write_graphsplit']:.0f}",
+         f"{mb['write_save_file_fsync']:.0f}", f"{result['write_ratio_vs_fsync']:.2f}"],
+        ["shuffled read (verify=False)", f"{mb['read_graphsplit']:.0f}", read,
+         f"{result['read_ratio']:.2f}"],
+        ["shuffled read, first epoch (verify=True)", f"{mb['read_graphsplit_verified']:.0f}",
+         read, f"{result['read_ratio_verified']:.2f}"],
+    ]  # fmt: skip
+    header = ["", "graphsplit MB/s", "safetensors MB/s", "ratio (≥ 0.9)"]
     return (
         f"{result['samples']} samples × {result['bytes_per_sample'] / 1e3:.0f} KB in "
         f"{result['num_shards']} shards, page cache warm, median of {result['rounds']} rounds\n\n"
-        "| | graphsplit MB/s | safetensors MB/s | ratio (≥ 0.9) |\n"
-        "|---|---|---|---|\n"
-        f"| write (vs save_file) | {mb['write_graphsplit']:.0f} | {mb['write_save_file']:.0f} | "
-        f"{result['write_ratio']:.2f} |\n"
-        f"| write (vs save_file + fsync) | {mb['write_graphsplit']:.0f} | "
-        f"{mb['write_save_file_fsync']:.0f} | {result['write_ratio_vs_fsync']:.2f} |\n"
-        f"| shuffled read (verify=False) | {mb['read_graphsplit']:.0f} | "
-        f"{mb['read_safe_open']:.0f} | {result['read_ratio']:.2f} |\n"
-        f"| shuffled read, first epoch (verify=True) | {mb['read_graphsplit_verified']:.0f} | "
-        f"{mb['read_safe_open']:.0f} | {result['read_ratio_verified']:.2f} |\n"
+        + markdown_table(header, rows, "llll")
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--samples", type=int, default=256, help="samples (default: 256, ~80 MB)")
-    parser.add_argument("--batch-size", type=int, default=8, help="loader batch size (default: 8)")
-    parser.add_argument("--shard-mb", type=float, default=16.0, help="shard size (default: 16 MiB)")
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default: 5)")
-    parser.add_argument(
+    command = parser("bench_cache_io", __doc__)
+    command.add_argument("--samples", type=int, default=256, help="samples (default: 256, ~80 MB)")
+    command.add_argument("--batch-size", type=int, default=8, help="loader batch size (default: 8)")
+    command.add_argument(
+        "--shard-mb", type=float, default=16.0, help="shard size (default: 16 MiB)"
+    )
+    command.add_argument("--rounds", type=int, default=5, help="timed rounds (default: 5)")
+    command.add_argument(
         "--dir", type=Path, help="where to write the caches (default: the temporary folder)"
     )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path("benchmarks/results"),
-        help="folder for cache_io.json and cache_io.md",
-    )
-    args = parser.parse_args(argv)
+    args = command.parse_args(argv)
     result = measure(args.samples, args.batch_size, args.shard_mb, args.rounds, args.dir)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cache_io.json").write_text(json.dumps(result, indent=2) + "\n")
-    markdown = to_markdown(result)
-    (args.out / "cache_io.md").write_text(markdown)
-    print(markdown)
+    write_results(args.out, "cache_io", result, to_markdown(result))
     return 0
 
 

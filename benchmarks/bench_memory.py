@@ -1,8 +1,9 @@
 """Peak memory: the unsplit training process vs graphsplit's stage 2 vs a hand-written split.
 
-Each variant runs in its own fresh interpreter (``--child VARIANT``) and reports its peak
-resident set size (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) after ``--steps`` training
-steps (forward, backward, AdamW on the trainable LoRA weights):
+Each variant runs in its own fresh interpreter (``--child VARIANT``) and reports its own peak
+resident set size (:func:`benchmarks.common.peak_rss_bytes`: ``VmHWM`` on Linux, ``ru_maxrss``
+elsewhere) after ``--steps`` training steps (forward, backward, AdamW on the trainable LoRA
+weights):
 
 - ``unsplit``: the zoo's SD LoRA step built with real weights, trained on the raw batch.
 - ``graphsplit_stage2``: the same step built with ``frozen_on_meta=True`` (VAE and text encoder
@@ -26,23 +27,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import resource
-import subprocess
-import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import (
+    ChildFailed,
+    environment,
+    markdown_table,
+    mib,
+    parser,
+    peak_rss_bytes,
+    reply_to_parent,
+    report,
+    run_child,
+    write_results,
+)
+from benchmarks.hand_written import build_unet, denoising_loss, example_batch, frozen_outputs
+
 VARIANTS = ("baseline", "unsplit", "graphsplit_stage2", "hand_written")
 PREPARE = "prepare"
 DEFAULT_SIZES = ("heavy_frozen", "small")
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-ROOT = Path(__file__).resolve().parent.parent
 SEED = 0
-LORA_RANK = 4  # the zoo's default
 LEARNING_RATE = 1e-4
 
 
@@ -55,57 +62,6 @@ def _import_libraries() -> None:
     import transformers  # noqa: F401
 
     import tests.zoo  # noqa: F401
-
-
-def _max_rss_mib() -> float:
-    # ru_maxrss is KiB on Linux and bytes on macOS.
-    per_mib = 2**20 if sys.platform == "darwin" else 2**10
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / per_mib
-
-
-# -- the hand-written split -------------------------------------------------------------------
-def build_hand_written(size: str):
-    """Only the LoRA UNet and the scheduler, built as the zoo builds them (same seed, config)."""
-    import torch
-    from diffusers import DDPMScheduler, UNet2DConditionModel
-    from peft import LoraConfig
-
-    from tests.zoo import SD_SIZES
-    from tests.zoo.sd import UNET_LORA_TARGETS
-
-    config = SD_SIZES[size]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED * 16 + 2)
-        unet = UNet2DConditionModel(**config.unet)
-    unet.requires_grad_(False)
-    unet.add_adapter(
-        LoraConfig(
-            r=LORA_RANK,
-            lora_alpha=LORA_RANK,
-            init_lora_weights="gaussian",
-            target_modules=list(UNET_LORA_TARGETS),
-        )
-    )
-    for name, param in unet.named_parameters():
-        param.requires_grad_("lora_" in name)
-    scheduler = DDPMScheduler(num_train_timesteps=1000, beta_schedule="scaled_linear")
-    return unet.train(), scheduler
-
-
-def hand_written_loss(unet, scheduler, latent_parameters, text_embedding, scaling_factor=0.18215):
-    """The denoiser-only step a user writes on precomputed (VAE parameters, text embedding)."""
-    import torch
-    import torch.nn.functional as F
-    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-
-    latents = DiagonalGaussianDistribution(latent_parameters).sample() * scaling_factor
-    noise = torch.randn_like(latents)
-    timesteps = torch.randint(
-        0, scheduler.config.num_train_timesteps, (latents.shape[0],), device=latents.device
-    )
-    noisy = scheduler.add_noise(latents, noise, timesteps)
-    prediction = unet(noisy, timesteps, text_embedding).sample
-    return F.mse_loss(prediction.float(), noise.float())
 
 
 # -- the child process ------------------------------------------------------------------------
@@ -123,12 +79,12 @@ def _train(loss_fn, params, steps: int) -> float:
     return float(loss)
 
 
-def run_child(variant: str, size: str, steps: int, data: Path) -> dict[str, Any]:
+def run_child_variant(variant: str, size: str, steps: int, data: Path) -> dict[str, Any]:
     """Run one variant in this (fresh) process; its peak RSS and what it held."""
     _import_libraries()
     row: dict[str, Any] = {"variant": variant, "size": size}
     if variant == "baseline":
-        row["max_rss_mib"] = _max_rss_mib()
+        row["max_rss_mib"] = mib(peak_rss_bytes())
         return row
     import torch
     from safetensors.torch import load_file
@@ -153,26 +109,18 @@ def run_child(variant: str, size: str, steps: int, data: Path) -> dict[str, Any]
         module = split.stage2
         loss = _train(lambda: split.stage2(**boundary), _trainable(step), steps)
     elif variant == "hand_written":
-        unet, scheduler = build_hand_written(size)
+        unet, scheduler = build_unet(size, seed=SEED)
         cached = load_file(str(data / "hand_written.safetensors"))
         del batch
         module = unet
-        loss = _train(
-            lambda: hand_written_loss(
-                unet, scheduler, cached["latent_parameters"], cached["text_embedding"]
-            ),
-            _trainable(unet),
-            steps,
-        )
+        loss = _train(lambda: denoising_loss(unet, scheduler, **cached), _trainable(unet), steps)
     else:
         raise ValueError(f"unknown variant {variant!r}")
     params = list(module.parameters())
-    row["real_param_mib"] = (
-        sum(p.numel() * p.element_size() for p in params if not p.is_meta) / 2**20
-    )
-    row["meta_param_mib"] = sum(p.numel() * p.element_size() for p in params if p.is_meta) / 2**20
+    row["real_param_mib"] = mib(sum(p.numel() * p.element_size() for p in params if not p.is_meta))
+    row["meta_param_mib"] = mib(sum(p.numel() * p.element_size() for p in params if p.is_meta))
     row["last_loss"] = loss
-    row["max_rss_mib"] = _max_rss_mib()
+    row["max_rss_mib"] = mib(peak_rss_bytes())
     return row
 
 
@@ -187,26 +135,20 @@ def prepare_data(size: str, folder: Path) -> dict[str, Any]:
     from safetensors.torch import save_file
 
     import graphsplit
-    from tests.zoo import SD_SIZES, CaptionedImages, build_sd_lora_step
+    from tests.zoo import SD_SIZES, build_sd_lora_step
 
     config = SD_SIZES[size]
-    dataset = CaptionedImages(length=config.batch_size, resolution=config.resolution)
-    items = [dataset[index] for index in range(config.batch_size)]
-    pixels = torch.stack([item["pixel_values"] for item in items])
-    ids = torch.stack([item["input_ids"] for item in items])
+    pixels, ids = example_batch(size)
     step = build_sd_lora_step(seed=SEED, size=size)
     split = graphsplit.split(step, (pixels, ids))
     with torch.no_grad():
         boundary = split.stage1(pixels, ids)
-        hand = {
-            "latent_parameters": step.vae.encode(pixels).latent_dist.parameters,
-            "text_embedding": step.text_encoder(ids)[0],
-        }
+    hand = frozen_outputs(step, pixels, ids)
     save_file({"pixel_values": pixels, "input_ids": ids}, str(folder / "batch.safetensors"))
     save_file(_contiguous(boundary), str(folder / "boundary.safetensors"))
     save_file(_contiguous(hand), str(folder / "hand_written.safetensors"))
     params = {
-        name: sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20
+        name: mib(sum(p.numel() * p.element_size() for p in module.parameters()))
         for name, module in step.named_children()
         if next(module.parameters(), None) is not None
     }
@@ -225,23 +167,20 @@ def _contiguous(tensors: dict) -> dict:
 def run_variant(variant: str, size: str, steps: int, data: Path) -> dict[str, Any]:
     """Run ``--child variant`` in a fresh interpreter and read its JSON line.
 
-    The parent stays small on purpose (it never imports torch): on Linux a child's ru_maxrss
-    starts from the RSS of the process that forked it, so a heavy parent would set a floor.
+    The parent stays small on purpose (it never imports torch): where the peak is read from
+    ``ru_maxrss`` (not Linux), a child starts from the size of the process that forked it.
     """
-    command = [sys.executable, "-m", "benchmarks.bench_memory", "--child", variant]
-    command += ["--sizes", size, "--steps", str(steps), "--data", str(data)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-5:])
-    raise RuntimeError(f"{variant} ({size}) exited {done.returncode}: {tail}")
+    argv = ["--child", variant, "--sizes", size, "--steps", str(steps), "--data", str(data)]
+    try:
+        return run_child("benchmarks.bench_memory", argv)
+    except ChildFailed as failure:
+        raise RuntimeError(f"{variant} ({size}) {failure}") from None
 
 
 def measure(size: str, steps: int, jobs: int = 2) -> dict[str, Any]:
     """Peak RSS of each variant in a fresh process, and the ratios.
 
-    ``ru_maxrss`` is per process, so running ``jobs`` children at once does not change it.
+    Peak RSS is per process, so running ``jobs`` children at once does not change it.
     """
     with tempfile.TemporaryDirectory(prefix="graphsplit-bench-memory-") as folder:
         data = Path(folder)
@@ -272,91 +211,61 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else float("nan")
 
 
-def environment() -> dict[str, Any]:
-    from importlib.metadata import version
-
-    return {
-        "torch": version("torch"),
-        "diffusers": version("diffusers"),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-    }
-
-
 def to_markdown(results: list[dict[str, Any]]) -> str:
-    lines = [
-        "| mix | batch × px | steps | imports only MiB | unsplit MiB | stage 2 MiB "
-        "| hand-written MiB | stage2 / hand (≤ 1.05) | stage2 / unsplit "
-        "| above imports: unsplit / stage 2 / hand MiB "
-        "| above imports: stage2 / hand | above imports: stage2 / unsplit |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
-    ]
+    header = ["mix", "batch × px", "steps", "imports only MiB", "unsplit MiB", "stage 2 MiB",
+              "hand-written MiB", "stage2 / hand (≤ 1.05)", "stage2 / unsplit",
+              "above imports: unsplit / stage 2 / hand MiB", "above imports: stage2 / hand",
+              "above imports: stage2 / unsplit"]  # fmt: skip
+    rows = []
     for r in results:
         m, a = r["max_rss_mib"], r["above_baseline_mib"]
-        lines.append(
-            f"| {r['size']} | {r['batch_size']} × {r['resolution']} | {r['steps']} "
-            f"| {m['baseline']:.0f} | {m['unsplit']:.0f} | {m['graphsplit_stage2']:.0f} "
-            f"| {m['hand_written']:.0f} | {r['stage2_over_hand_written']:.3f} "
-            f"| {r['stage2_over_unsplit']:.3f} | {a['unsplit']:.0f} / "
-            f"{a['graphsplit_stage2']:.0f} / {a['hand_written']:.0f} "
-            f"| {r['above_baseline_stage2_over_hand_written']:.3f} "
-            f"| {r['above_baseline_stage2_over_unsplit']:.3f} |"
-        )
-    return "\n".join(lines) + "\n"
+        rows.append([
+            r["size"], f"{r['batch_size']} × {r['resolution']}", r["steps"],
+            f"{m['baseline']:.0f}", f"{m['unsplit']:.0f}", f"{m['graphsplit_stage2']:.0f}",
+            f"{m['hand_written']:.0f}", f"{r['stage2_over_hand_written']:.3f}",
+            f"{r['stage2_over_unsplit']:.3f}",
+            f"{a['unsplit']:.0f} / {a['graphsplit_stage2']:.0f} / {a['hand_written']:.0f}",
+            f"{r['above_baseline_stage2_over_hand_written']:.3f}",
+            f"{r['above_baseline_stage2_over_unsplit']:.3f}",
+        ])  # fmt: skip
+    return markdown_table(header, rows, "llrrrrrrrlrr")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_memory",
-        description="Peak RSS of unsplit, graphsplit stage-2 and hand-written training processes.",
-    )
-    parser.add_argument(
+def main(argv: list[str] | None = None) -> int:
+    command = parser("bench_memory", __doc__)
+    command.add_argument(
         "--sizes",
         nargs="+",
         default=list(DEFAULT_SIZES),
         help="zoo SD sizes to measure (default: heavy_frozen small)",
     )
-    parser.add_argument(
+    command.add_argument(
         "--steps", type=int, default=3, help="training steps per process (default 3)"
     )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=DEFAULT_OUT,
-        help="folder for memory.json and memory.md (default: benchmarks/results/)",
-    )
-    parser.add_argument(
+    command.add_argument(
         "--jobs",
         type=int,
         default=2,
         help="variant processes run at once; peak RSS is per process (default 2)",
     )
-    parser.add_argument("--child", choices=(*VARIANTS, PREPARE), help=argparse.SUPPRESS)
-    parser.add_argument("--data", type=Path, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    options = parse_args(argv)
+    command.add_argument("--child", choices=(*VARIANTS, PREPARE), help=argparse.SUPPRESS)
+    command.add_argument("--data", type=Path, help=argparse.SUPPRESS)
+    options = command.parse_args(argv)
     if options.child == PREPARE:
-        print(json.dumps(prepare_data(options.sizes[0], options.data)), flush=True)
+        reply_to_parent(prepare_data(options.sizes[0], options.data))
         return 0
     if options.child:
-        row = run_child(options.child, options.sizes[0], options.steps, options.data)
-        print(json.dumps(row), flush=True)
+        reply_to_parent(
+            run_child_variant(options.child, options.sizes[0], options.steps, options.data)
+        )
         return 0
     results = []
     for size in options.sizes:
         result = measure(size, options.steps, options.jobs)
         results.append(result)
         print(f"{size}: {json.dumps(result['max_rss_mib'])}", flush=True)
-    options.out.mkdir(parents=True, exist_ok=True)
-    report = {"benchmark": "memory", "environment": environment(), "results": results}
-    (options.out / "memory.json").write_text(json.dumps(report, indent=2) + "\n")
-    markdown = to_markdown(results)
-    (options.out / "memory.md").write_text(markdown)
-    print(markdown)
+    payload = report("memory", results, environment("torch", "diffusers"))
+    write_results(options.out, "memory", payload, to_markdown(results))
     return 0
 
 

@@ -27,25 +27,32 @@ Writes ``plan_scale.json`` and ``plan_scale.md`` to ``--out`` (default ``benchma
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import resource
 import subprocess
-import sys
 import time
-import tracemalloc
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks.common import (
+    ChildFailed,
+    current_rss_bytes,
+    environment,
+    markdown_table,
+    mib,
+    parser,
+    peak_rss_bytes,
+    python_heap_peak_bytes,
+    reply_to_parent,
+    report,
+    run_child,
+    write_results,
+)
+
 DEFAULT_CASES = ("sdxl", "flux", "flux_diffusers_ids")
 ALL_CASES = ("tiny", *DEFAULT_CASES)
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 META = torch.device("meta")
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
 
@@ -280,18 +287,6 @@ BUILDERS: dict[str, Callable[[int], tuple[nn.Module, tuple[torch.Tensor, ...]]]]
 
 
 # -- measuring (child process) ----------------------------------------------------------------
-def _rss_mib(kind: str = "max") -> float:
-    if kind == "max":
-        # ru_maxrss is KiB on Linux and bytes on macOS.
-        per_mib = 2**20 if sys.platform == "darwin" else 2**10
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / per_mib
-    try:  # current RSS (Linux); falls back to the maximum elsewhere
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (OSError, ValueError, IndexError):
-        return _rss_mib("max")
-
-
 def _component_params(model: nn.Module) -> dict[str, float]:
     return {
         name: sum(p.numel() for p in child.parameters()) / 1e9
@@ -307,12 +302,12 @@ def measure_case(case: str, batch: int | None = None) -> dict[str, Any]:
     batch = batch or (2 if case == "tiny" else 1)
     row: dict[str, Any] = {"case": case, "batch": batch, "status": "ok"}
     graphsplit.split(*build_tiny())  # warm-up: first-call costs of torch, fx, diffusers
-    row["rss_before_build_mib"] = _rss_mib("now")
+    row["rss_before_build_mib"] = mib(current_rss_bytes())
     try:
         started = time.perf_counter()
         model, args = BUILDERS[case](batch)
         row["build_seconds"] = time.perf_counter() - started
-        row["rss_after_build_mib"] = _rss_mib("now")
+        row["rss_after_build_mib"] = mib(current_rss_bytes())
         params = list(model.parameters())
         row["params_billion"] = sum(p.numel() for p in params) / 1e9
         row["trainable_params_million"] = sum(p.numel() for p in params if p.requires_grad) / 1e6
@@ -323,7 +318,7 @@ def measure_case(case: str, batch: int | None = None) -> dict[str, Any]:
         started = time.perf_counter()
         split = graphsplit.split(model, args)
         row["split_seconds"] = time.perf_counter() - started
-        row["rss_after_split_mib"] = _rss_mib("now")
+        row["rss_after_split_mib"] = mib(current_rss_bytes())
         row["graph_nodes"] = len(split.graph.nodes)
         row["stage2_nodes"] = len(split.cut.stage2)
         row["boundary"] = {
@@ -341,54 +336,25 @@ def measure_case(case: str, batch: int | None = None) -> dict[str, Any]:
         ]
         row["notes"] = list(split.notes)
         del split
-        tracemalloc.start()
-        try:
-            graphsplit.split(model, args)
-            row["peak_python_mib"] = tracemalloc.get_traced_memory()[1] / 2**20
-        finally:
-            tracemalloc.stop()
+        peak = python_heap_peak_bytes(lambda: graphsplit.split(model, args))
+        row["peak_python_mib"] = mib(peak)
     except Exception as exc:  # a failing case is a result, not a crash of the benchmark
         text = str(exc).strip() or repr(exc)
         row["status"] = f"failed: {type(exc).__name__}: {text}"
-    row["max_rss_mib"] = _rss_mib("max")
+    row["max_rss_mib"] = mib(peak_rss_bytes())
     return row
 
 
 # -- orchestration (parent process) -----------------------------------------------------------
 def run_case(case: str, timeout: float, batch: int | None = None) -> dict[str, Any]:
     """Run ``--child case`` in a fresh interpreter; a crash becomes a failed row."""
-    command = [sys.executable, "-m", "benchmarks.bench_plan_scale", "--child", case]
-    if batch:
-        command += ["--batch", str(batch)]
-    root = Path(__file__).resolve().parent.parent
+    argv = ["--child", case, *(["--batch", str(batch)] if batch else [])]
     try:
-        done = subprocess.run(
-            command, cwd=root, capture_output=True, text=True, timeout=timeout, check=False
-        )
+        return run_child("benchmarks.bench_plan_scale", argv, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"case": case, "status": f"failed: timed out after {timeout:.0f} s"}
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith("{"):
-            return json.loads(line)
-    tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
-    return {"case": case, "status": f"failed: exit {done.returncode}: {' | '.join(tail)}"}
-
-
-def environment() -> dict[str, Any]:
-    import diffusers
-    import transformers
-
-    import graphsplit
-
-    return {
-        "graphsplit": graphsplit.__version__,
-        "torch": torch.__version__,
-        "diffusers": diffusers.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-    }
+    except ChildFailed as failure:
+        return {"case": case, "status": f"failed: exit {failure.returncode}: {failure.tail}"}
 
 
 def _fmt(row: dict[str, Any], key: str, spec: str) -> str:
@@ -396,76 +362,53 @@ def _fmt(row: dict[str, Any], key: str, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
-def markdown_table(results: list[dict[str, Any]]) -> str:
-    lines = [
-        "| case | batch | params (B) | weights if real (GiB) | build on meta s | split() s (≤ 5) "
-        "| graph nodes | boundary | boundary bytes/sample | peak Python MiB | RSS before → after "
-        "split MiB | max RSS MiB | frozen modules left in stage 2 | status |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|---|",
-    ]
-    for row in results:
-        boundary = ", ".join(
-            f"`{key}` {tuple(spec['shape'])}" for key, spec in row.get("boundary", {}).items()
-        )
-        rss = "–"
-        if "rss_after_split_mib" in row:
-            rss = f"{row['rss_before_build_mib']:.0f} → {row['rss_after_split_mib']:.0f}"
-        status = row["status"].splitlines()[0].replace("|", "\\|")
-        lines.append(
-            f"| {row['case']} | {_fmt(row, 'batch', 'd')} | {_fmt(row, 'params_billion', '.2f')} "
-            f"| {_fmt(row, 'weights_gib_if_real', '.1f')} | {_fmt(row, 'build_seconds', '.2f')} "
-            f"| {_fmt(row, 'split_seconds', '.2f')} | {_fmt(row, 'graph_nodes', 'd')} "
-            f"| {boundary or '–'} | {_fmt(row, 'boundary_bytes_per_sample', ',d')} "
-            f"| {_fmt(row, 'peak_python_mib', '.1f')} | {rss} | {_fmt(row, 'max_rss_mib', '.0f')} "
-            f"| {', '.join(row.get('frozen_modules_in_stage2', [])) or 'none'} | {status} |"
-        )
-    return "\n".join(lines) + "\n"
+def to_markdown(results: list[dict[str, Any]]) -> str:
+    header = ["case", "batch", "params (B)", "weights if real (GiB)", "build on meta s",
+              "split() s (≤ 5)", "graph nodes", "boundary", "boundary bytes/sample",
+              "peak Python MiB", "RSS before → after split MiB", "max RSS MiB",
+              "frozen modules left in stage 2", "status"]  # fmt: skip
+    return markdown_table(header, [_cells(row) for row in results], "lrrrrrrlrrrrll")
 
 
-def write_results(results: list[dict[str, Any]], out: Path) -> tuple[Path, Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"benchmark": "plan_scale", "environment": environment(), "results": results}
-    json_path = out / "plan_scale.json"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    markdown_path = out / "plan_scale.md"
-    markdown_path.write_text(markdown_table(results))
-    return json_path, markdown_path
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_plan_scale",
-        description="Time and peak memory of graphsplit.split() on full-size configs on meta.",
+def _cells(row: dict[str, Any]) -> list[str]:
+    boundary = ", ".join(
+        f"`{key}` {tuple(spec['shape'])}" for key, spec in row.get("boundary", {}).items()
     )
-    parser.add_argument(
+    rss = "–"
+    if "rss_after_split_mib" in row:
+        rss = f"{row['rss_before_build_mib']:.0f} → {row['rss_after_split_mib']:.0f}"
+    return [
+        row["case"], _fmt(row, "batch", "d"), _fmt(row, "params_billion", ".2f"),
+        _fmt(row, "weights_gib_if_real", ".1f"), _fmt(row, "build_seconds", ".2f"),
+        _fmt(row, "split_seconds", ".2f"), _fmt(row, "graph_nodes", "d"), boundary or "–",
+        _fmt(row, "boundary_bytes_per_sample", ",d"), _fmt(row, "peak_python_mib", ".1f"), rss,
+        _fmt(row, "max_rss_mib", ".0f"),
+        ", ".join(row.get("frozen_modules_in_stage2", [])) or "none",
+        row["status"].splitlines()[0].replace("|", "\\|"),
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    command = parser("bench_plan_scale", __doc__)
+    command.add_argument(
         "--cases",
         nargs="+",
         choices=ALL_CASES,
         default=list(DEFAULT_CASES),
         help="cases to run (default: sdxl flux; tiny is the zoo's tiny SD step)",
     )
-    parser.add_argument(
+    command.add_argument(
         "--timeout", type=float, default=600, help="seconds allowed per case (default 600)"
     )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=DEFAULT_OUT,
-        help="folder for plan_scale.json and plan_scale.md (default: benchmarks/results/)",
-    )
-    parser.add_argument(
+    command.add_argument(
         "--batch",
         type=int,
         help="example batch size (default: 1 for sdxl and flux, as at 1024 px; 2 for tiny)",
     )
-    parser.add_argument("--child", choices=ALL_CASES, help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    options = parse_args(argv)
+    command.add_argument("--child", choices=ALL_CASES, help=argparse.SUPPRESS)
+    options = command.parse_args(argv)
     if options.child:
-        print(json.dumps(measure_case(options.child, options.batch)), flush=True)
+        reply_to_parent(measure_case(options.child, options.batch))
         return 0
     results = []
     for case in options.cases:
@@ -476,9 +419,10 @@ def main(argv: list[str] | None = None) -> int:
             f" max RSS {_fmt(row, 'max_rss_mib', '.0f')} MiB",
             flush=True,
         )
-    json_path, markdown_path = write_results(results, options.out)
-    print(markdown_table(results))
-    print(f"wrote {json_path} and {markdown_path}")
+    where = environment("graphsplit", "torch", "diffusers", "transformers")
+    write_results(
+        options.out, "plan_scale", report("plan_scale", results, where), to_markdown(results)
+    )
     return 0
 
 

@@ -17,25 +17,26 @@ Writes ``bench_split_scale.json`` and ``bench_split_scale.md`` (a table) to ``--
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-import resource
-import sys
 import time
-import tracemalloc
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 import graphsplit
+from benchmarks.common import (
+    environment,
+    markdown_table,
+    mib,
+    parser,
+    peak_rss_bytes,
+    python_heap_peak_bytes,
+    report,
+    write_results,
+)
 
 DEFAULT_SIZES = (10, 100, 1000)
 FULL_SIZES = (*DEFAULT_SIZES, 10000)
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 NODES_PER_BLOCK = 3  # Linear, tanh, add
 FROZEN_SHARE = 0.6
 WIDTH = 8
@@ -66,12 +67,6 @@ def build_step(nodes: int) -> tuple[ChainWithSkips, tuple[torch.Tensor]]:
     return ChainWithSkips(blocks), (torch.randn(BATCH, WIDTH),)
 
 
-def _max_rss_mib() -> float:
-    # ru_maxrss is KiB on Linux and bytes on macOS.
-    per_mib = 2**20 if sys.platform == "darwin" else 2**10
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / per_mib
-
-
 def measure(nodes: int, *, repeat: int = 1) -> dict[str, Any]:
     """Time and peak memory of ``split()`` on a chain-with-skips step of about ``nodes`` nodes."""
     model, args = build_step(nodes)
@@ -80,12 +75,7 @@ def measure(nodes: int, *, repeat: int = 1) -> dict[str, Any]:
         start = time.perf_counter()
         split = graphsplit.split(model, args)
         seconds.append(time.perf_counter() - start)
-    tracemalloc.start()
-    try:
-        graphsplit.split(model, args)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    peak = python_heap_peak_bytes(lambda: graphsplit.split(model, args))
     return {
         "nodes": nodes,
         "graph_nodes": len(split.graph.nodes),
@@ -93,81 +83,43 @@ def measure(nodes: int, *, repeat: int = 1) -> dict[str, Any]:
         "stage2_nodes": len(split.cut.stage2),
         "seconds": min(seconds),
         "seconds_all": seconds,
-        "peak_python_mib": peak / 2**20,
-        "max_rss_mib": _max_rss_mib(),
+        "peak_python_mib": mib(peak),
+        "max_rss_mib": mib(peak_rss_bytes()),
     }
 
 
-def environment() -> dict[str, Any]:
-    return {
-        "graphsplit": graphsplit.__version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-    }
-
-
-def markdown_table(results: list[dict[str, Any]]) -> str:
-    lines = [
-        "| nodes | graph nodes | boundary | stage-2 nodes | split() s | peak Python MiB "
-        "| max RSS MiB |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in results:
-        lines.append(
-            f"| {row['nodes']} | {row['graph_nodes']} | {row['boundary_tensors']} "
-            f"| {row['stage2_nodes']} | {row['seconds']:.3f} | {row['peak_python_mib']:.1f} "
-            f"| {row['max_rss_mib']:.0f} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def write_results(results: list[dict[str, Any]], out: Path) -> tuple[Path, Path]:
-    """Write ``bench_split_scale.json`` and ``bench_split_scale.md`` into ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    report = {"benchmark": "split_scale", "environment": environment(), "results": results}
-    json_path = out / "bench_split_scale.json"
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    markdown_path = out / "bench_split_scale.md"
-    markdown_path.write_text(
+def to_markdown(results: list[dict[str, Any]], where: dict[str, Any]) -> str:
+    """The page: a title, where it ran, and one row per graph size."""
+    header = ["nodes", "graph nodes", "boundary", "stage-2 nodes", "split() s",
+              "peak Python MiB", "max RSS MiB"]  # fmt: skip
+    rows = [
+        [row["nodes"], row["graph_nodes"], row["boundary_tensors"], row["stage2_nodes"],
+         f"{row['seconds']:.3f}", f"{row['peak_python_mib']:.1f}", f"{row['max_rss_mib']:.0f}"]
+        for row in results
+    ]  # fmt: skip
+    return (
         "# graphsplit.split() on chain-with-skips graphs\n\n"
-        f"torch {torch.__version__}, Python {platform.python_version()}, "
-        f"{os.cpu_count()} CPUs\n\n" + markdown_table(results)
+        f"torch {where['torch']}, Python {where['python']}, {where['cpus']} CPUs\n\n"
+        + markdown_table(header, rows, "rrrrrrr")
     )
-    return json_path, markdown_path
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.bench_split_scale",
-        description="Time and peak memory of graphsplit.split() on chain-with-skips graphs.",
-    )
-    parser.add_argument(
+def main(argv: list[str] | None = None) -> int:
+    command = parser("bench_split_scale", __doc__)
+    command.add_argument(
         "--sizes",
         type=int,
         nargs="+",
         metavar="NODES",
         help=f"graph sizes in nodes (default: {' '.join(map(str, DEFAULT_SIZES))})",
     )
-    parser.add_argument(
+    command.add_argument(
         "--full", action="store_true", help="also run 10000 nodes (ignored with --sizes)"
     )
-    parser.add_argument(
+    command.add_argument(
         "--repeat", type=int, default=3, help="timed runs per size; the best is kept (default 3)"
     )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=DEFAULT_OUT,
-        help="folder for bench_split_scale.json and .md (default: benchmarks/results/)",
-    )
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    options = parse_args(argv)
+    options = command.parse_args(argv)
     sizes = options.sizes or (FULL_SIZES if options.full else DEFAULT_SIZES)
     graphsplit.split(*build_step(10))  # warm-up: first-call costs of torch and fx
     results = []
@@ -179,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             f"peak Python {row['peak_python_mib']:.1f} MiB",
             flush=True,
         )
-    json_path, markdown_path = write_results(results, options.out)
-    print(f"wrote {json_path} and {markdown_path}")
+    where = environment("graphsplit", "torch", torch_threads=True)
+    payload = report("split_scale", results, where)
+    write_results(options.out, "bench_split_scale", payload, to_markdown(results, where))
     return 0
 
 

@@ -6,10 +6,11 @@ for the sizes reported in docs/benchmarks.md.
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
+
+from benchmarks.common import parser
 
 # Each benchmark runs in its own interpreter: the memory benchmark measures child processes,
 # whose peak RSS would otherwise start from this one's (torch imported) at fork time.
@@ -45,10 +46,9 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--full", action="store_true", help="the sizes in docs/benchmarks.md")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    args = parser.parse_args(argv)
+    command = parser("run_all", __doc__)
+    command.add_argument("--full", action="store_true", help="the sizes in docs/benchmarks.md")
+    args = command.parse_args(argv)
     failures = 0
     for name, module, module_argv in plan(args.full, args.out):
         print(f"\n== {name}: python -m {module} {' '.join(module_argv)}", flush=True)

@@ -15,17 +15,21 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import resource
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader, default_collate
 
 import graphsplit
+from benchmarks.common import peak_rss_bytes
+from graphsplit.units import human_bytes
+from tests.zoo import CaptionedImages, build_sd_lora_step
 
 
 @dataclass(frozen=True)
@@ -41,14 +45,10 @@ class DemoConfig:
 
 
 def _dataset(config: DemoConfig):
-    from tests.zoo import CaptionedImages
-
     return CaptionedImages(length=config.samples, resolution=config.resolution, seed=config.seed)
 
 
 def _raw_batches(config: DemoConfig):
-    from torch.utils.data import DataLoader, default_collate
-
     def collate(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         return default_collate([{k: v for k, v in item.items() if k != "key"} for item in items])
 
@@ -87,8 +87,6 @@ def _held_bytes(module: torch.nn.Module) -> int:
 
 
 def _run_unsplit(config: DemoConfig) -> dict[str, Any]:
-    from tests.zoo import build_sd_lora_step
-
     step = build_sd_lora_step(seed=config.seed)
     params = [p for p in step.parameters() if p.requires_grad]
     result = _train(step, params, _raw_batches(config), config)
@@ -96,14 +94,8 @@ def _run_unsplit(config: DemoConfig) -> dict[str, Any]:
 
 
 def _run_stage2(config: DemoConfig, cache_dir: str) -> dict[str, Any]:
-    from torch.utils.data import DataLoader
-
-    from tests.zoo import build_sd_lora_step
-
     step = build_sd_lora_step(seed=config.seed, frozen_on_meta=True)  # never loads VAE/CLIP
     split = graphsplit.split(step, _example(config))
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "frozen weights on meta": expected in this process
         dataset = graphsplit.CachedDataset(cache_dir, split)
@@ -113,26 +105,10 @@ def _run_stage2(config: DemoConfig, cache_dir: str) -> dict[str, Any]:
     return {**result, "weights_bytes": _held_bytes(split.stage2)}
 
 
-def _peak_rss_bytes() -> int:
-    """This process's own peak RSS.
-
-    ``ru_maxrss`` survives ``exec`` (a spawned child starts from its parent's RSS at fork
-    time), so on Linux read the memory map's high-water mark, which a new process resets.
-    """
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _child(name: str, config: DemoConfig, cache_dir: str, queue) -> None:
     torch.set_num_threads(max(torch.get_num_threads(), 1))
     result = _run_unsplit(config) if name == "unsplit" else _run_stage2(config, cache_dir)
-    result["peak_rss_bytes"] = _peak_rss_bytes()
+    result["peak_rss_bytes"] = peak_rss_bytes()
     queue.put(json.dumps(result))
 
 
@@ -147,8 +123,10 @@ def _in_fresh_process(name: str, config: DemoConfig, cache_dir: str) -> dict[str
     return result
 
 
-def _mib(count: float) -> str:
-    return f"{count / 2**20:.1f} MiB"
+def _mean_after_first(result: dict[str, Any]) -> float:
+    """Mean step time without step 1, which pays the first-call costs (unless it is alone)."""
+    seconds = result["step_seconds"]
+    return sum(seconds[1:] or seconds) / max(len(seconds) - 1, 1)
 
 
 def side_by_side(unsplit: dict[str, Any], stage2: dict[str, Any], cache_bytes: int) -> str:
@@ -156,18 +134,14 @@ def side_by_side(unsplit: dict[str, Any], stage2: dict[str, Any], cache_bytes: i
     rows = [("", "unsplit step", "graphsplit stage 2")]
     for index, (a, b) in enumerate(zip(unsplit["losses"], stage2["losses"])):
         rows.append((f"loss, step {index + 1}", f"{a:.6f}", f"{b:.6f}"))
-    mean_a = sum(unsplit["step_seconds"][1:] or unsplit["step_seconds"]) / max(
-        len(unsplit["step_seconds"]) - 1, 1
-    )
-    mean_b = sum(stage2["step_seconds"][1:] or stage2["step_seconds"]) / max(
-        len(stage2["step_seconds"]) - 1, 1
-    )
+    mean_a, mean_b = _mean_after_first(unsplit), _mean_after_first(stage2)
     rows += [
         ("step time (mean after step 1)", f"{mean_a * 1000:.0f} ms", f"{mean_b * 1000:.0f} ms"),
-        ("weights held", _mib(unsplit["weights_bytes"]), _mib(stage2["weights_bytes"])),
-        ("peak RSS of the process", _mib(unsplit["peak_rss_bytes"]),
-         _mib(stage2["peak_rss_bytes"])),
-        ("cache on disk", "-", _mib(cache_bytes)),
+        ("weights held", human_bytes(unsplit["weights_bytes"]),
+         human_bytes(stage2["weights_bytes"])),
+        ("peak RSS of the process", human_bytes(unsplit["peak_rss_bytes"]),
+         human_bytes(stage2["peak_rss_bytes"])),
+        ("cache on disk", "-", human_bytes(cache_bytes)),
     ]  # fmt: skip
     widths = [max(len(row[column]) for row in rows) for column in range(3)]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows]
@@ -177,8 +151,6 @@ def side_by_side(unsplit: dict[str, Any], stage2: dict[str, Any], cache_bytes: i
 
 def run_demo(config: DemoConfig | None = None, *, out: str | None = None) -> int:
     """Split, cache, train both ways and print the comparison; returns the exit code."""
-    from tests.zoo import build_sd_lora_step
-
     config = config or DemoConfig()
     step = build_sd_lora_step(seed=config.seed)
     started = time.perf_counter()
@@ -187,8 +159,6 @@ def run_demo(config: DemoConfig | None = None, *, out: str | None = None) -> int
     print(f"\nsplit() took {time.perf_counter() - started:.2f} s\n")
     with tempfile.TemporaryDirectory(prefix="graphsplit-demo-") as scratch:
         cache_dir = out or str(Path(scratch) / "cache")
-        from torch.utils.data import DataLoader
-
         loader = DataLoader(_dataset(config), batch_size=config.batch_size)
         info = graphsplit.cache(split, loader, cache_dir, overwrite=True)
         print(f"{info}\n")

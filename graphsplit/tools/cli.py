@@ -1,25 +1,49 @@
-"""The ``graphsplit`` command line.
+"""The ``graphsplit`` command line: inspect a step, cache its dataset, check a cache.
 
-graphsplit inspect SPEC [--out DIR]                  report, generated code and picture of a split
-graphsplit cache SPEC --out DIR                      stage 1 over the spec's dataset, into a cache
-graphsplit check-cache DIR                           verify every file of a cache
+Glossary:
+    SPEC: ``path/to/file.py:function`` or ``package.module:function``; the function takes no
+        arguments and returns a :class:`graphsplit.StepSpec` (see :mod:`graphsplit.tools.spec`).
+    inspect: split the step, print the report, and write the generated stage code, ``plan.json``
+        and a picture of the split (:mod:`graphsplit.tools.picture`) into a folder.
+    cache: run stage 1 over the spec's dataset into a cache folder (under ``accelerate launch``
+        each process writes its share).
+    check-cache: verify every file of a cache folder.
+    exit code: 0 success; 1 the operation failed (the step cannot be split, the cache is
+        damaged); 2 a usage error (bad arguments, a spec that cannot be loaded or has no dataset).
 
-``SPEC`` is ``path/to/file.py:function`` or ``package.module:function``; the function returns a
-:class:`graphsplit.StepSpec`. Exit codes: 0 success, 1 the operation failed (the step cannot
-be split, the cache is damaged), 2 usage errors (bad arguments, a spec that cannot be loaded).
+In and out::
+
+    graphsplit inspect SPEC [--out DIR]          report on stdout; stage1.py, stage2.py,
+                                                 plan.json, split.dot/.html(/.svg) in DIR
+    graphsplit cache SPEC --out DIR [--batch-size N] [--shard-bytes N] [--overwrite]
+    graphsplit check-cache DIR                   the check's report on stdout
+
+    main(argv: Sequence[str] | None = None) -> int     the exit code
+    build_parser() -> argparse.ArgumentParser
+
+Errors go to stderr as ``graphsplit: error: ...`` with the fix, never as a traceback: what is
+wrong is in the user's spec or step, not in graphsplit.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch.utils.data import DataLoader
+
+from graphsplit.api import Split, split
+from graphsplit.caching import cache, check_cache
+from graphsplit.errors import GraphsplitError
+from graphsplit.tools.picture import render_split
 from graphsplit.tools.spec import SpecError, StepSpec, load_spec
 
-__all__ = ["StepSpec", "build_parser", "main"]
+__all__ = ["build_parser", "main"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -35,17 +59,17 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def _inspect(args: argparse.Namespace) -> int:
-    from graphsplit.api import split
-    from graphsplit.errors import GraphsplitError
-    from graphsplit.tools.picture import render_split
+def _split(spec: StepSpec) -> Split:
+    return split(spec.model, spec.example_args, spec.example_kwargs, frozen=spec.frozen)
 
+
+def _inspect(args: argparse.Namespace) -> int:
     try:
         spec = load_spec(args.spec)
     except SpecError as error:
         return _fail(str(error), EXIT_USAGE)
     try:
-        parts = split(spec.model, spec.example_args, spec.example_kwargs, frozen=spec.frozen)
+        parts = _split(spec)
     except GraphsplitError as error:
         return _fail(f"{type(error).__name__}: {error}", EXIT_FAILED)
     print(parts.report())
@@ -59,23 +83,14 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _accelerator_if_launched() -> Any:
     """An ``accelerate.Accelerator`` when run under ``accelerate launch`` with >1 process."""
-    import os
-
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None
-    import torch
-    from accelerate import Accelerator
+    from accelerate import Accelerator  # optional: the hf extra
 
     return Accelerator(cpu=not torch.cuda.is_available())
 
 
 def _cache(args: argparse.Namespace) -> int:
-    from torch.utils.data import DataLoader
-
-    from graphsplit.api import split
-    from graphsplit.caching import cache
-    from graphsplit.errors import GraphsplitError
-
     try:
         spec = load_spec(args.spec)
     except SpecError as error:
@@ -88,7 +103,7 @@ def _cache(args: argparse.Namespace) -> int:
         )
     accelerator = _accelerator_if_launched()
     try:
-        parts = split(spec.model, spec.example_args, spec.example_kwargs, frozen=spec.frozen)
+        parts = _split(spec)
         batch_size = args.batch_size or _example_batch(spec)
         loader = DataLoader(spec.dataset, batch_size=batch_size, shuffle=False)
         info = cache(
@@ -107,8 +122,6 @@ def _cache(args: argparse.Namespace) -> int:
 
 
 def _example_batch(spec: StepSpec) -> int:
-    import torch
-
     for value in (*spec.example_args, *spec.example_kwargs.values()):
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             return int(value.shape[0])
@@ -116,10 +129,6 @@ def _example_batch(spec: StepSpec) -> int:
 
 
 def _check_cache(args: argparse.Namespace) -> int:
-    try:
-        from graphsplit.caching import check_cache
-    except ImportError as error:
-        return _fail(f"cache checking is not available in this install ({error})", EXIT_USAGE)
     report = check_cache(args.dir)
     print(report)
     return EXIT_OK if report.ok else EXIT_FAILED

@@ -1,10 +1,16 @@
 """What the ``graphsplit`` command line needs from a user's step: :class:`StepSpec`, and its loader.
 
-A spec is named on the command line as ``path/to/file.py:function`` or ``package.module:function``;
-the function takes no arguments and returns a :class:`StepSpec`::
+Glossary:
+    step spec (:class:`StepSpec`, public as ``graphsplit.StepSpec``): the training step module,
+        an example batch, the frozen parameters and the dataset to cache.
+    spec text: how the command line names the function that returns a step spec:
+        ``path/to/file.py:function`` (a file, imported under a private module name) or
+        ``package.module:function`` (imported from ``PYTHONPATH``).
+
+The function takes no arguments and returns a :class:`StepSpec`::
 
     # my_step.py
-    import graphsplit.tools.spec
+    import graphsplit
 
     def step():
         model = build_my_training_step()          # forward(batch...) -> loss
@@ -13,7 +19,9 @@ the function takes no arguments and returns a :class:`StepSpec`::
 
     $ graphsplit inspect my_step.py:step --out plan/
 
-In: the spec text. Out: :class:`StepSpec`, or :class:`SpecError` whose message says what to fix.
+In and out::
+
+    load_spec(text: str) -> StepSpec           raises SpecError, whose message says the fix
 """
 
 from __future__ import annotations

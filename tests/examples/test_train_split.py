@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 import graphsplit
 from tests.zoo.sd import build_sd_lora_step
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_split.py"
 # 8 samples of about 10.5 KB in batches of 2: 50 KB shards hold 2 batches: 2 shards.
 COMMON = ["--size", "tiny", "--num-samples", "8", "--batch-size", "2", "--seed", "3"]

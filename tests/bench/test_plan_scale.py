@@ -43,4 +43,4 @@ def test_a_failing_case_is_recorded_not_raised(monkeypatch):
     monkeypatch.setitem(bench_plan_scale.BUILDERS, "tiny", broken)
     row = bench_plan_scale.measure_case("tiny")
     assert row["status"] == "failed: RuntimeError: boom"
-    assert "| tiny | 2 |" in bench_plan_scale.markdown_table([row])
+    assert "| tiny | 2 |" in bench_plan_scale.to_markdown([row])

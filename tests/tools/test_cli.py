@@ -1,4 +1,4 @@
-"""The command line: inspect on a tiny spec, spec loading errors, check-cache, --help."""
+"""The command line: inspect and cache on a tiny spec, exit codes, check-cache, --help."""
 
 import json
 import subprocess
@@ -8,13 +8,11 @@ from pathlib import Path
 import pytest
 
 from graphsplit.tools.cli import main
-from graphsplit.tools.spec import SpecError, StepSpec, load_spec
-
-SPEC_FILE = Path(__file__).parent / "specs" / "tiny_step.py"
+from tests.tools.specs import BAD_SPECS, TINY_STEP
 
 
 def test_inspect_prints_report_and_writes_code_and_picture(tmp_path, capsys):
-    code = main(["inspect", f"{SPEC_FILE}:step", "--out", str(tmp_path)])
+    code = main(["inspect", f"{TINY_STEP}:step", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 0
     assert "graphsplit plan for TinyStep" in out
@@ -26,35 +24,16 @@ def test_inspect_prints_report_and_writes_code_and_picture(tmp_path, capsys):
 
 
 def test_inspect_accepts_a_module_spec(tmp_path, capsys):
-    assert main(["inspect", "tests.specs.tiny_step:step", "--out", str(tmp_path)]) == 0
+    assert main(["inspect", "tests.tools.specs.tiny_step:step", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "split.html").is_file()
 
 
-@pytest.mark.parametrize(
-    ("spec", "message"),
-    [
-        ("no_colon_here", "is not a step spec"),
-        ("tests/specs/does_not_exist.py:step", "no such file"),
-        ("graphsplit_no_such_module:step", "cannot import module"),
-        (f"{SPEC_FILE}:missing", "has no function 'missing'"),
-        (f"{SPEC_FILE}:not_a_spec", "not a graphsplit.StepSpec"),
-        (f"{SPEC_FILE}:raises", "RuntimeError: boom"),
-    ],
-)
+@pytest.mark.parametrize(("spec", "message"), BAD_SPECS)
 def test_bad_specs_exit_2_with_a_message(spec, message, tmp_path, capsys):
     assert main(["inspect", spec, "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
-    with pytest.raises(SpecError, match="fix"):
-        load_spec(spec)
-
-
-def test_load_spec_returns_step_spec():
-    spec = load_spec(f"{SPEC_FILE}:step")
-    assert isinstance(spec, StepSpec)
-    assert spec.example_kwargs == {}
-    assert len(spec.example_args) == 2
 
 
 def test_check_cache_on_a_folder_without_cache_fails(tmp_path, capsys):
@@ -64,7 +43,7 @@ def test_check_cache_on_a_folder_without_cache_fails(tmp_path, capsys):
 
 def test_bad_spec_in_a_subprocess_has_no_traceback(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "graphsplit", "inspect", f"{SPEC_FILE}:missing"],
+        [sys.executable, "-m", "graphsplit", "inspect", f"{TINY_STEP}:missing"],
         capture_output=True,
         text=True,
         cwd=tmp_path,
@@ -101,7 +80,7 @@ def test_usage_error_exits_2(capsys):
 
 def test_cache_command_writes_a_cache_that_checks_ok(tmp_path, capsys):
     out = tmp_path / "cache"
-    assert main(["cache", f"{SPEC_FILE}:step", "--out", str(out)]) == 0
+    assert main(["cache", f"{TINY_STEP}:step", "--out", str(out)]) == 0
     assert "10 samples" in capsys.readouterr().out
     assert main(["check-cache", str(out)]) == 0
     assert "OK (10 samples" in capsys.readouterr().out
@@ -109,7 +88,7 @@ def test_cache_command_writes_a_cache_that_checks_ok(tmp_path, capsys):
 
 def test_check_cache_on_a_corrupt_cache_exits_1_and_names_the_shard(tmp_path, capsys):
     out = tmp_path / "cache"
-    assert main(["cache", f"{SPEC_FILE}:step", "--out", str(out)]) == 0
+    assert main(["cache", f"{TINY_STEP}:step", "--out", str(out)]) == 0
     shard = next(out.glob("shard-*.safetensors"))
     data = bytearray(shard.read_bytes())
     data[-5] ^= 0xFF
@@ -132,7 +111,7 @@ def test_cache_command_needs_a_dataset(tmp_path, capsys, monkeypatch):
 
 
 def test_cache_command_on_a_bad_spec_exits_2(tmp_path, capsys):
-    assert main(["cache", f"{SPEC_FILE}:missing", "--out", str(tmp_path / "c")]) == 2
+    assert main(["cache", f"{TINY_STEP}:missing", "--out", str(tmp_path / "c")]) == 2
     assert "has no function" in capsys.readouterr().err
 
 
@@ -144,9 +123,9 @@ def test_cache_command_under_accelerate_launch_with_two_processes(tmp_path):
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu"]
     launch += ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
     launch += ["--dynamo_backend", "no", "--main_process_port", str(29600 + os.getpid() % 1000)]
-    command = [*launch, "-m", "graphsplit", "cache", f"{SPEC_FILE}:step", "--out", str(out)]
+    command = [*launch, "-m", "graphsplit", "cache", f"{TINY_STEP}:step", "--out", str(out)]
     command += ["--batch-size", "2", "--shard-bytes", "60"]
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     env.pop("ACCELERATE_CONFIG_FILE", None)
     result = subprocess.run(

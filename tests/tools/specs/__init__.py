@@ -1,0 +1,15 @@
+"""Step specs the tools tests load: ``tiny_step.py`` (a good one and broken ones), and every way
+a spec text can go wrong, with the words its error must contain."""
+
+from pathlib import Path
+
+TINY_STEP = Path(__file__).parent / "tiny_step.py"
+
+BAD_SPECS = [
+    ("no_colon_here", "is not a step spec"),
+    ("tests/tools/specs/does_not_exist.py:step", "no such file"),
+    ("graphsplit_no_such_module:step", "cannot import module"),
+    (f"{TINY_STEP}:missing", "has no function 'missing'"),
+    (f"{TINY_STEP}:not_a_spec", "not a graphsplit.StepSpec"),
+    (f"{TINY_STEP}:raises", "RuntimeError: boom"),
+]
