@@ -22,11 +22,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from graphsplit.caching import files
 from graphsplit.caching.fingerprint import (
@@ -56,6 +56,8 @@ from graphsplit.errors import CacheError, CorruptCacheError, ManifestError, Stal
 from graphsplit.units import human_bytes
 
 __all__ = ["Decision", "decide", "remove_progress"]
+
+Read = TypeVar("Read")
 
 
 @dataclass(frozen=True)
@@ -106,13 +108,9 @@ def _complete_cache(
     folder: Path, source: BatchSource, current: Fingerprint, storage: str | None, overwrite: bool
 ) -> Manifest | None:
     """The manifest of a complete cache to keep as it is, or None to rebuild it."""
-    try:
-        manifest = read_manifest(folder)
-    except ManifestError:
-        if overwrite:
-            _remove_cache_files(folder)
-            return None
-        raise
+    manifest = _read_or_discard(read_manifest, folder, overwrite)
+    if manifest is None:
+        return None
     reasons = _header_differences(manifest.header, current, storage)
     if reasons and not overwrite:
         raise StaleCacheError(
@@ -143,13 +141,7 @@ def _resumable_header(
     overwrite: bool,
 ) -> CacheHeader | None:
     """The header of an interrupted run that this call continues, or None to start afresh."""
-    try:
-        header = read_resume_header(folder)
-    except ManifestError:
-        if overwrite:
-            _remove_cache_files(folder)
-            return None
-        raise
+    header = _read_or_discard(read_resume_header, folder, overwrite)
     if header is None:
         return None
     reasons = [_header_differences(header, current, storage)]
@@ -169,6 +161,20 @@ def _resumable_header(
         "  fix: rerun with the same split and options to finish it, or pass overwrite=True "
         "to discard it"
     )
+
+
+def _read_or_discard(
+    read: Callable[[Path], Read | None], folder: Path, overwrite: bool
+) -> Read | None:
+    """``read(folder)``; a malformed file raises, or with ``overwrite`` is deleted along with
+    the rest of graphsplit's files (None: start afresh)."""
+    try:
+        return read(folder)
+    except ManifestError:
+        if not overwrite:
+            raise
+        _remove_cache_files(folder)
+        return None
 
 
 def _new_header(
