@@ -1,16 +1,25 @@
 """The disk side: run stage 1 over a dataset into a cache folder, and train stage 2 from it.
 
-``cache`` writes; ``CachedDataset`` reads; ``check_cache`` audits. See
-:mod:`graphsplit.caching.format` for what a cache folder holds.
+``cache`` writes; ``CachedDataset`` reads; ``check_cache`` audits. The modules, in the order a
+cache is written and read:
+
+    run           cache(): fingerprint, decide, write shards, finish
+    fingerprint   what produced a cache, to compare it with a split
+    decide        nothing to do, resume, or start afresh; removing graphsplit's files
+    lock          the folder lock
+    sources       where batches come from (the loader, numbered)
+    shards        where a shard is written (stage 1, rows, background save and commit)
+    processes     agreeing across accelerate processes
+    format        the folder's files and records, described once
+    validate      strict JSON to the format's dataclasses and back
+    files         atomic writes, fsync, checksums, free space
+    memory_order  the memory layout rows are stored in
+    dataset       CachedDataset, collate, verify_inputs
+    check         check_cache, CacheReport
 """
 
-from graphsplit.caching.dataset import (
-    CachedDataset,
-    CacheReport,
-    check_cache,
-    collate,
-    verify_inputs,
-)
+from graphsplit.caching.check import CacheReport, check_cache
+from graphsplit.caching.dataset import CachedDataset, collate, verify_inputs
 from graphsplit.caching.run import CacheInfo, cache
 
 __all__ = [

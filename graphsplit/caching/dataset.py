@@ -1,4 +1,4 @@
-"""Read a cache written by :func:`graphsplit.cache`, check it, and batch it for stage 2.
+"""Read a cache written by :func:`graphsplit.cache`, refuse a stale one, and batch it for stage 2.
 
 Glossary:
     item: one sample of a :class:`CachedDataset`: ``{"key": str, name: row tensor, ...}`` for
@@ -13,11 +13,10 @@ In and out::
     CachedDataset(path, split=None, *, dataset=None, expected_keys=None, verify=True)
         cached[i] -> CachedSample    cached.shapes(i) -> {name: shape}    cached.buckets()
     collate(items) -> dict[str, Tensor]            # the keyword arguments of split.stage2
-    check_cache(path) -> CacheReport               # every checksum, size and tensor header
     verify_inputs(cached, dataset) -> None         # raises StaleCacheError naming changed keys
 
 Nothing here unpickles: shards are read with safetensors' memory-mapped ``safe_open`` and the
-manifest is strictly validated JSON.
+manifest is strictly validated JSON. Auditing a whole cache is :mod:`graphsplit.caching.check`.
 """
 
 from __future__ import annotations
@@ -34,59 +33,30 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
+from graphsplit.caching.check import file_problem, shard_tensors_problem, some_keys
 from graphsplit.caching.fingerprint import (
     BINDING_PARTS,
     UNKNOWN_WEIGHTS,
     Fingerprint,
     describe_differences,
-    differences,
     fingerprint,
     item_input_digest,
+    warn_about_versions,
 )
-from graphsplit.caching.format import (
-    CONSTANTS_FILE,
-    FileRecord,
-    Manifest,
-    Order,
-    ShardRecord,
-    inverse,
-    read_manifest,
-    row_order,
-    sha256_file,
-    tensor_name,
-)
-from graphsplit.errors import CacheError, CorruptCacheError, ManifestError, StaleCacheError
+from graphsplit.caching.format import CONSTANTS_FILE, Manifest, read_manifest, tensor_name
+from graphsplit.caching.memory_order import Order, inverse, row_order
+from graphsplit.errors import CacheError, CorruptCacheError, StaleCacheError
 
 if TYPE_CHECKING:
     from graphsplit.api import Split
 
-__all__ = [
-    "CacheProblem",
-    "CacheReport",
-    "CachedDataset",
-    "CachedSample",
-    "check_cache",
-    "collate",
-    "verify_inputs",
-]
+__all__ = ["CachedDataset", "CachedSample", "collate", "verify_inputs"]
 
 _MAX_OPEN_SHARDS = 64
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
 
 
 @dataclass(frozen=True)
-class _Layout:
+class _Collation:
     """What :func:`collate` needs to batch items of one cache: batch dims, dtypes, constants."""
 
     path: Path
@@ -96,13 +66,13 @@ class _Layout:
 
 
 class CachedSample(dict):
-    """One item of a :class:`CachedDataset`: a plain dict that also knows its cache's layout.
+    """One item of a :class:`CachedDataset`: a plain dict that also knows how to batch it.
 
     ``dim_orders`` holds, per row tensor, the memory order of the batch it was computed in
     (None: plain contiguous), so :func:`collate` rebuilds batches with stage 1's strides.
     """
 
-    layout: _Layout | None = None
+    collation: _Collation | None = None
     dim_orders: tuple[Order | None, ...] | None = None
 
 
@@ -174,7 +144,7 @@ class CachedDataset(torch.utils.data.Dataset):
             _check_fingerprint(self.manifest, fingerprint(split, allow_meta=True), self.path)
         if expected_keys is not None:
             self._check_keys(expected_keys)
-        self.layout = _Layout(
+        self.collation = _Collation(
             path=self.path,
             rows=tuple((spec.name, spec.batch_dim, spec.dtype) for spec in header.sample_specs),
             constants=self._load_constants(),
@@ -186,7 +156,7 @@ class CachedDataset(torch.utils.data.Dataset):
     @property
     def constants(self) -> Mapping[str, torch.Tensor]:
         """The per-dataset constants, in the dtypes stage 2 takes."""
-        return self.layout.constants
+        return self.collation.constants
 
     @property
     def max_abs_error(self) -> Mapping[str, float]:
@@ -202,7 +172,7 @@ class CachedDataset(torch.utils.data.Dataset):
         if handle is None:
             handle = self._open(shard)
         item = CachedSample(key=self.keys[self._starts[shard] + row])
-        item.layout = self.layout
+        item.collation = self.collation
         orders = self.manifest.shards[shard].row_orders[row]
         try:
             for name, stored_name in self._tensor_names[row]:
@@ -211,7 +181,7 @@ class CachedDataset(torch.utils.data.Dataset):
             raise self._corrupt_error(shard, f"reading row {row} failed ({error})") from None
         if any(orders):
             item.dim_orders = orders
-            for (name, batch_dim, _), order in zip(self.layout.rows, orders):
+            for (name, batch_dim, _), order in zip(self.collation.rows, orders):
                 if order is not None:
                     item[name] = item[name].permute(inverse(row_order(order, batch_dim)))
         return item
@@ -264,7 +234,7 @@ class CachedDataset(torch.utils.data.Dataset):
         if shard in self._corrupt:
             raise self._corrupt_error(shard, self._corrupt[shard])
         record = self.manifest.shards[shard]
-        problem = _file_problem(
+        problem = file_problem(
             self.path, record, checksum=self.verify and shard not in self._verified
         )
         if problem is None:
@@ -273,7 +243,7 @@ class CachedDataset(torch.utils.data.Dataset):
             except Exception as error:
                 problem = f"safetensors cannot open it ({error})"
             else:
-                problem = _header_problem(handle, record, self.manifest)
+                problem = shard_tensors_problem(handle, record, self.manifest)
         if problem is not None:
             self._corrupt[shard] = problem
             raise self._corrupt_error(shard, problem)
@@ -287,7 +257,7 @@ class CachedDataset(torch.utils.data.Dataset):
         record = self.manifest.shards[shard]
         return CorruptCacheError(
             f"shard {record.file} of the cache at {self.path} is damaged: {problem}. It holds "
-            f"{len(record.keys)} samples: {_some(record.keys)}; the other shards still read.\n"
+            f"{len(record.keys)} samples: {some_keys(record.keys)}; the other shards still read.\n"
             "  fix: run graphsplit.check_cache(path) to list every damaged shard, then rebuild "
             "the cache with graphsplit.cache(split, loader, path, overwrite=True)"
         )
@@ -297,7 +267,7 @@ class CachedDataset(torch.utils.data.Dataset):
         record = self.manifest.constants
         if record is None:
             return {}
-        problem = _file_problem(self.path, record, checksum=self.verify)
+        problem = file_problem(self.path, record, checksum=self.verify)
         constants: dict[str, torch.Tensor] = {}
         if problem is None:
             try:
@@ -347,20 +317,21 @@ def collate(items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
     """
     if not items:
         raise ValueError("graphsplit.collate needs at least one item")
-    layout = getattr(items[0], "layout", None)
-    if layout is None:
+    collation = getattr(items[0], "collation", None)
+    if collation is None:
         raise CacheError(
             f"graphsplit.collate got a {type(items[0]).__name__}, not an item of a "
             "graphsplit.CachedDataset (those carry the batch dims and constants it needs).\n"
             "  fix: index a CachedDataset, or stack the tensors yourself"
         )
-    if any(getattr(item, "layout", None) is not layout for item in items):
-        paths = sorted({str(getattr(getattr(item, "layout", None), "path", "?")) for item in items})
+    if any(getattr(item, "collation", None) is not collation for item in items):
+        paths = {str(getattr(getattr(item, "collation", None), "path", "?")) for item in items}
         raise CacheError(
-            f"graphsplit.collate got items of different caches {paths}; batch each cache apart"
+            f"graphsplit.collate got items of different caches {sorted(paths)}; batch each cache "
+            "apart"
         )
     batch: dict[str, torch.Tensor] = {}
-    for column, (name, batch_dim, dtype) in enumerate(layout.rows):
+    for column, (name, batch_dim, dtype) in enumerate(collation.rows):
         rows = [item[name] for item in items]
         if len({tuple(row.shape) for row in rows}) > 1:
             raise CacheError(_mixed_shapes_message(name, items, rows))
@@ -372,8 +343,8 @@ def collate(items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
             physical = [row.permute(within) for row in rows]
             stacked = torch.stack(physical, dim=order.index(batch_dim)).permute(inverse(order))
         batch[name] = stacked if stacked.dtype == dtype else stacked.to(dtype)
-    batch.update(layout.constants)
-    return {name: batch[name] for name in layout.order}
+    batch.update(collation.constants)
+    return {name: batch[name] for name in collation.order}
 
 
 def _batch_order(
@@ -406,7 +377,7 @@ def _mixed_shapes_message(
     by_shape: dict[tuple[int, ...], list[str]] = {}
     for item, row in zip(items, rows):
         by_shape.setdefault(tuple(row.shape), []).append(str(item.get("key")))
-    listed = "; ".join(f"{shape} for {_some(keys, 3)}" for shape, keys in by_shape.items())
+    listed = "; ".join(f"{shape} for {some_keys(keys, 3)}" for shape, keys in by_shape.items())
     return (
         f"cannot batch {name!r}: the samples have different shapes: {listed}.\n  fix: put only "
         "samples of one shape in a batch, e.g. with a batch sampler over "
@@ -417,13 +388,11 @@ def _mixed_shapes_message(
 def _check_fingerprint(manifest: Manifest, current: Fingerprint, path: Path) -> None:
     """Refuse a cache made from other weights, code or boundary; warn on other versions."""
     cached = manifest.header.fingerprint
-    parts = differences(cached, current)
-    binding = [part for part in parts if part in BINDING_PARTS]
+    binding = describe_differences(cached, current, parts=BINDING_PARTS)
     if binding:
         raise StaleCacheError(
-            f"the cache at {path} was not made by this split: "
-            f"{describe_differences(cached, current, parts=binding)}.\n  fix: rebuild the cache "
-            "with graphsplit.cache(split, loader, path, overwrite=True)"
+            f"the cache at {path} was not made by this split: {binding}.\n  fix: rebuild the "
+            "cache with graphsplit.cache(split, loader, path, overwrite=True)"
         )
     if current.weights == UNKNOWN_WEIGHTS:
         warnings.warn(
@@ -432,13 +401,7 @@ def _check_fingerprint(manifest: Manifest, current: Fingerprint, path: Path) -> 
             "was written (graphsplit.cache refuses stale weights then).",
             stacklevel=3,
         )
-    if "versions" in parts:
-        warnings.warn(
-            f"the cache at {path} was written with other library versions; "
-            f"{describe_differences(cached, current, parts=['versions'])}. Its weights, code "
-            "and boundary match, so it is used as it is.",
-            stacklevel=3,
-        )
+    warn_about_versions(cached, current, path, stacklevel=3)
 
 
 def verify_inputs(cached: CachedDataset | str | os.PathLike[str], dataset: Any) -> None:
@@ -498,161 +461,6 @@ def verify_inputs(cached: CachedDataset | str | os.PathLike[str], dataset: Any) 
         )
 
 
-# ----------------------------------------------------------------------------------- checking
-
-
-@dataclass(frozen=True)
-class CacheProblem:
-    """One damaged file of a cache and the samples it affects."""
-
-    file: str
-    reason: str
-    keys: tuple[str, ...] = ()
-
-    def __str__(self) -> str:
-        affected = f" ({len(self.keys)} samples: {_some(self.keys)})" if self.keys else ""
-        return f"{self.file}: {self.reason}{affected}"
-
-
-@dataclass(frozen=True)
-class CacheReport:
-    """What :func:`check_cache` found; ``ok`` when every file is intact."""
-
-    path: Path
-    num_samples: int
-    num_shards: int
-    checked_bytes: int
-    problems: tuple[CacheProblem, ...]
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    @property
-    def damaged_keys(self) -> list[str]:
-        """The keys of every sample that cannot be read."""
-        return [key for problem in self.problems for key in problem.keys]
-
-    def __str__(self) -> str:
-        if self.ok:
-            return (
-                f"cache {self.path}: OK ({self.num_samples} samples, {self.num_shards} shards, "
-                f"{self.checked_bytes:,} bytes verified)"
-            )
-        lines = [
-            f"cache {self.path}: {len(self.problems)} problem(s), "
-            f"{len(self.damaged_keys)} of {self.num_samples} samples unreadable"
-        ]
-        lines += [f"  {problem}" for problem in self.problems]
-        lines.append(
-            "  fix: rebuild the cache with graphsplit.cache(split, loader, path, overwrite=True)"
-        )
-        return "\n".join(lines)
-
-
-def check_cache(path: str | os.PathLike[str]) -> CacheReport:
-    """Verify a cache folder: the manifest, and every file's size, sha256 and tensor header.
-
-    Reads every byte of the cache once. Problems are collected, not raised, so one call
-    lists every damaged shard and the samples it holds.
-
-    Example:
-        >>> report = check_cache(path)  # doctest: +SKIP
-        >>> report.ok, report.damaged_keys  # doctest: +SKIP
-        (True, [])
-    """
-    folder = Path(path)
-    try:
-        manifest = read_manifest(folder)
-    except ManifestError as error:
-        return CacheReport(folder, 0, 0, 0, (CacheProblem("manifest.json", str(error)),))
-    problems: list[CacheProblem] = []
-    checked = 0
-    if manifest.constants is not None:
-        problem = _file_problem(folder, manifest.constants, checksum=True)
-        if problem is None:
-            problem = _constants_problem(folder, manifest)
-        if problem is not None:
-            problems.append(CacheProblem(CONSTANTS_FILE, problem + " (every batch needs it)"))
-        else:
-            checked += manifest.constants.bytes
-    for record in manifest.shards:
-        problem = _file_problem(folder, record, checksum=True)
-        if problem is None:
-            try:
-                with safe_open(str(folder / record.file), framework="pt", device="cpu") as f:
-                    problem = _header_problem(f, record, manifest)
-            except Exception as error:
-                problem = f"safetensors cannot open it ({error})"
-        if problem is None:
-            checked += record.bytes
-        else:
-            problems.append(CacheProblem(record.file, problem, record.keys))
-    return CacheReport(folder, manifest.num_samples, len(manifest.shards), checked, tuple(problems))
-
-
-def _file_problem(folder: Path, record: FileRecord, *, checksum: bool) -> str | None:
-    path = folder / record.file
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return "the file is missing"
-    except OSError as error:
-        return f"the file cannot be read ({error})"
-    if size != record.bytes:
-        return f"it has {size:,} bytes, the manifest records {record.bytes:,}"
-    if checksum:
-        try:
-            digest = sha256_file(path)
-        except OSError as error:
-            return f"the file cannot be read ({error})"
-        if digest != record.sha256:
-            return "its sha256 differs from the manifest's (the bytes changed)"
-    return None
-
-
-def _header_problem(handle: Any, record: ShardRecord, manifest: Manifest) -> str | None:
-    """Whether a shard's tensors are exactly the rows the manifest lists, in their shapes."""
-    header = manifest.header
-    specs = header.sample_specs
-    expected = {}
-    for row, (shapes, orders) in enumerate(zip(record.shapes, record.row_orders)):
-        for spec, shape, order in zip(specs, shapes, orders):
-            if order is not None:  # stored in memory order
-                shape = tuple(shape[d] for d in row_order(order, spec.batch_dim))
-            expected[tensor_name(row, spec.name)] = (shape, header.stored_dtype(spec))
-    names = set(handle.keys())
-    if names != set(expected):
-        unexpected = sorted(names - set(expected))
-        absent = sorted(set(expected) - names)
-        return (
-            f"its tensors differ from the manifest's (absent: {absent[:3]}, "
-            f"extra: {unexpected[:3]})"
-        )
-    for name, (shape, dtype) in expected.items():
-        tensor = handle.get_slice(name)
-        found_dtype = _SAFETENSORS_DTYPES.get(tensor.get_dtype())
-        if tuple(tensor.get_shape()) != shape or found_dtype != dtype:
-            return (
-                f"tensor {name!r} is {tensor.get_dtype()} {tuple(tensor.get_shape())}, the "
-                f"manifest records {dtype} {shape}"
-            )
-    return None
-
-
-def _constants_problem(folder: Path, manifest: Manifest) -> str | None:
-    header = manifest.header
-    try:
-        with safe_open(str(folder / CONSTANTS_FILE), framework="pt", device="cpu") as f:
-            names = set(f.keys())
-            wanted = {spec.name for spec in header.constant_specs}
-            if names != wanted:
-                return f"it holds {sorted(names)}, the manifest lists {sorted(wanted)}"
-    except Exception as error:
-        return f"safetensors cannot open it ({error})"
-    return None
-
-
 def _key_changes(
     *,
     changed: Sequence[str] = (),
@@ -662,16 +470,12 @@ def _key_changes(
 ) -> str:
     parts = []
     if changed:
-        parts.append(f"{len(changed)} sample(s) changed ({_some(changed)})")
+        parts.append(f"{len(changed)} sample(s) changed ({some_keys(changed)})")
     if added:
-        parts.append(f"{len(added)} sample(s) are new ({_some(added)})")
+        parts.append(f"{len(added)} sample(s) are new ({some_keys(added)})")
     if missing:
-        parts.append(f"{len(missing)} expected sample(s) are not in the cache ({_some(missing)})")
+        listed = some_keys(missing)
+        parts.append(f"{len(missing)} expected sample(s) are not in the cache ({listed})")
     if removed:
-        parts.append(f"{len(removed)} cached sample(s) are no longer there ({_some(removed)})")
+        parts.append(f"{len(removed)} cached sample(s) are no longer there ({some_keys(removed)})")
     return "; ".join(parts)
-
-
-def _some(keys: Sequence[str], limit: int = 5) -> str:
-    shown = ", ".join(repr(key) for key in keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")

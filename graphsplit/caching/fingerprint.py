@@ -16,7 +16,8 @@ In and out::
 
     fingerprint(split) -> Fingerprint
     differences(cached: Fingerprint, current: Fingerprint) -> tuple[str, ...]   # "weights", ...
-    describe_differences(cached, current) -> str                                 # for errors
+    describe_differences(cached, current, *, parts=PARTS) -> str                 # for errors
+    warn_about_versions(cached, current, folder, *, stacklevel)                  # only warns
     batch_input_digests(batch: Mapping, names, size) -> list[str]                # one per row
     item_input_digest(item: Mapping, names) -> str                               # one dataset item
 """
@@ -26,12 +27,15 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from graphsplit.caching.validate import json_field, to_json
 from graphsplit.errors import CacheError
 from graphsplit.runtime import LEGACY_NAMES
 
@@ -43,33 +47,38 @@ __all__ = [
     "differences",
     "fingerprint",
     "item_input_digest",
+    "warn_about_versions",
 ]
 
 PARTS = ("weights", "code", "boundary", "versions")
 # Parts whose difference makes a cache unusable; "versions" only warns.
 BINDING_PARTS = ("weights", "code", "boundary")
 _CHUNK_BYTES = 64 << 20
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+_DIGEST_MEANING = "'sha256:' + 64 hex digits"
 
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """The digests of what produced a cache; see the module docstring for each part."""
+    """The digests of what produced a cache; see the module docstring for each part.
 
-    code: str
-    weights: str
-    boundary: str
-    versions: Mapping[str, str]
+    Its fields are also its JSON form in the cache's manifest (see
+    :mod:`graphsplit.caching.format`); ``versions`` are kept sorted by name.
+    """
+
+    code: str = json_field(pattern=_DIGEST, meaning=_DIGEST_MEANING)
+    weights: str = json_field(pattern=_DIGEST, meaning=_DIGEST_MEANING)
+    boundary: str = json_field(pattern=_DIGEST, meaning=_DIGEST_MEANING)
+    versions: Mapping[str, str] = json_field()
     # Digests of the same stage-1 code as older graphsplit releases spelled it (helpers that
     # lived elsewhere, see graphsplit.runtime): a cache they wrote still matches. Never stored.
-    code_aliases: tuple[str, ...] = field(default=(), compare=False)
+    code_aliases: tuple[str, ...] = json_field(stored=False, default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "versions", dict(sorted(self.versions.items())))
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "code": self.code,
-            "weights": self.weights,
-            "boundary": self.boundary,
-            "versions": dict(sorted(self.versions.items())),
-        }
+        return to_json(self)
 
 
 # The weights digest of a split whose frozen modules are on ``meta`` (a stage-2 process).
@@ -141,6 +150,22 @@ def describe_differences(
         f"{_format_versions(cached.versions)}; now: {_format_versions(current.versions)})",
     }
     return "; ".join(clauses[part] for part in differences(cached, current) if part in parts)
+
+
+def warn_about_versions(
+    cached: Fingerprint, current: Fingerprint, folder: Path, *, stacklevel: int
+) -> None:
+    """Warn when only the library versions differ: the cache is used as it is.
+
+    ``stacklevel`` counts as for ``warnings.warn`` called where this is called.
+    """
+    if "versions" in differences(cached, current):
+        warnings.warn(
+            f"the cache at {folder} was written with other library versions; "
+            f"{describe_differences(cached, current, parts=['versions'])}. Its weights, code "
+            "and boundary match, so it is used as it is.",
+            stacklevel=stacklevel + 1,
+        )
 
 
 def current_versions() -> dict[str, str]:

@@ -1,57 +1,63 @@
-"""The on-disk format of a cache folder: file names, the manifest, resume records, checksums.
+"""The on-disk format of a cache folder, described once: file names, records, and their rules.
 
 A cache folder holds::
 
-    manifest.json            written last, atomically: the cache is complete iff it exists
-    constants.safetensors    per-dataset constants (boundary tensors without a batch dim), once
-    shard-00000.safetensors  per-sample rows, tensor names "{row}/{boundary name}"
-    .partial/plan.json       while writing: the header the run was started with (for resume)
-    .partial/shard-00000.json  while writing: the record of each finished shard (for resume)
-    .lock                    while writing: pid and host of the writer
+    manifest.json              Manifest, written last, atomically: the cache is complete iff
+                               it exists
+    constants.safetensors      per-dataset constants (boundary tensors without a batch dim)
+    shard-00000.safetensors    per-sample rows, tensor names "{row}/{boundary name}"
+    .partial/header.json       while writing: the CacheHeader the run started with (for resume;
+                               graphsplit 0.1 named it .partial/plan.json, still read)
+    .partial/shard-00000.json  while writing: ShardProgress, one per finished shard
+    .partial/constants.json    while writing: ConstantsProgress, once the constants are written
+    .lock                      while writing: pid and host of the writer (see caching.lock)
 
 Glossary:
-    header: what a run was started with (fingerprint, inputs, boundary, storage, layout); the
-        plan file and the manifest both hold it, so a resumed run can check it continues the
-        same cache.
+    header: what a run was started with (fingerprint, inputs, boundary, storage, shard layout);
+        the resume header and the manifest both hold it, so a resumed run can check that it
+        continues the same cache.
+    shard layout: shard ``k`` holds the rows of loader batches ``k * batches_per_shard`` up to
+        the next multiple, which makes the layout a pure function of the loader's order and
+        lets resumed and multi-process runs write the same files as one uninterrupted process.
     shard record: one shard's file name, sha256, size and its samples (keys, per-tensor shapes,
-        input digests) in row order; the manifest lists them in shard order, so sample ``i`` of
-        the cache is the ``i``-th row counted across shards.
-    layout: shard ``k`` holds the rows of loader batches ``k * batches_per_shard`` up to the next
-        multiple, which makes the layout a pure function of the loader's order and lets resumed
-        and multi-process runs write the same files as one uninterrupted process.
-    memory order: a boundary tensor's dims from outermost to innermost in memory, recorded when
-        it is not plain contiguous (a channels-last VAE output, a transposed embedding). Rows are
-        stored in memory order and read back with the same strides, because stage 2 must see
-        the layout stage 1 produced: ``randn_like`` fills memory in that order, and kernels pick
-        their algorithm by it.
+        memory orders, input digests) in row order; the manifest lists them in shard order, so
+        sample ``i`` of the cache is the ``i``-th row counted across shards.
+    progress record: what a run notes in ``.partial/`` when a shard (or the constants file) is
+        finished: its record, plus the loader positions and storage errors that resuming and
+        finishing need and the manifest does not keep.
+    stamp: ``format`` and ``format_version``, the first two fields of the manifest and the
+        resume header.
 
-Every JSON file is validated strictly on read (exact fields, types, file names that cannot
-leave the folder, unique keys); anything else raises :class:`ManifestError` naming the field.
+Each record is a frozen dataclass whose fields, in order, are its JSON fields (see
+:mod:`graphsplit.caching.validate`): the writers and the readers below share that one schema.
+Reading is strict (exact fields, types, file names that cannot leave the folder, unique keys);
+anything else raises :class:`ManifestError` naming the file and the field.
 
 In and out::
 
-    read_manifest(folder) -> Manifest            write_manifest(folder, manifest)
-    read_plan(folder) -> CacheHeader | None      write_plan(folder, header)
-    read_shard_record(folder, index) -> ShardRecord | None      write_shard_record(folder, r)
+    read_manifest(folder) -> Manifest                    write_manifest(folder, manifest)
+    read_resume_header(folder) -> CacheHeader | None     write_resume_header(folder, header)
+    read_shard_progress(folder, index, header) -> ShardProgress | None
+    read_constants_progress(folder, header) -> ConstantsProgress | None
+    write_progress(folder, progress)                     # either kind of progress record
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
-import mmap
-import os
 import re
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
 from graphsplit.artifacts import BoundarySpec
+from graphsplit.caching.files import write_atomically
 from graphsplit.caching.fingerprint import Fingerprint
+from graphsplit.caching.memory_order import Order
+from graphsplit.caching.validate import REBUILD, JsonReader, json_field, json_names, to_json
 from graphsplit.errors import ManifestError
 
 __all__ = [
@@ -62,36 +68,38 @@ __all__ = [
     "MANIFEST_FILE",
     "PARTIAL_DIR",
     "CacheHeader",
+    "ConstantsProgress",
+    "ConstantsRecord",
     "FileRecord",
-    "Layout",
     "Manifest",
+    "ShardLayout",
+    "ShardProgress",
     "ShardRecord",
-    "read_constants_record",
+    "has_resume_header",
+    "read_constants_progress",
     "read_manifest",
-    "read_plan",
-    "read_shard_record",
-    "sha256_file",
+    "read_resume_header",
+    "read_shard_progress",
     "shard_file_name",
     "tensor_name",
-    "write_atomically",
-    "write_constants_record",
     "write_manifest",
-    "write_plan",
-    "write_shard_record",
+    "write_progress",
+    "write_resume_header",
 ]
 
 FORMAT = "graphsplit-cache"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 CONSTANTS_FILE = "constants.safetensors"
-PARTIAL_DIR = ".partial"
-PLAN_FILE = "plan.json"
 LOCK_FILE = ".lock"
+PARTIAL_DIR = ".partial"
+RESUME_HEADER_FILE = "header.json"
+RESUME_HEADER_FILE_0_1 = "plan.json"  # graphsplit 0.1's name for it: read, never written
+CONSTANTS_PROGRESS_FILE = "constants.json"
 SHARD_FILE_PATTERN = re.compile(r"shard-(\d{5,9})\.safetensors")
+SHARD_PROGRESS_PATTERN = re.compile(r"shard-(\d{5,9})\.json")
 STORAGE_DTYPES = ("float16", "bfloat16")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
-_REBUILD = "rebuild the cache with graphsplit.cache(split, loader, path, overwrite=True)"
+_SHA256 = {"pattern": re.compile(r"[0-9a-f]{64}"), "meaning": "64 lowercase hex digits"}
 
 
 def shard_file_name(index: int) -> str:
@@ -99,18 +107,26 @@ def shard_file_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
 
+def shard_progress_name(index: int) -> str:
+    """``shard-00007.json`` (in ``.partial/``) for shard 7."""
+    return f"shard-{index:05d}.json"
+
+
 def tensor_name(row: int, name: str) -> str:
     """The name of boundary tensor ``name`` of the shard's ``row``-th sample."""
     return f"{row}/{name}"
 
 
+# ------------------------------------------------------------------------------------ records
+
+
 @dataclass(frozen=True)
-class Layout:
+class ShardLayout:
     """How loader batches map to shards (see the module glossary)."""
 
-    batches_per_shard: int
-    batch_size: int | None
-    shard_bytes: int
+    batches_per_shard: int = json_field(minimum=1)
+    batch_size: int | None = json_field(minimum=1)
+    shard_bytes: int = json_field(minimum=1)
 
 
 @dataclass(frozen=True)
@@ -118,10 +134,10 @@ class CacheHeader:
     """What a caching run was started with; equal headers mean the same cache."""
 
     fingerprint: Fingerprint
-    inputs: tuple[str, ...]
+    inputs: tuple[str, ...] = json_field(identifier=True)
     boundary: tuple[BoundarySpec, ...]
-    storage_dtype: str | None
-    layout: Layout
+    storage_dtype: str | None = json_field(choices=STORAGE_DTYPES)
+    layout: ShardLayout
 
     @property
     def sample_specs(self) -> tuple[BoundarySpec, ...]:
@@ -141,152 +157,98 @@ class CacheHeader:
         return storage if spec.dtype.itemsize > storage.itemsize else spec.dtype
 
 
-Order = tuple[int, ...]  # a memory order (see the glossary); None where plain contiguous
+@dataclass(frozen=True)
+class FileRecord:
+    """A finished file of the cache: its name, sha256 and size in bytes."""
 
-
-def memory_order(tensor: torch.Tensor) -> Order | None:
-    """``tensor``'s dims from outermost to innermost in memory; None if plain contiguous.
-
-    Also None for tensors that are not dense (expanded or strided views): torch lays out what
-    it derives from those contiguously too. Size-1 dims, whose strides mean nothing, go before
-    the first larger dim that follows them, so a batch of one has the order of a full batch.
-    """
-    if tensor.is_contiguous():
-        return None
-    sized = sorted(
-        (d for d in range(tensor.dim()) if tensor.shape[d] != 1),
-        key=lambda d: (-tensor.stride(d), d),
-    )
-    expected = 1
-    for d in reversed(sized):
-        if tensor.stride(d) != expected:
-            return None
-        expected *= tensor.shape[d]
-    ones = [d for d in range(tensor.dim()) if tensor.shape[d] == 1]
-    order: list[int] = []
-    for d in sized:
-        order += [one for one in ones if one < d and one not in order]
-        order.append(d)
-    order += [one for one in ones if one not in order]
-    return None if order == sorted(order) else tuple(order)
-
-
-def row_order(order: Order, batch_dim: int) -> Order:
-    """The memory order of one row: ``order`` without the batch dim, renumbered."""
-    return tuple(d - (d > batch_dim) for d in order if d != batch_dim)
-
-
-def inverse(order: Order) -> Order:
-    """The permutation that undoes ``tensor.permute(order)``."""
-    result = [0] * len(order)
-    for position, d in enumerate(order):
-        result[d] = position
-    return tuple(result)
+    file: str
+    sha256: str = json_field(**_SHA256)
+    bytes: int
 
 
 @dataclass(frozen=True)
-class FileRecord:
-    """A finished file of the cache: its name, sha256 and size in bytes.
+class ConstantsRecord(FileRecord):
+    """The constants file; ``dim_orders`` maps each constant to its memory order."""
 
-    For the constants file, ``dim_orders`` maps each constant to its memory order.
-    """
-
-    file: str
-    sha256: str
-    bytes: int
-    max_abs_error: Mapping[str, float] = field(default_factory=dict)
-    dim_orders: Mapping[str, Order | None] = field(default_factory=dict)
+    dim_orders: Mapping[str, Order | None]
 
 
 @dataclass(frozen=True)
 class ShardRecord(FileRecord):
-    """A finished shard: its file and its samples, in row order.
+    """A finished shard as the manifest lists it: its file and its samples, in row order.
 
     ``shapes[row]`` lists the shape of each per-sample boundary tensor (header order);
     ``row_orders[row]`` their batch tensors' memory orders (None: plain contiguous);
-    ``positions`` (resume records only) are the samples' positions in the loader, to check that
-    a resumed run sees the same order.
+    ``input_sha256[row]`` the sample's input digest.
     """
 
-    keys: tuple[str, ...] = ()
-    shapes: tuple[tuple[tuple[int, ...], ...], ...] = ()
-    row_orders: tuple[tuple[Order | None, ...], ...] = ()
-    input_sha256: tuple[str, ...] = ()
-    positions: tuple[int, ...] = ()
+    keys: tuple[str, ...]
+    shapes: tuple[tuple[tuple[int, ...], ...], ...]
+    row_orders: tuple[tuple[Order | None, ...], ...] = json_field("dim_orders")
+    input_sha256: tuple[str, ...] = json_field(**_SHA256)
 
 
 @dataclass(frozen=True)
 class Manifest:
     """A complete cache: its header, when it was written, its constants and shards."""
 
-    header: CacheHeader
     created: str
-    constants: FileRecord | None
+    header: CacheHeader = json_field(inline=True)  # noqa: RUF009 (a dataclasses.field)
+    num_samples: int
+    max_abs_error: Mapping[str, float]
+    constants: ConstantsRecord | None
     shards: tuple[ShardRecord, ...]
+
+
+@dataclass(frozen=True)
+class ShardProgress:
+    """``.partial/shard-*.json``: a finished shard's record, plus what resuming needs.
+
+    ``positions`` are its samples' places in the loader, to check that a resumed run sees the
+    same order; ``max_abs_error`` what storing it in a lower precision cost, per tensor.
+    """
+
+    shard: ShardRecord = json_field(inline=True)  # noqa: RUF009 (a dataclasses.field)
+    positions: tuple[int, ...]
     max_abs_error: Mapping[str, float]
 
-    @property
-    def num_samples(self) -> int:
-        return sum(len(shard.keys) for shard in self.shards)
+
+@dataclass(frozen=True)
+class ConstantsProgress:
+    """``.partial/constants.json``: the finished constants file and its storage errors."""
+
+    constants: ConstantsRecord = json_field(inline=True)  # noqa: RUF009 (a dataclasses.field)
+    max_abs_error: Mapping[str, float]
 
 
-# ---------------------------------------------------------------------------------- writing
-
-
-def write_atomically(path: Path, data: bytes, *, durable: bool = True) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
-
-    The bytes go to a temporary name in the same folder and are renamed over ``path``. When
-    ``durable``, the file is fsync'd before and the folder after the rename, so both survive a
-    power loss; resume records skip that, as a lost or damaged one only means redoing a shard.
-    """
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "wb") as handle:
-        handle.write(data)
-        if durable:
-            handle.flush()
-            os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    if durable:
-        fsync_folder(path.parent)
-
-
-def fsync_folder(folder: Path) -> None:
-    """Make renames inside ``folder`` durable (a no-op where folders cannot be opened)."""
-    try:
-        descriptor = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(descriptor)
-    except OSError:
-        pass
-    finally:
-        os.close(descriptor)
-
-
-def sha256_file(path: Path) -> str:
-    """The hex sha256 of a file's bytes, hashed from a read-only memory map (no copy)."""
-    with open(path, "rb") as handle:
-        if os.fstat(handle.fileno()).st_size == 0:
-            return hashlib.sha256().hexdigest()
-        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            return hashlib.sha256(mapped).hexdigest()
+# ------------------------------------------------------------------------------------ writing
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> None:
     """Write ``manifest.json`` atomically; one shard per line, so diffs and greps stay readable."""
-    document = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "created": manifest.created,
-        **_header_to_json(manifest.header),
-        "num_samples": manifest.num_samples,
-        "max_abs_error": dict(manifest.max_abs_error),
-        "constants": None if manifest.constants is None else _constants_to_json(manifest.constants),
-        "shards": [_shard_to_json(shard, resume=False) for shard in manifest.shards],
-    }
+    document = {"format": FORMAT, "format_version": FORMAT_VERSION, **to_json(manifest)}
     write_atomically(folder / MANIFEST_FILE, (_format_json(document) + "\n").encode())
+
+
+def write_resume_header(folder: Path, header: CacheHeader) -> None:
+    """Record the header a run starts with, in ``.partial/header.json``."""
+    (folder / PARTIAL_DIR).mkdir(exist_ok=True)
+    document = {"format": FORMAT, "format_version": FORMAT_VERSION, **to_json(header)}
+    data = json.dumps(document, indent=2).encode()
+    write_atomically(folder / PARTIAL_DIR / RESUME_HEADER_FILE, data, durable=False)
+
+
+def write_progress(folder: Path, progress: ShardProgress | ConstantsProgress) -> None:
+    """Record a finished shard or constants file in ``.partial/`` (after its file's rename).
+
+    Not durable: a lost or damaged progress record only means redoing that file.
+    """
+    if isinstance(progress, ShardProgress):
+        name = Path(progress.shard.file).with_suffix(".json").name
+    else:
+        name = CONSTANTS_PROGRESS_FILE
+    data = json.dumps(to_json(progress)).encode()
+    write_atomically(folder / PARTIAL_DIR / name, data, durable=False)
 
 
 def _format_json(value: Any, depth: int = 0, *, inline: bool = False) -> str:
@@ -310,70 +272,7 @@ def _format_json(value: Any, depth: int = 0, *, inline: bool = False) -> str:
     return "[\n" + ",\n".join(pad + _format_json(item, depth + 1) for item in value) + f"\n{end}]"
 
 
-def write_plan(folder: Path, header: CacheHeader) -> None:
-    """Record the header a run starts with, in ``.partial/plan.json``."""
-    (folder / PARTIAL_DIR).mkdir(exist_ok=True)
-    document = {"format": FORMAT, "format_version": FORMAT_VERSION, **_header_to_json(header)}
-    data = json.dumps(document, indent=2).encode()
-    write_atomically(folder / PARTIAL_DIR / PLAN_FILE, data, durable=False)
-
-
-def write_shard_record(folder: Path, record: ShardRecord) -> None:
-    """Record a finished shard in ``.partial/`` (after its file was renamed into place)."""
-    name = Path(record.file).with_suffix(".json").name
-    data = json.dumps(_shard_to_json(record, resume=True)).encode()
-    write_atomically(folder / PARTIAL_DIR / name, data, durable=False)
-
-
-def write_constants_record(folder: Path, record: FileRecord) -> None:
-    """Record the finished constants file in ``.partial/constants.json``."""
-    document = {**_constants_to_json(record), "max_abs_error": dict(record.max_abs_error)}
-    data = json.dumps(document).encode()
-    write_atomically(folder / PARTIAL_DIR / "constants.json", data, durable=False)
-
-
-def _header_to_json(header: CacheHeader) -> dict[str, Any]:
-    return {
-        "fingerprint": header.fingerprint.to_json(),
-        "inputs": list(header.inputs),
-        "boundary": [spec.to_json() for spec in header.boundary],
-        "storage_dtype": header.storage_dtype,
-        "layout": {
-            "batches_per_shard": header.layout.batches_per_shard,
-            "batch_size": header.layout.batch_size,
-            "shard_bytes": header.layout.shard_bytes,
-        },
-    }
-
-
-def _file_to_json(record: FileRecord) -> dict[str, Any]:
-    return {"file": record.file, "sha256": record.sha256, "bytes": record.bytes}
-
-
-def _constants_to_json(record: FileRecord) -> dict[str, Any]:
-    orders = {name: _order_to_json(order) for name, order in record.dim_orders.items()}
-    return {**_file_to_json(record), "dim_orders": orders}
-
-
-def _order_to_json(order: Order | None) -> list[int] | None:
-    return None if order is None else list(order)
-
-
-def _shard_to_json(record: ShardRecord, *, resume: bool) -> dict[str, Any]:
-    document = {
-        **_file_to_json(record),
-        "keys": list(record.keys),
-        "shapes": [[list(shape) for shape in row] for row in record.shapes],
-        "dim_orders": [[_order_to_json(order) for order in row] for row in record.row_orders],
-        "input_sha256": list(record.input_sha256),
-    }
-    if resume:
-        document["positions"] = list(record.positions)
-        document["max_abs_error"] = dict(record.max_abs_error)
-    return document
-
-
-# ---------------------------------------------------------------------------------- reading
+# ------------------------------------------------------------------------------------ reading
 
 
 def read_manifest(folder: Path) -> Manifest:
@@ -385,321 +284,187 @@ def read_manifest(folder: Path) -> Manifest:
     """
     path = Path(folder) / MANIFEST_FILE
     if not path.is_file():
-        raise ManifestError(
-            f"no graphsplit cache at {folder}: {MANIFEST_FILE} is missing"
-            + _partial_hint(Path(folder))
-        )
-    check = _Checker(path)
-    document = check.load()
-    check.fields(
-        document,
-        "",
-        required=(
-            "format",
-            "format_version",
-            "created",
-            "fingerprint",
-            "inputs",
-            "boundary",
-            "storage_dtype",
-            "layout",
-            "num_samples",
-            "max_abs_error",
-            "constants",
-            "shards",
-        ),
-    )
-    check.format(document)
-    header = _read_header(check, document)
-    constants = _read_constants(check, document["constants"], header)
-    shards = tuple(
-        _read_shard(check, item, f"shards[{index}]", header, index, resume=False)
-        for index, item in enumerate(check.sequence(document["shards"], "shards"))
-    )
-    manifest = Manifest(
-        header=header,
-        created=check.string(document["created"], "created"),
-        constants=constants,
-        shards=shards,
-        max_abs_error=check.errors(document["max_abs_error"], "max_abs_error", header),
-    )
-    num_samples = check.integer(document["num_samples"], "num_samples")
-    if num_samples != manifest.num_samples:
-        check.fail("num_samples", f"is {num_samples} but the shards list {manifest.num_samples}")
-    _check_unique_keys(check, shards)
+        hint = ""
+        if has_resume_header(Path(folder)):
+            hint = (
+                " (a caching run started there but did not finish; rerun graphsplit.cache with "
+                "the same arguments to complete it)"
+            )
+        raise ManifestError(f"no graphsplit cache at {folder}: {MANIFEST_FILE} is missing{hint}")
+    reader = JsonReader(path)
+    manifest: Manifest = _read_stamped(reader, Manifest)
+    header = manifest.header
+    _check_header(reader, header)
+    if manifest.constants is None and header.constant_specs:
+        reader.fail("constants", "is null but the boundary has per-dataset constants")
+    if manifest.constants is not None:
+        _check_constants(reader, manifest.constants, header, "constants")
+    for index, shard in enumerate(manifest.shards):
+        _check_shard(reader, shard, header, index, f"shards[{index}]")
+    _check_errors(reader, manifest.max_abs_error, header, "max_abs_error")
+    counted = sum(len(shard.keys) for shard in manifest.shards)
+    if manifest.num_samples != counted:
+        reader.fail("num_samples", f"is {manifest.num_samples} but the shards list {counted}")
+    _check_unique_keys(reader, manifest.shards)
     return manifest
 
 
-def read_plan(folder: Path) -> CacheHeader | None:
-    """The header of an interrupted run in ``folder``, or None when there is none."""
-    path = Path(folder) / PARTIAL_DIR / PLAN_FILE
-    if not path.is_file():
-        return None
-    check = _Checker(path)
-    document = check.load()
-    check.fields(
-        document,
-        "",
-        required=(
-            "format",
-            "format_version",
-            "fingerprint",
-            "inputs",
-            "boundary",
-            "storage_dtype",
-            "layout",
-        ),
-    )
-    check.format(document)
-    return _read_header(check, document)
+def has_resume_header(folder: Path) -> bool:
+    """Whether a caching run started in ``folder`` (and has not finished or been cleaned up)."""
+    partial = folder / PARTIAL_DIR
+    names = (RESUME_HEADER_FILE, RESUME_HEADER_FILE_0_1)
+    return any((partial / name).is_file() for name in names)
 
 
-def read_shard_record(folder: Path, index: int, header: CacheHeader) -> ShardRecord | None:
-    """The resume record of shard ``index``, or None when absent or unreadable."""
-    path = Path(folder) / PARTIAL_DIR / f"shard-{index:05d}.json"
+def read_resume_header(folder: Path) -> CacheHeader | None:
+    """The header of an interrupted run in ``folder``, or None when there is none.
+
+    Reads ``.partial/header.json``, or ``.partial/plan.json`` where graphsplit 0.1 left one.
+    """
+    for name in (RESUME_HEADER_FILE, RESUME_HEADER_FILE_0_1):
+        path = Path(folder) / PARTIAL_DIR / name
+        if path.is_file():
+            reader = JsonReader(path)
+            header: CacheHeader = _read_stamped(reader, CacheHeader)
+            _check_header(reader, header)
+            return header
+    return None
+
+
+def read_shard_progress(folder: Path, index: int, header: CacheHeader) -> ShardProgress | None:
+    """The progress record of shard ``index``, or None when absent or unreadable."""
+    path = Path(folder) / PARTIAL_DIR / shard_progress_name(index)
     if not path.is_file():
         return None
-    check = _Checker(path)
+    reader = JsonReader(path)
     try:
-        return _read_shard(check, check.load(), "", header, index, resume=True)
+        progress: ShardProgress = reader.read(ShardProgress, reader.load())
+        _check_shard(reader, progress.shard, header, index, "")
+        _check_errors(reader, progress.max_abs_error, header, "max_abs_error")
     except ManifestError:
         return None  # written atomically, so this is foreign or damaged: redo the shard
+    return progress
 
 
-def read_constants_record(folder: Path, header: CacheHeader) -> FileRecord | None:
-    """The resume record of the constants file, or None when absent or unreadable."""
-    path = Path(folder) / PARTIAL_DIR / "constants.json"
+def read_constants_progress(folder: Path, header: CacheHeader) -> ConstantsProgress | None:
+    """The progress record of the constants file, or None when absent or unreadable."""
+    path = Path(folder) / PARTIAL_DIR / CONSTANTS_PROGRESS_FILE
     if not path.is_file():
         return None
-    check = _Checker(path)
+    reader = JsonReader(path)
     try:
-        document = check.load()
-        check.fields(
-            document, "", required=("file", "sha256", "bytes", "dim_orders", "max_abs_error")
-        )
-        record = _read_constants(check, document, header, extra=("max_abs_error",))
-        if record is None:
-            return None
-        errors = check.errors(document["max_abs_error"], "max_abs_error", header)
-        return replace(record, max_abs_error=errors)
+        progress: ConstantsProgress = reader.read(ConstantsProgress, reader.load())
+        _check_constants(reader, progress.constants, header, "constants")
+        _check_errors(reader, progress.max_abs_error, header, "max_abs_error")
     except ManifestError:
         return None
+    return progress
 
 
-def _partial_hint(folder: Path) -> str:
-    if (folder / PARTIAL_DIR / PLAN_FILE).is_file():
-        return (
-            " (a caching run started there but did not finish; rerun graphsplit.cache with the "
-            "same arguments to complete it)"
+def _read_stamped(reader: JsonReader, cls: type) -> Any:
+    """A document that opens with the stamp: check the stamp first, then read the rest."""
+    document = reader.load()
+    stamp = ("format", "format_version")
+    reader.check_names(document, "", (*stamp, *json_names(cls)))
+    if document["format"] != FORMAT:
+        reader.fail("format", f"is {document['format']!r}; expected {FORMAT!r}")
+    version = document["format_version"]
+    if type(version) is not int:
+        reader.fail("format_version", f"is {version!r}; expected an integer")
+    if version != FORMAT_VERSION:
+        newer = version > FORMAT_VERSION
+        raise ManifestError(
+            f"{reader.path} has cache format version {version}, this graphsplit reads version "
+            f"{FORMAT_VERSION}.\n  fix: "
+            + ("upgrade graphsplit to read it, or " if newer else "")
+            + REBUILD
         )
-    return ""
+    return reader.read(cls, {key: value for key, value in document.items() if key not in stamp})
 
 
-def _read_header(check: _Checker, document: dict[str, Any]) -> CacheHeader:
-    fingerprint = _read_fingerprint(check, document["fingerprint"])
-    inputs = tuple(
-        check.identifier(name, f"inputs[{index}]")
-        for index, name in enumerate(check.sequence(document["inputs"], "inputs"))
-    )
-    boundary = tuple(
-        _read_spec(check, item, f"boundary[{index}]")
-        for index, item in enumerate(check.sequence(document["boundary"], "boundary"))
-    )
-    names = [spec.name for spec in boundary]
+# ---------------------------------------------------- rules that span fields (after the types)
+
+
+def _check_header(reader: JsonReader, header: CacheHeader) -> None:
+    for index, spec in enumerate(header.boundary):
+        where = f"boundary[{index}]"
+        if not spec.name.isidentifier():
+            reader.fail(f"{where}.name", f"is {spec.name!r}; expected a Python identifier")
+        if spec.batch_dim is not None and spec.batch_dim >= len(spec.shape):
+            reader.fail(
+                f"{where}.batch_dim",
+                f"is {spec.batch_dim!r}; expected null or a dim of {spec.shape}",
+            )
+    names = [spec.name for spec in header.boundary]
     if len(set(names)) != len(names):
-        check.fail("boundary", f"repeats a name: {names}")
-    storage = document["storage_dtype"]
-    if storage is not None and storage not in STORAGE_DTYPES:
-        check.fail("storage_dtype", f"is {storage!r}; expected null or one of {STORAGE_DTYPES}")
-    layout = check.mapping(document["layout"], "layout")
-    check.fields(layout, "layout", required=("batches_per_shard", "batch_size", "shard_bytes"))
-    batch_size = layout["batch_size"]
-    return CacheHeader(
-        fingerprint=fingerprint,
-        inputs=inputs,
-        boundary=boundary,
-        storage_dtype=storage,
-        layout=Layout(
-            batches_per_shard=check.integer(
-                layout["batches_per_shard"], "layout.batches_per_shard", minimum=1
-            ),
-            batch_size=None
-            if batch_size is None
-            else check.integer(batch_size, "layout.batch_size", minimum=1),
-            shard_bytes=check.integer(layout["shard_bytes"], "layout.shard_bytes", minimum=1),
-        ),
-    )
+        reader.fail("boundary", f"repeats a name: {names}")
 
 
-def _read_fingerprint(check: _Checker, value: Any) -> Fingerprint:
-    document = check.mapping(value, "fingerprint")
-    check.fields(document, "fingerprint", required=("code", "weights", "boundary", "versions"))
-    digests = {}
-    for part in ("code", "weights", "boundary"):
-        digest = check.string(document[part], f"fingerprint.{part}")
-        if not _DIGEST.fullmatch(digest):
-            check.fail(f"fingerprint.{part}", f"is {digest!r}, not 'sha256:' + 64 hex digits")
-        digests[part] = digest
-    versions = {
-        check.string(name, "fingerprint.versions"): check.string(
-            version, f"fingerprint.versions.{name}"
-        )
-        for name, version in check.mapping(document["versions"], "fingerprint.versions").items()
-    }
-    return Fingerprint(versions=versions, **digests)
-
-
-def _read_spec(check: _Checker, value: Any, where: str) -> BoundarySpec:
-    document = check.mapping(value, where)
-    check.fields(
-        document,
-        where,
-        required=("name", "shape", "dtype", "batch_dim", "bytes_per_sample", "source"),
-    )
-    check.identifier(document["name"], f"{where}.name")
-    shape = check.shape(document["shape"], f"{where}.shape")
-    check.string(document["dtype"], f"{where}.dtype")
-    check.string(document["source"], f"{where}.source")
-    check.integer(document["bytes_per_sample"], f"{where}.bytes_per_sample")
-    batch_dim = document["batch_dim"]
-    if batch_dim is not None and not (
-        type(batch_dim) is int and 0 <= batch_dim < max(len(shape), 1) and shape
-    ):
-        check.fail(f"{where}.batch_dim", f"is {batch_dim!r}; expected null or a dim of {shape}")
-    try:
-        return BoundarySpec.from_json(document)
-    except ValueError as error:
-        check.fail(where, str(error))
-
-
-def _read_file(check: _Checker, value: Any, where: str) -> FileRecord:
-    document = check.mapping(value, where or "file record")
-    sha = check.string(document.get("sha256"), _join(where, "sha256"))
-    if not _SHA256.fullmatch(sha):
-        check.fail(_join(where, "sha256"), f"is {sha!r}, not 64 lowercase hex digits")
-    return FileRecord(
-        file=check.string(document.get("file"), _join(where, "file")),
-        sha256=sha,
-        bytes=check.integer(document.get("bytes"), _join(where, "bytes")),
-    )
-
-
-def _read_constants(
-    check: _Checker, value: Any, header: CacheHeader, *, extra: Sequence[str] = ()
-) -> FileRecord | None:
-    if value is None:
-        if header.constant_specs:
-            check.fail("constants", "is null but the boundary has per-dataset constants")
-        return None
-    document = check.mapping(value, "constants")
-    check.fields(document, "constants", required=("file", "sha256", "bytes", "dim_orders", *extra))
-    record = _read_file(check, document, "constants")
+def _check_constants(
+    reader: JsonReader, record: ConstantsRecord, header: CacheHeader, where: str
+) -> None:
     if record.file != CONSTANTS_FILE:
-        check.fail("constants.file", f"is {record.file!r}; expected {CONSTANTS_FILE!r}")
-    orders = check.mapping(document["dim_orders"], "constants.dim_orders")
+        reader.fail(f"{where}.file", f"is {record.file!r}; expected {CONSTANTS_FILE!r}")
     specs = {spec.name: spec for spec in header.constant_specs}
-    if set(orders) != set(specs):
-        check.fail("constants.dim_orders", f"names {sorted(orders)}, not {sorted(specs)}")
-    dim_orders = {
-        name: check.order(order, f"constants.dim_orders.{name}", len(specs[name].shape))
-        for name, order in orders.items()
-    }
-    return replace(record, dim_orders=dim_orders)
+    if set(record.dim_orders) != set(specs):
+        reader.fail(
+            f"{where}.dim_orders", f"names {sorted(record.dim_orders)}, not {sorted(specs)}"
+        )
+    for name, order in record.dim_orders.items():
+        _check_order(reader, order, f"{where}.dim_orders.{name}", len(specs[name].shape))
 
 
-def _read_shard(
-    check: _Checker, value: Any, where: str, header: CacheHeader, index: int, *, resume: bool
-) -> ShardRecord:
-    document = check.mapping(value, where or "shard record")
-    required = ["file", "sha256", "bytes", "keys", "shapes", "dim_orders", "input_sha256"]
-    if resume:
-        required += ["positions", "max_abs_error"]
-    check.fields(document, where, required=tuple(required))
-    record = _read_file(check, document, where)
+def _check_shard(
+    reader: JsonReader, record: ShardRecord, header: CacheHeader, index: int, where: str
+) -> None:
     if record.file != shard_file_name(index):
-        check.fail(
+        reader.fail(
             _join(where, "file"),
             f"is {record.file!r}; shard {index} must be {shard_file_name(index)!r} "
             "(a file name inside the cache folder)",
         )
-    keys = tuple(
-        check.string(key, _join(where, f"keys[{row}]"))
-        for row, key in enumerate(check.sequence(document["keys"], _join(where, "keys")))
-    )
     specs = header.sample_specs
-    shapes = []
-    for row, item in enumerate(check.sequence(document["shapes"], _join(where, "shapes"))):
-        at = _join(where, f"shapes[{row}]")
-        per_tensor = check.sequence(item, at)
-        if len(per_tensor) != len(specs):
-            check.fail(at, f"lists {len(per_tensor)} shapes for {len(specs)} per-sample tensors")
-        shapes.append(
-            tuple(
-                _read_row_shape(check, shape, f"{at}[{column}]", spec)
-                for column, (shape, spec) in enumerate(zip(per_tensor, specs))
-            )
-        )
-    orders = []
-    for row, item in enumerate(check.sequence(document["dim_orders"], _join(where, "dim_orders"))):
-        at = _join(where, f"dim_orders[{row}]")
-        per_tensor = check.sequence(item, at)
-        if len(per_tensor) != len(specs):
-            check.fail(at, f"lists {len(per_tensor)} orders for {len(specs)} per-sample tensors")
-        orders.append(
-            tuple(
-                check.order(order, f"{at}[{column}]", len(spec.shape))
-                for column, (order, spec) in enumerate(zip(per_tensor, specs))
-            )
-        )
-    digests = tuple(
-        check.string(digest, _join(where, f"input_sha256[{row}]"))
-        for row, digest in enumerate(
-            check.sequence(document["input_sha256"], _join(where, "input_sha256"))
-        )
-    )
-    for row, digest in enumerate(digests):
-        if not _SHA256.fullmatch(digest):
-            check.fail(_join(where, f"input_sha256[{row}]"), "is not 64 lowercase hex digits")
-    if not (len(keys) == len(shapes) == len(orders) == len(digests)):
-        check.fail(
+    for row, (shapes, orders) in enumerate(zip(record.shapes, record.row_orders)):
+        shapes_at, orders_at = _join(where, f"shapes[{row}]"), _join(where, f"dim_orders[{row}]")
+        tensors = f"{len(specs)} per-sample tensors"
+        if len(shapes) != len(specs):
+            reader.fail(shapes_at, f"lists {len(shapes)} shapes for {tensors}")
+        if len(orders) != len(specs):
+            reader.fail(orders_at, f"lists {len(orders)} orders for {tensors}")
+        for column, (shape, order, spec) in enumerate(zip(shapes, orders, specs)):
+            if len(shape) != len(spec.shape) - 1:
+                reader.fail(
+                    f"{shapes_at}[{column}]",
+                    f"has {len(shape)} dims; a row of {spec.name!r} has {len(spec.shape) - 1}",
+                )
+            _check_order(reader, order, f"{orders_at}[{column}]", len(spec.shape))
+    counts = {len(record.keys), len(record.shapes), len(record.row_orders)}
+    if len(counts | {len(record.input_sha256)}) > 1:
+        reader.fail(
             where or "shard record", "lists different numbers of keys, shapes, orders and digests"
         )
-    positions: tuple[int, ...] = ()
-    errors: dict[str, float] = {}
-    if resume:
-        positions = tuple(
-            check.integer(position, f"positions[{row}]")
-            for row, position in enumerate(check.sequence(document["positions"], "positions"))
-        )
-        errors = check.errors(document["max_abs_error"], "max_abs_error", header)
-    return ShardRecord(
-        file=record.file,
-        sha256=record.sha256,
-        bytes=record.bytes,
-        max_abs_error=errors,
-        keys=keys,
-        shapes=tuple(shapes),
-        row_orders=tuple(orders),
-        input_sha256=digests,
-        positions=positions,
-    )
 
 
-def _read_row_shape(check: _Checker, value: Any, where: str, spec: BoundarySpec) -> tuple[int, ...]:
-    shape = check.shape(value, where)
-    if len(shape) != len(spec.shape) - 1:
-        check.fail(
-            where, f"has {len(shape)} dims; a row of {spec.name!r} has {len(spec.shape) - 1}"
-        )
-    return shape
+def _check_order(reader: JsonReader, order: Order | None, where: str, ndim: int) -> None:
+    if order is not None and sorted(order) != list(range(ndim)):
+        reader.fail(where, f"is {list(order)}, not an order of {ndim} dims")
 
 
-def _check_unique_keys(check: _Checker, shards: Sequence[ShardRecord]) -> None:
+def _check_errors(
+    reader: JsonReader, errors: Mapping[str, float], header: CacheHeader, where: str
+) -> None:
+    names = {spec.name for spec in header.boundary}
+    for name in errors:
+        if name not in names:
+            reader.fail(where, f"names {name!r}, which is not a boundary tensor")
+
+
+def _check_unique_keys(reader: JsonReader, shards: Iterable[ShardRecord]) -> None:
     seen: dict[str, int] = {}
     for index, shard in enumerate(shards):
         for key in shard.keys:
             if key in seen:
-                check.fail(
+                reader.fail(
                     "shards", f"list the sample key {key!r} twice (shards {seen[key]}, {index})"
                 )
             seen[key] = index
@@ -707,126 +472,3 @@ def _check_unique_keys(check: _Checker, shards: Sequence[ShardRecord]) -> None:
 
 def _join(where: str, name: str) -> str:
     return f"{where}.{name}" if where else name
-
-
-class _Checker:
-    """Type checks that raise a :class:`ManifestError` naming the file and the field."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def fail(self, where: str, problem: str) -> NoReturn:
-        raise ManifestError(
-            f"{self.path} is not a valid graphsplit cache file: {where or 'the document'} "
-            f"{problem}.\n  fix: the file is damaged or was not written by graphsplit; {_REBUILD}"
-        )
-
-    def load(self) -> dict[str, Any]:
-        try:
-            text = self.path.read_bytes().decode("utf-8")
-            document = json.loads(
-                text, object_pairs_hook=_unique_object, parse_constant=_reject_constant
-            )
-        except (UnicodeDecodeError, ValueError) as error:
-            raise ManifestError(
-                f"{self.path} is not valid JSON ({error}).\n  fix: the file is damaged or was "
-                f"not written by graphsplit; {_REBUILD}"
-            ) from None
-        return self.mapping(document, "")
-
-    def format(self, document: Mapping[str, Any]) -> None:
-        if document["format"] != FORMAT:
-            self.fail("format", f"is {document['format']!r}; expected {FORMAT!r}")
-        version = document["format_version"]
-        if type(version) is not int:
-            self.fail("format_version", f"is {version!r}; expected an integer")
-        if version != FORMAT_VERSION:
-            newer = version > FORMAT_VERSION
-            raise ManifestError(
-                f"{self.path} has cache format version {version}, this graphsplit reads version "
-                f"{FORMAT_VERSION}.\n  fix: "
-                + ("upgrade graphsplit to read it, or " if newer else "")
-                + _REBUILD
-            )
-
-    def fields(self, document: Mapping[str, Any], where: str, *, required: Sequence[str]) -> None:
-        missing = [name for name in required if name not in document]
-        if missing:
-            self.fail(where, f"lacks the field(s) {missing}")
-        extra = sorted(set(document) - set(required))
-        if extra:
-            self.fail(where, f"has unexpected field(s) {extra}")
-
-    def mapping(self, value: Any, where: str) -> dict[str, Any]:
-        if not isinstance(value, dict):
-            self.fail(where, f"is {_kind(value)}; expected an object")
-        return value
-
-    def sequence(self, value: Any, where: str) -> list[Any]:
-        if not isinstance(value, list):
-            self.fail(where, f"is {_kind(value)}; expected a list")
-        return value
-
-    def string(self, value: Any, where: str) -> str:
-        if not isinstance(value, str):
-            self.fail(where, f"is {_kind(value)}; expected a string")
-        return value
-
-    def identifier(self, value: Any, where: str) -> str:
-        if not self.string(value, where).isidentifier():
-            self.fail(where, f"is {value!r}; expected a Python identifier")
-        return value
-
-    def integer(self, value: Any, where: str, *, minimum: int = 0) -> int:
-        if type(value) is not int or value < minimum:
-            self.fail(where, f"is {_kind(value)}; expected an integer >= {minimum}")
-        return value
-
-    def number(self, value: Any, where: str) -> float:
-        if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
-            self.fail(where, f"is {_kind(value)}; expected a finite number >= 0")
-        return float(value)
-
-    def shape(self, value: Any, where: str) -> tuple[int, ...]:
-        return tuple(
-            self.integer(size, f"{where}[{dim}]")
-            for dim, size in enumerate(self.sequence(value, where))
-        )
-
-    def order(self, value: Any, where: str, ndim: int) -> Order | None:
-        if value is None:
-            return None
-        order = tuple(
-            self.integer(d, f"{where}[{i}]") for i, d in enumerate(self.sequence(value, where))
-        )
-        if sorted(order) != list(range(ndim)):
-            self.fail(where, f"is {list(order)}, not an order of {ndim} dims")
-        return order
-
-    def errors(self, value: Any, where: str, header: CacheHeader) -> dict[str, float]:
-        names = {spec.name for spec in header.boundary}
-        errors = {}
-        for name, error in self.mapping(value, where).items():
-            if name not in names:
-                self.fail(where, f"names {name!r}, which is not a boundary tensor")
-            errors[name] = self.number(error, f"{where}.{name}")
-        return errors
-
-
-def _kind(value: Any) -> str:
-    text = repr(value)
-    text = text if len(text) <= 60 else text[:57] + "..."
-    return f"{type(value).__name__} {text}"
-
-
-def _unique_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    document: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in document:
-            raise ValueError(f"the key {key!r} appears twice in one object")
-        document[key] = value
-    return document
-
-
-def _reject_constant(name: str) -> Callable[[], None]:
-    raise ValueError(f"{name} is not a JSON number")

@@ -2,12 +2,15 @@
 
 ``make_split()`` builds by hand what ``graphsplit.split`` returns: a traced frozen stage 1 whose
 boundary has the three kinds of tensor a cache must handle (batch dim 0, batch dim 1, and a
-per-dataset constant with no batch dim), a trainable stage 2, and the boundary specs.
+per-dataset constant with no batch dim), a trainable stage 2, and the boundary specs. Helpers
+here also damage caches (``rewrite_manifest``, ``flip_last_byte``), interrupt a run like a crash
+(``interrupt_after``), and run ``cache_worker.py`` in other processes (``worker_environment``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -18,6 +21,9 @@ from torch import nn
 from graphsplit.artifacts import BoundarySpec
 
 INPUT_NAMES = ("pixel_values", "input_ids")
+SMALL = 1500  # shard_bytes: one batch of two samples per shard
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("cache_worker.py")
 TOKENS = 6
 VOCAB = 50
 
@@ -161,3 +167,51 @@ def rows_by_key(path: Path) -> dict[str, dict[str, torch.Tensor]]:
 
     cached = CachedDataset(path)
     return {item["key"]: {k: v for k, v in item.items() if k != "key"} for item in cached}
+
+
+def stage1_rows(split: SimpleNamespace, dataset: Any, indices: list[int]) -> dict[str, Any]:
+    """The rows stage 1 computes for ``indices``, straight from the model."""
+    items = [dataset[i] for i in indices]
+    pixels = torch.stack([item["pixel_values"] for item in items])
+    ids = torch.stack([item["input_ids"] for item in items])
+    return split.stage1(pixels, ids)
+
+
+def rewrite_manifest(path: Path, change: Any) -> None:
+    """Apply ``change`` to the manifest's JSON document, as a damaged or crafted file would."""
+    document = json.loads((path / "manifest.json").read_text())
+    change(document)
+    (path / "manifest.json").write_text(json.dumps(document))
+
+
+def flip_last_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[-1] ^= 0xFF
+    file.write_bytes(bytes(data))
+
+
+class Interrupt(Exception):
+    """A simulated crash."""
+
+
+def interrupt_after(monkeypatch: Any, shards: int) -> None:
+    """Make the writer fail after ``shards`` shards were committed, like a crash."""
+    from graphsplit.caching.shards import ShardWriter
+
+    original = ShardWriter.commit
+    done = []
+
+    def commit(self, shard, temporary):
+        if len(done) >= shards:
+            raise Interrupt("simulated crash")
+        done.append(shard.index)
+        return original(self, shard, temporary)
+
+    monkeypatch.setattr(ShardWriter, "commit", commit)
+
+
+def worker_environment() -> dict[str, str]:
+    """The environment ``cache_worker.py`` runs in: this checkout first, one thread."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env.pop("ACCELERATE_CONFIG_FILE", None)
+    return env

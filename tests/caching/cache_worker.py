@@ -1,8 +1,8 @@
 """Run graphsplit.cache in a separate process, for the kill -9 and accelerate tests.
 
-    python tests/_cache_worker.py PATH [--length N] [--shard-bytes B] [--delay S]
-    accelerate launch --multi_gpu --num_processes 2 tests/_cache_worker.py PATH --accelerate \
-        [--train-steps N] [--report FILE]
+    python tests/caching/cache_worker.py PATH [--length N] [--shard-bytes B] [--delay S]
+    accelerate launch --multi_gpu --num_processes 2 tests/caching/cache_worker.py PATH \
+        --accelerate [--train-steps N] [--report FILE]
 
 (``--multi_gpu`` picks accelerate's torchrun launcher; ``Accelerator(cpu=True)`` here makes the
 processes CPU ones. ``accelerate launch --cpu --num_processes 2`` starts a single process
@@ -19,29 +19,29 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
-import graphsplit.caching.run as cache_module
 from graphsplit.caching.dataset import CachedDataset, collate
 from graphsplit.caching.run import cache
-from tests._cache_fixtures import Pictures, loader, make_split
+from graphsplit.caching.shards import ShardWriter
+from tests.caching.fixtures import Pictures, loader, make_split
 
 WRITTEN: list[int] = []  # the shards this process wrote
 
 
 def watch_shards(delay: float) -> None:
     """Record each shard this process commits, then sleep ``delay`` seconds."""
-    original = cache_module._ShardWriter._commit_shard
+    original = ShardWriter.commit
 
     def commit(self, shard, temporary):
-        record = original(self, shard, temporary)
+        progress = original(self, shard, temporary)
         WRITTEN.append(shard.index)
         time.sleep(delay)
-        return record
+        return progress
 
-    cache_module._ShardWriter._commit_shard = commit
+    ShardWriter.commit = commit
 
 
 def train(split, path: Path, accelerator, steps: int) -> dict[str, object]:

@@ -1,70 +1,32 @@
-"""graphsplit.cache across processes: kill -9 and resume, and accelerate with two processes.
-
-Both run tests/_cache_worker.py in subprocesses and compare the result, file for file, with a
-cache written here in one uninterrupted process.
-"""
+"""cache() across accelerate processes: a real two-process launch, and how processes agree."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-import graphsplit.caching.run as cache_module
 from graphsplit.caching.dataset import CachedDataset
 from graphsplit.caching.fingerprint import fingerprint
+from graphsplit.caching.processes import Processes
 from graphsplit.caching.run import cache
 from graphsplit.errors import CacheError, StaleCacheError
-from tests._cache_fixtures import Pictures, cache_contents, loader, make_split
+from tests.caching.fixtures import (
+    SMALL,
+    WORKER,
+    Pictures,
+    cache_contents,
+    loader,
+    make_split,
+    worker_environment,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "_cache_worker.py"
-SMALL = 1500
-
-
-def environment() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    env.pop("ACCELERATE_CONFIG_FILE", None)
-    return env
-
-
-def test_kill_9_mid_run_then_resume_equals_an_uninterrupted_cache(tmp_path):
-    cache(make_split(), loader(Pictures(16)), tmp_path / "whole", shard_bytes=SMALL, progress=False)
-    target = tmp_path / "killed"
-    worker = subprocess.Popen(
-        [sys.executable, str(WORKER), str(target), "--length", "16", "--delay", "0.4"],
-        env=environment(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 60
-    third = target / ".partial" / "shard-00002.json"
-    while not third.exists():
-        assert worker.poll() is None, worker.stderr.read().decode()
-        assert time.monotonic() < deadline, "the worker wrote no shards in 60 s"
-        time.sleep(0.05)
-    os.kill(worker.pid, signal.SIGKILL)
-    worker.wait()
-    worker.stderr.close()
-    assert worker.returncode == -signal.SIGKILL
-    assert not (target / "manifest.json").exists()
-    assert (target / ".lock").exists()  # left behind by the killed writer: stale
-
-    info = cache(make_split(), loader(Pictures(16)), target, shard_bytes=SMALL, progress=False)
-    assert info.reused_shards >= 3 and info.written_shards >= 1
-    assert info.reused_shards + info.written_shards == 8
-    assert cache_contents(target) == cache_contents(tmp_path / "whole")
-    assert sorted(entry.name for entry in target.iterdir()) == sorted(
-        entry.name for entry in (tmp_path / "whole").iterdir()
-    )
+# -------------------------------------------------------------------------------- a real launch
 
 
 def test_two_accelerate_processes_write_the_single_process_cache_and_train(tmp_path):
@@ -99,7 +61,7 @@ def test_two_accelerate_processes_write_the_single_process_cache_and_train(tmp_p
         "--report",
         str(report),
     ]
-    finished = subprocess.run(command, env=environment(), capture_output=True, timeout=120)
+    finished = subprocess.run(command, env=worker_environment(), capture_output=True, timeout=120)
     assert finished.returncode == 0, finished.stderr.decode()[-4000:]
     reports = [json.loads(report.with_suffix(f".{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["world"] for r in reports] == [2, 2]
@@ -116,8 +78,8 @@ def test_two_accelerate_processes_write_the_single_process_cache_and_train(tmp_p
 # ------------------------------------------------------- how processes agree (no launch needed)
 
 
-def fake_processes(rank: int) -> cache_module._Processes:
-    return cache_module._Processes(SimpleNamespace(process_index=rank, num_processes=2))
+def fake_processes(rank: int) -> Processes:
+    return Processes(SimpleNamespace(process_index=rank, num_processes=2))
 
 
 def test_a_failure_in_another_process_fails_every_process(monkeypatch):

@@ -1,0 +1,221 @@
+"""Audit a cache folder: is every file there, whole, and holding what the manifest lists?
+
+Glossary:
+    problem: one damaged file of a cache (missing, another size, another sha256, tensors other
+        than the manifest lists) and the samples it holds; the other files still read.
+    tensor problem: a shard whose safetensors header names other tensors, shapes or dtypes
+        than the manifest's rows (read from the header alone, no tensor data).
+
+In and out::
+
+    check_cache(path) -> CacheReport                     # every checksum, size and tensor header
+    file_problem(folder, record, *, checksum) -> str | None
+    shard_tensors_problem(handle, record, manifest) -> str | None
+    some_keys(keys, limit=5) -> "'a', 'b' and 3 more"    # for messages
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from graphsplit.caching.files import sha256_file
+from graphsplit.caching.format import (
+    CONSTANTS_FILE,
+    MANIFEST_FILE,
+    FileRecord,
+    Manifest,
+    ShardRecord,
+    read_manifest,
+    tensor_name,
+)
+from graphsplit.caching.memory_order import row_order
+from graphsplit.errors import ManifestError
+
+__all__ = [
+    "CacheProblem",
+    "CacheReport",
+    "check_cache",
+    "file_problem",
+    "shard_tensors_problem",
+    "some_keys",
+]
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True)
+class CacheProblem:
+    """One damaged file of a cache and the samples it affects."""
+
+    file: str
+    reason: str
+    keys: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        affected = f" ({len(self.keys)} samples: {some_keys(self.keys)})" if self.keys else ""
+        return f"{self.file}: {self.reason}{affected}"
+
+
+@dataclass(frozen=True)
+class CacheReport:
+    """What :func:`check_cache` found; ``ok`` when every file is intact."""
+
+    path: Path
+    num_samples: int
+    num_shards: int
+    checked_bytes: int
+    problems: tuple[CacheProblem, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def damaged_keys(self) -> list[str]:
+        """The keys of every sample that cannot be read."""
+        return [key for problem in self.problems for key in problem.keys]
+
+    def __str__(self) -> str:
+        if self.ok:
+            return (
+                f"cache {self.path}: OK ({self.num_samples} samples, {self.num_shards} shards, "
+                f"{self.checked_bytes:,} bytes verified)"
+            )
+        lines = [
+            f"cache {self.path}: {len(self.problems)} problem(s), "
+            f"{len(self.damaged_keys)} of {self.num_samples} samples unreadable"
+        ]
+        lines += [f"  {problem}" for problem in self.problems]
+        lines.append(
+            "  fix: rebuild the cache with graphsplit.cache(split, loader, path, overwrite=True)"
+        )
+        return "\n".join(lines)
+
+
+def check_cache(path: str | os.PathLike[str]) -> CacheReport:
+    """Verify a cache folder: the manifest, and every file's size, sha256 and tensor header.
+
+    Reads every byte of the cache once. Problems are collected, not raised, so one call
+    lists every damaged shard and the samples it holds.
+
+    Example:
+        >>> report = check_cache(path)  # doctest: +SKIP
+        >>> report.ok, report.damaged_keys  # doctest: +SKIP
+        (True, [])
+    """
+    folder = Path(path)
+    try:
+        manifest = read_manifest(folder)
+    except ManifestError as error:
+        return CacheReport(folder, 0, 0, 0, (CacheProblem(MANIFEST_FILE, str(error)),))
+    problems: list[CacheProblem] = []
+    checked = 0
+    if manifest.constants is not None:
+        problem = file_problem(folder, manifest.constants, checksum=True)
+        if problem is None:
+            problem = _constants_problem(folder, manifest)
+        if problem is not None:
+            problems.append(CacheProblem(CONSTANTS_FILE, problem + " (every batch needs it)"))
+        else:
+            checked += manifest.constants.bytes
+    for record in manifest.shards:
+        problem = file_problem(folder, record, checksum=True)
+        if problem is None:
+            try:
+                with safe_open(str(folder / record.file), framework="pt", device="cpu") as f:
+                    problem = shard_tensors_problem(f, record, manifest)
+            except Exception as error:
+                problem = f"safetensors cannot open it ({error})"
+        if problem is None:
+            checked += record.bytes
+        else:
+            problems.append(CacheProblem(record.file, problem, record.keys))
+    return CacheReport(folder, manifest.num_samples, len(manifest.shards), checked, tuple(problems))
+
+
+def file_problem(folder: Path, record: FileRecord, *, checksum: bool) -> str | None:
+    """What is wrong with a recorded file (missing, another size or sha256), or None."""
+    path = folder / record.file
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return "the file is missing"
+    except OSError as error:
+        return f"the file cannot be read ({error})"
+    if size != record.bytes:
+        return f"it has {size:,} bytes, the manifest records {record.bytes:,}"
+    if checksum:
+        try:
+            digest = sha256_file(path)
+        except OSError as error:
+            return f"the file cannot be read ({error})"
+        if digest != record.sha256:
+            return "its sha256 differs from the manifest's (the bytes changed)"
+    return None
+
+
+def shard_tensors_problem(handle: Any, record: ShardRecord, manifest: Manifest) -> str | None:
+    """Whether a shard's tensors are exactly the rows the manifest lists, in their shapes."""
+    header = manifest.header
+    specs = header.sample_specs
+    expected = {}
+    for row, (shapes, orders) in enumerate(zip(record.shapes, record.row_orders)):
+        for spec, shape, order in zip(specs, shapes, orders):
+            if order is not None:  # stored in memory order
+                assert spec.batch_dim is not None
+                shape = tuple(shape[d] for d in row_order(order, spec.batch_dim))
+            expected[tensor_name(row, spec.name)] = (shape, header.stored_dtype(spec))
+    names = set(handle.keys())
+    if names != set(expected):
+        unexpected = sorted(names - set(expected))
+        absent = sorted(set(expected) - names)
+        return (
+            f"its tensors differ from the manifest's (absent: {absent[:3]}, "
+            f"extra: {unexpected[:3]})"
+        )
+    for name, (shape, dtype) in expected.items():
+        tensor = handle.get_slice(name)
+        found_dtype = _SAFETENSORS_DTYPES.get(tensor.get_dtype())
+        if tuple(tensor.get_shape()) != shape or found_dtype != dtype:
+            return (
+                f"tensor {name!r} is {tensor.get_dtype()} {tuple(tensor.get_shape())}, the "
+                f"manifest records {dtype} {shape}"
+            )
+    return None
+
+
+def _constants_problem(folder: Path, manifest: Manifest) -> str | None:
+    header = manifest.header
+    try:
+        with safe_open(str(folder / CONSTANTS_FILE), framework="pt", device="cpu") as f:
+            names = set(f.keys())
+            wanted = {spec.name for spec in header.constant_specs}
+            if names != wanted:
+                return f"it holds {sorted(names)}, the manifest lists {sorted(wanted)}"
+    except Exception as error:
+        return f"safetensors cannot open it ({error})"
+    return None
+
+
+def some_keys(keys: Sequence[str], limit: int = 5) -> str:
+    """The first ``limit`` keys, quoted, and how many more there are."""
+    shown = ", ".join(repr(key) for key in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")

@@ -1,0 +1,68 @@
+"""Memory order: the layout in memory of a tensor that is dense but not plain contiguous.
+
+Glossary:
+    memory order: a tensor's dims from outermost to innermost in memory, recorded when it is
+        not plain contiguous (a channels-last VAE output, a transposed embedding). The cache
+        stores rows in memory order and reads them back with the same strides, because stage 2
+        must see the layout stage 1 produced: ``randn_like`` fills memory in that order, and
+        kernels pick their algorithm by it.
+    row order: the memory order of one sample's row, the batch dim left out.
+
+In and out::
+
+    memory_order(tensor) -> Order | None          # None: plain contiguous (or not dense)
+    row_order(order, batch_dim) -> Order
+    inverse(order) -> Order                       # undoes tensor.permute(order)
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["Order", "inverse", "memory_order", "row_order"]
+
+Order = tuple[int, ...]  # a memory order; None where plain contiguous
+
+
+def memory_order(tensor: torch.Tensor) -> Order | None:
+    """``tensor``'s dims from outermost to innermost in memory; None if plain contiguous.
+
+    Also None for tensors that are not dense (expanded or strided views): torch lays out what
+    it derives from those contiguously too. Size-1 dims, whose strides mean nothing, go before
+    the first larger dim that follows them, so a batch of one has the order of a full batch.
+
+    Example:
+        >>> memory_order(torch.zeros(2, 3, 4, 5).contiguous(memory_format=torch.channels_last))
+        (0, 2, 3, 1)
+    """
+    if tensor.is_contiguous():
+        return None
+    sized = sorted(
+        (d for d in range(tensor.dim()) if tensor.shape[d] != 1),
+        key=lambda d: (-tensor.stride(d), d),
+    )
+    expected = 1
+    for d in reversed(sized):
+        if tensor.stride(d) != expected:
+            return None
+        expected *= tensor.shape[d]
+    ones = [d for d in range(tensor.dim()) if tensor.shape[d] == 1]
+    order: list[int] = []
+    for d in sized:
+        order += [one for one in ones if one < d and one not in order]
+        order.append(d)
+    order += [one for one in ones if one not in order]
+    return None if order == sorted(order) else tuple(order)
+
+
+def row_order(order: Order, batch_dim: int) -> Order:
+    """The memory order of one row: ``order`` without the batch dim, renumbered."""
+    return tuple(d - (d > batch_dim) for d in order if d != batch_dim)
+
+
+def inverse(order: Order) -> Order:
+    """The permutation that undoes ``tensor.permute(order)``."""
+    result = [0] * len(order)
+    for position, d in enumerate(order):
+        result[d] = position
+    return tuple(result)

@@ -1,0 +1,382 @@
+"""Where a shard is written: stage 1 runs on each batch, its rows collect into shards, and
+background threads save, hash, fsync and rename each shard, then record it in ``.partial/``.
+
+Glossary:
+    row: one sample's slice of a boundary tensor, cut along the tensor's batch dim and stored
+        as its own contiguous tensor, so samples of different shapes can share a cache. Rows
+        are stored in the batch tensor's memory order (see :mod:`~graphsplit.caching.memory_order`).
+    pending shard: the rows of one shard, collected in memory until its last batch is done.
+    commit: a saved shard's temporary file is hashed, fsync'd and renamed into place; its
+        progress record is written after that, so a record always names a whole file.
+    constants: boundary tensors without a batch dim; batch 0 writes them, later batches must
+        compute the same values.
+
+In and out::
+
+    write_shards(split, source, folder, *, header, finished, processes, progress)
+        # every unfinished shard this process owns -> shard-*.safetensors + .partial/shard-*.json
+    ShardWriter(folder).submit(pending) ... .close() -> [ShardProgress]
+    ShardWriter.commit(pending, temporary) -> ShardProgress      # one shard, on a thread
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graphsplit.caching import files
+from graphsplit.caching.fingerprint import batch_input_digests
+from graphsplit.caching.format import (
+    CONSTANTS_FILE,
+    CacheHeader,
+    ConstantsProgress,
+    ConstantsRecord,
+    ShardProgress,
+    ShardRecord,
+    shard_file_name,
+    tensor_name,
+    write_progress,
+)
+from graphsplit.caching.memory_order import Order, memory_order
+from graphsplit.caching.processes import Processes
+from graphsplit.caching.sources import BatchSource, as_mapping, batch_keys
+from graphsplit.errors import CacheError
+from graphsplit.units import human_bytes
+
+__all__ = ["PendingShard", "ShardWriter", "write_shards"]
+
+
+@dataclass
+class PendingShard:
+    """The rows of one shard, collected in memory until its last batch is done."""
+
+    index: int
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    keys: list[str] = field(default_factory=list)
+    shapes: list[tuple[tuple[int, ...], ...]] = field(default_factory=list)
+    orders: list[tuple[Order | None, ...]] = field(default_factory=list)
+    digests: list[str] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    max_abs_error: dict[str, float] = field(default_factory=dict)
+    nbytes: int = 0
+
+
+def write_shards(
+    split: Any,
+    source: BatchSource,
+    folder: Path,
+    *,
+    header: CacheHeader,
+    finished: Mapping[int, ShardProgress],
+    processes: Processes,
+    progress: bool | None,
+) -> None:
+    """Compute and write every shard this process owns that ``finished`` does not hold."""
+    per_shard = header.layout.batches_per_shard
+
+    def wanted(batch_index: int) -> bool:
+        shard = batch_index // per_shard
+        return processes.owns(shard) and shard not in finished
+
+    device = _stage1_device(split.stage1, processes.accelerator)
+    writer = ShardWriter(folder)
+    shown = progress if processes.is_main else False  # one bar, on the main process
+    bar = _progress_bar(shown, source.count(wanted), processes)
+    seen_keys: dict[str, int] = {}
+    constants: dict[str, torch.Tensor] | None = None
+    pending: PendingShard | None = None
+    try:
+        for batch in source.batches(wanted, finished, per_shard):
+            shard = batch.index // per_shard
+            if pending is not None and pending.index != shard:
+                writer.submit(pending)
+                pending = None
+            pending = pending or PendingShard(shard)
+            outputs = _run_stage1(split, batch.data, len(batch.positions), device)
+            stored, errors = _to_storage(outputs, header)
+            constants = _handle_constants(folder, header, stored, errors, batch.index, constants)
+            keys = batch_keys(batch.data, batch.positions)
+            _check_new_keys(keys, batch.positions, seen_keys)
+            inputs = as_mapping(batch.data, header.inputs)
+            digests = batch_input_digests(inputs, header.inputs, len(keys))
+            _add_rows(pending, header, stored, errors, keys, digests, batch.positions)
+            if bar is not None:
+                bar.update(len(keys))
+                bar.set_postfix_str(
+                    f"{human_bytes(writer.bytes_submitted + pending.nbytes)} written"
+                )
+        if pending is not None:
+            writer.submit(pending)
+        writer.close()
+    except BaseException:
+        writer.close(cancel=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+class ShardWriter:
+    """Writes shards on background threads, so stage 1 keeps running meanwhile.
+
+    One thread serialises shard ``k`` with safetensors into a temporary file while two others
+    commit the shards before it (:meth:`commit`), so checksums and fsyncs overlap the
+    writing. At most one shard waits in memory besides the one being filled.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.bytes_submitted = 0
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="graphsplit-save")
+        # Two committers: one hashes a shard while the other waits for an fsync.
+        self._committers = ThreadPoolExecutor(2, thread_name_prefix="graphsplit-commit")
+        self._saving: Future[Future[ShardProgress]] | None = None
+        self._commits: list[Future[ShardProgress]] = []
+
+    def submit(self, shard: PendingShard) -> None:
+        """Queue a complete pending shard; waits while the shard before it is being saved."""
+        self._collect_saving()
+        self.bytes_submitted += shard.nbytes
+        self._saving = self._saver.submit(self.save, shard)
+
+    def close(self, *, cancel: bool = False) -> list[ShardProgress]:
+        """Wait for every shard and return their progress records (none when ``cancel``)."""
+        try:
+            self._collect_saving()
+            return [commit.result() for commit in self._commits]
+        except BaseException:
+            if not cancel:
+                raise
+            return []
+        finally:
+            self._saver.shutdown(wait=True)
+            self._committers.shutdown(wait=True)
+
+    def save(self, shard: PendingShard) -> Future[ShardProgress]:
+        """Serialise ``shard`` into its temporary file, then hand it to a committer."""
+        name = shard_file_name(shard.index)
+        temporary = files.temporary_path(self.folder / name)
+        # One metadata entry only: safetensors writes a dict's entries in a random order per
+        # process, and resumed or multi-process runs must write byte-identical shards.
+        metadata = {"graphsplit_keys": json.dumps(shard.keys)}
+        with files.disk_errors(self.folder, name):
+            files.save_tensors(shard.tensors, temporary, metadata)
+        shard.tensors = {}
+        return self._committers.submit(self.commit, shard, temporary)
+
+    def commit(self, shard: PendingShard, temporary: Path) -> ShardProgress:
+        """Move a saved shard into place and record it in ``.partial/``."""
+        name = shard_file_name(shard.index)
+        with files.disk_errors(self.folder, name):
+            size, sha = files.commit_file(temporary, self.folder / name)
+            progress = ShardProgress(
+                shard=ShardRecord(
+                    file=name,
+                    sha256=sha,
+                    bytes=size,
+                    keys=tuple(shard.keys),
+                    shapes=tuple(shard.shapes),
+                    row_orders=tuple(shard.orders),
+                    input_sha256=tuple(shard.digests),
+                ),
+                positions=tuple(shard.positions),
+                max_abs_error=shard.max_abs_error,
+            )
+            write_progress(self.folder, progress)
+        return progress
+
+    def _collect_saving(self) -> None:
+        if self._saving is not None:
+            saving, self._saving = self._saving, None
+            self._commits.append(saving.result())
+        for commit in self._commits:
+            if commit.done() and commit.exception() is not None:
+                commit.result()
+
+
+def _run_stage1(
+    split: Any, batch: Any, size: int, device: torch.device | None
+) -> dict[str, torch.Tensor]:
+    inputs = as_mapping(batch, tuple(split.input_names))
+    if device is not None:
+        inputs = {
+            name: value.to(device) if isinstance(value, torch.Tensor) else value
+            for name, value in inputs.items()
+        }
+    with torch.inference_mode():
+        outputs = split.stage1(**inputs)
+    if not isinstance(outputs, Mapping) or set(outputs) != set(split.boundary):
+        found = sorted(outputs) if isinstance(outputs, Mapping) else type(outputs).__name__
+        raise CacheError(
+            f"stage 1 returned {found}; the boundary is {list(split.boundary)}.\n"
+            "  fix: pass the split whose stage 1 produced this boundary"
+        )
+    for name, spec in split.boundary.items():
+        value = outputs[name]
+        if not isinstance(value, torch.Tensor):
+            raise CacheError(
+                f"stage 1 returned a {type(value).__name__} for {name!r}, not a tensor"
+            )
+        if spec.batch_dim is not None and (
+            value.dim() <= spec.batch_dim or value.shape[spec.batch_dim] != size
+        ):
+            raise CacheError(
+                f"stage 1 returned {name!r} with shape {tuple(value.shape)}, whose batch dim "
+                f"{spec.batch_dim} should hold the batch's {size} samples.\n  fix: batch every "
+                "input along dim 0 (as a DataLoader does), with one 'key' per sample"
+            )
+    return dict(outputs)
+
+
+def _to_storage(
+    outputs: Mapping[str, torch.Tensor], header: CacheHeader
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Cast to the storage dtypes (measuring the error) and move to the CPU."""
+    stored: dict[str, torch.Tensor] = {}
+    errors: dict[str, float] = {}
+    with torch.inference_mode():
+        for spec in header.boundary:
+            value = outputs[spec.name]
+            dtype = header.stored_dtype(spec)
+            if value.dtype != dtype:
+                value, errors[spec.name] = _cast(value, dtype, spec.name)
+            stored[spec.name] = value.to("cpu")
+    return stored, errors
+
+
+def _cast(value: torch.Tensor, dtype: torch.dtype, name: str) -> tuple[torch.Tensor, float]:
+    """``value`` in ``dtype`` and the largest absolute error the cast introduced."""
+    stored = value.to(dtype)
+    back = stored.to(value.dtype)
+    finite = torch.isfinite(value)
+    if not bool(torch.isfinite(back)[finite].all()):
+        largest = float(value[finite].abs().max())
+        raise CacheError(
+            f"{name!r} holds values up to {largest:.4g}, beyond the range of {dtype}.\n"
+            "  fix: use storage_dtype=torch.bfloat16 (same range as float32) or None (lossless)"
+        )
+    if value.numel() == 0:
+        return stored, 0.0
+    return stored, float((back - value).abs().masked_fill(~finite, 0).max())
+
+
+def _handle_constants(
+    folder: Path,
+    header: CacheHeader,
+    stored: Mapping[str, torch.Tensor],
+    errors: Mapping[str, float],
+    batch_index: int,
+    first: dict[str, torch.Tensor] | None,
+) -> dict[str, torch.Tensor] | None:
+    """Write the constants from batch 0; check later batches give the same values."""
+    if not header.constant_specs:
+        return None
+    constants = {spec.name: stored[spec.name] for spec in header.constant_specs}
+    if first is not None:
+        for name, value in constants.items():
+            if not torch.equal(value, first[name]):
+                raise CacheError(
+                    f"the per-dataset constant {name!r} differs between batches, so it is not a "
+                    "constant.\n  fix: this is a graphsplit bug in finding batch dims; please "
+                    "report it with the step that triggers it"
+                )
+        return first
+    if batch_index == 0:
+        _write_constants(folder, constants, errors)
+    return {name: value.clone() for name, value in constants.items()}
+
+
+def _write_constants(
+    folder: Path, constants: Mapping[str, torch.Tensor], errors: Mapping[str, float]
+) -> None:
+    orders = {name: memory_order(value) for name, value in constants.items()}
+    physical = {
+        name: (value if orders[name] is None else value.permute(orders[name])).contiguous()
+        for name, value in constants.items()
+    }
+    path = folder / CONSTANTS_FILE
+    with files.disk_errors(folder, CONSTANTS_FILE):
+        files.save_tensors(physical, files.temporary_path(path), {"format": "pt"})
+        size, sha = files.commit_file(files.temporary_path(path), path)
+    record = ConstantsRecord(file=CONSTANTS_FILE, sha256=sha, bytes=size, dim_orders=orders)
+    errors = {name: error for name, error in errors.items() if name in constants}
+    write_progress(folder, ConstantsProgress(constants=record, max_abs_error=errors))
+
+
+def _add_rows(
+    pending: PendingShard,
+    header: CacheHeader,
+    stored: Mapping[str, torch.Tensor],
+    errors: Mapping[str, float],
+    keys: Sequence[str],
+    digests: Sequence[str],
+    positions: Sequence[int],
+) -> None:
+    # Rows are stored in the batch tensor's memory order, as views of one batch-major copy per
+    # tensor: one copy per batch, none at all for the usual layouts. safetensors writes
+    # non-overlapping views of one storage as separate tensors.
+    columns = []
+    for spec in header.sample_specs:
+        assert spec.batch_dim is not None
+        value = stored[spec.name]
+        order = memory_order(value)
+        physical = value if order is None else value.permute(order)
+        position = spec.batch_dim if order is None else order.index(spec.batch_dim)
+        row_shape = tuple(size for d, size in enumerate(value.shape) if d != spec.batch_dim)
+        columns.append((spec.name, physical.movedim(position, 0).contiguous(), row_shape, order))
+    orders = tuple(order for _, _, _, order in columns)
+    shapes = tuple(row_shape for _, _, row_shape, _ in columns)
+    for offset, key in enumerate(keys):
+        row = len(pending.keys)
+        for name, values, _, _ in columns:
+            value = values[offset]
+            pending.tensors[tensor_name(row, name)] = value
+            pending.nbytes += value.numel() * value.element_size()
+        pending.keys.append(key)
+        pending.shapes.append(shapes)
+        pending.orders.append(orders)
+        pending.digests.append(digests[offset])
+        pending.positions.append(int(positions[offset]))
+    for spec in header.sample_specs:
+        if spec.name in errors:
+            error = max(pending.max_abs_error.get(spec.name, 0.0), errors[spec.name])
+            pending.max_abs_error[spec.name] = error
+
+
+def _check_new_keys(keys: Sequence[str], positions: Sequence[int], seen: dict[str, int]) -> None:
+    for key, position in zip(keys, positions):
+        if key in seen:
+            raise CacheError(
+                f"the loader gave the sample key {key!r} twice (positions {seen[key]} and "
+                f"{position}).\n  fix: give every sample a unique 'key' and rerun with "
+                "overwrite=True"
+            )
+        seen[key] = position
+
+
+def _stage1_device(stage1: torch.nn.Module, accelerator: Any) -> torch.device | None:
+    for tensor in itertools.chain(stage1.parameters(), stage1.buffers()):
+        return tensor.device
+    return None if accelerator is None else accelerator.device
+
+
+def _progress_bar(enabled: bool | None, total: int | None, processes: Processes) -> Any:
+    if enabled is False:
+        return None
+    from tqdm.auto import tqdm
+
+    description = "caching" if processes.world == 1 else f"caching (process 0 of {processes.world})"
+    return tqdm(
+        total=total,
+        desc=description,
+        unit="sample",
+        disable=None if enabled is None else not enabled,
+        dynamic_ncols=True,
+    )

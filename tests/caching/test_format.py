@@ -1,0 +1,142 @@
+"""The on-disk format: strict reading of crafted and malformed files; graphsplit 0.1's files."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from graphsplit.caching.dataset import CachedDataset
+from graphsplit.caching.format import (
+    read_constants_progress,
+    read_manifest,
+    read_resume_header,
+    read_shard_progress,
+    write_manifest,
+    write_progress,
+    write_resume_header,
+)
+from graphsplit.errors import ManifestError
+from tests.caching.fixtures import rewrite_manifest
+
+# ------------------------------------------------------------------------------- strict reading
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda d: d["shards"][0].update(file="../evil.safetensors"),
+            r"shards\[0\]\.file is '\.\./",
+        ),
+        (
+            lambda d: d["shards"][1].update(file="/etc/passwd"),
+            r"shards\[1\]\.file is '/etc/passwd'",
+        ),
+        (lambda d: d["constants"].update(file="../x"), r"constants\.file is '\.\./x'"),
+        (lambda d: d["shards"][0].update(bytes="12"), r"shards\[0\]\.bytes is str '12'"),
+        (lambda d: d["shards"][0].update(bytes=True), r"shards\[0\]\.bytes is bool True"),
+        (lambda d: d["shards"][0]["keys"].__setitem__(0, 5), r"keys\[0\] is int 5"),
+        (lambda d: d["shards"][0].update(sha256="x" * 64), r"sha256 is 'xxx"),
+        (lambda d: d["shards"][0].update(extra=1), r"unexpected field\(s\) \['extra'\]"),
+        (lambda d: d.pop("fingerprint"), r"lacks the field\(s\) \['fingerprint'\]"),
+        (lambda d: d.update(format="pickle"), r"format is 'pickle'"),
+        (lambda d: d["boundary"][0].update(dtype="object"), r"unknown dtype 'object'"),
+        (
+            lambda d: d["boundary"][0].update(name="__import__('os')"),
+            r"expected a Python identifier",
+        ),
+        (lambda d: d["boundary"][1].update(batch_dim=7), r"boundary\[1\]\.batch_dim is 7"),
+        (lambda d: d["shards"][1]["keys"].__setitem__(0, "pic000"), r"sample key 'pic000' twice"),
+        (lambda d: d["shards"][0]["shapes"][0].pop(), r"lists 1 shapes for 2 per-sample tensors"),
+        (lambda d: d.update(num_samples=13), r"num_samples is 13 but the shards list 12"),
+        (lambda d: d.update(shards={}), r"shards is dict \{\}; expected a list"),
+        (
+            lambda d: d["shards"][0]["dim_orders"][0].__setitem__(1, [0, 0, 1]),
+            r"dim_orders\[0\]\[1\] is \[0, 0, 1\], not an order of 3 dims",
+        ),
+        (
+            lambda d: d["constants"]["dim_orders"].update(table=[2, 0]),
+            r"constants\.dim_orders\.table is \[2, 0\], not an order of 2 dims",
+        ),
+    ],
+)
+def test_crafted_manifests_are_refused(path, change, message):
+    rewrite_manifest(path, change)
+    with pytest.raises(ManifestError, match=message) as caught:
+        CachedDataset(path)
+    assert "manifest.json is not a valid graphsplit cache file" in str(caught.value)
+    assert "overwrite=True" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{not json", "is not valid JSON"),
+        ('{"a": NaN}', "NaN is not a JSON number"),
+        ('{"a": 1, "a": 2}', "the key 'a' appears twice"),
+        ("[1, 2]", "the document is list"),
+        (b"\xff\xfe", "is not valid JSON"),
+    ],
+)
+def test_malformed_manifests_are_refused(path, text, message):
+    data = text if isinstance(text, bytes) else text.encode()
+    (path / "manifest.json").write_bytes(data)
+    with pytest.raises(ManifestError, match=message):
+        CachedDataset(path)
+
+
+def test_newer_format_version_asks_for_an_upgrade(path):
+    rewrite_manifest(path, lambda d: d.update(format_version=2))
+    with pytest.raises(ManifestError, match=r"(?s)format version 2.*upgrade graphsplit"):
+        CachedDataset(path)
+
+
+def test_missing_manifest(tmp_path):
+    with pytest.raises(ManifestError, match=r"no graphsplit cache at .*manifest\.json is missing"):
+        CachedDataset(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["header.json", "plan.json"])  # plan.json: graphsplit 0.1's name
+def test_unfinished_cache_says_to_rerun(tmp_path, name):
+    (tmp_path / ".partial").mkdir()
+    (tmp_path / ".partial" / name).write_text("{}")
+    with pytest.raises(ManifestError, match=r"did not finish; rerun graphsplit\.cache"):
+        CachedDataset(tmp_path)
+
+
+# ------------------------------------------------------------------------------- graphsplit 0.1
+
+
+DATA_0_1 = Path(__file__).parent / "data" / "graphsplit-0.1"
+
+
+def test_a_manifest_of_graphsplit_0_1_reads_and_writes_back_byte_for_byte(tmp_path):
+    written = DATA_0_1 / "complete" / "manifest.json"
+    manifest = read_manifest(written.parent)
+    assert manifest.num_samples == 4 and manifest.header.storage_dtype == "bfloat16"
+    assert manifest.shards[1].row_orders[0] == (None, (1, 0, 2))
+    write_manifest(tmp_path, manifest)
+    assert (tmp_path / "manifest.json").read_bytes() == written.read_bytes()
+
+
+def test_resume_records_of_graphsplit_0_1_read_and_write_back_byte_for_byte(tmp_path):
+    old, new = tmp_path / "old" / ".partial", tmp_path / "new"
+    shutil.copytree(DATA_0_1 / "partial", old)
+    header = read_resume_header(old.parent)  # from .partial/plan.json
+    assert header is not None and header.layout.batches_per_shard == 1
+    shard = read_shard_progress(old.parent, 0, header)
+    constants = read_constants_progress(old.parent, header)
+    assert shard is not None and shard.positions == (0, 1) and shard.shard.keys[1] == "pic001"
+    assert constants is not None and constants.constants.dim_orders == {"table": None}
+    new.mkdir()
+    write_resume_header(new, header)
+    write_progress(new, shard)
+    write_progress(new, constants)
+    for old_name, new_name in [
+        ("plan.json", "header.json"),
+        ("shard-00000.json", "shard-00000.json"),
+        ("constants.json", "constants.json"),
+    ]:
+        assert (new / ".partial" / new_name).read_bytes() == (old / old_name).read_bytes()

@@ -1,0 +1,140 @@
+"""Writing shards: rows per batch, memory layout, stage 1's outputs checked, a full disk."""
+
+from __future__ import annotations
+
+import errno
+import types
+
+import pytest
+import torch
+
+from graphsplit.caching import files
+from graphsplit.caching.dataset import CachedDataset, collate
+from graphsplit.caching.format import read_manifest
+from graphsplit.caching.run import cache
+from graphsplit.errors import CacheError
+from tests.caching.fixtures import Pictures, loader, make_split
+
+# ------------------------------------------------------------------------------ rows and shards
+
+
+def test_shards_hold_whole_batches_of_about_shard_bytes(split, tmp_path):
+    cache(split, loader(batch_size=2), tmp_path, shard_bytes=4 * 448 + 10, progress=False)
+    shards = read_manifest(tmp_path).shards
+    assert [len(shard.keys) for shard in shards] == [4, 4, 4]
+
+
+class ChannelsLastEncoder(torch.nn.Module):
+    """Stage 1 whose output is channels-last, like a VAE on CPU can be."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1).requires_grad_(False)
+
+    def forward(self, pixel_values):
+        return {"latents": self.conv(pixel_values).contiguous(memory_format=torch.channels_last)}
+
+
+def test_memory_layout_of_stage1_outputs_survives_the_cache(tmp_path):
+    from graphsplit.artifacts import BoundarySpec
+    from tests.caching.fixtures import trace
+
+    encoder = ChannelsLastEncoder()
+    split = types.SimpleNamespace(
+        stage1=trace(encoder),
+        boundary={
+            "latents": BoundarySpec("latents", (2, 4, 8, 8), torch.float32, 0, 1024, "x"),
+        },
+        input_names=("pixel_values",),
+    )
+    dataset = Pictures(5)  # batches of 2, 2 and 1: a batch of one has no batch stride
+    cache(split, loader(dataset), tmp_path, progress=False)
+    cached = CachedDataset(tmp_path)
+    assert read_manifest(tmp_path).shards[0].row_orders[0] == ((0, 2, 3, 1),)
+    for indices in ([0, 1], [4]):  # as cached: the loader's batches
+        batch = collate([cached[i] for i in indices])["latents"]
+        pixels = torch.stack([dataset[i]["pixel_values"] for i in indices])
+        expected = split.stage1(pixels)["latents"]
+        assert torch.equal(batch, expected) and batch.stride() == expected.stride()
+        torch.manual_seed(0)  # randn_like fills memory in order: same layout, same noise
+        noise = torch.randn_like(batch)
+        torch.manual_seed(0)
+        assert torch.equal(noise, torch.randn_like(expected))
+    mixed = collate([cached[3], cached[4]])["latents"]  # rows of a batch of 2 and one of 1
+    assert mixed.stride() == channels_last_strides(mixed.shape)
+    assert torch.equal(mixed[1], collate([cached[4]])["latents"][0])
+    odd = cached[1]
+    odd.dim_orders = ((0, 3, 1, 2),)
+    with pytest.raises(CacheError, match="stored in different memory layouts"):
+        collate([cached[0], odd])
+
+
+def channels_last_strides(shape):
+    return torch.empty(shape).contiguous(memory_format=torch.channels_last).stride()
+
+
+# ---------------------------------------------------------------------------- stage 1's outputs
+
+
+def test_wrong_stage1_outputs_are_refused(split, tmp_path):
+    split.boundary = {**split.boundary, "extra": split.boundary["latents"]}
+    with pytest.raises(CacheError, match=r"stage 1 returned \['latents', 'table', 'text'\]"):
+        cache(split, loader(), tmp_path, progress=False)
+
+
+def test_batch_dim_mismatch_is_refused(split, tmp_path):
+    spec = split.boundary["text"]
+    split.boundary["text"] = type(spec)("text", spec.shape, spec.dtype, 0, 1, "x")
+    with pytest.raises(CacheError, match=r"'text' with shape \(6, 2, 8\), whose batch dim 0"):
+        cache(split, loader(Pictures(3)), tmp_path, progress=False)
+
+
+class Altered(torch.nn.Module):
+    """The fixture's stage 1 with its outputs changed by ``alter``, to provoke errors."""
+
+    def __init__(self, stage1, alter) -> None:
+        super().__init__()
+        self.stage1, self.alter, self.code = stage1, alter, stage1.code
+
+    def forward(self, pixel_values, input_ids):
+        return self.alter(self.stage1(pixel_values, input_ids), pixel_values)
+
+
+def test_non_tensor_outputs_are_refused(split, tmp_path):
+    split.stage1 = Altered(split.stage1, lambda out, pixels: {**out, "table": 3.0})
+    with pytest.raises(CacheError, match="stage 1 returned a float for 'table', not a tensor"):
+        cache(split, loader(), tmp_path, progress=False)
+
+
+def test_a_constant_that_changes_between_batches_is_refused(split, tmp_path):
+    def alter(out, pixels):
+        return {**out, "table": out["table"] + pixels.sum()}
+
+    split.stage1 = Altered(split.stage1, alter)
+    with pytest.raises(CacheError, match="constant 'table' differs between batches"):
+        cache(split, loader(), tmp_path, progress=False)
+
+
+def test_float16_overflow_is_refused(tmp_path):
+    split = make_split(scale=1e6)  # the constant table exceeds float16's range
+    with pytest.raises(CacheError, match=r"(?s)'table' holds values up to .*beyond the range"):
+        cache(split, loader(), tmp_path, storage_dtype=torch.float16, progress=False)
+
+
+def test_duplicate_keys_are_refused(split, tmp_path):
+    batches = list(loader(Pictures(4)))
+    batches[1]["key"] = batches[0]["key"]
+    with pytest.raises(CacheError, match=r"(?s)sample key 'pic000' twice.*unique 'key'"):
+        cache(split, batches, tmp_path, progress=False)
+
+
+# ----------------------------------------------------------------------------------------- disk
+
+
+def test_full_disk_while_writing_gives_a_clear_error(split, tmp_path, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files, "save_tensors", full)
+    with pytest.raises(CacheError, match=r"(?s)ran full while writing.*finished shards are kept"):
+        cache(split, loader(Pictures(4, keys=False)), tmp_path, progress=False)
