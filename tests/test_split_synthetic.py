@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphsplit
+from graphsplit.artifacts import TaintKind
 from graphsplit.planning.cut import facts, is_banned
 from tests.helpers import batch, param_names, split_and_verify
 
@@ -174,7 +175,7 @@ def test_frozen_module_used_by_both_stages_is_the_same_object_in_both():
         "head.bias",
     }
     # The second call depends on the trainable head: tainted, never cached.
-    assert split.cut.taint[_node(split, "projection_1")].kind == "trainable"
+    assert split.cut.taint[_node(split, "projection_1")].kind is TaintKind.TRAINABLE
 
 
 class FrozenModuleCalledTwice(nn.Module):
@@ -213,7 +214,7 @@ def test_gradient_through_frozen_code_caches_nothing_after_the_trainable_paramet
     assert shapes(split) == {"x": ((3, 4), 0, 16)}
     assert param_names(split.stage1, model) == set()
     assert param_names(split.stage2, model) == {name for name, _ in model.named_parameters()}
-    assert split.cut.taint[_node(split, "encoder")].kind == "trainable"
+    assert split.cut.taint[_node(split, "encoder")].kind is TaintKind.TRAINABLE
     # Frozen weights still receive no gradient, trainable ones do, exactly as in the model.
     split.stage2(**split.stage1(batch(3, 4))).backward()
     assert model.adapter.weight.grad is not None and model.encoder[0].weight.grad is None
@@ -283,7 +284,7 @@ def test_random_augmentation_before_a_frozen_encoder_caches_nothing_after_it():
     split = split_and_verify(model, (batch(3, 4),))
     assert shapes(split) == {"x": ((3, 4), 0, 16)}
     assert {"randn_like", "encoder"} <= stage2_names(split)
-    assert split.cut.taint[_node(split, "encoder")].kind == "random"
+    assert split.cut.taint[_node(split, "encoder")].kind is TaintKind.RANDOM
     assert param_names(split.stage1, model) == set()
 
 
@@ -302,7 +303,7 @@ def test_active_dropout_in_a_frozen_module_is_not_cached_and_the_report_says_why
     split = split_and_verify(model, (batch(3, 4),))
     assert list(split.boundary) == ["x"]
     assert "encoder" in stage2_names(split)
-    assert split.cut.taint[_node(split, "encoder")].kind == "random"
+    assert split.cut.taint[_node(split, "encoder")].kind is TaintKind.RANDOM
     report = split.report()
     not_cached = report.split("Not cached", 1)[1]
     assert "encoder" in not_cached and "random" in not_cached
@@ -348,7 +349,7 @@ def test_attention_with_dropout_is_random_and_runs_in_stage2():
     split = split_and_verify(model, (batch(3, 5, 8),))
     assert "scaled_dot_product_attention" in stage2_names(split)
     assert "qkv" not in stage2_names(split)  # the projection is still cached
-    assert split.cut.taint[_node(split, "scaled_dot_product_attention")].kind == "random"
+    assert split.cut.taint[_node(split, "scaled_dot_product_attention")].kind is TaintKind.RANDOM
     assert "Random draws kept in stage 2" in split.report()
 
 
@@ -629,7 +630,7 @@ def test_frozen_batchnorm_in_train_mode_is_not_cached_and_the_report_says_why():
     split = split_and_verify(model, (batch(3, 4),))
     assert list(split.boundary) == ["x"]
     assert "encoder" in stage2_names(split)
-    assert split.cut.taint[_node(split, "encoder")].kind == "mixing"
+    assert split.cut.taint[_node(split, "encoder")].kind is TaintKind.MIXING
     not_cached = split.report().split("Not cached", 1)[1]
     assert "BatchNorm" in not_cached
     assert "encoder.eval()" in not_cached
@@ -665,7 +666,7 @@ def test_reduction_over_the_batch_in_frozen_code_is_not_cached():
     split = split_and_verify(model, (batch(3, 4),))
     assert shapes(split) == {"encoder": ((3, 4), 0, 16)}
     assert {"mean", "sub"} <= stage2_names(split)
-    assert split.cut.taint[_node(split, "sub")].kind == "mixing"
+    assert split.cut.taint[_node(split, "sub")].kind is TaintKind.MIXING
     not_cached = split.report().split("Not cached", 1)[1]
     assert "mean" in not_cached and "mixes samples" in not_cached
     assert line_of(CenterOverBatch.forward, "x.mean(0)") in not_cached
