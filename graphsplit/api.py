@@ -120,14 +120,18 @@ def split(
         >>> torch.equal(parts.stage2(**parts.stage1(x, y)), step(x, y))
         True
     """
+    # 1. Bind the example batch to forward's parameters; meta twins at two batch sizes.
     examples = bind_examples(model, args, dict(kwargs or {}))
     frozen_names = resolve_frozen(model, frozen)
     trainable = frozenset(name for name, _ in model.named_parameters() if name not in frozen_names)
+    # 2. Trace and analyse (in rounds), then give the graph back the step's real device.
     traced = trace_and_analyze(model, examples, trainable)
     restore_devices(traced.graph, examples.device)
+    # 3. Choose the boundary: the one place where that decision is taken.
     cut = choose_boundary(traced.graph, trainable)
     boundary = boundary_specs(cut)
     keys = list(boundary)
+    # 4. Generate the two stages from the cut.
     return Split(
         stage1=build_stage1(traced.graph, cut, keys, model, traced.constants),
         stage2=build_stage2(traced.graph, cut, keys, model, traced.constants),

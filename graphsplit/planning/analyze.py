@@ -24,7 +24,7 @@ In: :class:`~graphsplit.artifacts.Traced`, the model (inside ``analysis_view``),
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -144,7 +144,10 @@ def batch_layout_of(
 
 # -- the two probe runs ----------------------------------------------------------------------
 def _probe(
-    traced: Traced, model: nn.Module, inputs: Mapping[str, Any], mode_of
+    traced: Traced,
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    mode_of: Callable[[fx.Node], NodeMode],
 ) -> ProbeInterpreter:
     probe = ProbeInterpreter(model, traced.constants, traced.graph, inputs, mode_of)
     probe.run(enable_io_processing=False)
