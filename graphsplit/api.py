@@ -1,35 +1,32 @@
-"""``graphsplit.split``: wire trace -> analyze -> cut -> codegen, and the :class:`Split` it returns.
+"""``graphsplit.split``: wire the planning steps, and the :class:`Split` they produce.
 
-Glossary: see the module docstrings of :mod:`graphsplit.planning.trace` (leaf modules, meta
-values), :mod:`graphsplit.planning.analyze` (batch dim, random, mixing),
-:mod:`graphsplit.planning.cut` (taint, storable, banned) and :mod:`graphsplit.planning.codegen`
-(stages).
+The steps, each one module of :mod:`graphsplit.planning` (see its docstring for the glossary)::
+
+    bind_examples (inputs) -> trace_and_analyze (rounds: trace, codecs, analyze)
+        -> choose_boundary (cut) -> build_stage1 / build_stage2 (codegen) -> Split
+
+Each hands the next a typed artifact from :mod:`graphsplit.artifacts`.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.fx as fx
 from torch import nn
 
-from graphsplit.artifacts import BoundarySpec
-from graphsplit.errors import SplitError, TraceError
-from graphsplit.planning.analyze import analyze, recording_observer, resolve_params
-from graphsplit.planning.codecs import insert_codecs
+from graphsplit.artifacts import BoundarySpec, Cut
 from graphsplit.planning.codegen import build_stage1, build_stage2, standalone_source
-from graphsplit.planning.cut import Cut, choose_boundary, compute_taint, module_owner
+from graphsplit.planning.cut import boundary_specs, choose_boundary
 from graphsplit.planning.frozen import FrozenSpec, resolve_frozen
-from graphsplit.planning.meta import META, analysis_view, to_meta
-from graphsplit.planning.trace import Traced, trace_step
-
-_MAX_TRACE_ROUNDS = 8
+from graphsplit.planning.inputs import bind_examples
+from graphsplit.planning.rewrites import restore_devices
+from graphsplit.planning.rounds import trace_and_analyze
+from graphsplit.report import plan_json, render_report
 
 
 @dataclass
@@ -54,14 +51,10 @@ class Split:
 
     def report(self) -> str:
         """The plan for a human: boundary, parameters per stage, FLOPs moved, random ops."""
-        from graphsplit.report import render_report
-
         return render_report(self)
 
     def to_json(self) -> dict[str, Any]:
         """The plan as JSON-ready data (what :meth:`save_code` writes to ``plan.json``)."""
-        from graphsplit.report import plan_json
-
         return plan_json(self)
 
     def save_code(self, folder: str | os.PathLike[str]) -> Path:
@@ -127,197 +120,28 @@ def split(
         >>> torch.equal(parts.stage2(**parts.stage1(x, y)), step(x, y))
         True
     """
-    inputs = _bind_inputs(model, args, dict(kwargs or {}))
-    example_batch = _example_batch_size(inputs)
-    # Probe at two sizes >= 2: at size 1, kernels pick other ops (a reshape of a transposed
-    # tensor is a view at batch 1 and a copy at batch 3), which would look like batch mixing.
-    batch_sizes = (max(example_batch, 2), max(example_batch, 2) + 2)
-    examples = (
-        _example_values(inputs, example_batch, batch_sizes[0]),
-        _example_values(inputs, example_batch, batch_sizes[1]),
-    )
+    # 1. Bind the example batch to forward's parameters; meta twins at two batch sizes.
+    examples = bind_examples(model, args, dict(kwargs or {}))
     frozen_names = resolve_frozen(model, frozen)
-    param_names = {id(param): name for name, param in model.named_parameters()}
-    trainable = frozenset(name for name in param_names.values() if name not in frozen_names)
-    traced = _trace_and_analyze(model, examples, batch_sizes, param_names, trainable)
-    _restore_devices(traced.graph, _home_device(model, inputs))
+    trainable = frozenset(name for name, _ in model.named_parameters() if name not in frozen_names)
+    # 2. Trace and analyse (in rounds), then give the graph back the step's real device.
+    traced = trace_and_analyze(model, examples, trainable)
+    restore_devices(traced.graph, examples.device)
+    # 3. Choose the boundary: the one place where that decision is taken.
     cut = choose_boundary(traced.graph, trainable)
-    keys = [node.name for node in cut.boundary]
-    specs = {key: _spec(key, node) for key, node in zip(keys, cut.boundary)}
-    stage1 = build_stage1(traced.graph, cut, keys, model, traced.constants)
-    stage2 = build_stage2(traced.graph, cut, keys, model, traced.constants)
+    boundary = boundary_specs(cut)
+    keys = list(boundary)
+    # 4. Generate the two stages from the cut.
     return Split(
-        stage1=stage1,
-        stage2=stage2,
-        boundary=specs,
+        stage1=build_stage1(traced.graph, cut, keys, model, traced.constants),
+        stage2=build_stage2(traced.graph, cut, keys, model, traced.constants),
+        boundary=boundary,
         input_names=traced.input_names,
         trainable=trainable,
         graph=traced.graph,
         cut=cut,
-        batch_sizes=batch_sizes,
+        batch_sizes=examples.batch_sizes,
         model_name=type(model).__name__,
-        notes=traced.notes,
+        notes=list(traced.notes),
         _model=model,
-    )
-
-
-# -- inputs -------------------------------------------------------------------------------------
-def _bind_inputs(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
-    if not isinstance(args, tuple):
-        args = (args,)
-    try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs)
-    except TypeError as exc:
-        raise SplitError(
-            f"The example batch does not match {type(model).__name__}.forward: {exc}.\n"
-            "  fix:    pass args/kwargs exactly as you would call the model"
-        ) from None
-    for name, parameter in inspect.signature(model.forward).parameters.items():
-        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
-            raise SplitError(
-                f"{type(model).__name__}.forward takes *{name}; graphsplit needs named inputs.\n"
-                "  fix:    give forward explicit parameters (one per batch field)"
-            )
-    return dict(bound.arguments)
-
-
-def _example_batch_size(inputs: dict[str, Any]) -> int:
-    for value in inputs.values():
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    raise SplitError(
-        "The example batch holds no tensor with a batch dimension.\n"
-        "  fix:    pass at least one batched tensor (batch along dim 0) in args/kwargs"
-    )
-
-
-def _example_values(inputs: dict[str, Any], batch: int, new_batch: int) -> dict[str, Any]:
-    examples = {}
-    for name, value in inputs.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
-            shape = (new_batch, *value.shape[1:])
-            examples[name] = torch.empty(shape, dtype=value.dtype, device=META)
-        else:
-            examples[name] = to_meta(value)
-    return examples
-
-
-def _home_device(model: nn.Module, inputs: dict[str, Any]) -> torch.device:
-    """The device the step really runs on: the inputs', else the first real parameter's."""
-    for value in inputs.values():
-        if isinstance(value, torch.Tensor) and not value.is_meta:
-            return value.device
-    for param in model.parameters():
-        if not param.is_meta:
-            return param.device
-    return torch.device("cpu")
-
-
-def _restore_devices(graph: fx.Graph, device: torch.device) -> None:
-    """Code that read a module's ``.device`` during tracing saw ``meta``: put the real one back."""
-
-    def replace(value: Any) -> Any:
-        return device if isinstance(value, torch.device) and value.type == "meta" else value
-
-    for node in graph.nodes:
-        node.args = fx.node.map_aggregate(node.args, replace)
-        node.kwargs = fx.node.map_aggregate(node.kwargs, replace)
-
-
-# -- tracing rounds -------------------------------------------------------------------------
-def _trace_and_analyze(
-    model: nn.Module,
-    examples: tuple[dict[str, Any], dict[str, Any]],
-    batch_sizes: tuple[int, int],
-    param_names: dict[int, str],
-    trainable: frozenset[str],
-) -> Traced:
-    """Trace, analyse, and trace into mixed modules whose inputs are all cacheable; repeat."""
-    leaves = _initial_leaves(model)
-    notes: list[str] = []
-    traced = _trace_once(model, examples, batch_sizes, param_names, leaves, trainable)
-    for _ in range(_MAX_TRACE_ROUNDS):
-        expand = _mixed_calls_worth_tracing(traced, model, trainable) & leaves
-        if not expand:
-            break
-        try:
-            traced = _trace_once(
-                model, examples, batch_sizes, param_names, leaves - expand, trainable
-            )
-        except TraceError as exc:
-            first_line = str(exc).splitlines()[0]
-            notes.append(
-                f"kept {', '.join(sorted(expand))} whole: tracing into it failed ({first_line})"
-            )
-            break
-        leaves = leaves - expand
-        notes.append(
-            f"traced into {', '.join(sorted(expand))}: it mixes frozen and trainable "
-            "parameters and its inputs are cacheable"
-        )
-    traced.notes.extend(notes)
-    return traced
-
-
-def _trace_once(model, examples, batch_sizes, param_names, leaves, trainable) -> Traced:
-    with analysis_view(model):
-        observe = recording_observer(lambda node: not _is_trainable_call(node, model, trainable))
-        traced = trace_step(model, examples[0], leaves, observe)
-        insert_codecs(traced.graph)
-        calls = _trainable_calls(traced.graph, model, trainable)
-        analyze(traced, model, examples, batch_sizes, calls)
-    resolve_params(traced, model, param_names)
-    return traced
-
-
-def _is_trainable_call(node: fx.Node, model: nn.Module, trainable: frozenset[str]) -> bool:
-    """A call into a module that holds a trainable parameter: it runs in stage 2 regardless."""
-    owner = module_owner(node)
-    if owner is None:
-        return False
-    module = model.get_submodule(owner.target)
-    return any(name in trainable for name, _ in module.named_parameters(prefix=owner.target))
-
-
-def _trainable_calls(
-    graph: fx.Graph, model: nn.Module, trainable: frozenset[str]
-) -> frozenset[fx.Node]:
-    return frozenset(node for node in graph.nodes if _is_trainable_call(node, model, trainable))
-
-
-def _initial_leaves(model: nn.Module) -> frozenset[str]:
-    return frozenset(
-        name
-        for name, module in model.named_modules()
-        if name and next(module.parameters(), None) is not None
-    )
-
-
-def _mixed_calls_worth_tracing(
-    traced: Traced, model: nn.Module, trainable: frozenset[str]
-) -> frozenset[str]:
-    """Leaf modules that mix frozen and trainable parameters and are fed cacheable values."""
-    taint = compute_taint(traced.graph, trainable)
-    found = set()
-    for node in traced.graph.nodes:
-        owner = module_owner(node)
-        if owner is None:
-            continue
-        inputs = [source for source in node.all_input_nodes if source is not owner]
-        params = owner.meta["facts"].params
-        mixed = bool(params & trainable) and bool(params - trainable)
-        if mixed and inputs and not any(source in taint for source in inputs):
-            found.add(owner.target)
-    return frozenset(found)
-
-
-def _spec(key: str, node: fx.Node) -> BoundarySpec:
-    facts = node.meta["facts"]
-    return BoundarySpec(
-        name=key,
-        shape=tuple(facts.shape),
-        dtype=facts.dtype,
-        batch_dim=facts.batch_dim if facts.per_sample else None,
-        bytes_per_sample=facts.bytes_per_sample if facts.per_sample else 0,
-        source=node.meta.get("source") or "<unknown>",
     )

@@ -1,21 +1,37 @@
-"""The artifacts that flow between graphsplit's pipeline steps.
+"""The typed hand-offs between graphsplit's pipeline steps: small frozen dataclasses and enums.
 
 Glossary:
     boundary value: a tensor computed by stage 1 and consumed by stage 2; the cache stores it.
     batch dim: the dimension of a boundary tensor that indexes samples; ``None`` marks a
         per-dataset constant (computed from frozen weights alone, stored once).
+    batch layout: how a node's value relates to the batch (:class:`BatchLayout`): one row per
+        sample along ``batch_dim``, constant across batch sizes, or neither (unknown).
     bytes per sample: what one sample of a boundary value costs on disk.
-    source: the user's ``file:line`` that produced a value, for reports and errors.
+    source: the user's ``file:line`` that produced a value (``node.meta["source"]``), for
+        reports and errors.
+    taint: why a node must run in stage 2 (:class:`Taint`, its kind a :class:`TaintKind`).
 
-Everything here is a small frozen dataclass or a plain mapping so that plans serialise to JSON.
+The pipeline, and the artifact each step hands to the next::
+
+    planning.inputs.bind_examples(model, args, kwargs) -> ExampleInputs
+    planning.trace.trace_step(model, values, leaves)    -> Traced (graph, guards, constants)
+    planning.analyze.analyze(traced, model, examples)   -> node.meta["facts"] = NodeFacts
+    planning.cut.choose_boundary(graph, trainable)      -> Cut (boundary, stages, Taint per node)
+    planning.codegen.build_stage1 / build_stage2        -> torch.fx.GraphModule each
+
+Node facts are never mutated: an update is ``dataclasses.replace(facts, ...)`` written back to
+``node.meta["facts"]``. :class:`BoundarySpec` is public and serialises to JSON.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx as fx
 
 
 @dataclass(frozen=True)
@@ -64,3 +80,179 @@ class BoundarySpec:
             bytes_per_sample=int(data["bytes_per_sample"]),
             source=str(data["source"]),
         )
+
+
+# -- bind inputs -> trace ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExampleInputs:
+    """The example batch bound to ``forward``'s parameters, and its meta twins at two sizes.
+
+    ``values[i]`` maps each parameter name to a meta value whose batched tensors have
+    ``batch_sizes[i]`` rows; ``device`` is where the step really runs.
+    """
+
+    inputs: Mapping[str, Any]
+    batch_sizes: tuple[int, int]
+    values: tuple[Mapping[str, Any], Mapping[str, Any]]
+    device: torch.device
+
+
+# -- trace -> analyze -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Guard:
+    """A Python value the traced code derived from a meta value, e.g. ``len(x.shape)``."""
+
+    node: fx.Node
+    convert: Callable[[Any], Any]
+    value: Any
+    source: str
+
+
+@dataclass(frozen=True)
+class Traced:
+    """The traced step: ``graph`` references the model's attributes and ``constants`` by name.
+
+    ``notes`` are for the report: which modules the planning traced into, or kept whole.
+    """
+
+    graph: fx.Graph
+    constants: Mapping[str, torch.Tensor]
+    guards: tuple[Guard, ...]
+    input_names: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class AtenOp:
+    """One ATen op a node ran on meta tensors, as recorded for the analysis.
+
+    ``dims`` holds the ``dim``/``dims`` argument of ops that work along a dimension (see
+    :data:`graphsplit.planning.mixing.ALONG_DIM_OPS`), empty for the others.
+    """
+
+    name: str
+    input_shapes: tuple[tuple[int, ...], ...]
+    output_shapes: tuple[tuple[int, ...], ...]
+    draws_random: bool
+    dims: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """What one node ran: its ATen ops and their FLOPs (matmul, convolution, attention)."""
+
+    ops: tuple[AtenOp, ...]
+    flops: int
+
+
+# -- analyze -> cut ---------------------------------------------------------------------------
+class BatchLayout(enum.Enum):
+    """How a node's value relates to the batch, found by running the step at two batch sizes."""
+
+    PER_SAMPLE = "per-sample"  # one row per sample along ``NodeFacts.batch_dim``
+    CONSTANT = "constant"  # no dimension follows the batch size
+    # Follows the batch size but not as one row per sample along one dim (``(2B, ...)``, a
+    # flattened batch, a row per batch position), or is no tensor: never cached per sample.
+    UNKNOWN = "unknown"
+
+
+class MixingCause(enum.Enum):
+    """Why a node's value for one sample depends on the other samples of its batch."""
+
+    DIFFERENT_OPS = "runs different operations at different batch sizes"
+    BATCH_NORM_TRAINING = "BatchNorm in train mode normalises with batch statistics"
+    ACROSS_BATCH = "reduces or selects across the batch"
+    ALONG_BATCH = "moves values along the batch dimension"
+    NO_BATCH_DIM = "its value depends on the batch's data but has no batch dimension"
+
+
+@dataclass(frozen=True)
+class Mixing:
+    """A typed mixing verdict; ``op`` names the ATen op for the causes that come from one."""
+
+    cause: MixingCause
+    op: str | None = None
+
+    def __str__(self) -> str:
+        return f"aten.{self.op} {self.cause.value}" if self.op else self.cause.value
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What graphsplit knows about one node's value and op (``node.meta["facts"]``)."""
+
+    is_tensor: bool
+    type_name: str
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+    batch_layout: BatchLayout
+    batch_dim: int | None  # the sample dimension when ``batch_layout`` is PER_SAMPLE
+    bytes_per_sample: int
+    total_bytes: int
+    depends_on_data: bool
+    flops: int = 0
+    random_ops: tuple[str, ...] = ()
+    mixing: Mixing | None = None  # why the node mixes samples, or None
+    params: frozenset[str] = frozenset()  # parameters the node reads directly (qualified names)
+    is_batch_size: bool = False  # a Python int equal to the batch size in both runs
+
+    def __post_init__(self) -> None:
+        assert (self.batch_dim is not None) == (self.batch_layout is BatchLayout.PER_SAMPLE), (
+            f"batch_dim {self.batch_dim} does not match the layout {self.batch_layout}"
+        )
+
+    @property
+    def per_sample(self) -> bool:
+        return self.batch_layout is BatchLayout.PER_SAMPLE
+
+    @property
+    def is_constant(self) -> bool:
+        return self.batch_layout is BatchLayout.CONSTANT and not self.depends_on_data
+
+
+# -- cut -> codegen, report -------------------------------------------------------------------
+class TaintKind(enum.StrEnum):
+    """The three reasons a node must run in stage 2 every step."""
+
+    TRAINABLE = "trainable"
+    RANDOM = "random"
+    MIXING = "mixing"
+
+
+@dataclass(frozen=True)
+class Taint:
+    """Why a node must run in stage 2; ``origin`` is the node whose own property caused it.
+
+    Exactly one of ``trainable_parameters`` / ``random_ops`` / ``mixing`` is set, per ``kind``.
+    """
+
+    kind: TaintKind
+    origin: fx.Node
+    trainable_parameters: tuple[str, ...] = ()  # sorted qualified names the origin reads
+    random_ops: tuple[str, ...] = ()
+    mixing: Mixing | None = None
+
+    @property
+    def reason(self) -> str:
+        """The cause in words, for the report (never parsed: decide on the typed fields)."""
+        if self.kind is TaintKind.TRAINABLE:
+            first, count = self.trainable_parameters[0], len(self.trainable_parameters)
+            more = f" (and {count - 1} more)" if count > 1 else ""
+            return f"trainable: reads trainable parameter {first}{more}"
+        if self.kind is TaintKind.RANDOM:
+            return f"random: draws random numbers ({', '.join(self.random_ops)})"
+        return f"mixing: mixes samples of the batch ({self.mixing})"
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The chosen boundary and the nodes each stage runs (a cheap node may be in both)."""
+
+    boundary: tuple[fx.Node, ...]
+    stage1: frozenset[fx.Node]
+    stage2: frozenset[fx.Node]
+    taint: Mapping[fx.Node, Taint] = field(default_factory=dict)
+    # Batch-size values stage 2 reads off a cached tensor (``anchor.size(batch_dim)``) because
+    # the tensor they came from is not in stage 2.
+    reanchored: frozenset[fx.Node] = frozenset()
+    anchor: fx.Node | None = None

@@ -1,5 +1,8 @@
 """Render a :class:`~graphsplit.api.Split` for humans (``report()``) and as JSON (``plan.json``).
 
+    render_report(split) -> str
+    plan_json(split) -> dict    # what Split.save_code writes as plan.json
+
 The report answers what a careful user asks before trusting a plan: what is cached (and how
 big per sample), which parameters each stage holds, how much frozen work leaves the training
 step, which random draws stay in stage 2, and what could not be cached and why.
@@ -13,7 +16,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from graphsplit.planning.cut import Taint, facts, is_banned, module_owner
+from graphsplit.artifacts import MixingCause, Taint, TaintKind
+from graphsplit.planning.cut import facts, is_banned, module_owner
 from graphsplit.units import human_bytes, human_flops
 
 if TYPE_CHECKING:
@@ -53,9 +57,10 @@ def uncached_roots(split: Split) -> list[tuple[fx.Node, Taint]]:
     roots = []
     for node, taint in split.cut.taint.items():
         own = taint.origin is node
-        if own and (taint.kind == "mixing" or (taint.kind == "random" and is_banned(node, {}))):
-            upstream = [split.cut.taint.get(source) for source in node.all_input_nodes]
-            if not any(t is not None and t.kind == "trainable" for t in upstream):
+        mixing = taint.kind is TaintKind.MIXING
+        if own and (mixing or (taint.kind is TaintKind.RANDOM and is_banned(node, {}))):
+            upstream = [split.cut.taint.get(producer) for producer in node.all_input_nodes]
+            if not any(t is not None and t.kind is TaintKind.TRAINABLE for t in upstream):
                 roots.append((node, taint))
     return roots
 
@@ -68,12 +73,12 @@ def trap_hint(node: fx.Node, taint: Taint, trainable: frozenset[str]) -> str:
     params = facts(owner).params
     if not params or params & trainable:
         return ""
-    if taint.kind == "random":
+    if taint.kind is TaintKind.RANDOM:
         return (
             f"frozen module {owner.target} draws random numbers (dropout active in train "
             f"mode?); call {owner.target}.eval() to make it cacheable"
         )
-    if "BatchNorm" in taint.reason:
+    if taint.mixing is not None and taint.mixing.cause is MixingCause.BATCH_NORM_TRAINING:
         return (
             f"frozen module {owner.target} mixes samples (BatchNorm in train mode normalises "
             f"across the batch and updates running stats); call {owner.target}.eval() to make "

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.fx
 from torch import nn
 
 import graphsplit
@@ -37,3 +40,35 @@ def param_names(module: nn.Module, model: nn.Module) -> set[str]:
 def batch(size: int, *shape: int, seed: int = 0) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randn(size, *shape, generator=generator)
+
+
+def line_of(owner: object, text: str) -> str:
+    """``file.py:N`` for the one line of ``owner``'s source that contains ``text``."""
+    lines, start = inspect.getsourcelines(owner)
+    matches = [start + offset for offset, line in enumerate(lines) if text in line]
+    assert len(matches) == 1, f"{text!r} found {len(matches)} times"
+    return f"{Path(inspect.getsourcefile(owner)).name}:{matches[0]}"
+
+
+def stage2_names(split: graphsplit.Split) -> set[str]:
+    return {node.name for node in split.cut.stage2}
+
+
+def stage1_names(split: graphsplit.Split) -> set[str]:
+    return {node.name for node in split.cut.stage1}
+
+
+def boundary_summary(split: graphsplit.Split) -> dict[str, tuple]:
+    """``{key: (shape, batch_dim, bytes_per_sample)}`` of the boundary."""
+    return {
+        key: (spec.shape, spec.batch_dim, spec.bytes_per_sample)
+        for key, spec in split.boundary.items()
+    }
+
+
+def frozen(module: nn.Module) -> nn.Module:
+    return module.requires_grad_(False)
+
+
+def node_named(split: graphsplit.Split, name: str) -> torch.fx.Node:
+    return next(node for node in split.graph.nodes if node.name == name)

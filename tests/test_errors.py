@@ -228,11 +228,10 @@ def decode_latents(values: torch.Tensor) -> Latents:
 
 
 @pytest.fixture
-def codec_registry(monkeypatch):
+def codec_registry():
     """Codecs registered by a test are forgotten after it."""
-    monkeypatch.setattr(
-        graphsplit.planning.codecs, "_CODECS", dict(graphsplit.planning.codecs._CODECS)
-    )
+    with graphsplit.planning.codecs.scoped_registry():
+        yield
 
 
 def test_non_tensor_value_without_codec(codec_registry):

@@ -16,7 +16,8 @@ In: a traced graph whose nodes carry ``meta["val"]``. Out: the same graph, rewri
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,17 @@ def register_codec(
     """
     name = kind if isinstance(kind, str) else _type_name(kind)
     _CODECS[name] = Codec(encode, decode, suffix)
+
+
+@contextlib.contextmanager
+def scoped_registry() -> Iterator[None]:
+    """Codecs registered inside the ``with`` block are forgotten when it ends (tests use it)."""
+    saved = dict(_CODECS)
+    try:
+        yield
+    finally:
+        _CODECS.clear()
+        _CODECS.update(saved)
 
 
 def codec_for(value: Any) -> Codec | None:

@@ -7,7 +7,7 @@ the attributes its nodes reference, as the *same objects* as the model (an optim
 model still works, checkpoints keep their names), so stage 2 never holds the frozen modules whose
 work moved to stage 1 and they may stay on ``meta`` in a training process.
 
-In: traced graph, :class:`~graphsplit.planning.cut.Cut`, boundary keys, the model and trace
+In: traced graph, :class:`~graphsplit.artifacts.Cut`, boundary keys, the model and trace
 constants.
 Out: two GraphModules.
 """
@@ -20,9 +20,9 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from graphsplit.artifacts import Cut
 from graphsplit.errors import MetaParameterError, SplitError
-from graphsplit.planning.cut import Cut
-from graphsplit.planning.trace import fetch
+from graphsplit.planning.interpret import fetch
 
 
 def _refuse_meta_tensors(stage: nn.Module, args: Any) -> None:

@@ -10,9 +10,11 @@ Glossary:
 
 The min-cut (node splitting as in functorch's rematerialisation partitioner): every node ``v``
 becomes ``v_in -> v_out`` whose capacity is the cost of storing ``v`` (infinite if it cannot be
-stored); data edges ``u_out -> v_in`` are infinite. The source feeds inputs and banned nodes
-(they stay in stage 1); tainted nodes and the step's outputs drain to the sink (they are needed
-in stage 2). A cut edge ``v_in -> v_out`` is a boundary value.
+stored); data edges ``u_out -> v_in`` are infinite. The stage-1 terminal feeds inputs and banned
+nodes (they stay in stage 1); tainted nodes and the step's outputs drain to the stage-2 terminal
+(they are needed in stage 2). A cut edge ``v_in -> v_out`` is a boundary value. (The flow's
+source and sink are called the stage-1 and stage-2 terminals here: "source" elsewhere in
+graphsplit means the user's ``file:line``.)
 
 Costs are integers, ordered so that bytes dominate everything else:
 ``bytes_per_sample * W + 2`` per stored value and ``1`` per node stage 2 recomputes, with ``W``
@@ -22,83 +24,63 @@ operations, then fewer boundary tensors. networkx returns the cut whose sink sid
 flow, so the plan does not depend on the flow algorithm's internals.
 
 In: a graph whose nodes carry ``meta["facts"]``, the trainable parameter names.
-Out: :class:`Cut`.
+Out: :class:`~graphsplit.artifacts.Cut`, and the boundary's public description:
+
+    choose_boundary(graph, trainable) -> Cut
+    stages_for(graph, boundary, taint) -> Cut      # any boundary: tests hand-write them
+    boundary_specs(cut) -> dict[str, BoundarySpec]
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 import networkx as nx
 import torch.fx as fx
 from torch import nn
 
+from graphsplit.artifacts import BoundarySpec, Cut, NodeFacts, Taint, TaintKind
 from graphsplit.errors import SplitError, user_error
-from graphsplit.planning.analyze import NodeFacts
 
-_SOURCE, _SINK = "source", "sink"
-
-
-@dataclass(frozen=True)
-class Taint:
-    """Why a node must run in stage 2; ``origin`` is the node whose own property caused it."""
-
-    reason: str
-    origin: fx.Node
-
-    @property
-    def kind(self) -> str:
-        return self.reason.split(":", 1)[0]
-
-
-@dataclass(frozen=True)
-class Cut:
-    """The chosen boundary and the nodes each stage runs (a cheap node may be in both)."""
-
-    boundary: tuple[fx.Node, ...]
-    stage1: frozenset[fx.Node]
-    stage2: frozenset[fx.Node]
-    taint: dict[fx.Node, Taint]
-    # Batch-size values stage 2 reads off a cached tensor (``anchor.size(batch_dim)``) because
-    # the tensor they came from is not in stage 2.
-    reanchored: frozenset[fx.Node] = frozenset()
-    anchor: fx.Node | None = None
+# The flow network's terminals (its source and sink).
+_STAGE1_TERMINAL, _STAGE2_TERMINAL = "source", "sink"
 
 
 def facts(node: fx.Node) -> NodeFacts:
+    """The analysis's facts about ``node`` (``node.meta["facts"]``)."""
     return node.meta["facts"]
 
 
-def compute_taint(graph: fx.Graph, trainable: frozenset[str]) -> dict[fx.Node, Taint]:
+def compute_taint(graph: fx.Graph, trainable: frozenset[str]) -> Mapping[fx.Node, Taint]:
     """Tainted nodes with their reason, in graph order."""
     taint: dict[fx.Node, Taint] = {}
     for node in graph.nodes:
         if node.op == "output":
             continue
-        own = _own_taint(facts(node), trainable)
+        own = _own_taint(node, trainable)
         if own is not None:
-            taint[node] = Taint(own, node)
+            taint[node] = own
             continue
-        for source in node.all_input_nodes:
-            if source in taint:
-                taint[node] = taint[source]
+        for producer in node.all_input_nodes:
+            if producer in taint:
+                taint[node] = taint[producer]
                 break
     return taint
 
 
-def _own_taint(node_facts: NodeFacts, trainable: frozenset[str]) -> str | None:
-    read = sorted(node_facts.params & trainable)
+def _own_taint(node: fx.Node, trainable: frozenset[str]) -> Taint | None:
+    node_facts = facts(node)
+    read = tuple(sorted(node_facts.params & trainable))
     if read:
-        more = f" (and {len(read) - 1} more)" if len(read) > 1 else ""
-        return f"trainable: reads trainable parameter {read[0]}{more}"
+        return Taint(TaintKind.TRAINABLE, node, trainable_parameters=read)
     if node_facts.random_ops:
-        return f"random: draws random numbers ({', '.join(node_facts.random_ops)})"
-    if node_facts.mixing:
-        return f"mixing: mixes samples of the batch ({node_facts.mixing})"
+        return Taint(TaintKind.RANDOM, node, random_ops=node_facts.random_ops)
+    if node_facts.mixing is not None:
+        return Taint(TaintKind.MIXING, node, mixing=node_facts.mixing)
     return None
 
 
-def is_storable(node: fx.Node, taint: dict[fx.Node, Taint]) -> bool:
+def is_storable(node: fx.Node, taint: Mapping[fx.Node, Taint]) -> bool:
     node_facts = facts(node)
     return (
         node not in taint
@@ -120,7 +102,7 @@ def module_owner(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def is_banned(node: fx.Node, taint: dict[fx.Node, Taint]) -> bool:
+def is_banned(node: fx.Node, taint: Mapping[fx.Node, Taint]) -> bool:
     """Untainted work stage 2 must not redo: FLOPs, or a call into a frozen module."""
     if node in taint:
         return False
@@ -135,11 +117,13 @@ def storage_cost(node: fx.Node) -> int:
     return facts(node).bytes_per_sample if facts(node).per_sample else 0
 
 
-def _is_batch_size(node: fx.Node, taint: dict[fx.Node, Taint]) -> bool:
+def _is_batch_size(node: fx.Node, taint: Mapping[fx.Node, Taint]) -> bool:
     return node not in taint and "facts" in node.meta and facts(node).is_batch_size
 
 
-def _flow_network(graph: fx.Graph, taint: dict[fx.Node, Taint], *, anchorable: bool) -> nx.DiGraph:
+def _flow_network(
+    graph: fx.Graph, taint: Mapping[fx.Node, Taint], *, anchorable: bool
+) -> nx.DiGraph:
     """The node-split network; with ``anchorable``, batch-size values need no inputs."""
     nodes = [node for node in graph.nodes if node.op != "output"]
     weight = 3 * len(nodes) + 1
@@ -151,14 +135,14 @@ def _flow_network(graph: fx.Graph, taint: dict[fx.Node, Taint], *, anchorable: b
         else:
             network.add_edge(v_in, v_out)
         if node in taint:
-            network.add_edge(v_in, _SINK)
+            network.add_edge(v_in, _STAGE2_TERMINAL)
         elif node.op == "placeholder" or is_banned(node, taint):
-            network.add_edge(_SOURCE, v_in)
+            network.add_edge(_STAGE1_TERMINAL, v_in)
         else:
-            network.add_edge(_SOURCE, v_in, capacity=1)
+            network.add_edge(_STAGE1_TERMINAL, v_in, capacity=1)
         for user in node.users:
             if user.op == "output":
-                network.add_edge(v_out, _SINK)
+                network.add_edge(v_out, _STAGE2_TERMINAL)
             elif not (anchorable and _is_batch_size(user, taint)):
                 network.add_edge(v_out, f"{user.name}:in")
     return network
@@ -174,12 +158,12 @@ def choose_boundary(graph: fx.Graph, trainable: frozenset[str]) -> Cut:
 
 
 def _min_cut(
-    graph: fx.Graph, taint: dict[fx.Node, Taint], *, anchorable: bool
+    graph: fx.Graph, taint: Mapping[fx.Node, Taint], *, anchorable: bool
 ) -> tuple[fx.Node, ...]:
     network = _flow_network(graph, taint, anchorable=anchorable)
     try:
-        _, (source_side, _) = nx.minimum_cut(
-            network, _SOURCE, _SINK, flow_func=nx.algorithms.flow.dinitz
+        _, (stage1_side, _) = nx.minimum_cut(
+            network, _STAGE1_TERMINAL, _STAGE2_TERMINAL, flow_func=nx.algorithms.flow.dinitz
         )
     except nx.NetworkXUnbounded:
         raise _infeasible(graph, taint) from None
@@ -187,13 +171,13 @@ def _min_cut(
         node
         for node in graph.nodes
         if node.op != "output"
-        and f"{node.name}:in" in source_side
-        and f"{node.name}:out" not in source_side
+        and f"{node.name}:in" in stage1_side
+        and f"{node.name}:out" not in stage1_side
     )
 
 
 def stages_for(
-    graph: fx.Graph, boundary: tuple[fx.Node, ...], taint: dict[fx.Node, Taint] | None = None
+    graph: fx.Graph, boundary: tuple[fx.Node, ...], taint: Mapping[fx.Node, Taint] | None = None
 ) -> Cut:
     """The nodes each stage runs for a given boundary (any boundary: tests hand-write them)."""
     taint = taint if taint is not None else {}
@@ -240,19 +224,19 @@ def _size_inputs(node: fx.Node, available: set[fx.Node]) -> set[fx.Node] | None:
     needed: set[fx.Node] = set()
     pending = list(node.all_input_nodes)
     while pending:
-        source = pending.pop()
-        if source in available or source in needed:
+        producer = pending.pop()
+        if producer in available or producer in needed:
             continue
-        if "facts" in source.meta and facts(source).is_tensor:
+        if "facts" in producer.meta and facts(producer).is_tensor:
             return None  # reading this size would need a tensor stage 2 does not have
-        if source.op == "placeholder":
+        if producer.op == "placeholder":
             return None
-        needed.add(source)
-        pending.extend(source.all_input_nodes)
+        needed.add(producer)
+        pending.extend(producer.all_input_nodes)
     return needed
 
 
-def _infeasible(graph: fx.Graph, taint: dict[fx.Node, Taint]) -> SplitError:
+def _infeasible(graph: fx.Graph, taint: Mapping[fx.Node, Taint]) -> SplitError:
     """Find the value stage 2 needs that can be neither stored nor recomputed, and say why."""
     needed = [node for node in graph.nodes if node in taint]
     needed += next(n for n in graph.nodes if n.op == "output").all_input_nodes
@@ -265,7 +249,7 @@ def _infeasible(graph: fx.Graph, taint: dict[fx.Node, Taint]) -> SplitError:
 
 
 def _unreachable_input(
-    start: fx.Node, taint: dict[fx.Node, Taint], seen: set[fx.Node]
+    start: fx.Node, taint: Mapping[fx.Node, Taint], seen: set[fx.Node]
 ) -> fx.Node | None:
     pending = [start] if start not in taint else list(start.all_input_nodes)
     while pending:
@@ -299,4 +283,21 @@ def _explain(node: fx.Node) -> SplitError:
         node=node,
         fix="keep the batch as its own dimension in frozen code (avoid folding it into other "
         "dims or repeating it, e.g. for classifier-free guidance) before the trainable part",
+    )
+
+
+def boundary_specs(cut: Cut) -> dict[str, BoundarySpec]:
+    """The public description of each boundary value, keyed by its node's name."""
+    return {node.name: _spec(node) for node in cut.boundary}
+
+
+def _spec(node: fx.Node) -> BoundarySpec:
+    node_facts = facts(node)
+    return BoundarySpec(
+        name=node.name,
+        shape=tuple(node_facts.shape),
+        dtype=node_facts.dtype,
+        batch_dim=node_facts.batch_dim if node_facts.per_sample else None,
+        bytes_per_sample=node_facts.bytes_per_sample if node_facts.per_sample else 0,
+        source=node.meta.get("source") or "<unknown>",
     )

@@ -56,7 +56,7 @@ def test_item_assignment_into_a_view_is_refused_with_the_line():
         graphsplit.split(AssignIntoView(), (torch.randn(3, 4),))
     message = str(caught.value)
     assert "assigns into a slice of a tensor view" in message
-    assert "test_trace_features.py:" in message and "window[...] = x" in message
+    assert "planning/test_trace.py:" in message and "window[...] = x" in message
     assert "fix:" in message
 
 

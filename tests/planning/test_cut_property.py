@@ -27,7 +27,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import graphsplit
-from graphsplit.planning.cut import Taint, facts, is_banned, is_storable, storage_cost
+from graphsplit.artifacts import Taint
+from graphsplit.planning.cut import facts, is_banned, is_storable, storage_cost
 from tests.helpers import batch, param_names
 
 BATCH = 3

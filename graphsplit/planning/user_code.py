@@ -1,4 +1,9 @@
-"""Find the user's source line behind a traced operation.
+"""Locate the user's code behind a traced operation: its ``file:line`` and the line's text.
+
+Glossary:
+    user code: any frame that belongs neither to torch nor to graphsplit.
+    location: ``("path:line", "code on that line")``; the path relative to the cwd when inside
+        it. Traced nodes store it as ``node.meta["source"]`` and ``node.meta["source_code"]``.
 
 While tracing, the Python stack holds torch's and graphsplit's own frames on top of the user's.
 The innermost frame that belongs to neither is where the user wrote the operation; we record it
@@ -15,7 +20,7 @@ from types import FrameType
 import torch
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-# The package root (this file is graphsplit/planning/source.py): every graphsplit frame.
+# The package root (this file is graphsplit/planning/user_code.py): every graphsplit frame.
 _GRAPHSPLIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
@@ -52,6 +57,17 @@ def frame_location_of(filename: str, line: int) -> tuple[str, str]:
     return f"{filename}:{line}", code
 
 
-def current_source() -> tuple[str, str]:
+def current_location() -> tuple[str, str]:
     """The user's ``("file:line", code)`` for the operation being traced right now."""
     return frame_location(user_frame())
+
+
+def current_line() -> str:
+    """:func:`current_location` as one string, ``file:line  code``, for error messages."""
+    return describe(current_location())
+
+
+def describe(location: tuple[str, str]) -> str:
+    """``file:line  code`` (or just ``file:line`` when the code is not available)."""
+    place, code = location
+    return f"{place}  {code}" if code else place

@@ -1,0 +1,91 @@
+"""Bind the example batch to ``forward``'s parameters and make its meta twins at two sizes.
+
+Glossary:
+    example batch: the ``args``/``kwargs`` given to :func:`graphsplit.split`. Only shapes,
+        dtypes and devices are read, never values.
+    batched input: a tensor whose first dim equals the first tensor's; other inputs are
+        per-dataset constants.
+    probe sizes: two batch sizes, both at least 2, at which the step is analysed. At size 1
+        kernels pick other ops (a reshape of a transposed tensor is a view at batch 1 and a copy
+        at batch 3), which would look like batch mixing.
+    home device: where the step really runs: the inputs' device, else the first real
+        parameter's (code that read ``.device`` while tracing saw ``meta``).
+
+In: the model and the example batch. Out: :class:`~graphsplit.artifacts.ExampleInputs`:
+
+    bind_examples(model, args, kwargs) -> ExampleInputs
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphsplit.artifacts import ExampleInputs
+from graphsplit.errors import SplitError
+from graphsplit.planning.meta import META, to_meta
+
+
+def bind_examples(model: nn.Module, args: Any, kwargs: dict[str, Any]) -> ExampleInputs:
+    """The example batch by parameter name, its probe sizes, meta twins and home device."""
+    inputs = _bind_inputs(model, args, kwargs)
+    example_batch = _example_batch_size(inputs)
+    batch_sizes = (max(example_batch, 2), max(example_batch, 2) + 2)
+    values = (
+        _example_values(inputs, example_batch, batch_sizes[0]),
+        _example_values(inputs, example_batch, batch_sizes[1]),
+    )
+    return ExampleInputs(inputs, batch_sizes, values, _home_device(model, inputs))
+
+
+def _bind_inputs(model: nn.Module, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(args, tuple):
+        args = (args,)
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise SplitError(
+            f"The example batch does not match {type(model).__name__}.forward: {exc}.\n"
+            "  fix:    pass args/kwargs exactly as you would call the model"
+        ) from None
+    for name, parameter in inspect.signature(model.forward).parameters.items():
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            raise SplitError(
+                f"{type(model).__name__}.forward takes *{name}; graphsplit needs named inputs.\n"
+                "  fix:    give forward explicit parameters (one per batch field)"
+            )
+    return dict(bound.arguments)
+
+
+def _example_batch_size(inputs: dict[str, Any]) -> int:
+    for value in inputs.values():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    raise SplitError(
+        "The example batch holds no tensor with a batch dimension.\n"
+        "  fix:    pass at least one batched tensor (batch along dim 0) in args/kwargs"
+    )
+
+
+def _example_values(inputs: dict[str, Any], batch: int, new_batch: int) -> dict[str, Any]:
+    examples = {}
+    for name, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
+            shape = (new_batch, *value.shape[1:])
+            examples[name] = torch.empty(shape, dtype=value.dtype, device=META)
+        else:
+            examples[name] = to_meta(value)
+    return examples
+
+
+def _home_device(model: nn.Module, inputs: dict[str, Any]) -> torch.device:
+    for value in inputs.values():
+        if isinstance(value, torch.Tensor) and not value.is_meta:
+            return value.device
+    for param in model.parameters():
+        if not param.is_meta:
+            return param.device
+    return torch.device("cpu")

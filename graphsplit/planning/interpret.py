@@ -1,0 +1,270 @@
+"""Run a traced graph node by node on ``meta`` tensors: torch.fx Interpreters for the planning.
+
+Glossary:
+    meta run: every op executes on ``meta`` tensors inside
+        :func:`~graphsplit.planning.meta.meta_execution`, so shapes, dtypes and FLOPs come out
+        without real weights or data. A failing op raises a :class:`TraceError` naming the node.
+    op record: the ATen ops one node ran (:class:`~graphsplit.artifacts.AtenOp`: name, shapes,
+        whether it drew random numbers) and their FLOPs, as an
+        :class:`~graphsplit.artifacts.OpRecord`. The analysis compares records at two batch
+        sizes to find random draws, sample mixing and the work worth caching.
+    node mode: how a probe run treats one node (:class:`NodeMode`): run and record it, run it
+        plainly, reuse what the tracer computed, or skip it.
+
+Two interpreters, both ``torch.fx.Interpreter``:
+
+    TracingInterpreter(model, example_values, record=predicate).value_of(node) -> Any
+        the tracer's: one node at a time while the graph is being built; arguments are read
+        from ``node.meta["val"]``; accepted nodes get ``node.meta["op_record"]``.
+    ProbeInterpreter(model, constants, graph, inputs, mode_of).run()
+        the analysis's: the whole graph at one batch size; ``env`` (values) and ``records``
+        (op records) are filled as it goes and stay readable if a node fails.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from graphsplit.artifacts import AtenOp, OpRecord
+from graphsplit.errors import GraphsplitError, TraceError, user_error
+from graphsplit.planning.meta import meta_execution, to_meta
+from graphsplit.planning.mixing import ALONG_DIM_OPS, BATCH_NORM_TRAINING
+
+# Where the tracer leaves a node's op record for the analysis's first probe run.
+OP_RECORD = "op_record"
+
+
+def fetch(model: nn.Module, constants: Mapping[str, Any], target: str) -> Any:
+    """The object a ``get_attr`` / ``call_module`` target names."""
+    if target in constants:
+        return constants[target]
+    value: Any = model
+    for atom in target.split("."):
+        value = getattr(value, atom)
+    return value
+
+
+def meta_failure(node: fx.Node, exc: Exception) -> TraceError:
+    """A TraceError for an op that failed on meta tensors, the usual cause spelled out."""
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if _is_data_dependent(message):
+        return user_error(
+            TraceError,
+            f"The step reads the value of a tensor ({message}); graphsplit decides the split "
+            "without real data, so values cannot steer the step.",
+            node=node,
+            fix="replace .item()/.tolist()/nonzero-style code with tensor ops (torch.where, "
+            "masking), or move it into the data pipeline",
+        )
+    return user_error(
+        TraceError,
+        f"Running this operation on meta tensors failed: {type(exc).__name__}: {message}",
+        node=node,
+        fix="make the step device-agnostic (take devices from input tensors, avoid .cpu()/"
+        ".numpy()); if the failure is inside a library module, report it with this message",
+    )
+
+
+def _is_data_dependent(message: str) -> bool:
+    markers = ("meta tensor", "_local_scalar_dense", "data-dependent", "item()", "tolist")
+    return any(marker in message for marker in markers)
+
+
+# -- ATen-level recording ---------------------------------------------------------------------
+_DROPOUT_OPS = {
+    "native_dropout",
+    "dropout",
+    "feature_dropout",
+    "alpha_dropout",
+    "feature_alpha_dropout",
+}
+
+
+def _argument(func, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == name:
+            if index < len(args):
+                return args[index]
+            return kwargs.get(name, default)
+    return default
+
+
+def draws_randomness(func, args: tuple, kwargs: dict) -> bool:
+    """Tagged ops may consume RNG; check the arguments that make them deterministic."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    op = func._schema.name.split("::")[-1]
+    if op in _DROPOUT_OPS:
+        return float(_argument(func, args, kwargs, "p", 0.0)) != 0.0 and bool(
+            _argument(func, args, kwargs, "train", True)
+        )
+    if "attention" in op:
+        return float(_argument(func, args, kwargs, "dropout_p", 0.0) or 0.0) != 0.0
+    if op.startswith("bernoulli"):
+        p = _argument(func, args, kwargs, "p", None)
+        return not (isinstance(p, float) and p in (0.0, 1.0))
+    if op == "rrelu_with_noise":
+        return bool(_argument(func, args, kwargs, "training", False))
+    return True
+
+
+def _shapes(tree: Any) -> tuple[tuple[int, ...], ...]:
+    return tuple(
+        tuple(leaf.shape) for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)
+    )
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Records the ATen ops run under it: name, input and output shapes, randomness, dims."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[AtenOp] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func._schema.name.split("::")[-1]
+        if "batch_norm" in name and _argument(func, args, kwargs, "training", False):
+            name = BATCH_NORM_TRAINING
+        dims: tuple[int, ...] = ()
+        if name.lstrip("_") in ALONG_DIM_OPS:
+            dim = _argument(func, args, kwargs, "dims", None)
+            dim = _argument(func, args, kwargs, "dim", None) if dim is None else dim
+            dims = tuple(dim) if isinstance(dim, (list, tuple)) else (() if dim is None else (dim,))
+        random = draws_randomness(func, args, kwargs)
+        self.ops.append(AtenOp(name, _shapes((args, kwargs)), _shapes(out), random, dims))
+        return out
+
+
+def _recorded(run: Callable[[], Any]) -> tuple[Any, OpRecord]:
+    recorder = _OpRecorder()
+    # Every recorded run counts FLOPs: the counter changes how some ops dispatch, and the
+    # mixing check compares two runs op by op.
+    counter = FlopCounterMode(display=False)
+    with recorder, counter:
+        value = run()
+    return value, OpRecord(tuple(recorder.ops), counter.get_total_flops())
+
+
+# -- interpreters -----------------------------------------------------------------------------
+class _MetaInterpreter(fx.Interpreter):
+    """Runs nodes on meta; ``get_attr`` values are meta twins, placeholders come by name."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        graph: fx.Graph,
+        inputs: Mapping[str, Any],
+        constants: Mapping[str, Any],
+    ) -> None:
+        super().__init__(model, garbage_collect_values=False, graph=graph)
+        self.extra_traceback = False  # our errors already name the node and the user's line
+        self.model = model
+        self.inputs = inputs
+        self.constants = constants
+
+    def placeholder(self, target, args, kwargs) -> Any:
+        return self.inputs.get(target)
+
+    def get_attr(self, target, args, kwargs) -> Any:
+        return to_meta(fetch(self.model, self.constants, target))
+
+    def call_module(self, target, args, kwargs) -> Any:
+        return self.model.get_submodule(target)(*args, **kwargs)
+
+    def run_on_meta(self, node: fx.Node, *, record: bool) -> tuple[Any, OpRecord | None]:
+        """Run one node on meta (recording its ops if asked); failures become TraceErrors."""
+        try:
+            with meta_execution():
+                if record:
+                    return _recorded(lambda: super(_MetaInterpreter, self).run_node(node))
+                return super().run_node(node), None
+        except GraphsplitError:
+            raise
+        except Exception as exc:
+            raise meta_failure(node, exc) from exc
+
+
+class TracingInterpreter(_MetaInterpreter):
+    """Meta values for the tracer: each node is run once, as soon as it is created.
+
+    The graph is still growing, so arguments come from ``node.meta["val"]`` (the tracer stores
+    every node's value there). Nodes ``record`` accepts also get ``node.meta["op_record"]``,
+    recorded exactly as a probe run would, so the analysis's first run reuses them instead of
+    running the model a second time at the traced batch size.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        graph: fx.Graph,
+        example_values: Mapping[str, Any],
+        record: Callable[[fx.Node], bool] | None = None,
+    ) -> None:
+        super().__init__(model, graph, example_values, constants={})
+        self.record = record
+
+    def fetch_args_kwargs_from_env(self, node: fx.Node) -> tuple[tuple, dict]:
+        args = fx.node.map_arg(node.args, lambda arg: arg.meta["val"])
+        kwargs = fx.node.map_arg(node.kwargs, lambda arg: arg.meta["val"])
+        return args, kwargs
+
+    def value_of(self, node: fx.Node) -> Any:
+        """``node``'s value on meta (placeholders: the example value of that name)."""
+        if node.op == "placeholder":
+            return self.inputs.get(node.target)
+        record = self.record is not None and self.record(node)
+        value, op_record = self.run_on_meta(node, record=record)
+        if op_record is not None:
+            node.meta[OP_RECORD] = op_record
+        return value
+
+
+class NodeMode(enum.Enum):
+    """How a probe run treats one node."""
+
+    RECORD = "run it and record its ATen ops and FLOPs"
+    RUN = "run it without recording (it runs in stage 2 whatever it does)"
+    REUSE = "take the value (and op record, if any) the tracer computed at this batch size"
+    SKIP = "do not run it; its value is None"
+
+
+class ProbeInterpreter(_MetaInterpreter):
+    """One run of the whole graph at one batch size, each node treated as ``mode_of`` says."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        constants: Mapping[str, Any],
+        graph: fx.Graph,
+        inputs: Mapping[str, Any],
+        mode_of: Callable[[fx.Node], NodeMode],
+    ) -> None:
+        super().__init__(model, graph, inputs, constants)
+        self.mode_of = mode_of
+        self.records: dict[fx.Node, OpRecord] = {}
+
+    def run_node(self, node: fx.Node) -> Any:
+        if node.op in ("placeholder", "output"):
+            return super().run_node(node)
+        mode = self.mode_of(node)
+        if mode is NodeMode.SKIP:
+            return None
+        if mode is NodeMode.REUSE:
+            if OP_RECORD in node.meta:
+                self.records[node] = node.meta[OP_RECORD]
+            return node.meta["val"]
+        value, record = self.run_on_meta(node, record=mode is NodeMode.RECORD)
+        if record is not None:
+            self.records[node] = record
+        return value
