@@ -28,8 +28,7 @@ from graphsplit.errors import (
 from graphsplit.planning.codecs import register_codec
 from graphsplit.tools.spec import StepSpec
 from graphsplit.verify import verify
-
-__version__ = "0.2.0"
+from graphsplit.version import __version__
 
 __all__ = [
     "BoundarySpec",

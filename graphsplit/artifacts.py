@@ -211,7 +211,7 @@ class NodeFacts:
 
 
 # -- cut -> codegen, report -------------------------------------------------------------------
-class TaintKind(enum.StrEnum):
+class TaintKind(str, enum.Enum):
     """The three reasons a node must run in stage 2 every step."""
 
     TRAINABLE = "trainable"

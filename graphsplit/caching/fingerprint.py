@@ -38,6 +38,7 @@ import torch
 from graphsplit.caching.validate import json_field, to_json
 from graphsplit.errors import CacheError
 from graphsplit.runtime import LEGACY_NAMES
+from graphsplit.version import __version__
 
 __all__ = [
     "PARTS",
@@ -173,7 +174,7 @@ def current_versions() -> dict[str, str]:
     import safetensors
 
     return {
-        "graphsplit": _graphsplit_version(),
+        "graphsplit": __version__,
         "safetensors": str(safetensors.__version__),
         "torch": str(torch.__version__),
     }
@@ -328,17 +329,3 @@ def _digest_text(text: str) -> str:
 
 def _format_versions(versions: Mapping[str, str]) -> str:
     return ", ".join(f"{name} {version}" for name, version in sorted(versions.items()))
-
-
-def _graphsplit_version() -> str:
-    import graphsplit
-
-    version = getattr(graphsplit, "__version__", None)
-    if version:
-        return str(version)
-    try:
-        from importlib.metadata import version as installed_version
-
-        return installed_version("graphsplit")
-    except Exception:
-        return "unknown"

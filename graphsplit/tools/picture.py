@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
+from graphsplit.artifacts import TaintKind
 from graphsplit.units import human_bytes
 
 if TYPE_CHECKING:
@@ -93,7 +94,7 @@ def _is_random(node: fx.Node) -> bool:
 
 def _is_trainable(split: Split, node: fx.Node) -> bool:
     taint = split.cut.taint.get(node)
-    return taint is not None and taint.kind == "trainable" and taint.origin is node
+    return taint is not None and taint.kind is TaintKind.TRAINABLE and taint.origin is node
 
 
 def _target_text(node: fx.Node) -> str:
