@@ -10,7 +10,20 @@ from examples.demo import main
 
 
 def test_demo_prints_the_side_by_side_table_with_equal_losses(capsys):
-    code = main(["--samples", "4", "--batch-size", "2", "--steps", "2"])
+    code = main(
+        [
+            "--size",
+            "tiny",
+            "--resolution",
+            "32",
+            "--samples",
+            "4",
+            "--batch-size",
+            "2",
+            "--steps",
+            "2",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "graphsplit plan for SDLoRAStep" in out and "4 samples in" in out
