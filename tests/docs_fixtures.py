@@ -94,8 +94,8 @@ def vision_language() -> dict[str, Any]:
     from transformers import CLIPVisionConfig, CLIPVisionModel
 
     torch.manual_seed(3)
-    config = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2)
-    config.num_attention_heads, config.image_size, config.patch_size = 4, 32, 8
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2}
+    config = CLIPVisionConfig(**sizes, num_attention_heads=4, image_size=32, patch_size=8)
     vision = CLIPVisionModel(config)
     generator = torch.Generator().manual_seed(4)
     return {
