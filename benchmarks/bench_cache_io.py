@@ -7,27 +7,38 @@ bytes stay in the page cache) and once followed by ``fsync`` (durable, as graphs
 are). On caches larger than the page cache the two baselines converge. Reading: one shuffled
 epoch of ``CachedDataset`` items against raw ``safe_open(...).get_tensor`` reads of the same
 rows, handles already open, every byte touched; with ``verify=False`` (or after the first
-epoch) and with the first-epoch checksums. Variants run interleaved; the report gives ratios
-of medians (target >= 0.9) with the files in the page cache.
+epoch) and with the first-epoch checksums. Variants run interleaved round by round, on one
+torch thread by default; the report gives the median and IQR of same-round ratios (baseline
+seconds / graphsplit seconds, so 1.0 is "as fast as safetensors") on wall-clock and CPU time
+(all threads of the process, graphsplit's writer threads included), files in the page cache.
 
     python -m benchmarks.bench_cache_io --help
+    python -m benchmarks.bench_cache_io --quick --out /tmp/results     # smoke test
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import statistics
 import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from benchmarks.common import markdown_table, parser, write_results
+from benchmarks.common import (
+    environment,
+    interleaved,
+    markdown_table,
+    parser,
+    report,
+    timing_options,
+    torch_threads,
+    write_results,
+)
 from graphsplit.artifacts import BoundarySpec
 from graphsplit.caching import CachedDataset, cache
 from graphsplit.caching.format import read_manifest
@@ -141,16 +152,29 @@ def _fresh(folder: Path) -> Path:
     return folder
 
 
-def _timed(fn) -> float:
-    started = time.perf_counter()
-    fn()
-    return time.perf_counter() - started
+# Each write variant sits next to graphsplit's writer, and each read variant next to the raw
+# read, in both orders of a round (see benchmarks.common.interleaved).
+VARIANTS = (
+    "write_save_file",
+    "write_graphsplit",
+    "write_save_file_fsync",
+    "read_graphsplit",
+    "read_safe_open",
+    "read_graphsplit_verified",
+)
+# (name, faster-is-this baseline, graphsplit's variant): ratio = baseline / graphsplit seconds.
+RATIOS = {
+    "write_ratio": ("write_save_file", "write_graphsplit"),
+    "write_ratio_vs_fsync": ("write_save_file_fsync", "write_graphsplit"),
+    "read_ratio": ("read_safe_open", "read_graphsplit"),
+    "read_ratio_verified": ("read_safe_open", "read_graphsplit_verified"),
+}
 
 
 def measure(
     samples: int, batch_size: int, shard_mb: float, rounds: int, folder: Path | None = None
-) -> dict:
-    """Median seconds of each variant over ``rounds`` interleaved rounds, and the ratios."""
+) -> dict[str, Any]:
+    """Seconds of each variant over ``rounds`` interleaved rounds, and same-round ratios."""
     split, batches, total_bytes = _workload(samples, batch_size)
     shard_bytes = int(shard_mb * 2**20)
     root = Path(tempfile.mkdtemp(prefix="graphsplit-bench-", dir=folder))
@@ -174,67 +198,87 @@ def measure(
             "read_graphsplit_verified": lambda: _read_cached(fresh.pop(), order),
             "read_safe_open": lambda: _read_raw(opened, order),
         }
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        for _ in range(rounds + 1):  # the first round warms up
-            fresh.append(CachedDataset(ours, verify=True))
-            for name, fn in variants.items():
-                shutil.rmtree(root / "w", ignore_errors=True)  # every write starts empty
-                times[name].append(_timed(fn))
-        median = {name: statistics.median(values[1:]) for name, values in times.items()}
+
+        def before_each(name: str, index: int) -> None:
+            shutil.rmtree(root / "w", ignore_errors=True)  # every write starts empty
+            if name == "read_graphsplit_verified":
+                fresh.append(CachedDataset(ours, verify=True))
+
+        timings = interleaved(
+            {name: variants[name] for name in VARIANTS}, rounds=rounds, before_each=before_each
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    throughput = {name: total_bytes / seconds / 1e6 for name, seconds in median.items()}
-    return {
+    result: dict[str, Any] = {
         "samples": samples,
         "batch_size": batch_size,
         "bytes_per_sample": total_bytes // samples,
         "shard_mb": shard_mb,
         "num_shards": len(shards),
         "rounds": rounds,
-        "median_seconds": median,
-        "throughput_mb_s": throughput,
-        "write_ratio": median["write_save_file"] / median["write_graphsplit"],
-        "write_ratio_vs_fsync": median["write_save_file_fsync"] / median["write_graphsplit"],
-        "read_ratio": median["read_safe_open"] / median["read_graphsplit"],
-        "read_ratio_verified": median["read_safe_open"] / median["read_graphsplit_verified"],
+        "timings": timings.to_json(),
     }
+    for clock in ("wall", "cpu"):
+        result[clock] = {
+            "median_seconds": {name: timings.spread(name, clock).median for name in VARIANTS},
+            **{
+                key: timings.ratio(baseline, ours_, clock).to_json()
+                for key, (baseline, ours_) in RATIOS.items()
+            },
+        }
+    result["throughput_mb_s"] = {
+        name: total_bytes / seconds / 1e6
+        for name, seconds in result["wall"]["median_seconds"].items()
+    }
+    return result
 
 
-def to_markdown(result: dict) -> str:
-    mb = result["throughput_mb_s"]
-    read = f"{mb['read_safe_open']:.0f}"
-    rows = [
-        ["write (vs save_file)", f"{mb['write_graphsplit']:.0f}",
-         f"{mb['write_save_file']:.0f}", f"{result['write_ratio']:.2f}"],
-        ["write (vs save_file + fsync)", f"{mb['write_graphsplit']:.0f}",
-         f"{mb['write_save_file_fsync']:.0f}", f"{result['write_ratio_vs_fsync']:.2f}"],
-        ["shuffled read (verify=False)", f"{mb['read_graphsplit']:.0f}", read,
-         f"{result['read_ratio']:.2f}"],
-        ["shuffled read, first epoch (verify=True)", f"{mb['read_graphsplit_verified']:.0f}",
-         read, f"{result['read_ratio_verified']:.2f}"],
+def _cell(value: dict[str, float]) -> str:
+    return f"{value['median']:.2f} ({value['q1']:.2f}–{value['q3']:.2f})"
+
+
+def to_markdown(result: dict[str, Any], threads: int) -> str:
+    mb, wall, cpu = result["throughput_mb_s"], result["wall"], result["cpu"]
+    lines = [
+        ("write (vs save_file)", "write_graphsplit", "write_save_file", "write_ratio"),
+        ("write (vs save_file + fsync)", "write_graphsplit", "write_save_file_fsync",
+         "write_ratio_vs_fsync"),
+        ("shuffled read (verify=False)", "read_graphsplit", "read_safe_open", "read_ratio"),
+        ("shuffled read, first epoch (verify=True)", "read_graphsplit_verified",
+         "read_safe_open", "read_ratio_verified"),
     ]  # fmt: skip
-    header = ["", "graphsplit MB/s", "safetensors MB/s", "ratio (≥ 0.9)"]
+    rows = [
+        [label, f"{mb[ours]:.0f}", f"{mb[theirs]:.0f}", _cell(wall[key]), _cell(cpu[key])]
+        for label, ours, theirs, key in lines
+    ]
+    header = ["", "graphsplit MB/s", "safetensors MB/s", "ratio, wall", "ratio, CPU time"]
     return (
         f"{result['samples']} samples × {result['bytes_per_sample'] / 1e3:.0f} KB in "
-        f"{result['num_shards']} shards, page cache warm, median of {result['rounds']} rounds\n\n"
-        + markdown_table(header, rows, "llll")
+        f"{result['num_shards']} shards, page cache warm, {threads} torch thread(s); MB/s from "
+        f"median wall seconds; ratios: median (IQR) of {result['rounds']} same-round ratios\n\n"
+        + markdown_table(header, rows, "lrrrr")
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    command = parser("bench_cache_io", __doc__)
+    command = timing_options(parser("bench_cache_io", __doc__), rounds=15)
     command.add_argument("--samples", type=int, default=256, help="samples (default: 256, ~80 MB)")
     command.add_argument("--batch-size", type=int, default=8, help="loader batch size (default: 8)")
     command.add_argument(
         "--shard-mb", type=float, default=16.0, help="shard size (default: 16 MiB)"
     )
-    command.add_argument("--rounds", type=int, default=5, help="timed rounds (default: 5)")
     command.add_argument(
         "--dir", type=Path, help="where to write the caches (default: the temporary folder)"
     )
     args = command.parse_args(argv)
-    result = measure(args.samples, args.batch_size, args.shard_mb, args.rounds, args.dir)
-    write_results(args.out, "cache_io", result, to_markdown(result))
+    if args.quick:
+        args.samples, args.batch_size, args.shard_mb, args.rounds = 12, 4, 1.0, 1
+    with torch_threads(args.threads) as threads:
+        result = measure(args.samples, args.batch_size, args.shard_mb, args.rounds, args.dir)
+        where = environment("torch", "safetensors", torch_threads=True)
+    write_results(
+        args.out, "cache_io", report("cache_io", result, where), to_markdown(result, threads)
+    )
     return 0
 
 

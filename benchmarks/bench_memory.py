@@ -19,6 +19,11 @@ weights):
 
     python -m benchmarks.bench_memory                      # sizes heavy_frozen and small
     python -m benchmarks.bench_memory --sizes tiny --steps 1 --out /tmp/results
+    python -m benchmarks.bench_memory --quick --out /tmp/results        # the same, shorter
+
+Every child runs on ``--threads`` torch threads (default 1): each intra-op thread holds its own
+allocator arenas and scratch buffers, so the thread count is part of what a peak RSS measures
+and is kept the same for every variant.
 
 Writes ``memory.json`` and ``memory.md`` to ``--out`` (default ``benchmarks/results/``).
 """
@@ -79,10 +84,16 @@ def _train(loss_fn, params, steps: int) -> float:
     return float(loss)
 
 
-def run_child_variant(variant: str, size: str, steps: int, data: Path) -> dict[str, Any]:
+def run_child_variant(
+    variant: str, size: str, steps: int, data: Path, threads: int = 1
+) -> dict[str, Any]:
     """Run one variant in this (fresh) process; its peak RSS and what it held."""
     _import_libraries()
-    row: dict[str, Any] = {"variant": variant, "size": size}
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    row: dict[str, Any] = {"variant": variant, "size": size, "torch_threads": threads}
     if variant == "baseline":
         row["max_rss_mib"] = mib(peak_rss_bytes())
         return row
@@ -164,20 +175,23 @@ def _contiguous(tensors: dict) -> dict:
     return {key: value.detach().contiguous() for key, value in tensors.items()}
 
 
-def run_variant(variant: str, size: str, steps: int, data: Path) -> dict[str, Any]:
+def run_variant(
+    variant: str, size: str, steps: int, data: Path, threads: int = 1
+) -> dict[str, Any]:
     """Run ``--child variant`` in a fresh interpreter and read its JSON line.
 
     The parent stays small on purpose (it never imports torch): where the peak is read from
     ``ru_maxrss`` (not Linux), a child starts from the size of the process that forked it.
     """
     argv = ["--child", variant, "--sizes", size, "--steps", str(steps), "--data", str(data)]
+    argv += ["--threads", str(threads)]
     try:
         return run_child("benchmarks.bench_memory", argv)
     except ChildFailed as failure:
         raise RuntimeError(f"{variant} ({size}) {failure}") from None
 
 
-def measure(size: str, steps: int, jobs: int = 2) -> dict[str, Any]:
+def measure(size: str, steps: int, jobs: int = 2, threads: int = 1) -> dict[str, Any]:
     """Peak RSS of each variant in a fresh process, and the ratios.
 
     Peak RSS is per process, so running ``jobs`` children at once does not change it.
@@ -185,9 +199,10 @@ def measure(size: str, steps: int, jobs: int = 2) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="graphsplit-bench-memory-") as folder:
         data = Path(folder)
         prepared = run_variant(PREPARE, size, steps, data)
-        result: dict[str, Any] = {"size": size, "steps": steps, **prepared}
+        result: dict[str, Any] = {"size": size, "steps": steps, "torch_threads": threads}
+        result.update(prepared)
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            futures = {v: pool.submit(run_variant, v, size, steps, data) for v in VARIANTS}
+            futures = {v: pool.submit(run_variant, v, size, steps, data, threads) for v in VARIANTS}
             rows = {variant: future.result() for variant, future in futures.items()}
     rss = {variant: row["max_rss_mib"] for variant, row in rows.items()}
     base = rss["baseline"]
@@ -248,6 +263,15 @@ def main(argv: list[str] | None = None) -> int:
         default=2,
         help="variant processes run at once; peak RSS is per process (default 2)",
     )
+    command.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads in every variant's process; 0 keeps torch's default (default: 1)",
+    )
+    command.add_argument(
+        "--quick", action="store_true", help="the tiny size, one step: for smoke tests"
+    )
     command.add_argument("--child", choices=(*VARIANTS, PREPARE), help=argparse.SUPPRESS)
     command.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     options = command.parse_args(argv)
@@ -256,12 +280,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if options.child:
         reply_to_parent(
-            run_child_variant(options.child, options.sizes[0], options.steps, options.data)
+            run_child_variant(
+                options.child, options.sizes[0], options.steps, options.data, options.threads
+            )
         )
         return 0
+    if options.quick:
+        options.sizes, options.steps = ["tiny"], 1
     results = []
     for size in options.sizes:
-        result = measure(size, options.steps, options.jobs)
+        result = measure(size, options.steps, options.jobs, options.threads)
         results.append(result)
         print(f"{size}: {json.dumps(result['max_rss_mib'])}", flush=True)
     payload = report("memory", results, environment("torch", "diffusers"))

@@ -12,14 +12,16 @@ device, which is all ``split()`` needs (it reads shapes, dtypes and devices only
 - ``tiny``: the zoo's tiny SD step on ``meta`` (for the smoke test).
 
 Each case runs in a fresh subprocess (``--child CASE``), so its ``ru_maxrss`` is its own: it
-reports the time to build the models on ``meta``, the wall time of ``split()`` (after a warm-up
-split of the tiny step that pays torch's and fx's first-call costs), the Python heap peak during
+reports the time to build the models on ``meta``, the wall-clock and CPU time of ``split()``
+(median and IQR of ``--rounds`` calls on one torch thread by default, after a warm-up split of
+the tiny step that pays torch's and fx's first-call costs), the Python heap peak during
 a second ``split()`` under tracemalloc, the process's RSS before and after, and the bytes the
 weights *would* take, so "no real weight memory" can be checked against it. A case that fails
 inside graphsplit is recorded with its error text (``status: "failed: ..."``); the others run.
 
     python -m benchmarks.bench_plan_scale                   # sdxl and flux
     python -m benchmarks.bench_plan_scale --cases tiny --out /tmp/results
+    python -m benchmarks.bench_plan_scale --quick --out /tmp/results  # smoke test: tiny, once
 
 Writes ``plan_scale.json`` and ``plan_scale.md`` to ``--out`` (default ``benchmarks/results/``).
 """
@@ -40,6 +42,7 @@ from benchmarks.common import (
     ChildFailed,
     current_rss_bytes,
     environment,
+    interleaved,
     markdown_table,
     mib,
     parser,
@@ -48,6 +51,8 @@ from benchmarks.common import (
     reply_to_parent,
     report,
     run_child,
+    timing_options,
+    torch_threads,
     write_results,
 )
 
@@ -295,12 +300,17 @@ def _component_params(model: nn.Module) -> dict[str, float]:
     }
 
 
-def measure_case(case: str, batch: int | None = None) -> dict[str, Any]:
-    """Build ``case`` on meta and split it; everything a row of the table needs."""
+def measure_case(case: str, batch: int | None = None, rounds: int = 1) -> dict[str, Any]:
+    """Build ``case`` on meta and split it ``rounds`` times; everything a row of the table needs."""
     import graphsplit
 
     batch = batch or (2 if case == "tiny" else 1)
-    row: dict[str, Any] = {"case": case, "batch": batch, "status": "ok"}
+    row: dict[str, Any] = {
+        "case": case,
+        "batch": batch,
+        "status": "ok",
+        "torch_threads": torch.get_num_threads(),
+    }
     graphsplit.split(*build_tiny())  # warm-up: first-call costs of torch, fx, diffusers
     row["rss_before_build_mib"] = mib(current_rss_bytes())
     try:
@@ -315,9 +325,18 @@ def measure_case(case: str, batch: int | None = None) -> dict[str, Any]:
         row["weights_gib_if_real"] = sum(p.numel() * p.element_size() for p in params) / 2**30
         row["all_params_on_meta"] = all(p.is_meta for p in params)
         row["batch_shapes"] = [list(a.shape) for a in args]
-        started = time.perf_counter()
-        split = graphsplit.split(model, args)
-        row["split_seconds"] = time.perf_counter() - started
+        split = None
+
+        def split_once() -> None:
+            nonlocal split
+            split = None  # the previous plan is garbage before the next one is made
+            split = graphsplit.split(model, args)
+
+        timings = interleaved({"split": split_once}, rounds=max(1, rounds), warmup=0)
+        assert split is not None
+        row["split_seconds"] = timings.spread("split").median
+        row["split_wall_seconds"] = timings.spread("split").to_json()
+        row["split_cpu_seconds"] = timings.spread("split", "cpu").to_json()
         row["rss_after_split_mib"] = mib(current_rss_bytes())
         row["graph_nodes"] = len(split.graph.nodes)
         row["stage2_nodes"] = len(split.cut.stage2)
@@ -346,9 +365,12 @@ def measure_case(case: str, batch: int | None = None) -> dict[str, Any]:
 
 
 # -- orchestration (parent process) -----------------------------------------------------------
-def run_case(case: str, timeout: float, batch: int | None = None) -> dict[str, Any]:
+def run_case(
+    case: str, timeout: float, batch: int | None = None, *, rounds: int = 1, threads: int = 1
+) -> dict[str, Any]:
     """Run ``--child case`` in a fresh interpreter; a crash becomes a failed row."""
-    argv = ["--child", case, *(["--batch", str(batch)] if batch else [])]
+    argv = ["--child", case, "--rounds", str(rounds), "--threads", str(threads)]
+    argv += ["--batch", str(batch)] if batch else []
     try:
         return run_child("benchmarks.bench_plan_scale", argv, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -362,12 +384,19 @@ def _fmt(row: dict[str, Any], key: str, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
+def _spread(row: dict[str, Any], key: str) -> str:
+    value = row.get(key)
+    if value is None:
+        return "–"
+    return f"{value['median']:.2f} ({value['q1']:.2f}–{value['q3']:.2f})"
+
+
 def to_markdown(results: list[dict[str, Any]]) -> str:
     header = ["case", "batch", "params (B)", "weights if real (GiB)", "build on meta s",
-              "split() s (≤ 5)", "graph nodes", "boundary", "boundary bytes/sample",
+              "split() wall s", "split() CPU s", "graph nodes", "boundary", "boundary bytes/sample",
               "peak Python MiB", "RSS before → after split MiB", "max RSS MiB",
               "frozen modules left in stage 2", "status"]  # fmt: skip
-    return markdown_table(header, [_cells(row) for row in results], "lrrrrrrlrrrrll")
+    return markdown_table(header, [_cells(row) for row in results], "lrrrrrrrlrrrrll")
 
 
 def _cells(row: dict[str, Any]) -> list[str]:
@@ -380,7 +409,8 @@ def _cells(row: dict[str, Any]) -> list[str]:
     return [
         row["case"], _fmt(row, "batch", "d"), _fmt(row, "params_billion", ".2f"),
         _fmt(row, "weights_gib_if_real", ".1f"), _fmt(row, "build_seconds", ".2f"),
-        _fmt(row, "split_seconds", ".2f"), _fmt(row, "graph_nodes", "d"), boundary or "–",
+        _spread(row, "split_wall_seconds"), _spread(row, "split_cpu_seconds"),
+        _fmt(row, "graph_nodes", "d"), boundary or "–",
         _fmt(row, "boundary_bytes_per_sample", ",d"), _fmt(row, "peak_python_mib", ".1f"), rss,
         _fmt(row, "max_rss_mib", ".0f"),
         ", ".join(row.get("frozen_modules_in_stage2", [])) or "none",
@@ -389,7 +419,7 @@ def _cells(row: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    command = parser("bench_plan_scale", __doc__)
+    command = timing_options(parser("bench_plan_scale", __doc__), rounds=1)
     command.add_argument(
         "--cases",
         nargs="+",
@@ -408,11 +438,16 @@ def main(argv: list[str] | None = None) -> int:
     command.add_argument("--child", choices=ALL_CASES, help=argparse.SUPPRESS)
     options = command.parse_args(argv)
     if options.child:
-        reply_to_parent(measure_case(options.child, options.batch))
+        with torch_threads(options.threads):
+            reply_to_parent(measure_case(options.child, options.batch, options.rounds))
         return 0
+    if options.quick:
+        options.cases, options.rounds = ["tiny"], 1
     results = []
     for case in options.cases:
-        row = run_case(case, options.timeout, options.batch)
+        row = run_case(
+            case, options.timeout, options.batch, rounds=options.rounds, threads=options.threads
+        )
         results.append(row)
         print(
             f"{case}: {row['status'].splitlines()[0]}; split {_fmt(row, 'split_seconds', '.2f')} s,"

@@ -3,21 +3,22 @@
 The step is a chain with skip connections, the shape the min-cut finds hardest: blocks of
 ``Linear -> tanh -> add(skip)`` where each add reaches back one block; the first 60% of the
 blocks are frozen and the rest trainable, so the cut falls in the middle of the chain. For each
-size it records the wall time of ``split()`` (best of ``--repeat``, after a warm-up split that
-pays torch's and fx's first-call costs) and its peak memory: the
-Python heap at its highest during the call (tracemalloc, measured in a separate run because
-tracing allocations slows the call down) and the process's maximum resident set size so far.
+size it records the wall-clock and CPU time of ``split()`` (median and IQR of ``--rounds``
+calls, after a warm-up split that pays torch's and fx's first-call costs; one torch thread by
+default) and its peak memory: the Python heap at its highest during the call (tracemalloc,
+measured in a separate run because tracing allocations slows the call down) and the process's
+maximum resident set size so far.
 
     python -m benchmarks.bench_split_scale                  # 10, 100, 1000 nodes
     python -m benchmarks.bench_split_scale --full           # ... and 10000
     python -m benchmarks.bench_split_scale --sizes 50 500 --out /tmp/results
+    python -m benchmarks.bench_split_scale --quick --out /tmp/results   # smoke test
 
 Writes ``bench_split_scale.json`` and ``bench_split_scale.md`` (a table) to ``--out``.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -26,12 +27,15 @@ from torch import nn
 import graphsplit
 from benchmarks.common import (
     environment,
+    interleaved,
     markdown_table,
     mib,
     parser,
     peak_rss_bytes,
     python_heap_peak_bytes,
     report,
+    timing_options,
+    torch_threads,
     write_results,
 )
 
@@ -67,45 +71,52 @@ def build_step(nodes: int) -> tuple[ChainWithSkips, tuple[torch.Tensor]]:
     return ChainWithSkips(blocks), (torch.randn(BATCH, WIDTH),)
 
 
-def measure(nodes: int, *, repeat: int = 1) -> dict[str, Any]:
+def measure(nodes: int, *, rounds: int = 1) -> dict[str, Any]:
     """Time and peak memory of ``split()`` on a chain-with-skips step of about ``nodes`` nodes."""
     model, args = build_step(nodes)
-    seconds = []
-    for _ in range(max(1, repeat)):
-        start = time.perf_counter()
-        split = graphsplit.split(model, args)
-        seconds.append(time.perf_counter() - start)
+    split = graphsplit.split(model, args)
+    timings = interleaved({"split": lambda: graphsplit.split(model, args)}, rounds=rounds, warmup=0)
     peak = python_heap_peak_bytes(lambda: graphsplit.split(model, args))
+    wall, cpu = timings.spread("split"), timings.spread("split", "cpu")
     return {
         "nodes": nodes,
         "graph_nodes": len(split.graph.nodes),
         "boundary_tensors": len(split.boundary),
         "stage2_nodes": len(split.cut.stage2),
-        "seconds": min(seconds),
-        "seconds_all": seconds,
+        "seconds": wall.median,
+        "seconds_all": timings.seconds("split"),
+        "wall_seconds": wall.to_json(),
+        "cpu_seconds": cpu.to_json(),
         "peak_python_mib": mib(peak),
         "max_rss_mib": mib(peak_rss_bytes()),
     }
 
 
+def _spread(value: dict[str, float]) -> str:
+    return f"{value['median']:.3f} ({value['q1']:.3f}–{value['q3']:.3f})"
+
+
 def to_markdown(results: list[dict[str, Any]], where: dict[str, Any]) -> str:
     """The page: a title, where it ran, and one row per graph size."""
-    header = ["nodes", "graph nodes", "boundary", "stage-2 nodes", "split() s",
-              "peak Python MiB", "max RSS MiB"]  # fmt: skip
+    header = ["nodes", "graph nodes", "boundary", "stage-2 nodes", "split() wall s",
+              "split() CPU s", "peak Python MiB", "max RSS MiB"]  # fmt: skip
     rows = [
         [row["nodes"], row["graph_nodes"], row["boundary_tensors"], row["stage2_nodes"],
-         f"{row['seconds']:.3f}", f"{row['peak_python_mib']:.1f}", f"{row['max_rss_mib']:.0f}"]
+         _spread(row["wall_seconds"]), _spread(row["cpu_seconds"]),
+         f"{row['peak_python_mib']:.1f}", f"{row['max_rss_mib']:.0f}"]
         for row in results
     ]  # fmt: skip
+    rounds = results[0]["wall_seconds"]["count"] if results else 0
     return (
         "# graphsplit.split() on chain-with-skips graphs\n\n"
-        f"torch {where['torch']}, Python {where['python']}, {where['cpus']} CPUs\n\n"
-        + markdown_table(header, rows, "rrrrrrr")
+        f"torch {where['torch']}, Python {where['python']}, {where['cpus']} CPUs, "
+        f"{where['torch_threads']} torch thread(s); median (IQR) of {rounds} calls\n\n"
+        + markdown_table(header, rows, "rrrrrrrr")
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    command = parser("bench_split_scale", __doc__)
+    command = timing_options(parser("bench_split_scale", __doc__), rounds=3)
     command.add_argument(
         "--sizes",
         type=int,
@@ -116,22 +127,24 @@ def main(argv: list[str] | None = None) -> int:
     command.add_argument(
         "--full", action="store_true", help="also run 10000 nodes (ignored with --sizes)"
     )
-    command.add_argument(
-        "--repeat", type=int, default=3, help="timed runs per size; the best is kept (default 3)"
-    )
     options = command.parse_args(argv)
     sizes = options.sizes or (FULL_SIZES if options.full else DEFAULT_SIZES)
-    graphsplit.split(*build_step(10))  # warm-up: first-call costs of torch and fx
-    results = []
-    for nodes in sizes:
-        row = measure(nodes, repeat=options.repeat)
-        results.append(row)
-        print(
-            f"{nodes:>6} nodes ({row['graph_nodes']} traced): {row['seconds']:.3f} s, "
-            f"peak Python {row['peak_python_mib']:.1f} MiB",
-            flush=True,
-        )
-    where = environment("graphsplit", "torch", torch_threads=True)
+    if options.quick:
+        sizes, options.rounds = (10, 40), 1
+    with torch_threads(options.threads):
+        graphsplit.split(*build_step(10))  # warm-up: first-call costs of torch and fx
+        results = []
+        for nodes in sizes:
+            row = measure(nodes, rounds=options.rounds)
+            results.append(row)
+            print(
+                f"{nodes:>6} nodes ({row['graph_nodes']} traced): "
+                f"wall {_spread(row['wall_seconds'])} s, CPU {_spread(row['cpu_seconds'])} s, "
+                "peak Python "
+                f"{row['peak_python_mib']:.1f} MiB",
+                flush=True,
+            )
+        where = environment("graphsplit", "torch", torch_threads=True)
     payload = report("split_scale", results, where)
     write_results(options.out, "bench_split_scale", payload, to_markdown(results, where))
     return 0

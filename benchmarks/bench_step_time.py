@@ -2,33 +2,42 @@
 
 The hand-written step is what a careful user writes by hand: the denoiser-only training step on
 the same precomputed tensors (the VAE distribution's parameters and the text embedding). It is
-the ideal graphsplit aims for. All three run interleaved in one process, forward + backward,
-and are reported as ratios of medians, because these machines are noisy.
+the ideal graphsplit aims for. All three run forward + backward in one process, interleaved
+round by round (:func:`benchmarks.common.interleaved`), on one torch thread by default; the
+report gives the median and IQR of same-round ratios, on wall-clock and on CPU time, because
+these machines are shared and noisy.
 
     python -m benchmarks.bench_step_time --help
+    python -m benchmarks.bench_step_time --quick --out /tmp/results     # smoke test
 """
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
+from typing import Any
 
 import torch
 
 import graphsplit
-from benchmarks.common import markdown_table, parser, write_results
+from benchmarks.common import (
+    environment,
+    interleaved,
+    markdown_table,
+    parser,
+    report,
+    spread,
+    timing_options,
+    torch_threads,
+    write_results,
+)
 from benchmarks.hand_written import denoising_loss, example_batch, frozen_outputs
 
-
-def _timed(fn: Callable[[], torch.Tensor]) -> float:
-    started = time.perf_counter()
-    fn().backward()
-    return time.perf_counter() - started
+DEFAULT_SIZES = ("small", "heavy_frozen")
+# stage 2 and the hand-written step sit next to each other in both orders of a round.
+VARIANTS = ("graphsplit_stage2", "hand_written", "unsplit")
 
 
-def measure(size: str, *, rounds: int, warmup: int = 2) -> dict:
-    """Median seconds per step of the three variants, and the ratios."""
+def measure(size: str, *, rounds: int, warmup: int = 2) -> dict[str, Any]:
+    """Seconds per step of the three variants, and their same-round ratios with spread."""
     from tests.zoo import SD_SIZES, build_sd_lora_step
 
     config = SD_SIZES[size]
@@ -39,72 +48,86 @@ def measure(size: str, *, rounds: int, warmup: int = 2) -> dict:
         boundary = split.stage1(pixels, ids)
     hand = frozen_outputs(step, pixels, ids)
     scaling_factor = step.vae.config.scaling_factor
-    variants = {
+    losses = {
         "unsplit": lambda: step(pixels, ids),
         "graphsplit_stage2": lambda: split.stage2(**boundary),
         "hand_written": lambda: denoising_loss(
             step.unet, step.scheduler, **hand, scaling_factor=scaling_factor
         ),
     }
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    names = list(variants)
-    for index in range(warmup + rounds):
-        # Rotate the order every round: a variant that always runs right after the unsplit
-        # step (which churns the allocator and caches) would otherwise be biased.
-        shift = index % len(names)
-        for name in names[shift:] + names[:shift]:
-            fn = variants[name]
-            for param in step.parameters():
-                param.grad = None
-            torch.manual_seed(index)
-            elapsed = _timed(fn)
-            if index >= warmup:
-                times[name].append(elapsed)
-    median = {name: statistics.median(values) for name, values in times.items()}
-    ideal = median["unsplit"] / median["hand_written"]
-    achieved = median["unsplit"] / median["graphsplit_stage2"]
-    return {
+    variants = {name: (lambda loss=losses[name]: loss().backward()) for name in VARIANTS}
+
+    def before_each(name: str, index: int) -> None:
+        for param in step.parameters():
+            param.grad = None
+        torch.manual_seed(index)
+
+    timings = interleaved(variants, rounds=rounds, warmup=warmup, before_each=before_each)
+    result: dict[str, Any] = {
         "size": size,
         "batch_size": config.batch_size,
         "resolution": config.resolution,
         "rounds": rounds,
-        "median_seconds": median,
-        "stage2_over_hand_written": median["graphsplit_stage2"] / median["hand_written"],
-        "ideal_speedup": ideal,
-        "achieved_speedup": achieved,
-        "fraction_of_ideal": (achieved - 1) / (ideal - 1) if ideal > 1 else float("nan"),
+        "timings": timings.to_json(),
     }
+    for clock in ("wall", "cpu"):
+        unsplit, stage2, hand_s = (timings.seconds(n, clock) for n in VARIANTS[::-1])
+        shares = [(u / s - 1) / (u / h - 1) for u, s, h in zip(unsplit, stage2, hand_s) if u > h]
+        result[clock] = {
+            "median_seconds": {name: timings.spread(name, clock).median for name in VARIANTS},
+            "stage2_over_hand_written": timings.ratio(
+                "graphsplit_stage2", "hand_written", clock
+            ).to_json(),
+            "speedup": timings.ratio("unsplit", "graphsplit_stage2", clock).to_json(),
+            "ideal_speedup": timings.ratio("unsplit", "hand_written", clock).to_json(),
+            "share_of_ideal": spread(shares).to_json() if shares else None,
+        }
+    return result
 
 
-def to_markdown(results: list[dict]) -> str:
-    header = ["mix", "batch × px", "unsplit s", "stage 2 s", "hand-written s",
-              "stage2 / hand (≤ 1.02)", "speed-up", "ideal",
-              "share of ideal speed-up (≥ 0.97)"]  # fmt: skip
+def _cell(value: dict[str, float] | None, spec: str = ".3f") -> str:
+    if value is None:
+        return "–"
+    return f"{value['median']:{spec}} ({value['q1']:{spec}}–{value['q3']:{spec}})"
+
+
+def to_markdown(results: list[dict[str, Any]], threads: int) -> str:
+    header = ["mix", "batch × px", "clock", "unsplit s", "stage 2 s", "hand-written s",
+              "stage2 / hand (0.95–1.05)", "speed-up", "ideal", "share of ideal"]  # fmt: skip
     rows = []
     for r in results:
-        m = r["median_seconds"]
-        rows.append([
-            r["size"], f"{r['batch_size']} × {r['resolution']}", f"{m['unsplit']:.4f}",
-            f"{m['graphsplit_stage2']:.4f}", f"{m['hand_written']:.4f}",
-            f"{r['stage2_over_hand_written']:.3f}", f"{r['achieved_speedup']:.2f}×",
-            f"{r['ideal_speedup']:.2f}×", f"{r['fraction_of_ideal']:.3f}",
-        ])  # fmt: skip
-    return markdown_table(header, rows, "l" * len(header))
+        for clock in ("wall", "cpu"):
+            c = r[clock]
+            m = c["median_seconds"]
+            rows.append([
+                r["size"], f"{r['batch_size']} × {r['resolution']}", clock,
+                f"{m['unsplit']:.4f}", f"{m['graphsplit_stage2']:.4f}",
+                f"{m['hand_written']:.4f}", _cell(c["stage2_over_hand_written"]),
+                _cell(c["speedup"], ".2f"), _cell(c["ideal_speedup"], ".2f"),
+                _cell(c["share_of_ideal"], ".2f"),
+            ])  # fmt: skip
+    rounds = results[0]["rounds"] if results else 0
+    return (
+        f"Median (IQR) of same-round ratios over {rounds} rounds, {threads} torch thread(s); "
+        "seconds are medians.\n\n" + markdown_table(header, rows, "lllrrrrrrr")
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    command = parser("bench_step_time", __doc__)
+    command = timing_options(parser("bench_step_time", __doc__), rounds=40)
     command.add_argument(
         "--sizes",
         nargs="+",
-        default=["small", "heavy_frozen"],
+        default=list(DEFAULT_SIZES),
         help="zoo SD sizes to measure (default: small heavy_frozen)",
     )
-    command.add_argument("--rounds", type=int, default=15, help="timed rounds per variant")
     args = command.parse_args(argv)
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
-    results = [measure(size, rounds=args.rounds) for size in args.sizes]
-    write_results(args.out, "step_time", results, to_markdown(results))
+    sizes, rounds, warmup = (["tiny"], 2, 1) if args.quick else (args.sizes, args.rounds, 2)
+    with torch_threads(args.threads) as threads:
+        results = [measure(size, rounds=rounds, warmup=warmup) for size in sizes]
+        where = environment("torch", "diffusers", torch_threads=True)
+    payload = report("step_time", results, where)
+    write_results(args.out, "step_time", payload, to_markdown(results, threads))
     return 0
 
 

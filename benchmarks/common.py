@@ -12,6 +12,17 @@ Glossary:
         holds torch does not start from the parent's size.
     child: a fresh interpreter running ``python -m benchmarks.X --child ...``, so that its
         memory is its own; it answers with one JSON line (:func:`reply_to_parent`).
+    round: one call of every variant being compared, back to back. Rounds alternate the order
+        (A B, then B A, ...), so neither variant always runs right after the other and a slow
+        drift of the machine's load hits both alike.
+    same-round ratio: ``A / B`` within one round. On a shared machine the load changes between
+        rounds far more than within one, so the median of same-round ratios is far steadier
+        than the ratio of two medians.
+    spread: the median with the interquartile range (IQR: the 25th and 75th percentile) of a
+        list of measurements; every figure in docs/benchmarks.md states one.
+    wall and CPU time: ``time.perf_counter`` and ``time.process_time`` around each call. CPU
+        time (all threads of this process) leaves out the time another job had the core, so it
+        is the cross-check when the wall-clock figures move.
 
 In and out:
     parser(module, description) -> ArgumentParser          with --out (Path) already added
@@ -23,6 +34,11 @@ In and out:
     mib(count) -> float                                     for fixed-unit MiB columns
     run_child(module, argv, timeout=None) -> dict          raises ChildFailed
     reply_to_parent(row) -> None
+    timing_options(command, rounds=...) -> command         adds --threads, --rounds, --quick
+    torch_threads(count) -> context manager yielding the torch thread count (imports torch)
+    interleaved(variants, rounds=, warmup=) -> Timings      wall and CPU seconds per round
+    Timings.ratio(a, b, clock) -> Spread ; Timings.spread(name, clock) -> Spread
+    spread(values) -> Spread                                median and IQR
 
 This module imports neither torch nor graphsplit: the memory benchmark's parent process must
 stay small (see :func:`peak_rss_bytes`), and the demo reads its own peak RSS from here.
@@ -35,10 +51,14 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
+import time
 import tracemalloc
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
@@ -47,8 +67,11 @@ __all__ = [
     "REPOSITORY",
     "RESULTS",
     "ChildFailed",
+    "Spread",
+    "Timings",
     "current_rss_bytes",
     "environment",
+    "interleaved",
     "markdown_table",
     "mib",
     "parser",
@@ -57,6 +80,9 @@ __all__ = [
     "reply_to_parent",
     "report",
     "run_child",
+    "spread",
+    "timing_options",
+    "torch_threads",
     "write_results",
 ]
 
@@ -221,3 +247,152 @@ def run_child(module: str, argv: Sequence[str], *, timeout: float | None = None)
 def reply_to_parent(row: dict[str, Any]) -> None:
     """The child's side of :func:`run_child`: one JSON line on stdout."""
     print(json.dumps(row), flush=True)
+
+
+# -- timing on a shared machine ---------------------------------------------------------------
+def timing_options(command: argparse.ArgumentParser, *, rounds: int) -> argparse.ArgumentParser:
+    """Add ``--threads`` (default 1), ``--rounds`` and ``--quick`` to a timing script's parser.
+
+    One torch thread is the default because on a machine whose cores other jobs share, a
+    second intra-op thread waits for a busy core at every parallel region: the step then times
+    the other jobs, not the code. ``--quick`` is each script's smallest run, for the CI smoke
+    tests and ``make bench``; its numbers mean nothing.
+    """
+    command.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads; 0 keeps torch's default (default: 1, steady on a busy "
+        "machine)",
+    )
+    command.add_argument(
+        "--rounds", type=int, default=rounds, help=f"timed rounds (default: {rounds})"
+    )
+    command.add_argument(
+        "--quick",
+        action="store_true",
+        help="the smallest run, for smoke tests: numbers mean nothing",
+    )
+    return command
+
+
+@contextmanager
+def torch_threads(count: int) -> Iterator[int]:
+    """Run with ``count`` torch intra-op threads (0: torch's default); yields the count in use.
+
+    The previous count comes back afterwards, so a test calling a script's ``main`` leaves the
+    rest of the suite as it found it.
+    """
+    import torch
+
+    previous = torch.get_num_threads()
+    if count > 0:
+        torch.set_num_threads(count)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous)
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The median of some measurements and their interquartile range.
+
+    Example:
+        >>> print(spread([1.0, 2.0, 3.0, 4.0, 100.0]))
+        2.000 (IQR 2.000–4.000, n=5)
+    """
+
+    median: float
+    q1: float
+    q3: float
+    count: int
+
+    def __str__(self) -> str:
+        return self.format(".3f")
+
+    def format(self, spec: str) -> str:
+        """``median (IQR q1–q3, n=count)`` with each number formatted by ``spec``."""
+        return f"{self.median:{spec}} (IQR {self.q1:{spec}}–{self.q3:{spec}}, n={self.count})"
+
+    def to_json(self) -> dict[str, float]:
+        return {"median": self.median, "q1": self.q1, "q3": self.q3, "count": self.count}
+
+
+def spread(values: Sequence[float]) -> Spread:
+    """Median and quartiles of ``values`` (inclusive method: the quartiles lie within them)."""
+    if not values:
+        raise ValueError("spread() needs at least one value")
+    if len(values) == 1:
+        (only,) = values
+        return Spread(only, only, only, 1)
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return Spread(median, q1, q3, len(values))
+
+
+CLOCKS = ("wall", "cpu")
+
+
+@dataclass
+class Timings:
+    """Seconds of each variant in each timed round, on both clocks (``wall`` and ``cpu``)."""
+
+    wall: dict[str, list[float]] = field(default_factory=dict)
+    cpu: dict[str, list[float]] = field(default_factory=dict)
+
+    def seconds(self, name: str, clock: str = "wall") -> list[float]:
+        assert clock in CLOCKS, clock
+        return getattr(self, clock)[name]
+
+    def spread(self, name: str, clock: str = "wall") -> Spread:
+        """Median and IQR of one variant's seconds."""
+        return spread(self.seconds(name, clock))
+
+    def ratio(self, numerator: str, denominator: str, clock: str = "wall") -> Spread:
+        """Median and IQR of the same-round ratios ``numerator / denominator``."""
+        pairs = zip(self.seconds(numerator, clock), self.seconds(denominator, clock))
+        return spread([a / b for a, b in pairs])
+
+    def to_json(self) -> dict[str, Any]:
+        """Every variant's spread on both clocks, and the raw seconds."""
+        return {
+            clock: {
+                name: {**spread(values).to_json(), "seconds": values}
+                for name, values in getattr(self, clock).items()
+            }
+            for clock in CLOCKS
+        }
+
+
+def interleaved(
+    variants: Mapping[str, Callable[[], Any]],
+    *,
+    rounds: int,
+    warmup: int = 1,
+    before_each: Callable[[str, int], Any] | None = None,
+) -> Timings:
+    """Time each variant once per round, alternating the order of the variants every round.
+
+    Args:
+        variants: name -> a call to time; it must finish its work before returning (on a GPU:
+            synchronise inside it).
+        rounds: timed rounds; ``warmup`` untimed rounds run first.
+        before_each: ``before_each(name, round)`` runs untimed before each call (reset
+            gradients, seed the generator, empty a folder).
+
+    Returns:
+        The wall-clock and CPU seconds of every call of the timed rounds.
+    """
+    names = list(variants)
+    timings = Timings({name: [] for name in names}, {name: [] for name in names})
+    for index in range(warmup + rounds):
+        for name in names if index % 2 == 0 else names[::-1]:
+            if before_each is not None:
+                before_each(name, index)
+            wall, cpu = time.perf_counter(), time.process_time()
+            variants[name]()
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            if index >= warmup:
+                timings.wall[name].append(wall)
+                timings.cpu[name].append(cpu)
+    return timings

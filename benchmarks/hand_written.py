@@ -14,6 +14,8 @@ In and out:
     frozen_outputs(step, pixel_values, input_ids) -> {"latent_parameters", "text_embedding"}
     build_unet(size, *, seed) -> (unet, scheduler)             only what the hand-written step needs
     denoising_loss(unet, scheduler, latent_parameters, text_embedding, *, scaling_factor) -> loss
+    flux_frozen_outputs(step, pixel_values, t5_ids, clip_ids) -> {"latent_parameters", ...}
+    flux_velocity_loss(transformer, latent_parameters, prompt_embeds, pooled, *, ...) -> loss
 
 The models come from ``tests/zoo`` (run from the repository root); torch and diffusers are
 imported inside the functions, so the memory benchmark's parent can import this module cheaply.
@@ -106,3 +108,61 @@ def denoising_loss(
     noisy = scheduler.add_noise(latents, noise, timesteps)
     prediction = unet(noisy, timesteps, text_embedding).sample
     return F.mse_loss(prediction.float(), noise.float())
+
+
+# -- the Flux mix (benchmarks.bench_plan_scale.FluxLoRAStep) ----------------------------------
+def flux_frozen_outputs(step: Any, pixel_values: Any, t5_ids: Any, clip_ids: Any) -> dict:
+    """What a careful user precomputes for a Flux LoRA step: the VAE distribution's parameters,
+    the T5 sequence embedding and CLIP's pooled embedding."""
+    import torch
+
+    with torch.no_grad():
+        return {
+            "latent_parameters": step.vae.encode(pixel_values).latent_dist.parameters,
+            "prompt_embeds": step.text_encoder_2(t5_ids)[0],
+            "pooled": step.text_encoder(clip_ids).pooler_output,
+        }
+
+
+def flux_velocity_loss(
+    transformer: Any,
+    latent_parameters: Any,
+    prompt_embeds: Any,
+    pooled: Any,
+    *,
+    shift_factor: float,
+    scaling_factor: float,
+    guidance_scale: float | None = 3.5,
+) -> Any:
+    """The DiT-only rectified-flow step on the frozen outputs, drawing as ``FluxLoRAStep`` does
+    (latent sample, noise, ``t``), so from one seed it computes the same loss."""
+    import torch
+    import torch.nn.functional as F
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    from benchmarks.bench_plan_scale import FluxLoRAStep
+
+    x0 = DiagonalGaussianDistribution(latent_parameters).sample()
+    x0 = (x0 - shift_factor) * scaling_factor
+    b, c, h, w = x0.shape
+    noise = torch.randn_like(x0)
+    t = torch.rand(b, device=x0.device, dtype=x0.dtype)
+    x_t = (1 - t.view(b, 1, 1, 1)) * x0 + t.view(b, 1, 1, 1) * noise
+    rows = torch.arange(h // 2, device=x0.device, dtype=x0.dtype)[:, None].expand(h // 2, w // 2)
+    cols = torch.arange(w // 2, device=x0.device, dtype=x0.dtype)[None, :].expand(h // 2, w // 2)
+    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3)
+    txt_ids = torch.zeros((prompt_embeds.shape[1], 3), device=x0.device, dtype=x0.dtype)
+    guidance = None
+    if guidance_scale is not None:
+        guidance = torch.full((b,), guidance_scale, device=x0.device)
+    pred = transformer(
+        hidden_states=FluxLoRAStep.pack(x_t),
+        encoder_hidden_states=prompt_embeds,
+        pooled_projections=pooled,
+        timestep=t,
+        img_ids=img_ids,
+        txt_ids=txt_ids,
+        guidance=guidance,
+        return_dict=False,
+    )[0]
+    return F.mse_loss(FluxLoRAStep.unpack(pred, c, h, w).float(), (noise - x0).float())

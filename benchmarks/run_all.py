@@ -1,5 +1,6 @@
-"""Run every benchmark: small versions by default (a few minutes on 2 CPU cores), ``--full``
-for the sizes reported in docs/benchmarks.md.
+"""Run every benchmark: the ``--quick`` versions by default (a few minutes on 2 CPU cores; their
+numbers mean nothing), ``--full`` for the sizes reported in docs/benchmarks.md. The GPU
+benchmark (``python -m benchmarks.gpu``) is not part of it: it needs a GPU.
 
     python -m benchmarks.run_all [--full] [--out benchmarks/results]
 """
@@ -27,21 +28,21 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
     target = ["--out", str(out)]
     if full:
         return [
-            ("step time", bench_step_time, ["--rounds", "15", *target]),
+            ("step time", bench_step_time, ["--rounds", "40", *target]),
             ("memory", bench_memory, ["--steps", "3", *target]),
-            ("cache I/O", bench_cache_io, ["--samples", "256", "--rounds", "5", *target]),
+            ("cache I/O", bench_cache_io, ["--samples", "256", "--rounds", "15", *target]),
             ("cache bytes", bench_cache_bytes, ["--cases", "tiny", "sdxl", *target]),
-            ("planning, synthetic", bench_split_scale, ["--full", *target]),
+            ("planning, synthetic", bench_split_scale, ["--full", "--rounds", "3", *target]),
             ("planning, full size", bench_plan_scale,
-             ["--cases", "sdxl", "flux", "flux_diffusers_ids", *target]),
+             ["--cases", "sdxl", "flux", "flux_diffusers_ids", "--rounds", "3", *target]),
         ]  # fmt: skip
     return [
-        ("step time", bench_step_time, ["--sizes", "tiny", "--rounds", "3", *target]),
-        ("memory", bench_memory, ["--sizes", "tiny", "--steps", "1", *target]),
-        ("cache I/O", bench_cache_io, ["--samples", "64", "--rounds", "2", *target]),
+        ("step time", bench_step_time, ["--quick", *target]),
+        ("memory", bench_memory, ["--quick", *target]),
+        ("cache I/O", bench_cache_io, ["--quick", *target]),
         ("cache bytes", bench_cache_bytes, ["--cases", "tiny", *target]),
-        ("planning, synthetic", bench_split_scale, ["--sizes", "10", "100", *target]),
-        ("planning, full size", bench_plan_scale, ["--cases", "tiny", *target]),
+        ("planning, synthetic", bench_split_scale, ["--quick", *target]),
+        ("planning, full size", bench_plan_scale, ["--quick", *target]),
     ]
 
 

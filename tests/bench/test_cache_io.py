@@ -9,21 +9,20 @@ import pytest
 from benchmarks import bench_cache_io
 
 
-def test_cache_io_benchmark_writes_json_and_markdown(tmp_path):
-    argv = ["--samples", "12", "--batch-size", "4", "--shard-mb", "1", "--rounds", "1"]
-    assert bench_cache_io.main([*argv, "--out", str(tmp_path)]) == 0
-    result = json.loads((tmp_path / "cache_io.json").read_text())
-    assert result["samples"] == 12 and result["num_shards"] >= 2
-    assert set(result["median_seconds"]) == {
-        "write_graphsplit",
-        "write_save_file",
-        "write_save_file_fsync",
-        "read_graphsplit",
-        "read_graphsplit_verified",
-        "read_safe_open",
-    }
-    for ratio in ("write_ratio", "write_ratio_vs_fsync", "read_ratio", "read_ratio_verified"):
-        assert result[ratio] > 0
+def test_quick_run_reports_same_round_ratios_on_both_clocks(tmp_path):
+    assert bench_cache_io.main(["--quick", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "cache_io.json").read_text())
+    assert payload["benchmark"] == "cache_io" and payload["environment"]["torch_threads"] == 1
+    result = payload["results"]
+    assert result["samples"] == 12 and result["num_shards"] >= 2 and result["rounds"] == 1
+    for clock in ("wall", "cpu"):
+        assert set(result["timings"][clock]) == set(bench_cache_io.VARIANTS)
+        for key, (baseline, ours) in bench_cache_io.RATIOS.items():
+            seconds = result["timings"][clock]
+            (expected,) = (
+                b / o for b, o in zip(seconds[baseline]["seconds"], seconds[ours]["seconds"])
+            )
+            assert result[clock][key]["median"] == pytest.approx(expected) and expected > 0
     markdown = (tmp_path / "cache_io.md").read_text()
     assert "| write (vs save_file) |" in markdown and "| shuffled read" in markdown
 
@@ -32,4 +31,6 @@ def test_cache_io_benchmark_help(capsys):
     with pytest.raises(SystemExit) as caught:
         bench_cache_io.main(["--help"])
     assert caught.value.code == 0
-    assert "--samples" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    for option in ("--samples", "--threads", "--rounds", "--quick"):
+        assert option in text

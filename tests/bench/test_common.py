@@ -43,3 +43,49 @@ def test_run_child_reads_the_json_line_or_raises_child_failed(tmp_path):
 def test_parser_has_out_with_the_results_folder_default():
     options = common.parser("bench_x", "Title.\n\nMore.").parse_args([])
     assert options.out == common.RESULTS
+
+
+def test_spread_is_the_median_and_inclusive_quartiles():
+    assert common.spread([3.0, 1.0, 2.0, 5.0, 4.0]) == common.Spread(3.0, 2.0, 4.0, 5)
+    assert common.spread([7.0]) == common.Spread(7.0, 7.0, 7.0, 1)
+    assert str(common.spread([1.0, 2.0, 3.0])) == "2.000 (IQR 1.500–2.500, n=3)"
+    with pytest.raises(ValueError, match="at least one"):
+        common.spread([])
+
+
+def test_interleaved_alternates_the_order_and_times_only_the_timed_rounds():
+    calls = []
+    variants = {name: (lambda name=name: calls.append(name)) for name in "ab"}
+    seen = []
+    timings = common.interleaved(
+        variants, rounds=3, warmup=1, before_each=lambda name, index: seen.append((name, index))
+    )
+    assert "".join(calls) == "abbaabba"  # round 0 is the warm-up
+    assert seen[:4] == [("a", 0), ("b", 0), ("b", 1), ("a", 1)]
+    for clock in ("wall", "cpu"):
+        assert [len(timings.seconds(name, clock)) for name in "ab"] == [3, 3]
+        assert all(value >= 0 for value in timings.seconds("a", clock))
+
+
+def test_ratio_pairs_seconds_of_the_same_round():
+    # b is twice as slow as a in every round while the rounds themselves vary 10x: the
+    # same-round ratio is exactly 0.5, the ratio of the medians would not be.
+    timings = common.Timings(
+        wall={"a": [1.0, 10.0, 1.0], "b": [2.0, 20.0, 2.0]},
+        cpu={"a": [1.0, 1.0, 1.0], "b": [1.0, 1.0, 4.0]},
+    )
+    assert timings.ratio("a", "b") == common.Spread(0.5, 0.5, 0.5, 3)
+    assert timings.ratio("a", "b", "cpu").median == 1.0
+    assert timings.spread("a").median == 1.0
+    assert timings.to_json()["cpu"]["b"]["seconds"] == [1.0, 1.0, 4.0]
+
+
+def test_timing_options_default_to_one_thread_and_quick_off():
+    options = common.timing_options(common.parser("bench_x", "T."), rounds=7).parse_args([])
+    assert (options.threads, options.rounds, options.quick) == (1, 7, False)
+    import torch
+
+    before = torch.get_num_threads()
+    with common.torch_threads(1) as count:
+        assert count == torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before

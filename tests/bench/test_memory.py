@@ -13,12 +13,11 @@ from benchmarks import bench_memory
 
 
 def test_tiny_run_writes_json_and_markdown(tmp_path):
-    argv = ["--sizes", "tiny", "--steps", "1", "--out", str(tmp_path)]
-    assert bench_memory.main(argv) == 0
+    assert bench_memory.main(["--quick", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "memory.json").read_text())
     assert report["benchmark"] == "memory"
     (result,) = report["results"]
-    assert result["size"] == "tiny" and result["steps"] == 1
+    assert result["size"] == "tiny" and result["steps"] == 1 and result["torch_threads"] == 1
     assert set(result["max_rss_mib"]) == set(bench_memory.VARIANTS)
     assert all(value > 0 for value in result["max_rss_mib"].values())
     assert set(result["above_baseline_mib"]) == set(bench_memory.VARIANTS) - {"baseline"}

@@ -16,12 +16,12 @@ def test_help_lists_the_cases(capsys):
         bench_plan_scale.main(["--help"])
     assert exited.value.code == 0
     text = capsys.readouterr().out
-    for option in ("--cases", "--out", "--batch", "sdxl", "flux"):
+    for option in ("--cases", "--out", "--batch", "--rounds", "--threads", "--quick", "sdxl"):
         assert option in text
 
 
 def test_tiny_case_writes_json_and_markdown(tmp_path):
-    assert bench_plan_scale.main(["--cases", "tiny", "--out", str(tmp_path)]) == 0
+    assert bench_plan_scale.main(["--quick", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "plan_scale.json").read_text())
     assert report["benchmark"] == "plan_scale"
     assert {"torch", "diffusers", "transformers", "cpus"} <= set(report["environment"])
@@ -29,6 +29,10 @@ def test_tiny_case_writes_json_and_markdown(tmp_path):
     assert row["case"] == "tiny" and row["status"] == "ok"
     assert row["all_params_on_meta"] is True
     assert row["split_seconds"] > 0 and row["peak_python_mib"] > 0 and row["max_rss_mib"] > 0
+    assert row["torch_threads"] == 1  # the child runs single-threaded by default
+    for clock in ("split_wall_seconds", "split_cpu_seconds"):
+        spread = row[clock]
+        assert spread["count"] == 1 and spread["q1"] <= spread["median"] <= spread["q3"]
     assert row["graph_nodes"] > 0 and row["frozen_modules_in_stage2"] == []
     assert set(row["boundary"]) == {"vae_encode_latent_dist_parameters", "text_encoder_0"}
     table = (tmp_path / "plan_scale.md").read_text().splitlines()

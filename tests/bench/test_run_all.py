@@ -20,3 +20,6 @@ def test_run_all_covers_every_benchmark_script_at_both_sizes(tmp_path):
             assert argv[-2:] == ["--out", str(tmp_path)]
     small = dict((module, argv) for _, module, argv in run_all.plan(False, tmp_path))
     assert "--full" not in small["benchmarks.bench_split_scale"]
+    # The timing scripts run their smoke-test size; cache bytes has no timing to shorten.
+    quick = {module for module, argv in small.items() if "--quick" in argv}
+    assert quick == scripts - {"benchmarks.bench_cache_bytes"}

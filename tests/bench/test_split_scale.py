@@ -14,7 +14,7 @@ def test_help_describes_the_options(capsys):
         bench_split_scale.main(["--help"])
     assert exited.value.code == 0
     text = capsys.readouterr().out
-    for option in ("--sizes", "--full", "--out", "--repeat"):
+    for option in ("--sizes", "--full", "--out", "--rounds", "--threads", "--quick"):
         assert option in text
 
 
@@ -28,7 +28,7 @@ def test_build_step_has_about_the_requested_number_of_nodes():
 
 
 def test_tiny_run_writes_json_and_markdown(tmp_path, capsys):
-    argv = ["--sizes", "10", "16", "--repeat", "1", "--out", str(tmp_path)]
+    argv = ["--sizes", "10", "16", "--rounds", "2", "--out", str(tmp_path)]
     assert bench_split_scale.main(argv) == 0
     report = json.loads((tmp_path / "bench_split_scale.json").read_text())
     assert report["benchmark"] == "split_scale"
@@ -36,10 +36,22 @@ def test_tiny_run_writes_json_and_markdown(tmp_path, capsys):
     assert [row["nodes"] for row in report["results"]] == [10, 16]
     for row in report["results"]:
         assert row["graph_nodes"] > 0 and row["boundary_tensors"] >= 1
-        assert row["seconds"] > 0 and len(row["seconds_all"]) == 1
+        assert row["seconds"] > 0 and len(row["seconds_all"]) == 2
+        for clock in ("wall_seconds", "cpu_seconds"):
+            spread = row[clock]
+            assert spread["count"] == 2 and spread["q1"] <= spread["median"] <= spread["q3"]
+        assert row["seconds"] == row["wall_seconds"]["median"]
         assert row["peak_python_mib"] > 0 and row["max_rss_mib"] > 0
     table = (tmp_path / "bench_split_scale.md").read_text().splitlines()
     header = next(index for index, line in enumerate(table) if line.startswith("| nodes"))
     assert table[header + 1].startswith("|---:")
     assert [line.split("|")[1].strip() for line in table[header + 2 :]] == ["10", "16"]
     assert "bench_split_scale.json" in capsys.readouterr().out
+    assert report["environment"]["torch_threads"] == 1
+
+
+def test_quick_run_is_two_small_graphs_once(tmp_path):
+    assert bench_split_scale.main(["--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "bench_split_scale.json").read_text())
+    assert [row["nodes"] for row in report["results"]] == [10, 40]
+    assert all(row["wall_seconds"]["count"] == 1 for row in report["results"])
