@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 
-import graphsplit
 from tests.helpers import split_and_verify
 
 
