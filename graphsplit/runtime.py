@@ -23,6 +23,7 @@ __all__ = [
     "decode_diagonal_gaussian",
     "decode_diagonal_gaussian_deterministic",
     "encode_diagonal_gaussian",
+    "functional_inplace",
     "functional_setitem",
 ]
 
@@ -31,6 +32,20 @@ def functional_setitem(tensor: torch.Tensor, key: Any, value: Any) -> torch.Tens
     """``tensor[key] = value`` without mutating ``tensor``: what ``x[k] = v`` becomes."""
     result = tensor.clone()
     result[key] = value
+    return result
+
+
+def functional_inplace(
+    tensor: torch.Tensor, method: str, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """``tensor.<method>(*args, **kwargs)`` (an in-place method) applied to a copy of ``tensor``.
+
+    What ``h.masked_fill_(m, 0)`` becomes: the same kernel on the same values, so the result
+    is bit for bit what the in-place op gave (its dtype stays ``tensor``'s, random in-place
+    fills such as ``normal_`` draw the same numbers), while ``tensor`` itself is left alone.
+    """
+    result = tensor.clone()
+    getattr(result, method)(*args, **kwargs)
     return result
 
 

@@ -222,10 +222,24 @@ def _data_dependence(
             depends[node] = node.target in batched_inputs
         else:
             # Shapes, devices and dtypes of data are not data: only values carry it along.
-            depends[node] = any(
-                depends[arg] and not _is_metadata(values[arg]) for arg in node.all_input_nodes
-            )
+            read = node.all_input_nodes
+            if _reads_only_metadata_of_first(node):  # x.new_zeros(()), torch.zeros_like(x)
+                read = [arg for arg in read if arg is not node.args[0]]
+            depends[node] = any(depends[arg] and not _is_metadata(values[arg]) for arg in read)
     return depends
+
+
+# Calls that read only the dtype, device (and shape) of their first argument, not its values.
+_METADATA_METHODS = frozenset({"new_zeros", "new_ones", "new_empty", "new_full"})
+_METADATA_FUNCTIONS = frozenset(
+    {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like}
+)
+
+
+def _reads_only_metadata_of_first(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target in _METADATA_METHODS
+    return node.op == "call_function" and node.target in _METADATA_FUNCTIONS
 
 
 def _constant_from_data(facts: NodeFacts) -> bool:

@@ -31,6 +31,10 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -41,6 +45,8 @@ from graphsplit.planning.mixing import ALONG_DIM_OPS, BATCH_NORM_TRAINING
 
 # Where the tracer leaves a node's op record for the analysis's first probe run.
 OP_RECORD = "op_record"
+# Where it lists the input nodes whose tensors the node wrote into (see planning/inplace.py).
+WRITES = "writes"
 
 
 def fetch(model: nn.Module, constants: Mapping[str, Any], target: str) -> Any:
@@ -56,7 +62,7 @@ def fetch(model: nn.Module, constants: Mapping[str, Any], target: str) -> Any:
 def meta_failure(node: fx.Node, exc: Exception) -> TraceError:
     """A TraceError for an op that failed on meta tensors, the usual cause spelled out."""
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if _is_data_dependent(message):
+    if isinstance(exc, _DATA_DEPENDENT) or _is_data_dependent(message):
         return user_error(
             TraceError,
             f"The step reads the value of a tensor ({message}); graphsplit decides the split "
@@ -74,7 +80,12 @@ def meta_failure(node: fx.Node, exc: Exception) -> TraceError:
     )
 
 
+# What the fake mode raises when an op's result (or output shape) depends on tensor values.
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
+
+
 def _is_data_dependent(message: str) -> bool:
+    """Real meta tensors (outside the fake mode) only say so in their message."""
     markers = ("meta tensor", "_local_scalar_dense", "data-dependent", "item()", "tolist")
     return any(marker in message for marker in markers)
 
@@ -220,14 +231,32 @@ class TracingInterpreter(_MetaInterpreter):
         return args, kwargs
 
     def value_of(self, node: fx.Node) -> Any:
-        """``node``'s value on meta (placeholders: the example value of that name)."""
+        """``node``'s value on meta (placeholders: the example value of that name).
+
+        Inputs the node wrote into (an in-place op, or a module that mutates its argument)
+        are listed in ``node.meta["writes"]``: their tensors' version counters moved.
+        """
         if node.op == "placeholder":
             return self.inputs.get(node.target)
         record = self.record is not None and self.record(node)
+        versions = _versions(node)
         value, op_record = self.run_on_meta(node, record=record)
         if op_record is not None:
             node.meta[OP_RECORD] = op_record
+        written = tuple(arg for arg, version in versions if _version(arg) != version)
+        if written:
+            node.meta[WRITES] = written
         return value
+
+
+def _version(node: fx.Node) -> int | None:
+    value = node.meta.get("val")
+    return value._version if isinstance(value, torch.Tensor) else None
+
+
+def _versions(node: fx.Node) -> list[tuple[fx.Node, int]]:
+    """The version counter of every tensor input of ``node``: in-place writes bump it."""
+    return [(arg, _version(arg)) for arg in node.all_input_nodes if _version(arg) is not None]
 
 
 class NodeMode(enum.Enum):

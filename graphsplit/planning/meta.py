@@ -8,8 +8,17 @@ Glossary:
         scheduler; code under analysis may rebind its tensors (``add_noise`` moves
         ``alphas_cumprod`` to the input's device), so its attributes are restored on exit.
 
-``meta_execution()`` is the context every analysis op runs in: no autograd, factories default
-to ``meta``, and stray real tensors (constants in helper objects) are moved to ``meta``.
+    fake mode: the one ``FakeTensorMode(allow_non_fake_inputs=True)`` an analysis runs every op
+        under (:func:`fake_mode`). Its values are ``FakeTensor``s backed by ``meta``: library
+        code recognises them as a trace (transformers' ``masking_utils.is_tracing``, diffusers'
+        ``is_torch_fx_proxy``-style checks) and takes its trace-safe path instead of reading
+        tensor values; a factory with an explicit ``device=`` or ``generator=`` returns a fake
+        tensor without allocating memory or drawing from any generator. Meta parameters are
+        converted to fake ones on first use (memoised by the mode), so weights stay on ``meta``.
+
+``meta_execution()`` is the context every analysis op runs in: the fake mode, no autograd,
+factories default to ``meta``, and stray real tensors (constants in helper objects) are moved
+to ``meta``.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 META = torch.device("meta")
@@ -56,10 +66,27 @@ def _has_meta_tensor(tree: Any) -> bool:
     )
 
 
+# The fake mode of the analysis in progress (innermost last); see fake_mode().
+_FAKE_MODES: list[FakeTensorMode] = []
+
+
+def fake_mode() -> FakeTensorMode:
+    """The fake mode of the analysis in progress, or a fresh one outside any analysis.
+
+    One mode per :func:`analysis_view`: fake tensors of two modes cannot meet in one op, and
+    the mode memoises the fake twin of every meta parameter it has converted.
+    """
+    return _FAKE_MODES[-1] if _FAKE_MODES else FakeTensorMode(allow_non_fake_inputs=True)
+
+
 @contextlib.contextmanager
 def meta_execution() -> Iterator[None]:
-    """Run code on ``meta``: no autograd, ``meta`` factories, stray tensors moved to ``meta``."""
-    with torch.no_grad(), META, _StrayTensorsToMeta():
+    """Run code on fake ``meta`` tensors: no autograd, no real memory, no random draw.
+
+    ``FakeTensorMode`` is what torch.export and dynamo trace under, so library code that asks
+    "am I being traced?" says yes here and avoids reading tensor values.
+    """
+    with torch.no_grad(), fake_mode(), META, _StrayTensorsToMeta():
         yield
 
 
@@ -76,6 +103,7 @@ def analysis_view(model: nn.Module) -> Iterator[None]:
     module_dicts = {id(module): dict(vars(module)) for module in model.modules()}
     helpers = _helper_objects(model)
     helper_dicts = {id(obj): dict(vars(obj)) for obj in helpers}
+    _FAKE_MODES.append(FakeTensorMode(allow_non_fake_inputs=True))
     try:
         for module in model.modules():
             for table in (module._parameters, module._buffers):
@@ -86,6 +114,7 @@ def analysis_view(model: nn.Module) -> Iterator[None]:
                     table[name] = _meta_twin(tensor, meta_of)
         yield
     finally:
+        _FAKE_MODES.pop()
         for table, name, tensor in reversed(replaced):
             table[name] = tensor
         for module in model.modules():

@@ -7,6 +7,8 @@ Glossary:
         int read from the meta value (:func:`traced_range`).
     size-vararg factory: ``torch.zeros(h, w, 3)`` with traced ``h``/``w``; torch's argument
         parser only takes them as one tuple (:func:`traced_factories`).
+    traced torch call: a torch call with no traced argument that still becomes a node: every
+        random draw, and a real tensor indexed by a traced value (:func:`traced_torch_calls`).
 
 In: the tracer (for :func:`leaf_methods_recorded`), or a function turning a traced size into a
 Python int (for :func:`traced_range`). Out: context managers.
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
+import operator
 from collections.abc import Callable, Iterator
 from types import FunctionType
 from typing import Any
@@ -24,6 +28,9 @@ import torch
 import torch.fx as fx
 import torch.utils._device
 from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from graphsplit.runtime import functional_inplace
 
 
 # -- leaf method calls ------------------------------------------------------------------------
@@ -56,16 +63,7 @@ def leaf_methods_recorded(
     for qualified_name in sorted(leaf_names):
         module = model.get_submodule(qualified_name)
         for method_name in _public_methods(module):
-            original = getattr(module, method_name)
-
-            def recorded(
-                *args, __name=qualified_name, __method=method_name, __orig=original, **kwargs
-            ):
-                if tracer.computing_meta or not _contains_proxy((args, kwargs)):
-                    return __orig(*args, **kwargs)
-                handle = tracer.module_proxy(__name)
-                return tracer.create_proxy("call_method", __method, (handle, *args), kwargs)
-
+            recorded = _recording(tracer, qualified_name, method_name, getattr(module, method_name))
             had = method_name in vars(module)
             previous = vars(module).get(method_name)
             object.__setattr__(module, method_name, recorded)
@@ -78,6 +76,106 @@ def leaf_methods_recorded(
                 object.__setattr__(module, method_name, previous)
             else:
                 vars(module).pop(method_name, None)
+
+
+def _recording(tracer: Any, qualified_name: str, method_name: str, original: Any) -> Any:
+    """``original`` (a bound method), recorded as one node when called on traced values.
+
+    ``functools.wraps`` keeps its signature: library code inspects it (transformers'
+    ``apply_chunking_to_forward`` counts the parameters of the forward it is given).
+    """
+
+    @functools.wraps(original)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        if tracer.computing_meta or not _contains_proxy((args, kwargs)):
+            return original(*args, **kwargs)
+        handle = tracer.module_proxy(qualified_name)
+        return tracer.create_proxy("call_method", method_name, (handle, *args), kwargs)
+
+    return recorded
+
+
+# -- torch calls the tracer would otherwise run for real -----------------------------------------
+# Every torch function that draws random numbers. fx records them when an argument is traced;
+# without one (torch.randint(0, 1000, (1,)), torch.normal(..., device="cpu")) they would run
+# once, at trace time, and the plan would replay that one draw forever.
+RANDOM_FUNCTIONS = frozenset(
+    {
+        torch.rand,
+        torch.randn,
+        torch.randint,
+        torch.rand_like,
+        torch.randn_like,
+        torch.randint_like,
+        torch.normal,
+        torch.randperm,
+        torch.bernoulli,
+        torch.multinomial,
+        torch.poisson,
+        torch.nn.functional.dropout,
+        torch.nn.functional.dropout1d,
+        torch.nn.functional.dropout2d,
+        torch.nn.functional.dropout3d,
+        torch.nn.functional.alpha_dropout,
+        torch.nn.functional.feature_alpha_dropout,
+    }
+)
+# In-place random fills on a tensor the tracer does not follow (torch.empty(3).normal_()).
+RANDOM_FILLS = frozenset(
+    {
+        torch.Tensor.normal_,
+        torch.Tensor.uniform_,
+        torch.Tensor.bernoulli_,
+        torch.Tensor.exponential_,
+        torch.Tensor.geometric_,
+        torch.Tensor.log_normal_,
+        torch.Tensor.cauchy_,
+        torch.Tensor.random_,
+    }
+)
+
+
+_INDEXING = {torch.Tensor.__getitem__: operator.getitem, torch.Tensor.__setitem__: operator.setitem}
+
+
+class _TracedTorchCalls(TorchFunctionMode):
+    """Records, as graph nodes, torch calls that hold no traced value but must not run now.
+
+    - random draws (:data:`RANDOM_FUNCTIONS`, :data:`RANDOM_FILLS`): one node each, in order,
+      whatever their arguments (an explicit ``device=``, a ``generator=``);
+    - indexing a real tensor with a traced index (``sigmas[step_ids]``): torch would first
+      probe the index as a Python sequence (``len``, ``int``), which a traced value cannot
+      answer; recorded as one ``getitem`` (and ``setitem`` likewise).
+
+    Calls made while the tracer computes a node's value (``tracer.computing_meta``) run as is.
+    """
+
+    def __init__(self, tracer: Any) -> None:
+        super().__init__()
+        self.tracer = tracer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.tracer.computing_meta:
+            return func(*args, **kwargs)
+        traced = _contains_proxy((args, kwargs))
+        if func in RANDOM_FUNCTIONS and not traced:
+            return self.tracer.record_call(func, args, kwargs)
+        if func in RANDOM_FILLS and not traced:
+            tensor, *rest = args
+            return self.tracer.record_call(
+                functional_inplace, (tensor, func.__name__, *rest), kwargs
+            )
+        if func in _INDEXING and traced and not isinstance(args[0], fx.Proxy):
+            return self.tracer.record_call(_INDEXING[func], args, kwargs)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def traced_torch_calls(tracer: Any) -> Iterator[None]:
+    """Record random draws and real-tensor indexing with traced indices (see above)."""
+    with _TracedTorchCalls(tracer):
+        yield
 
 
 # -- range() over traced sizes ------------------------------------------------------------------

@@ -9,7 +9,10 @@ Glossary:
         whatever it does, so the analysis does not record its ops.
     mixed module: a leaf whose parameters are part frozen, part trainable. Called as one node it
         is tainted, so its frozen half would run every step; when all its inputs are cacheable,
-        the next round traces into it so the cut can separate the halves.
+        the next round traces into it so the cut can separate the halves. If tracing into it
+        fails (any error: library code may not be traceable) or the finer graph has no valid
+        cut, the module stays whole and ``Traced.notes`` says why: a coarser split is never
+        traded for an error.
 
 In: the model, :class:`~graphsplit.artifacts.ExampleInputs`, the trainable parameter names.
 Out: :class:`~graphsplit.artifacts.Traced` whose nodes carry ``meta["facts"]``:
@@ -25,10 +28,10 @@ import torch.fx as fx
 from torch import nn
 
 from graphsplit.artifacts import ExampleInputs, Traced
-from graphsplit.errors import TraceError
+from graphsplit.errors import SplitError, TraceError
 from graphsplit.planning.analyze import analyze, resolve_params
 from graphsplit.planning.codecs import insert_codecs
-from graphsplit.planning.cut import compute_taint, facts, module_owner
+from graphsplit.planning.cut import choose_boundary, compute_taint, facts, module_owner
 from graphsplit.planning.meta import analysis_view
 from graphsplit.planning.trace import trace_step
 
@@ -48,19 +51,28 @@ def trace_and_analyze(
         if not expand:
             break
         try:
-            traced = _trace_once(model, examples, param_names, leaves - expand, trainable)
-        except TraceError as exc:
-            first_line = str(exc).splitlines()[0]
-            notes.append(
-                f"kept {', '.join(sorted(expand))} whole: tracing into it failed ({first_line})"
-            )
+            finer = _trace_once(model, examples, param_names, leaves - expand, trainable)
+            choose_boundary(finer.graph, trainable)  # a finer trace must still have a cut
+        except Exception as exc:  # any failure inside library code: keep the module whole
+            notes.append(f"kept {', '.join(sorted(expand))} whole: {_why(exc)}")
             break
+        traced = finer
         leaves = leaves - expand
         notes.append(
             f"traced into {', '.join(sorted(expand))}: it mixes frozen and trainable "
             "parameters and its inputs are cacheable"
         )
     return replace(traced, notes=traced.notes + tuple(notes))
+
+
+def _why(exc: Exception) -> str:
+    """One line for the report: why tracing into a module was given up."""
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    if isinstance(exc, SplitError):
+        return f"split inside it has no valid cut ({first_line})"
+    if isinstance(exc, TraceError):
+        return f"tracing into it failed ({first_line})"
+    return f"tracing into it failed ({type(exc).__name__}: {first_line})"
 
 
 def _trace_once(

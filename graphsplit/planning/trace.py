@@ -34,9 +34,15 @@ from torch import nn
 
 from graphsplit.artifacts import Guard, Traced
 from graphsplit.errors import TraceError, user_error
+from graphsplit.planning.inplace import functionalize_inplace
 from graphsplit.planning.interpret import TracingInterpreter
-from graphsplit.planning.patches import leaf_methods_recorded, traced_factories, traced_range
-from graphsplit.planning.rewrites import functionalize_setitem, restore_input_names
+from graphsplit.planning.patches import (
+    leaf_methods_recorded,
+    traced_factories,
+    traced_range,
+    traced_torch_calls,
+)
+from graphsplit.planning.rewrites import restore_input_names
 from graphsplit.planning.rng import (
     changed_generators,
     generator_states,
@@ -80,8 +86,32 @@ class _Proxy(fx.Proxy):
         return self.tracer.iter(self)
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        # Recorded in place, then rewritten as a copy by rewrites.functionalize_setitem.
+        # Recorded in place, then rewritten as a copy by inplace.functionalize_inplace.
         self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+    def _augmented(self, method: str, operation: Callable[[Any, Any], Any], other: Any) -> Any:
+        """``h += 1``: in place on a tensor (as eager does), a new value for a Python number."""
+        if isinstance(self.node.meta.get("val"), torch.Tensor):
+            return self.tracer.create_proxy("call_method", method, (self, other), {})
+        return self.tracer.create_proxy("call_function", operation, (self, other), {})
+
+    def __iadd__(self, other: Any) -> Any:
+        return self._augmented("add_", operator.add, other)
+
+    def __isub__(self, other: Any) -> Any:
+        return self._augmented("sub_", operator.sub, other)
+
+    def __imul__(self, other: Any) -> Any:
+        return self._augmented("mul_", operator.mul, other)
+
+    def __itruediv__(self, other: Any) -> Any:
+        return self._augmented("div_", operator.truediv, other)
+
+    def __ifloordiv__(self, other: Any) -> Any:
+        return self._augmented("floor_divide_", operator.floordiv, other)
+
+    def __ipow__(self, other: Any) -> Any:
+        return self._augmented("pow_", operator.pow, other)
 
 
 class _Attribute(_Proxy):
@@ -148,6 +178,25 @@ class _Tracer(fx.Tracer):
         if self.computing_meta:
             return attr_val
         return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def record_call(self, function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """One ``call_function`` node for a torch call that holds no traced value.
+
+        Generators become attributes of the root (read by ``get_attr``): stage code draws from
+        the user's own generator object, as the step did.
+        """
+        args, kwargs = torch.utils._pytree.tree_map_only(
+            torch.Generator, self._generator_attribute, (args, kwargs)
+        )
+        return self.create_proxy("call_function", function, args, kwargs)
+
+    def _generator_attribute(self, generator: torch.Generator) -> _Proxy:
+        for name, value in vars(self.root).items():
+            if value is generator:
+                return self.create_proxy("get_attr", name, (), {})
+        name = f"_generator_{sum(isinstance(v, torch.Generator) for v in vars(self.root).values())}"
+        setattr(self.root, name, generator)
+        return self.create_proxy("get_attr", name, (), {})
 
     def module_proxy(self, qualified_name: str) -> _Proxy:
         """One ``get_attr`` node per leaf module whose methods the step calls."""
@@ -251,19 +300,19 @@ def trace_step(
         raise user_error(
             TraceError,
             f"Random numbers were drawn while tracing ({', '.join(changed)} generator); the "
-            "draw would be frozen into the plan instead of happening every step.",
+            "draw would be frozen into the plan instead of happening every step. graphsplit "
+            "replays torch's random functions in stage 2, not Python's or NumPy's.",
             source=location,
-            fix="draw randomness with torch ops that take a traced tensor (torch.randn_like(x),"
-            " torch.randint(..., device=x.device)); move Python/NumPy randomness into the data "
-            "pipeline and pass the result as an input",
+            fix="draw with torch (torch.rand, torch.randint, torch.randn_like, ...), or move "
+            "the Python/NumPy draw into the data pipeline and pass the result as an input",
         )
     constants = {
         name: vars(model)[name]
         for name in set(vars(model)) - before
-        if isinstance(vars(model)[name], torch.Tensor)
+        if isinstance(vars(model)[name], (torch.Tensor, torch.Generator))
     }
     restore_input_names(graph, model)
-    functionalize_setitem(graph)
+    functionalize_inplace(graph)
     input_names = tuple(n.target for n in graph.nodes if n.op == "placeholder")
     return Traced(graph, constants, tuple(tracer.guards), input_names)
 
@@ -283,6 +332,7 @@ def _trace_graph(
             leaf_methods_recorded(tracer, model, leaf_names),
             traced_range(to_int),
             traced_factories(),
+            traced_torch_calls(tracer),
         ):
             graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
     except TypeError as exc:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import linecache
 import os
 import sys
+import sysconfig
 from types import FrameType
 
 import torch
@@ -22,11 +23,23 @@ import torch
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 # The package root (this file is graphsplit/planning/user_code.py): every graphsplit frame.
 _GRAPHSPLIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# The standard library (contextlib, functools): never where the user wrote the operation. In
+# an installation without a virtual environment, site-packages sits inside it: not internal.
+_STDLIB_DIRS = tuple(
+    os.path.realpath(sysconfig.get_paths()[key]) + os.sep for key in ("stdlib", "platstdlib")
+) + tuple(sysconfig.get_paths()[key] + os.sep for key in ("stdlib", "platstdlib"))
+_PACKAGE_DIRS = tuple(
+    path + os.sep
+    for key in ("purelib", "platlib")
+    for path in (sysconfig.get_paths()[key], os.path.realpath(sysconfig.get_paths()[key]))
+)
 
 
 def is_internal(filename: str) -> bool:
-    """True for frames of torch or of graphsplit itself."""
-    return filename.startswith((_GRAPHSPLIT_DIR, _TORCH_DIR)) or filename.startswith("<")
+    """True for frames of torch, of graphsplit itself, or of Python's standard library."""
+    if filename.startswith((_GRAPHSPLIT_DIR, _TORCH_DIR)) or filename.startswith("<"):
+        return True
+    return filename.startswith(_STDLIB_DIRS) and not filename.startswith(_PACKAGE_DIRS)
 
 
 def user_frame() -> FrameType | None:

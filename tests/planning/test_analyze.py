@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphsplit.artifacts import TaintKind
+from graphsplit.planning.cut import facts
 from tests.helpers import (
     batch,
     boundary_summary,
@@ -213,3 +214,24 @@ def test_reduction_over_the_batch_in_frozen_code_is_not_cached():
     not_cached = split.report().split("Not cached", 1)[1]
     assert "mean" in not_cached and "mixes samples" in not_cached
     assert line_of(CenterOverBatch.forward, "x.mean(0)") in not_cached
+
+
+class NewZerosFromData(nn.Module):
+    """``x.new_zeros(())`` reads only x's dtype and device: it is not data of the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(4, 4).requires_grad_(False)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        latents = self.encoder(x)
+        total = latents.new_zeros(())
+        padding = torch.zeros_like(latents)
+        return self.head(latents + padding).mean() + total
+
+
+def test_new_zeros_and_zeros_like_of_data_do_not_mix_samples():
+    split = split_and_verify(NewZerosFromData(), (torch.randn(3, 4),))
+    assert not any(facts(node).mixing for node in split.graph.nodes if node.op != "output")
+    assert "self.encoder" not in split.stage2.code
