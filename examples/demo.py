@@ -34,7 +34,7 @@ from tests.zoo import SD_SIZES, CaptionedImages, build_sd_lora_step
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """Sizes of the demo run; the defaults take about 30 s of CPU time (two cores, one thread each)."""
+    """Sizes of the demo run; the defaults take about 30 s of CPU time (one thread per process)."""
 
     samples: int = 8
     batch_size: int = 4
