@@ -12,12 +12,14 @@ __all__ = [
     "CacheError",
     "CacheLockedError",
     "CorruptCacheError",
+    "DiskFullError",
     "GraphsplitError",
     "ManifestError",
     "MetaParameterError",
     "SplitError",
     "StaleCacheError",
     "TraceError",
+    "UnsafeFileError",
     "VerifyError",
     "user_error",
 ]
@@ -63,6 +65,16 @@ class CorruptCacheError(CacheError):
 
 class StaleCacheError(CacheError):
     """The cache was produced by other weights, code, boundary or data than the ones given."""
+
+
+class UnsafeFileError(CorruptCacheError):
+    """A file of the cache folder is not a regular file inside it (a symlink, FIFO, device or
+    folder), so graphsplit neither reads nor writes through it."""
+
+
+class DiskFullError(CacheError):
+    """The disk (or a quota, or the file size limit) had no room for a file of the cache; the
+    run can be resumed once there is room."""
 
 
 def describe_node(node: torch.fx.Node) -> str:

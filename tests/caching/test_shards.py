@@ -126,15 +126,3 @@ def test_duplicate_keys_are_refused(split, tmp_path):
     batches[1]["key"] = batches[0]["key"]
     with pytest.raises(CacheError, match=r"(?s)sample key 'pic000' twice.*unique 'key'"):
         cache(split, batches, tmp_path, progress=False)
-
-
-# ----------------------------------------------------------------------------------------- disk
-
-
-def test_full_disk_while_writing_gives_a_clear_error(split, tmp_path, monkeypatch):
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(files, "save_tensors", full)
-    with pytest.raises(CacheError, match=r"(?s)ran full while writing.*finished shards are kept"):
-        cache(split, loader(Pictures(4, keys=False)), tmp_path, progress=False)
