@@ -18,6 +18,7 @@ __all__ = [
     "MetaParameterError",
     "SplitError",
     "StaleCacheError",
+    "TornFileError",
     "TraceError",
     "UnsafeFileError",
     "VerifyError",
@@ -57,6 +58,11 @@ class CacheLockedError(CacheError):
 
 class ManifestError(CacheError):
     """``manifest.json`` (or a resume record) is missing, malformed or not graphsplit's."""
+
+
+class TornFileError(ManifestError):
+    """A record of the cache is empty or not JSON at all: a write cut short (by a power cut
+    before graphsplit fsync'd its records) rather than a file of another kind."""
 
 
 class CorruptCacheError(CacheError):

@@ -61,6 +61,8 @@ __all__ = [
     "pinned",
     "read_regular",
     "real_folder",
+    "is_regular",
+    "rewrite_descriptor",
     "regular_size",
     "remove_temporary_files",
     "safetensors_dtype",
@@ -72,9 +74,9 @@ __all__ = [
 
 TEMPORARY_FILE = re.compile(r"\..+\.tmp")
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _PROC_FDS = Path("/proc/self/fd")
 
 # ------------------------------------------------------------------------------------ writing
@@ -211,7 +213,7 @@ def commit_file(temporary: Path, path: Path) -> tuple[int, str]:
 def fsync_folder(folder: Path) -> None:
     """Make renames inside ``folder`` durable (a no-op where folders cannot be opened)."""
     try:
-        descriptor = os.open(folder, os.O_RDONLY | _CLOEXEC)
+        descriptor = os.open(folder, os.O_RDONLY | CLOEXEC)
     except OSError:
         return
     try:
@@ -255,8 +257,23 @@ def _create_exclusively(path: Path) -> int:
     unlinked first, and ``O_EXCL`` refuses to follow anything planted meanwhile."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC
     return os.open(path, flags, 0o644)
+
+
+def rewrite_descriptor(path: Path, descriptor: int, data: bytes) -> None:
+    """Replace the content of the open file ``path`` with ``data``, durably (the lock file,
+    which is rewritten in place because the lock is on its inode)."""
+    with no_room(path.parent, path.name, len(data)):
+        os.ftruncate(descriptor, 0)
+        os.lseek(descriptor, 0, os.SEEK_SET)
+        _write_all(descriptor, data)
+        os.fsync(descriptor)
+
+
+def is_regular(descriptor: int) -> bool:
+    """Whether an open descriptor is a regular file."""
+    return stat.S_ISREG(os.fstat(descriptor).st_mode)
 
 
 def _write_all(descriptor: int, data: bytes) -> None:
@@ -382,7 +399,7 @@ def _open_regular(path: Path) -> int:
     waits on a FIFO."""
     regular_size(path)  # refuse special files before opening them: opening a device can act
     try:
-        descriptor = os.open(path, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC)
+        descriptor = os.open(path, os.O_RDONLY | NOFOLLOW | NONBLOCK | CLOEXEC)
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise _unsafe(path, stat.S_IFLNK) from None

@@ -45,7 +45,7 @@ from typing import Any, NoReturn
 import torch
 
 from graphsplit.caching.files import read_regular
-from graphsplit.errors import ManifestError, UnsafeFileError
+from graphsplit.errors import ManifestError, TornFileError, UnsafeFileError
 
 __all__ = ["REBUILD", "JsonReader", "Rule", "json_field", "json_names", "to_json"]
 
@@ -178,7 +178,7 @@ class JsonReader:
             self.fail("", "nests lists or objects too deeply for a graphsplit record")
         except (UnicodeDecodeError, ValueError) as error:
             problem = "is empty" if not data.strip() else f"is not valid JSON ({error})"
-            raise ManifestError(
+            raise TornFileError(
                 f"{self.path} {problem}.\n  fix: the file is damaged or was "
                 f"not written by graphsplit; {REBUILD}"
             ) from None
