@@ -181,7 +181,7 @@ def cache(
     lock = FolderLock(folder / LOCK_FILE)
 
     def locked_decision() -> Decision:
-        folder.mkdir(parents=True, exist_ok=True)
+        _make_folder(folder)
         lock.acquire()
         try:
             return decide(
@@ -232,7 +232,7 @@ def _finish(folder: Path, decision: Decision, source: BatchSource) -> CacheInfo:
     errors: dict[str, float] = {}
     for index in range(num_shards):
         progress = read_shard_progress(folder, index, header)
-        if progress is None or not (folder / progress.shard.file).is_file():
+        if progress is None or files.regular_size(folder / progress.shard.file) is None:
             raise CacheError(
                 f"shard {index} of {folder} was not written (a process stopped early?).\n"
                 "  fix: rerun the same graphsplit.cache call to finish the cache"
@@ -261,6 +261,23 @@ def _finish(folder: Path, decision: Decision, source: BatchSource) -> CacheInfo:
     write_manifest(folder, manifest)
     remove_progress(folder)
     return _info(folder, manifest, written=num_shards - len(decision.finished))
+
+
+def _make_folder(folder: Path) -> None:
+    """Create the cache folder (and its parents); a file in its place is a CacheError."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise CacheError(
+            f"the cache path {folder} (or a folder above it) is an existing file, not a "
+            "folder.\n  fix: pass the path of a folder (it is created if missing), or move "
+            "the file away"
+        ) from None
+    except PermissionError as error:
+        raise CacheError(
+            f"cannot create the cache folder {folder} ({error.strerror}).\n  fix: choose a "
+            "path you can write to"
+        ) from None
 
 
 def _add_errors(errors: dict[str, float], more: Mapping[str, float]) -> None:

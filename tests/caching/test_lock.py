@@ -98,7 +98,12 @@ def test_runs_racing_for_a_stale_lock_never_both_take_it(tmp_path):
         start, done = threading.Barrier(len(locks)), threading.Barrier(len(locks))
         outcomes: list[str] = []
 
-        def race(lock: FolderLock) -> None:
+        def race(
+            lock: FolderLock,
+            start: threading.Barrier = start,
+            done: threading.Barrier = done,
+            outcomes: list[str] = outcomes,
+        ) -> None:
             start.wait()
             try:
                 lock.acquire()

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import errno
 import types
 
 import pytest
 import torch
 
-from graphsplit.caching import files
 from graphsplit.caching.dataset import CachedDataset, collate
 from graphsplit.caching.format import read_manifest
 from graphsplit.caching.run import cache
