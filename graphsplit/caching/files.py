@@ -316,6 +316,7 @@ def real_folder(path: Path, *, create: bool) -> bool:
     if create:
         with contextlib.suppress(FileExistsError):
             os.mkdir(path)
+            fsync_folder(path.parent)  # the new folder's name survives a power cut too
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
