@@ -46,6 +46,7 @@ from tests.caching.fixtures import (
     rows_by_key,
     worker_environment,
 )
+from tests.tools.specs import TINY_STEP
 
 
 @pytest.fixture
@@ -406,6 +407,10 @@ def test_a_cache_path_that_is_a_file_is_a_cache_error(split, tmp_path, capsys):
     with pytest.raises(CacheError, match="is an existing file"):
         cache(split, loader(), existing / "inner", progress=False)
     assert existing.read_text() == "not a folder"
+    assert main(["cache", f"{TINY_STEP}:step", "--out", str(existing)]) == 2
+    error = capsys.readouterr().err
+    assert "--out" in error and "is an existing file, not a folder" in error and "fix:" in error
+    assert "Traceback" not in error
 
 
 # ------------------------------------------------------- killed at random points, resumed
