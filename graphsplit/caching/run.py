@@ -114,8 +114,9 @@ def cache(
     The run is crash-safe and resumable: every file is written under a temporary name, fsync'd
     and renamed; after an interruption (``kill -9`` included) the same call skips the finished
     shards and ends with the same files as an uninterrupted run. Calling it again on a complete
-    cache made from the same weights and code does nothing; on one made from others it refuses
-    unless ``overwrite=True``. A lock file keeps two runs from writing one folder.
+    cache made from the same weights, code and samples does nothing (it reads the loader once
+    to compare each sample's key and input digest); on one made from others it refuses
+    unless ``overwrite=True``. A lock (``flock``) keeps two runs from writing one folder.
 
     The loader must yield the same batches in the same order every time (no shuffling: caching
     gains nothing from it), as dicts holding ``split.input_names`` and optionally ``"key"``, a
@@ -146,9 +147,11 @@ def cache(
         A :class:`CacheInfo` describing the folder.
 
     Raises:
-        CacheError: the disk lacks room, the loader shuffles or yields bad batches, or a
-            process failed; StaleCacheError: the folder holds another cache and ``overwrite``
-            is false; CacheLockedError: another run is writing the folder.
+        CacheError: the loader shuffles or yields bad batches, the path is a file, or a
+            process failed; DiskFullError: no room for a file (rerun to resume);
+            StaleCacheError: the folder holds another cache, or one of other samples (keys or
+            inputs), and ``overwrite`` is false; CacheLockedError: another run is writing the
+            folder; UnsafeFileError: a file of the folder is a symlink, FIFO or device.
 
     Example:
         >>> import tempfile, graphsplit
