@@ -12,12 +12,15 @@ __all__ = [
     "CacheError",
     "CacheLockedError",
     "CorruptCacheError",
+    "DiskFullError",
     "GraphsplitError",
     "ManifestError",
     "MetaParameterError",
     "SplitError",
     "StaleCacheError",
+    "TornFileError",
     "TraceError",
+    "UnsafeFileError",
     "VerifyError",
     "user_error",
 ]
@@ -57,12 +60,27 @@ class ManifestError(CacheError):
     """``manifest.json`` (or a resume record) is missing, malformed or not graphsplit's."""
 
 
+class TornFileError(ManifestError):
+    """A record of the cache is empty or not JSON at all: a write cut short (by a power cut
+    before graphsplit fsync'd its records) rather than a file of another kind."""
+
+
 class CorruptCacheError(CacheError):
     """A shard is missing, has the wrong size or checksum, or does not hold what it should."""
 
 
 class StaleCacheError(CacheError):
     """The cache was produced by other weights, code, boundary or data than the ones given."""
+
+
+class UnsafeFileError(CorruptCacheError):
+    """A file of the cache folder is not a regular file inside it (a symlink, FIFO, device or
+    folder), so graphsplit neither reads nor writes through it."""
+
+
+class DiskFullError(CacheError):
+    """The disk (or a quota, or the file size limit) had no room for a file of the cache; the
+    run can be resumed once there is room."""
 
 
 def describe_node(node: torch.fx.Node) -> str:

@@ -6,13 +6,14 @@ cache is written and read:
     run           cache(): fingerprint, decide, write shards, finish
     fingerprint   what produced a cache, to compare it with a split
     decide        nothing to do, resume, or start afresh; removing graphsplit's files
-    lock          the folder lock
+    samples       whether the loader still yields the cached samples (keys, input digests)
+    lock          the folder lock (flock)
     sources       where batches come from (the loader, numbered)
     shards        where a shard is written (stage 1, rows, background save and commit)
     processes     agreeing across accelerate processes
     format        the folder's files and records, described once
     validate      strict JSON to the format's dataclasses and back
-    files         atomic writes, fsync, checksums, free space
+    files         every read and write: atomic, fsync'd, regular files only, no room -> error
     memory_order  the memory layout rows are stored in
     dataset       CachedDataset, collate, verify_inputs
     check         check_cache, CacheReport

@@ -16,16 +16,16 @@ In and out::
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors import safe_open
 
-from graphsplit.caching.files import sha256_file
+from graphsplit.caching import files
 from graphsplit.caching.format import (
     CONSTANTS_FILE,
     MANIFEST_FILE,
@@ -36,29 +36,19 @@ from graphsplit.caching.format import (
     tensor_name,
 )
 from graphsplit.caching.memory_order import row_order
-from graphsplit.errors import ManifestError
+from graphsplit.errors import ManifestError, UnsafeFileError
 
 __all__ = [
     "CacheProblem",
     "CacheReport",
     "check_cache",
     "file_problem",
+    "open_problem",
     "shard_tensors_problem",
     "some_keys",
 ]
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+_SAFETENSORS_DTYPES = {code: dtype for dtype, code in files.SAFETENSORS_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -139,11 +129,7 @@ def check_cache(path: str | os.PathLike[str]) -> CacheReport:
     for record in manifest.shards:
         problem = file_problem(folder, record, checksum=True)
         if problem is None:
-            try:
-                with safe_open(str(folder / record.file), framework="pt", device="cpu") as f:
-                    problem = shard_tensors_problem(f, record, manifest)
-            except Exception as error:
-                problem = f"safetensors cannot open it ({error})"
+            _, problem = open_problem(folder, record, manifest)
         if problem is None:
             checked += record.bytes
         else:
@@ -152,24 +138,34 @@ def check_cache(path: str | os.PathLike[str]) -> CacheReport:
 
 
 def file_problem(folder: Path, record: FileRecord, *, checksum: bool) -> str | None:
-    """What is wrong with a recorded file (missing, another size or sha256), or None."""
+    """What is wrong with a recorded file (missing, not a regular file, another size or
+    sha256), or None."""
     path = folder / record.file
     try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return "the file is missing"
-    except OSError as error:
-        return f"the file cannot be read ({error})"
-    if size != record.bytes:
-        return f"it has {size:,} bytes, the manifest records {record.bytes:,}"
-    if checksum:
-        try:
-            digest = sha256_file(path)
-        except OSError as error:
-            return f"the file cannot be read ({error})"
-        if digest != record.sha256:
+        size = files.regular_size(path)
+        if size is None:
+            return "the file is missing"
+        if size != record.bytes:
+            return f"it has {size:,} bytes, the manifest records {record.bytes:,}"
+        if checksum and files.sha256_file(path) != record.sha256:
             return "its sha256 differs from the manifest's (the bytes changed)"
+    except UnsafeFileError as error:
+        return "it " + str(error).split(";")[0].removeprefix(f"{path} ")
+    except OSError as error:
+        return f"the file cannot be read ({error.strerror or error})"
     return None
+
+
+def open_problem(folder: Path, record: ShardRecord, manifest: Manifest) -> tuple[Any, str | None]:
+    """Open a shard that :func:`file_problem` passed: its safetensors handle, or a problem."""
+    try:
+        with files.pinned(folder / record.file) as name:
+            handle = safe_open(name, framework="pt", device="cpu")
+    except UnsafeFileError as error:
+        return None, str(error).split(";")[0]
+    except Exception as error:  # safetensors raises its own error types
+        return None, f"safetensors cannot open it ({error})"
+    return handle, shard_tensors_problem(handle, record, manifest)
 
 
 def shard_tensors_problem(handle: Any, record: ShardRecord, manifest: Manifest) -> str | None:
@@ -199,13 +195,22 @@ def shard_tensors_problem(handle: Any, record: ShardRecord, manifest: Manifest) 
                 f"tensor {name!r} is {tensor.get_dtype()} {tuple(tensor.get_shape())}, the "
                 f"manifest records {dtype} {shape}"
             )
+    try:
+        embedded = json.loads((handle.metadata() or {}).get("graphsplit_keys", "null"))
+    except ValueError:
+        embedded = None
+    if embedded != list(record.keys):
+        return (
+            "the sample keys written inside it differ from the manifest's (a shard of another "
+            "cache, or of another place in this one)"
+        )
     return None
 
 
 def _constants_problem(folder: Path, manifest: Manifest) -> str | None:
     header = manifest.header
     try:
-        with safe_open(str(folder / CONSTANTS_FILE), framework="pt", device="cpu") as f:
+        with files.pinned(folder / CONSTANTS_FILE) as name, safe_open(name, "pt") as f:
             names = set(f.keys())
             wanted = {spec.name for spec in header.constant_specs}
             if names != wanted:

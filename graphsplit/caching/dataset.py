@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import safe_open
 
-from graphsplit.caching.check import file_problem, shard_tensors_problem, some_keys
+from graphsplit.caching import files
+from graphsplit.caching.check import file_problem, open_problem, some_keys
 from graphsplit.caching.fingerprint import (
     BINDING_PARTS,
     UNKNOWN_WEIGHTS,
@@ -45,6 +46,7 @@ from graphsplit.caching.fingerprint import (
 )
 from graphsplit.caching.format import CONSTANTS_FILE, Manifest, read_manifest, tensor_name
 from graphsplit.caching.memory_order import Order, inverse, row_order
+from graphsplit.caching.samples import describe_changes
 from graphsplit.errors import CacheError, CorruptCacheError, StaleCacheError
 
 if TYPE_CHECKING:
@@ -95,7 +97,11 @@ class CachedDataset(torch.utils.data.Dataset):
             :func:`verify_inputs`).
         expected_keys: when given, refuse a cache whose sample keys are not exactly these
             (a cheap check for added or removed samples).
-        verify: check each shard's sha256 on first use (reads each shard once more).
+        verify: check each shard's sha256 on first use (reads each shard once more). With
+            ``verify=False`` each shard's size, tensor names, shapes and dtypes, and the sample
+            keys written inside it are still checked against the manifest (cheap: its header
+            only), so a truncated or swapped shard is refused; changed bytes inside a tensor
+            are found only by the sha256 (or :func:`graphsplit.check_cache`).
 
     Example:
         >>> import tempfile, graphsplit
@@ -238,12 +244,7 @@ class CachedDataset(torch.utils.data.Dataset):
             self.path, record, checksum=self.verify and shard not in self._verified
         )
         if problem is None:
-            try:
-                handle = safe_open(str(self.path / record.file), framework="pt", device="cpu")
-            except Exception as error:
-                problem = f"safetensors cannot open it ({error})"
-            else:
-                problem = shard_tensors_problem(handle, record, self.manifest)
+            handle, problem = open_problem(self.path, record, self.manifest)
         if problem is not None:
             self._corrupt[shard] = problem
             raise self._corrupt_error(shard, problem)
@@ -271,7 +272,7 @@ class CachedDataset(torch.utils.data.Dataset):
         constants: dict[str, torch.Tensor] = {}
         if problem is None:
             try:
-                with safe_open(str(self.path / record.file), framework="pt", device="cpu") as f:
+                with files.pinned(self.path / record.file) as name, safe_open(name, "pt") as f:
                     for spec in header.constant_specs:
                         value = f.get_tensor(spec.name)
                         order = record.dim_orders.get(spec.name)
@@ -297,7 +298,7 @@ class CachedDataset(torch.utils.data.Dataset):
         if missing or extra:
             raise StaleCacheError(
                 f"the cache at {self.path} holds other samples than expected: "
-                + _key_changes(missing=missing, removed=extra)
+                + describe_changes(missing=missing, removed=extra)
                 + ".\n  fix: rebuild the cache with graphsplit.cache(split, loader, path, "
                 "overwrite=True)"
             )
@@ -455,27 +456,7 @@ def verify_inputs(cached: CachedDataset | str | os.PathLike[str], dataset: Any) 
             )
         raise StaleCacheError(
             f"the cache at {cached.path} was made from other data: "
-            + _key_changes(changed=changed, added=added, removed=removed)
+            + describe_changes(changed=changed, added=added, removed=removed)
             + f"{hint}.\n  fix: rebuild the cache with graphsplit.cache(split, loader, path, "
             "overwrite=True)"
         )
-
-
-def _key_changes(
-    *,
-    changed: Sequence[str] = (),
-    added: Sequence[str] = (),
-    missing: Sequence[str] = (),
-    removed: Sequence[str] = (),
-) -> str:
-    parts = []
-    if changed:
-        parts.append(f"{len(changed)} sample(s) changed ({some_keys(changed)})")
-    if added:
-        parts.append(f"{len(added)} sample(s) are new ({some_keys(added)})")
-    if missing:
-        listed = some_keys(missing)
-        parts.append(f"{len(missing)} expected sample(s) are not in the cache ({listed})")
-    if removed:
-        parts.append(f"{len(removed)} cached sample(s) are no longer there ({some_keys(removed)})")
-    return "; ".join(parts)

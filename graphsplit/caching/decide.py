@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -51,8 +52,15 @@ from graphsplit.caching.format import (
     read_shard_progress,
     write_resume_header,
 )
+from graphsplit.caching.samples import SampleChanges, loader_samples, merge, record_samples
 from graphsplit.caching.sources import BatchSource
-from graphsplit.errors import CacheError, CorruptCacheError, ManifestError, StaleCacheError
+from graphsplit.errors import (
+    CacheError,
+    CorruptCacheError,
+    ManifestError,
+    StaleCacheError,
+    TornFileError,
+)
 from graphsplit.units import human_bytes
 
 __all__ = ["Decision", "decide", "remove_progress"]
@@ -88,17 +96,18 @@ def decide(
     files.remove_temporary_files(folder, folder / PARTIAL_DIR)
     if source.num_batches == 0:
         raise CacheError("the loader yielded no batches; there is nothing to cache")
-    if (folder / MANIFEST_FILE).exists():
+    if os.path.lexists(folder / MANIFEST_FILE):
         complete = _complete_cache(folder, source, current, storage_dtype, overwrite)
         if complete is not None:
             return Decision(header=complete.header, complete=complete)
     header = _resumable_header(folder, split, current, storage_dtype, shard_bytes, overwrite)
-    finished: dict[int, ShardProgress] = {}
     if header is None:
         header = _new_header(split, source, current, storage_dtype, shard_bytes)
-    else:
-        finished = _finished_shards(folder, header)
-        source.check_resumed_order(finished, header.layout.batches_per_shard)
+    # Finished shards of an interrupted run: their records and files must agree, and the
+    # loader must still yield the same samples (order, keys and inputs) for them.
+    finished = _finished_shards(folder, header)
+    source.check_resumed_order(finished, header.layout.batches_per_shard)
+    finished = _same_samples(folder, source, header, finished, overwrite)
     _check_disk_space(folder, header, source, finished)
     write_resume_header(folder, header)
     return Decision(header=header, finished=finished)
@@ -128,6 +137,17 @@ def _complete_cache(
             "  fix: pass overwrite=True to rebuild it"
         )
     _check_files_present(folder, manifest)
+    per_shard = manifest.header.layout.batches_per_shard
+    now = loader_samples(source, lambda shard: True, per_shard, manifest.header.inputs)
+    changes = SampleChanges.between(
+        (row for shard in manifest.shards for row in record_samples(shard)),
+        (row for shard in sorted(now) for row in now[shard]),
+    )
+    if not changes.empty:
+        raise StaleCacheError(
+            f"the cache at {folder} was made from other data than the loader yields now: "
+            f"{changes}.\n  fix: pass overwrite=True to rebuild it, or choose another path"
+        )
     remove_progress(folder)  # left over if a run stopped right after writing the manifest
     return manifest
 
@@ -141,7 +161,17 @@ def _resumable_header(
     overwrite: bool,
 ) -> CacheHeader | None:
     """The header of an interrupted run that this call continues, or None to start afresh."""
-    header = _read_or_discard(read_resume_header, folder, overwrite)
+    try:
+        header = _read_or_discard(read_resume_header, folder, overwrite)
+    except TornFileError as error:
+        # A header cut short by a power cut (graphsplit 0.1 did not fsync it): start from this
+        # call's header; the finished shards whose records, files and samples agree are kept.
+        warnings.warn(
+            f"{error.args[0].splitlines()[0]}; graphsplit resumes the cache at {folder} from "
+            "the finished shards that verify",
+            stacklevel=6,
+        )
+        return None
     if header is None:
         return None
     reasons = [_header_differences(header, current, storage)]
@@ -231,6 +261,34 @@ def _finished_shards(folder: Path, header: CacheHeader) -> dict[int, ShardProgre
     return finished
 
 
+def _same_samples(
+    folder: Path,
+    source: BatchSource,
+    header: CacheHeader,
+    finished: dict[int, ShardProgress],
+    overwrite: bool,
+) -> dict[int, ShardProgress]:
+    """The finished shards whose samples the loader still yields unchanged; a changed shard
+    is refused, or with ``overwrite`` redone."""
+    if not finished:
+        return finished
+    per_shard = header.layout.batches_per_shard
+    now = loader_samples(source, finished.__contains__, per_shard, header.inputs)
+    changes = {}
+    for shard, progress in finished.items():
+        change = SampleChanges.between(record_samples(progress.shard), now.get(shard, []))
+        if not change.empty:
+            changes[shard] = change
+    if changes and not overwrite:
+        raise StaleCacheError(
+            f"the unfinished cache at {folder} was started from other data than the loader "
+            f"yields now: {merge(changes)}, in finished shard(s) {sorted(changes)}.\n  fix: rerun "
+            "with the data the run started with, or pass overwrite=True to redo the changed "
+            "shards"
+        )
+    return {shard: progress for shard, progress in finished.items() if shard not in changes}
+
+
 def _check_disk_space(
     folder: Path, header: CacheHeader, source: BatchSource, finished: Mapping[int, ShardProgress]
 ) -> None:
@@ -265,8 +323,7 @@ def _stored_bytes_per_sample(header: CacheHeader) -> int:
 def _check_files_present(folder: Path, manifest: Manifest) -> None:
     records = [*manifest.shards, *([manifest.constants] if manifest.constants else [])]
     for record in records:
-        path = folder / record.file
-        size = path.stat().st_size if path.is_file() else None
+        size = files.regular_size(folder / record.file)
         if size != record.bytes:
             state = "is missing" if size is None else f"has {size} bytes, not {record.bytes}"
             raise CorruptCacheError(
@@ -279,7 +336,7 @@ def _remove_cache_files(folder: Path) -> None:
     """Delete the files graphsplit wrote (the manifest first), nothing else in the folder."""
     (folder / MANIFEST_FILE).unlink(missing_ok=True)
     for entry in folder.iterdir():
-        if entry.is_file() and (
+        if (entry.is_symlink() or not entry.is_dir()) and (
             SHARD_FILE_PATTERN.fullmatch(entry.name)
             or entry.name == CONSTANTS_FILE
             or files.TEMPORARY_FILE.fullmatch(entry.name)
@@ -291,10 +348,10 @@ def _remove_cache_files(folder: Path) -> None:
 def remove_progress(folder: Path) -> None:
     """Delete ``.partial/`` and the records in it (the cache is complete, or discarded)."""
     partial = folder / PARTIAL_DIR
-    if not partial.is_dir():
+    if not files.real_folder(partial, create=False):
         return
     for entry in partial.iterdir():
-        if entry.is_file() and (
+        if (entry.is_symlink() or not entry.is_dir()) and (
             entry.suffix == ".json" or files.TEMPORARY_FILE.fullmatch(entry.name)
         ):
             entry.unlink()

@@ -1,20 +1,32 @@
-"""Crash-safe file writing: temporary names, fsync, atomic renames, checksums, free space.
+"""Every byte graphsplit writes or reads in a cache folder goes through here.
+
+Writing is crash-safe; reading opens only regular files inside the folder.
 
 Glossary:
-    temporary file: ``.{name}.tmp`` next to the file it becomes; a run that dies leaves only
-        those behind, and the next run deletes them (:func:`remove_temporary_files`).
+    temporary file: ``.{name}.tmp`` next to the file it becomes, created exclusively (never
+        through a planted symlink); a run that dies leaves only those behind, and the next run
+        deletes them (:func:`remove_temporary_files`).
     commit: hash and fsync a finished temporary file, then rename it over its final name, so a
         reader sees the old file or the whole new one, never a part.
-    durable: fsync'd, file and folder, so it survives a power cut; resume records skip that,
-        as losing one only means redoing a shard.
+    durable: fsync'd, file and folder, so it survives a power cut. Every file is fsync'd before
+        anything relies on it; the folder once before the manifest names its files.
+    regular: a plain file, not a symlink, FIFO, device or folder. Readers check with ``lstat``
+        and open with ``O_NOFOLLOW | O_NONBLOCK``, so a planted FIFO cannot hang them and a
+        symlink cannot lead them out of the folder (:class:`UnsafeFileError` otherwise).
+    no room: ENOSPC, EDQUOT or EFBIG while writing; always a :class:`DiskFullError` saying what
+        was needed and that the run resumes. The half-written temporary file is deleted.
 
 In and out::
 
-    write_atomically(path, data, *, durable=True)
+    write_atomically(path, data)                      # durable, atomic, no room -> DiskFullError
+    save_tensors(tensors, path, metadata)             # safetensors, to path's temporary file
     commit_file(temporary, path) -> (bytes, sha256)
-    save_tensors(tensors, path, metadata)            # safetensors, views allowed
+    read_regular(path, *, limit) -> bytes             # UnsafeFileError, FileNotFoundError
+    regular_size(path) -> int | None                  # None: missing; UnsafeFileError
+    pinned(path) -> name                              # for libraries that open by name
     sha256_file(path) -> str      file_matches(path, *, size, sha256) -> bool
-    free_bytes(folder) -> int     disk_errors(folder, name)   # ENOSPC -> CacheError
+    real_folder(path, *, create) -> bool              # no symlinked folders either
+    free_bytes(folder) -> int     no_room(folder, name, needed)   # OSError -> DiskFullError
 """
 
 from __future__ import annotations
@@ -22,26 +34,38 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import mmap
 import os
 import re
 import shutil
+import stat
+import struct
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from graphsplit.errors import CacheError
+from graphsplit.errors import CacheError, DiskFullError, UnsafeFileError
+from graphsplit.units import human_bytes
 
 __all__ = [
+    "SAFETENSORS_DTYPES",
     "TEMPORARY_FILE",
     "commit_file",
-    "disk_errors",
     "file_matches",
     "free_bytes",
     "fsync_folder",
+    "is_regular",
+    "no_room",
+    "pinned",
+    "read_regular",
+    "real_folder",
+    "regular_size",
     "remove_temporary_files",
+    "rewrite_descriptor",
+    "safetensors_dtype",
     "save_tensors",
     "sha256_file",
     "temporary_path",
@@ -49,6 +73,13 @@ __all__ = [
 ]
 
 TEMPORARY_FILE = re.compile(r"\..+\.tmp")
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_PROC_FDS = Path("/proc/self/fd")
+
+# ------------------------------------------------------------------------------------ writing
 
 
 def temporary_path(path: Path) -> Path:
@@ -56,22 +87,105 @@ def temporary_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
-def write_atomically(path: Path, data: bytes, *, durable: bool = True) -> None:
+def write_atomically(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
 
-    The bytes go to a temporary name in the same folder and are renamed over ``path``. When
-    ``durable``, the file is fsync'd before and the folder after the rename, so both survive a
-    power loss.
+    The bytes go to a temporary name in the same folder, are fsync'd and renamed over
+    ``path``; the folder is fsync'd after, so both survive a power cut.
+
+    Raises:
+        DiskFullError: no room (nothing is left behind); UnsafeFileError: a folder on the way
+            is a symlink.
     """
     temporary = temporary_path(path)
-    with open(temporary, "wb") as handle:
-        handle.write(data)
-        if durable:
-            handle.flush()
-            os.fsync(handle.fileno())
-    os.replace(temporary, path)
-    if durable:
-        fsync_folder(path.parent)
+    with no_room(path.parent, path.name, len(data)):
+        descriptor = _create_exclusively(temporary)
+        try:
+            with _removed_on_error(temporary):
+                _write_all(descriptor, data)
+                os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        os.replace(temporary, path)
+    fsync_folder(path.parent)
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """Save ``tensors`` in the safetensors format to ``path``'s temporary file (commit it next
+    with :func:`commit_file`); views of one storage are fine.
+
+    graphsplit writes the format itself (an 8-byte header length, the JSON header padded to 8
+    bytes, then each tensor's bytes, widest dtype first, then by name), straight from the
+    tensors' memory: no copy, the same write path and errors as every other file, and the same
+    bytes on every run, process and safetensors version.
+
+    Raises:
+        DiskFullError: no room (nothing is left behind); CacheError: a dtype safetensors lacks.
+    """
+    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in order:
+        value = tensors[name]
+        end = offset + value.numel() * value.element_size()
+        header[name] = {
+            "dtype": safetensors_dtype(value.dtype, name),
+            "shape": list(value.shape),
+            "data_offsets": [offset, end],
+        }
+        offset = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    temporary = temporary_path(path)
+    with no_room(path.parent, path.name, 8 + len(text) + offset):
+        descriptor = _create_exclusively(temporary)
+        try:
+            with _removed_on_error(temporary):
+                _write_all(descriptor, struct.pack("<Q", len(text)) + text)
+                for name in order:
+                    value = tensors[name].detach().contiguous().reshape(-1)
+                    if value.numel():
+                        _write_all(descriptor, value.view(torch.uint8).numpy().data)
+        finally:
+            os.close(descriptor)
+
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    **{
+        getattr(torch, name): code
+        for name, code in [
+            ("uint16", "U16"),
+            ("uint32", "U32"),
+            ("uint64", "U64"),
+            ("float8_e4m3fn", "F8_E4M3"),
+            ("float8_e5m2", "F8_E5M2"),
+            ("complex64", "C64"),
+        ]
+        if hasattr(torch, name)
+    },
+}
+
+
+def safetensors_dtype(dtype: torch.dtype, name: str) -> str:
+    """The safetensors name of ``dtype`` (``"F32"``), or a CacheError naming the tensor."""
+    code = SAFETENSORS_DTYPES.get(dtype)
+    if code is None:
+        raise CacheError(
+            f"the boundary tensor {name!r} is {dtype}, which the safetensors format cannot "
+            f"store.\n  fix: cast it in the training step to one of "
+            f"{sorted(str(d).removeprefix('torch.') for d in SAFETENSORS_DTYPES)}"
+        )
+    return code
 
 
 def commit_file(temporary: Path, path: Path) -> tuple[int, str]:
@@ -83,21 +197,23 @@ def commit_file(temporary: Path, path: Path) -> tuple[int, str]:
     Returns:
         The file's size in bytes and its hex sha256.
     """
-    sha = sha256_file(temporary)
-    descriptor = os.open(temporary, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-        size = os.fstat(descriptor).st_size
-    finally:
-        os.close(descriptor)
-    os.replace(temporary, path)
+    with no_room(path.parent, path.name, None):
+        descriptor = _open_regular(temporary)
+        try:
+            with _removed_on_error(temporary):
+                sha = _sha256_descriptor(descriptor)
+                os.fsync(descriptor)
+                size = os.fstat(descriptor).st_size
+        finally:
+            os.close(descriptor)
+        os.replace(temporary, path)
     return size, sha
 
 
 def fsync_folder(folder: Path) -> None:
     """Make renames inside ``folder`` durable (a no-op where folders cannot be opened)."""
     try:
-        descriptor = os.open(folder, os.O_RDONLY)
+        descriptor = os.open(folder, os.O_RDONLY | CLOEXEC)
     except OSError:
         return
     try:
@@ -108,35 +224,27 @@ def fsync_folder(folder: Path) -> None:
         os.close(descriptor)
 
 
-def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
-    """``safetensors.torch.save_file``, also for views that share one storage.
-
-    safetensors writes non-overlapping views of one storage as separate tensors; versions that
-    refuse views, and views that overlap, get copies.
-    """
+@contextlib.contextmanager
+def no_room(folder: Path, name: str, needed: int | None) -> Iterator[None]:
+    """Turn "no room" (disk full, quota, file size limit) while writing ``name`` into a
+    :class:`DiskFullError` that says what was needed and that the run resumes."""
     try:
-        save_file(tensors, path, metadata=metadata)
-    except RuntimeError as error:
-        if "share memory" not in str(error):
+        yield
+    except OSError as error:
+        if error.errno not in NO_ROOM:
             raise
-        save_file({name: value.clone() for name, value in tensors.items()}, path, metadata)
-
-
-def sha256_file(path: Path) -> str:
-    """The hex sha256 of a file's bytes, hashed from a read-only memory map (no copy)."""
-    with open(path, "rb") as handle:
-        if os.fstat(handle.fileno()).st_size == 0:
-            return hashlib.sha256().hexdigest()
-        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            return hashlib.sha256(mapped).hexdigest()
-
-
-def file_matches(path: Path, *, size: int, sha256: str) -> bool:
-    """Whether ``path`` exists with exactly this size and sha256 (unreadable: no)."""
-    try:
-        return path.stat().st_size == size and sha256_file(path) == sha256
-    except OSError:
-        return False
+        try:
+            free = f", {human_bytes(free_bytes(folder))} free"
+        except OSError:
+            free = ""
+        size = "" if needed is None else f"; this file needs {human_bytes(needed)}"
+        raise DiskFullError(
+            f"no room to write {name} in {folder}: the disk is full, or a quota or the file "
+            f"size limit was reached ({os.strerror(error.errno)}{size}{free}). Nothing "
+            "half-written was kept.\n  fix: free some "
+            "space (or raise the limit) and rerun the same graphsplit.cache call: it resumes "
+            "from the finished shards"
+        ) from None
 
 
 def free_bytes(folder: Path) -> int:
@@ -144,24 +252,187 @@ def free_bytes(folder: Path) -> int:
     return shutil.disk_usage(folder).free
 
 
+def _create_exclusively(path: Path) -> int:
+    """A new, empty file at ``path``: whatever was there (a leftover, a planted symlink) is
+    unlinked first, and ``O_EXCL`` refuses to follow anything planted meanwhile."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC
+    return os.open(path, flags, 0o644)
+
+
+def rewrite_descriptor(path: Path, descriptor: int, data: bytes) -> None:
+    """Replace the content of the open file ``path`` with ``data``, durably (the lock file,
+    which is rewritten in place because the lock is on its inode)."""
+    with no_room(path.parent, path.name, len(data)):
+        os.ftruncate(descriptor, 0)
+        os.lseek(descriptor, 0, os.SEEK_SET)
+        _write_all(descriptor, data)
+        os.fsync(descriptor)
+
+
+def is_regular(descriptor: int) -> bool:
+    """Whether an open descriptor is a regular file."""
+    return stat.S_ISREG(os.fstat(descriptor).st_mode)
+
+
+def _write_all(descriptor: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(descriptor, view) :]
+
+
+def _descriptor_name(descriptor: int, path: Path) -> str:
+    """A name that opens the very file ``descriptor`` refers to (Linux), else ``path``."""
+    return str(_PROC_FDS / str(descriptor)) if _PROC_FDS.is_dir() else str(path)
+
+
 @contextlib.contextmanager
-def disk_errors(folder: Path, name: str) -> Iterator[None]:
-    """Turn a full disk (or quota) while writing ``name`` into a :class:`CacheError` with a fix."""
+def _removed_on_error(path: Path) -> Iterator[None]:
     try:
         yield
-    except OSError as error:
-        if error.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise CacheError(
-                f"the disk holding {folder} ran full while writing {name}.\n  fix: free some "
-                "space and rerun the same graphsplit.cache call: finished shards are kept"
-            ) from error
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
         raise
 
 
 def remove_temporary_files(*folders: Path) -> None:
-    """Delete the temporary files a stopped run left in ``folders`` (missing ones are skipped)."""
+    """Delete the temporary files a stopped run left in ``folders`` (missing or symlinked
+    folders are skipped: nothing outside the cache is touched)."""
     for folder in folders:
-        if folder.is_dir():
+        if real_folder(folder, create=False):
             for entry in folder.iterdir():
-                if TEMPORARY_FILE.fullmatch(entry.name) and entry.is_file():
-                    entry.unlink()
+                if TEMPORARY_FILE.fullmatch(entry.name) and not entry.is_dir():
+                    entry.unlink(missing_ok=True)
+
+
+def real_folder(path: Path, *, create: bool) -> bool:
+    """Whether ``path`` is a folder and not a symlink to one (created first if ``create``).
+
+    Raises:
+        UnsafeFileError: ``path`` is a symlink or another kind of file.
+    """
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path)
+            fsync_folder(path.parent)  # the new folder's name survives a power cut too
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(mode):
+        raise _unsafe(path, mode)
+    return True
+
+
+# ------------------------------------------------------------------------------------ reading
+
+
+def regular_size(path: Path) -> int | None:
+    """The size of the regular file ``path``, or None when it does not exist.
+
+    Raises:
+        UnsafeFileError: it is a symlink, FIFO, device or folder.
+    """
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(info.st_mode):
+        raise _unsafe(path, info.st_mode)
+    return info.st_size
+
+
+def read_regular(path: Path, *, limit: int) -> bytes:
+    """The bytes of the regular file ``path``, refused above ``limit`` bytes.
+
+    Raises:
+        FileNotFoundError; UnsafeFileError: not a regular file, or larger than ``limit``.
+    """
+    descriptor = _open_regular(path)
+    try:
+        size = os.fstat(descriptor).st_size
+        if size > limit:
+            raise UnsafeFileError(
+                f"{path} holds {human_bytes(size)}, more than the {human_bytes(limit)} a "
+                "graphsplit cache file of its kind can hold.\n  fix: the file is damaged or not "
+                "graphsplit's; rebuild the cache with graphsplit.cache(split, loader, path, "
+                "overwrite=True)"
+            )
+        with os.fdopen(os.dup(descriptor), "rb") as handle:
+            return handle.read(limit + 1)[:limit]
+    finally:
+        os.close(descriptor)
+
+
+@contextlib.contextmanager
+def pinned(path: Path) -> Iterator[str]:
+    """A name for the regular file ``path`` as checked now, for libraries that open by name
+    (safetensors): on Linux ``/proc/self/fd/N`` of an ``O_NOFOLLOW`` descriptor, so swapping
+    the file for a symlink after the check changes nothing."""
+    descriptor = _open_regular(path)
+    try:
+        yield _descriptor_name(descriptor, path)
+    finally:
+        os.close(descriptor)
+
+
+def sha256_file(path: Path) -> str:
+    """The hex sha256 of a regular file's bytes, hashed from a read-only memory map."""
+    descriptor = _open_regular(path)
+    try:
+        return _sha256_descriptor(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def file_matches(path: Path, *, size: int, sha256: str) -> bool:
+    """Whether ``path`` is a regular file with exactly this size and sha256 (else: no)."""
+    try:
+        return regular_size(path) == size and sha256_file(path) == sha256
+    except (OSError, UnsafeFileError):
+        return False
+
+
+def _open_regular(path: Path) -> int:
+    """A read-only descriptor of the regular file ``path``; never follows a symlink and never
+    waits on a FIFO."""
+    regular_size(path)  # refuse special files before opening them: opening a device can act
+    try:
+        descriptor = os.open(path, os.O_RDONLY | NOFOLLOW | NONBLOCK | CLOEXEC)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise _unsafe(path, stat.S_IFLNK) from None
+        raise
+    mode = os.fstat(descriptor).st_mode
+    if not stat.S_ISREG(mode):  # swapped between the check and the open
+        os.close(descriptor)
+        raise _unsafe(path, mode)
+    return descriptor
+
+
+def _sha256_descriptor(descriptor: int) -> str:
+    if os.fstat(descriptor).st_size == 0:
+        return hashlib.sha256().hexdigest()
+    with mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ) as mapped:
+        return hashlib.sha256(mapped).hexdigest()
+
+
+def _unsafe(path: Path, mode: int) -> UnsafeFileError:
+    kinds = [
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISREG, "a regular file"),
+    ]
+    kind = next((name for test, name in kinds if test(mode)), "a special file")
+    return UnsafeFileError(
+        f"{path} is {kind}, not what graphsplit wrote there; graphsplit reads and writes only "
+        "regular files and folders inside the cache folder, never through symlinks.\n  fix: "
+        f"delete {path} (or the whole cache) and rerun graphsplit.cache; if the cache was "
+        "copied, copy it without symlinks (cp -rL)"
+    )

@@ -10,7 +10,7 @@ A cache folder holds::
                                graphsplit 0.1 named it .partial/plan.json, still read)
     .partial/shard-00000.json  while writing: ShardProgress, one per finished shard
     .partial/constants.json    while writing: ConstantsProgress, once the constants are written
-    .lock                      while writing: pid and host of the writer (see caching.lock)
+    .lock                      the writer's flock; names its pid and host (see caching.lock)
 
 Glossary:
     header: what a run was started with (fingerprint, inputs, boundary, storage, shard layout);
@@ -45,6 +45,7 @@ In and out::
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ from typing import Any
 import torch
 
 from graphsplit.artifacts import BoundarySpec
-from graphsplit.caching.files import write_atomically
+from graphsplit.caching.files import real_folder, write_atomically
 from graphsplit.caching.fingerprint import Fingerprint
 from graphsplit.caching.memory_order import Order
 from graphsplit.caching.validate import REBUILD, JsonReader, json_field, json_names, to_json
@@ -232,23 +233,25 @@ def write_manifest(folder: Path, manifest: Manifest) -> None:
 
 def write_resume_header(folder: Path, header: CacheHeader) -> None:
     """Record the header a run starts with, in ``.partial/header.json``."""
-    (folder / PARTIAL_DIR).mkdir(exist_ok=True)
+    real_folder(folder / PARTIAL_DIR, create=True)
     document = {"format": FORMAT, "format_version": FORMAT_VERSION, **to_json(header)}
     data = json.dumps(document, indent=2).encode()
-    write_atomically(folder / PARTIAL_DIR / RESUME_HEADER_FILE, data, durable=False)
+    write_atomically(folder / PARTIAL_DIR / RESUME_HEADER_FILE, data)
 
 
 def write_progress(folder: Path, progress: ShardProgress | ConstantsProgress) -> None:
     """Record a finished shard or constants file in ``.partial/`` (after its file's rename).
 
-    Not durable: a lost or damaged progress record only means redoing that file.
+    Durable like every file graphsplit writes; a lost or damaged one only means redoing
+    that file.
     """
     if isinstance(progress, ShardProgress):
         name = Path(progress.shard.file).with_suffix(".json").name
     else:
         name = CONSTANTS_PROGRESS_FILE
     data = json.dumps(to_json(progress)).encode()
-    write_atomically(folder / PARTIAL_DIR / name, data, durable=False)
+    real_folder(folder / PARTIAL_DIR, create=True)
+    write_atomically(folder / PARTIAL_DIR / name, data)
 
 
 def _format_json(value: Any, depth: int = 0, *, inline: bool = False) -> str:
@@ -283,7 +286,7 @@ def read_manifest(folder: Path) -> Manifest:
             version, or names files outside the folder; the message names the field.
     """
     path = Path(folder) / MANIFEST_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         hint = ""
         if has_resume_header(Path(folder)):
             hint = (
@@ -313,7 +316,7 @@ def has_resume_header(folder: Path) -> bool:
     """Whether a caching run started in ``folder`` (and has not finished or been cleaned up)."""
     partial = folder / PARTIAL_DIR
     names = (RESUME_HEADER_FILE, RESUME_HEADER_FILE_0_1)
-    return any((partial / name).is_file() for name in names)
+    return any(os.path.lexists(partial / name) for name in names)
 
 
 def read_resume_header(folder: Path) -> CacheHeader | None:
@@ -323,7 +326,7 @@ def read_resume_header(folder: Path) -> CacheHeader | None:
     """
     for name in (RESUME_HEADER_FILE, RESUME_HEADER_FILE_0_1):
         path = Path(folder) / PARTIAL_DIR / name
-        if path.is_file():
+        if os.path.lexists(path):
             reader = JsonReader(path)
             header: CacheHeader = _read_stamped(reader, CacheHeader)
             _check_header(reader, header)
@@ -334,7 +337,7 @@ def read_resume_header(folder: Path) -> CacheHeader | None:
 def read_shard_progress(folder: Path, index: int, header: CacheHeader) -> ShardProgress | None:
     """The progress record of shard ``index``, or None when absent or unreadable."""
     path = Path(folder) / PARTIAL_DIR / shard_progress_name(index)
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
     reader = JsonReader(path)
     try:
@@ -349,7 +352,7 @@ def read_shard_progress(folder: Path, index: int, header: CacheHeader) -> ShardP
 def read_constants_progress(folder: Path, header: CacheHeader) -> ConstantsProgress | None:
     """The progress record of the constants file, or None when absent or unreadable."""
     path = Path(folder) / PARTIAL_DIR / CONSTANTS_PROGRESS_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None
     reader = JsonReader(path)
     try:

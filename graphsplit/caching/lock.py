@@ -1,128 +1,170 @@
 """The folder lock: one caching run writes a cache folder at a time.
 
 Glossary:
-    lock file: ``.lock`` in the cache folder, holding the writer's pid, host, process start
-        time and since when it writes, as JSON.
-    stale lock: one whose process is gone from this host (or whose pid now belongs to a newer
-        process); it is taken over with a warning. A lock held on another host is never stale
-        from here: only its owner, or the user, can tell.
+    lock file: ``.lock`` in the cache folder. The lock is the operating system's exclusive
+        ``flock`` on it, not the file's existence; the file's JSON (the writer's pid, host and
+        since when it writes) only names the holder in the error others get.
+    stale lock: a lock file whose writer died. The kernel drops a dead process's ``flock``
+        itself (on NFS the server does, once the client's lease lapses), so a stale lock file
+        is simply locked again: no pid is ever guessed at, and two runs that find the same
+        stale file cannot both take it.
+    release: delete the lock file, only while it is still the one this process locked (same
+        device and inode), then unlock.
+
+Why ``flock`` rather than a pid file: taking over a stale pid file needs a check and an unlink
+that are not atomic together, and a pid can be reused; a kernel lock has neither problem. On
+local filesystems it is exact. On NFS, Linux clients map ``flock`` to NFS byte-range locks
+(NFSv4, or NFSv3 with ``lockd``), which lock across hosts; filesystems without locks (some FUSE
+mounts, Lustre without ``-o flock``) are reported with a :class:`CacheError`, never silently
+unlocked.
 
 In and out::
 
     FolderLock(path).acquire()      # or CacheLockedError naming the holder and the fix
-    FolderLock(path).release()      # removes the lock if this process holds it
+    FolderLock(path).release()      # removes the lock file if this process holds it
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
-import logging
 import os
 import socket
-from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from graphsplit.errors import CacheLockedError
+from graphsplit.caching import files
+from graphsplit.errors import CacheError, CacheLockedError, UnsafeFileError
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock
+    fcntl = None  # type: ignore[assignment]
 
 __all__ = ["FolderLock"]
 
-_log = logging.getLogger("graphsplit")
+_MAX_LOCK_BYTES = 64 << 10
+_NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 
 
 class FolderLock:
-    """An exclusive lock file holding the writer's pid, host and process start time.
-
-    It is created with ``os.link`` from a private file, which is atomic (NFS included) and
-    fails if the lock exists. A stale lock is taken over; any other lock is refused with a
-    message saying who holds it.
-    """
+    """An exclusive ``flock`` on the folder's lock file (see the module docstring)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.held = False
+        self._descriptor: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._descriptor is not None
 
     def acquire(self) -> None:
+        """Lock the folder, or raise CacheLockedError naming the holder."""
+        if fcntl is None:
+            raise CacheError(
+                "graphsplit.cache needs flock to lock the cache folder, which this platform "
+                "lacks.\n  fix: cache on Linux or macOS"
+            )
+        for _ in range(8):  # a release that deletes the file under us: lock the new one
+            descriptor = self._open()
+            try:
+                locked = self._lock(descriptor)
+                if locked and _same_file(descriptor, self.path):
+                    self._descriptor = descriptor
+                    self._record_owner(descriptor)
+                    return
+            except BaseException:
+                os.close(descriptor)
+                raise
+            os.close(descriptor)
+            if not locked:
+                raise self._locked_error()
+        raise self._locked_error()
+
+    def release(self) -> None:
+        """Delete the lock file if it is still the one this process locked, then unlock."""
+        descriptor, self._descriptor = self._descriptor, None
+        if descriptor is None:
+            return
+        try:
+            if _same_file(descriptor, self.path):
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+        finally:
+            os.close(descriptor)  # closing drops the flock
+
+    def _open(self) -> int:
+        """The lock file, created if missing; never through a symlink, never a FIFO."""
+        files.regular_size(self.path)  # refuse a planted special file before opening it
+        flags = os.O_RDWR | os.O_CREAT | files.NOFOLLOW | files.NONBLOCK | files.CLOEXEC
+        try:
+            with files.no_room(self.path.parent, self.path.name, None):
+                descriptor = os.open(self.path, flags, 0o644)
+        except OSError as error:
+            if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                files.regular_size(self.path)  # names what is there
+            raise
+        if not files.is_regular(descriptor):  # swapped between the check and the open
+            os.close(descriptor)
+            files.regular_size(self.path)
+            raise UnsafeFileError(f"{self.path} changed while graphsplit opened it")
+        return descriptor
+
+    def _lock(self, descriptor: int) -> bool:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        except OSError as error:
+            if error.errno not in _NO_LOCKS:
+                raise
+            raise CacheError(
+                f"the filesystem holding {self.path.parent} does not support file locks "
+                f"({os.strerror(error.errno)}), so graphsplit cannot keep two runs from "
+                "writing the cache at once.\n  fix: cache to a local disk or to an NFS mount "
+                "with locking (NFSv4, or NFSv3 with lockd); on Lustre mount with -o flock"
+            ) from None
+        return True
+
+    def _record_owner(self, descriptor: int) -> None:
         owner = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
-            "started": _process_start(os.getpid()),
             "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        private = self.path.with_name(f".lock-{owner['host']}-{owner['pid']}")
-        private.write_text(json.dumps(owner))
-        try:
-            for _ in range(2):
-                try:
-                    _create_exclusively(self.path, content_of=private)
-                    self.held = True
-                    return
-                except FileExistsError:
-                    holder = self._holder()
-                    if not _is_stale(holder):
-                        raise self._locked_error(holder) from None
-                    _log.warning("graphsplit: removing the stale lock %s (%s)", self.path, holder)
-                    self.path.unlink(missing_ok=True)
-            raise self._locked_error(self._holder())
-        finally:
-            private.unlink(missing_ok=True)
+        files.rewrite_descriptor(self.path, descriptor, json.dumps(owner).encode())
 
-    def release(self) -> None:
-        if self.held:
-            self.path.unlink(missing_ok=True)
-            self.held = False
-
-    def _holder(self) -> dict[str, Any]:
-        try:
-            holder = json.loads(self.path.read_text())
-            return holder if isinstance(holder, dict) else {}
-        except (OSError, ValueError):
-            return {}
-
-    def _locked_error(self, holder: Mapping[str, Any]) -> CacheLockedError:
-        who = (
-            f"process {holder.get('pid')} on host {holder.get('host')!r} "
-            f"since {holder.get('since')}"
-            if holder
-            else "an unknown process (the lock file is unreadable)"
-        )
+    def _locked_error(self) -> CacheLockedError:
+        holder = _holder(self.path)
+        if holder is None:
+            who = "another process (the lock file does not name it)"
+        else:
+            who = (
+                f"process {holder.get('pid')!r:.30} on host {holder.get('host')!r:.80} since "
+                f"{holder.get('since')!r:.40}"
+            )
         return CacheLockedError(
             f"the cache folder {self.path.parent} is being written by {who}.\n  fix: wait for "
-            f"that run to finish; if it is no longer running, delete {self.path}"
+            f"that run to finish. Its lock is released when it exits, even if it is killed; "
+            f"deleting {self.path} does not stop it"
         )
 
 
-def _create_exclusively(path: Path, *, content_of: Path) -> None:
-    """Create ``path`` with the bytes of ``content_of``, or raise FileExistsError if it exists."""
+def _holder(path: Path) -> dict[str, Any] | None:
+    """The owner a lock file names, or None when it is unreadable or garbage."""
     try:
-        os.link(content_of, path)
-    except FileExistsError:
-        raise
-    except OSError:  # a filesystem without hard links: exclusive create, then write
-        descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        with os.fdopen(descriptor, "wb") as handle:
-            handle.write(content_of.read_bytes())
-
-
-def _is_stale(holder: Mapping[str, Any]) -> bool:
-    pid = holder.get("pid")
-    if holder.get("host") != socket.gethostname() or type(pid) is not int or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    started = holder.get("started")
-    return started is not None and started != _process_start(pid)  # the pid was reused
-
-
-def _process_start(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (Linux), to tell reused pids apart."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-        return int(text[text.rindex(")") + 2 :].split()[19])
-    except (OSError, ValueError, IndexError):
+        holder = json.loads(files.read_regular(path, limit=_MAX_LOCK_BYTES))
+    except (OSError, ValueError, RecursionError, UnsafeFileError):
         return None
+    return holder if isinstance(holder, dict) else None
+
+
+def _same_file(descriptor: int, path: Path) -> bool:
+    """Whether ``path`` still names the file ``descriptor`` has open."""
+    try:
+        here, there = os.fstat(descriptor), os.lstat(path)
+    except OSError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)

@@ -114,8 +114,9 @@ def cache(
     The run is crash-safe and resumable: every file is written under a temporary name, fsync'd
     and renamed; after an interruption (``kill -9`` included) the same call skips the finished
     shards and ends with the same files as an uninterrupted run. Calling it again on a complete
-    cache made from the same weights and code does nothing; on one made from others it refuses
-    unless ``overwrite=True``. A lock file keeps two runs from writing one folder.
+    cache made from the same weights, code and samples does nothing (it reads the loader once
+    to compare each sample's key and input digest); on one made from others it refuses
+    unless ``overwrite=True``. A lock (``flock``) keeps two runs from writing one folder.
 
     The loader must yield the same batches in the same order every time (no shuffling: caching
     gains nothing from it), as dicts holding ``split.input_names`` and optionally ``"key"``, a
@@ -146,9 +147,11 @@ def cache(
         A :class:`CacheInfo` describing the folder.
 
     Raises:
-        CacheError: the disk lacks room, the loader shuffles or yields bad batches, or a
-            process failed; StaleCacheError: the folder holds another cache and ``overwrite``
-            is false; CacheLockedError: another run is writing the folder.
+        CacheError: the loader shuffles or yields bad batches, the path is a file, or a
+            process failed; DiskFullError: no room for a file (rerun to resume);
+            StaleCacheError: the folder holds another cache, or one of other samples (keys or
+            inputs), and ``overwrite`` is false; CacheLockedError: another run is writing the
+            folder; UnsafeFileError: a file of the folder is a symlink, FIFO or device.
 
     Example:
         >>> import tempfile, graphsplit
@@ -181,7 +184,7 @@ def cache(
     lock = FolderLock(folder / LOCK_FILE)
 
     def locked_decision() -> Decision:
-        folder.mkdir(parents=True, exist_ok=True)
+        _make_folder(folder)
         lock.acquire()
         try:
             return decide(
@@ -232,7 +235,7 @@ def _finish(folder: Path, decision: Decision, source: BatchSource) -> CacheInfo:
     errors: dict[str, float] = {}
     for index in range(num_shards):
         progress = read_shard_progress(folder, index, header)
-        if progress is None or not (folder / progress.shard.file).is_file():
+        if progress is None or files.regular_size(folder / progress.shard.file) is None:
             raise CacheError(
                 f"shard {index} of {folder} was not written (a process stopped early?).\n"
                 "  fix: rerun the same graphsplit.cache call to finish the cache"
@@ -261,6 +264,23 @@ def _finish(folder: Path, decision: Decision, source: BatchSource) -> CacheInfo:
     write_manifest(folder, manifest)
     remove_progress(folder)
     return _info(folder, manifest, written=num_shards - len(decision.finished))
+
+
+def _make_folder(folder: Path) -> None:
+    """Create the cache folder (and its parents); a file in its place is a CacheError."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise CacheError(
+            f"the cache path {folder} (or a folder above it) is an existing file, not a "
+            "folder.\n  fix: pass the path of a folder (it is created if missing), or move "
+            "the file away"
+        ) from None
+    except PermissionError as error:
+        raise CacheError(
+            f"cannot create the cache folder {folder} ({error.strerror}).\n  fix: choose a "
+            "path you can write to"
+        ) from None
 
 
 def _add_errors(errors: dict[str, float], more: Mapping[str, float]) -> None:

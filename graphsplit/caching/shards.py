@@ -162,34 +162,32 @@ class ShardWriter:
     def save(self, shard: PendingShard) -> Future[ShardProgress]:
         """Serialise ``shard`` into its temporary file, then hand it to a committer."""
         name = shard_file_name(shard.index)
-        temporary = files.temporary_path(self.folder / name)
         # One metadata entry only: safetensors writes a dict's entries in a random order per
         # process, and resumed or multi-process runs must write byte-identical shards.
         metadata = {"graphsplit_keys": json.dumps(shard.keys)}
-        with files.disk_errors(self.folder, name):
-            files.save_tensors(shard.tensors, temporary, metadata)
+        files.save_tensors(shard.tensors, self.folder / name, metadata)
         shard.tensors = {}
+        temporary = files.temporary_path(self.folder / name)
         return self._committers.submit(self.commit, shard, temporary)
 
     def commit(self, shard: PendingShard, temporary: Path) -> ShardProgress:
         """Move a saved shard into place and record it in ``.partial/``."""
         name = shard_file_name(shard.index)
-        with files.disk_errors(self.folder, name):
-            size, sha = files.commit_file(temporary, self.folder / name)
-            progress = ShardProgress(
-                shard=ShardRecord(
-                    file=name,
-                    sha256=sha,
-                    bytes=size,
-                    keys=tuple(shard.keys),
-                    shapes=tuple(shard.shapes),
-                    row_orders=tuple(shard.orders),
-                    input_sha256=tuple(shard.digests),
-                ),
-                positions=tuple(shard.positions),
-                max_abs_error=shard.max_abs_error,
-            )
-            write_progress(self.folder, progress)
+        size, sha = files.commit_file(temporary, self.folder / name)
+        progress = ShardProgress(
+            shard=ShardRecord(
+                file=name,
+                sha256=sha,
+                bytes=size,
+                keys=tuple(shard.keys),
+                shapes=tuple(shard.shapes),
+                row_orders=tuple(shard.orders),
+                input_sha256=tuple(shard.digests),
+            ),
+            positions=tuple(shard.positions),
+            max_abs_error=shard.max_abs_error,
+        )
+        write_progress(self.folder, progress)
         return progress
 
     def _collect_saving(self) -> None:
@@ -302,9 +300,8 @@ def _write_constants(
         for name, value in constants.items()
     }
     path = folder / CONSTANTS_FILE
-    with files.disk_errors(folder, CONSTANTS_FILE):
-        files.save_tensors(physical, files.temporary_path(path), {"format": "pt"})
-        size, sha = files.commit_file(files.temporary_path(path), path)
+    files.save_tensors(physical, path, {"format": "pt"})
+    size, sha = files.commit_file(files.temporary_path(path), path)
     record = ConstantsRecord(file=CONSTANTS_FILE, sha256=sha, bytes=size, dim_orders=orders)
     errors = {name: error for name, error in errors.items() if name in constants}
     write_progress(folder, ConstantsProgress(constants=record, max_abs_error=errors))

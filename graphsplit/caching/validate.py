@@ -22,7 +22,8 @@ In and out::
                choices=(), inline=False, stored=True, **field_options) -> dataclasses.Field
     json_names(cls) -> tuple[str, ...]          # the keys a document of ``cls`` holds, in order
     to_json(record) -> dict                     # JSON-ready, in field order
-    JsonReader(path).load() -> dict             # UTF-8, no repeated keys, no NaN
+    JsonReader(path).load() -> dict             # a regular file of <= 1 GiB: UTF-8, no repeated
+                                                # keys, no NaN, nesting bounded by the stack
     JsonReader(path).read(cls, document, where="") -> cls
     JsonReader(path).fail(where, problem)       # raises ManifestError naming file and field
 """
@@ -43,10 +44,12 @@ from typing import Any, NoReturn
 
 import torch
 
-from graphsplit.errors import ManifestError
+from graphsplit.caching.files import read_regular
+from graphsplit.errors import ManifestError, TornFileError, UnsafeFileError
 
 __all__ = ["REBUILD", "JsonReader", "Rule", "json_field", "json_names", "to_json"]
 
+MAX_JSON_BYTES = 1 << 30  # a manifest of ten million samples is well below this
 REBUILD = "rebuild the cache with graphsplit.cache(split, loader, path, overwrite=True)"
 _RULE = "graphsplit.caching.validate"  # the key of a field's rule in its metadata
 
@@ -158,13 +161,25 @@ class JsonReader:
     def load(self) -> dict[str, Any]:
         """The file's JSON object: UTF-8, no key twice in one object, no NaN or Infinity."""
         try:
-            text = self.path.read_bytes().decode("utf-8")
+            data = read_regular(self.path, limit=MAX_JSON_BYTES)
+        except UnsafeFileError as error:
+            raise ManifestError(str(error)) from None
+        except OSError as error:
+            raise ManifestError(
+                f"{self.path} cannot be read ({error.strerror or error}).\n  fix: check its "
+                f"permissions, or {REBUILD}"
+            ) from None
+        try:
+            text = data.decode("utf-8")
             document = json.loads(
                 text, object_pairs_hook=_unique_object, parse_constant=_reject_constant
             )
+        except RecursionError:  # a "JSON bomb": no graphsplit record nests deeper than ~10
+            self.fail("", "nests lists or objects too deeply for a graphsplit record")
         except (UnicodeDecodeError, ValueError) as error:
-            raise ManifestError(
-                f"{self.path} is not valid JSON ({error}).\n  fix: the file is damaged or was "
+            problem = "is empty" if not data.strip() else f"is not valid JSON ({error})"
+            raise TornFileError(
+                f"{self.path} {problem}.\n  fix: the file is damaged or was "
                 f"not written by graphsplit; {REBUILD}"
             ) from None
         return self.mapping(document, "")

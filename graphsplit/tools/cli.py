@@ -28,9 +28,10 @@ wrong is in the user's spec or step, not in graphsplit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,20 @@ def _accelerator_if_launched() -> Any:
     return Accelerator(cpu=not torch.cuda.is_available())
 
 
+@contextlib.contextmanager
+def _process_group() -> Iterator[Any]:
+    """The launch's accelerator (None without one), whose process group is ended on the way
+    out, after every process got there: a group left to the interpreter's exit can abort it
+    ("terminate called without an active exception") once the cache is complete."""
+    accelerator = _accelerator_if_launched()
+    try:
+        yield accelerator
+    finally:
+        if accelerator is not None:
+            accelerator.wait_for_everyone()
+            accelerator.end_training()
+
+
 def _cache(args: argparse.Namespace) -> int:
     try:
         spec = load_spec(args.spec)
@@ -101,23 +116,35 @@ def _cache(args: argparse.Namespace) -> int:
             "  fix:    pass dataset=... (items are dicts of the step's inputs, optionally 'key')",
             EXIT_USAGE,
         )
-    accelerator = _accelerator_if_launched()
-    try:
-        parts = _split(spec)
-        batch_size = args.batch_size or _example_batch(spec)
-        loader = DataLoader(spec.dataset, batch_size=batch_size, shuffle=False)
-        info = cache(
-            parts,
-            loader,
-            args.out,
-            accelerator=accelerator,
-            overwrite=args.overwrite,
-            shard_bytes=args.shard_bytes,
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        return _fail(
+            f"--out {out} is an existing file, not a folder.\n  fix:    pass the path of a "
+            "folder (it is created if missing), or move the file away",
+            EXIT_USAGE,
         )
+    try:
+        # Split before the process group exists: tracing imports torch._dynamo, and importing
+        # it after gloo started leaves threads that can abort the interpreter at exit.
+        parts = _split(spec)
     except GraphsplitError as error:
         return _fail(f"{type(error).__name__}: {error}", EXIT_FAILED)
-    if accelerator is None or accelerator.is_main_process:
-        print(info)
+    with _process_group() as accelerator:
+        try:
+            batch_size = args.batch_size or _example_batch(spec)
+            loader = DataLoader(spec.dataset, batch_size=batch_size, shuffle=False)
+            info = cache(
+                parts,
+                loader,
+                out,
+                accelerator=accelerator,
+                overwrite=args.overwrite,
+                shard_bytes=args.shard_bytes,
+            )
+        except GraphsplitError as error:
+            return _fail(f"{type(error).__name__}: {error}", EXIT_FAILED)
+        if accelerator is None or accelerator.is_main_process:
+            print(info)
     return EXIT_OK
 
 

@@ -1,14 +1,17 @@
 """Run graphsplit.cache in a separate process, for the kill -9 and accelerate tests.
 
     python tests/caching/cache_worker.py PATH [--length N] [--shard-bytes B] [--delay S]
+        [--die-at K] [--seed S]
     accelerate launch --multi_gpu --num_processes 2 tests/caching/cache_worker.py PATH \
         --accelerate [--train-steps N] [--report FILE]
 
 (``--multi_gpu`` picks accelerate's torchrun launcher; ``Accelerator(cpu=True)`` here makes the
 processes CPU ones. ``accelerate launch --cpu --num_processes 2`` starts a single process
 unless MPI is set up.) ``--delay`` sleeps after each finished shard so a test can kill the run
-mid-way; ``--train-steps`` then trains stage 2 on the cache with ``accelerator.prepare`` (DDP)
-and writes each process's shards, losses and final parameter checksum to ``FILE.<rank>.json``.
+mid-way; ``--die-at K`` dies like ``kill -9`` before the K-th durable file operation
+(0: print how many there are); ``--seed`` picks other pictures; ``--train-steps`` then
+trains stage 2 on the cache with ``accelerator.prepare`` (DDP) and writes each process's
+shards, losses and final parameter checksum to ``FILE.<rank>.json``.
 """
 
 from __future__ import annotations
@@ -44,6 +47,33 @@ def watch_shards(delay: float) -> None:
     ShardWriter.commit = commit
 
 
+def die_at(point: int) -> None:
+    """Count the file operations that make a cache durable (write, fsync, rename, truncate) and
+    die like ``kill -9`` (``os._exit``, no cleanup) just before operation ``point``; with
+    ``point`` 0, only count them and print the total at exit."""
+    import atexit
+    import os
+    import threading
+
+    count = [0]
+    guard = threading.Lock()
+
+    def counted(original):
+        def operation(*args, **kwargs):
+            with guard:
+                count[0] += 1
+                if count[0] == point:
+                    os._exit(137)
+            return original(*args, **kwargs)
+
+        return operation
+
+    for name in ("write", "fsync", "replace", "ftruncate"):
+        setattr(os, name, counted(getattr(os, name)))
+    if point == 0:
+        atexit.register(lambda: print(f"operations: {count[0]}", flush=True))
+
+
 def train(split, path: Path, accelerator, steps: int) -> dict[str, object]:
     cached = CachedDataset(path, split)
     data = torch.utils.data.DataLoader(cached, batch_size=2, collate_fn=collate)
@@ -75,8 +105,12 @@ def main() -> None:
     parser.add_argument("--accelerate", action="store_true")
     parser.add_argument("--train-steps", type=int, default=0)
     parser.add_argument("--report", type=Path)
+    parser.add_argument("--die-at", type=int)
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     watch_shards(args.delay)
+    if args.die_at is not None:
+        die_at(args.die_at)
     accelerator = None
     if args.accelerate:
         from accelerate import Accelerator
@@ -85,7 +119,7 @@ def main() -> None:
     split = make_split()
     info = cache(
         split,
-        loader(Pictures(args.length)),
+        loader(Pictures(args.length, seed=args.seed)),
         args.path,
         accelerator=accelerator,
         shard_bytes=args.shard_bytes,

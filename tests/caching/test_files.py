@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import os
 
 import pytest
+import torch
+from safetensors import safe_open
 
 from graphsplit.caching import files
-from graphsplit.errors import CacheError
+from graphsplit.errors import CacheError, DiskFullError
 
 
 def test_write_atomically_replaces_the_file_and_leaves_no_temporary(tmp_path):
@@ -41,9 +44,49 @@ def test_remove_temporary_files_keeps_everything_else(tmp_path):
     ]
 
 
-def test_a_full_disk_becomes_a_cache_error_naming_the_file(tmp_path):
-    full = pytest.raises(CacheError, match=r"(?s)ran full while writing shard-00003.*rerun")
-    with full, files.disk_errors(tmp_path, "shard-00003.safetensors"):
-        raise OSError(errno.ENOSPC, "No space left on device")
-    with pytest.raises(PermissionError), files.disk_errors(tmp_path, "shard-00003.safetensors"):
+def test_no_room_becomes_a_disk_full_error_saying_what_was_needed(tmp_path):
+    for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        full = pytest.raises(
+            DiskFullError, match=r"(?s)no room to write shard-00003.*needs 2\.0 KiB.*resumes"
+        )
+        with full, files.no_room(tmp_path, "shard-00003.safetensors", 2048):
+            raise OSError(code, os.strerror(code))
+    with pytest.raises(PermissionError), files.no_room(tmp_path, "shard-00003.safetensors", 1):
         raise PermissionError(errno.EACCES, "denied")
+
+
+def test_a_full_disk_leaves_no_temporary_file(tmp_path, monkeypatch):
+    def full(descriptor, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(files, "_write_all", full)
+    with pytest.raises(DiskFullError, match=r"record\.json"):
+        files.write_atomically(tmp_path / "record.json", b"{}")
+    with pytest.raises(DiskFullError, match=r"shard\.safetensors.*needs 4\.1 KiB"):
+        files.save_tensors({"x": torch.zeros(1024)}, tmp_path / "shard.safetensors", {})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_tensors_writes_what_safetensors_reads(tmp_path):
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    tensors = {
+        "b/view": base[1],  # a view of a shared storage
+        "a/half": base[2].to(torch.bfloat16),
+        "c/flags": torch.tensor([True, False]),
+        "d/scalar": torch.tensor(7, dtype=torch.int64),
+        "e/empty": torch.zeros(0, 3),
+    }
+    path = tmp_path / "shard.safetensors"
+    files.save_tensors(tensors, path, {"graphsplit_keys": '["a"]'})
+    size, sha = files.commit_file(files.temporary_path(path), path)
+    with safe_open(str(path), framework="pt") as handle:
+        assert handle.metadata() == {"graphsplit_keys": '["a"]'}
+        assert sorted(handle.keys()) == sorted(tensors)
+        for name, value in tensors.items():
+            assert torch.equal(handle.get_tensor(name), value)
+    assert size == path.stat().st_size and sha == files.sha256_file(path)
+
+
+def test_a_dtype_safetensors_lacks_is_named(tmp_path):
+    with pytest.raises(CacheError, match=r"(?s)'rows' is torch.complex128.*cast it"):
+        files.save_tensors({"rows": torch.zeros(2, dtype=torch.complex128)}, tmp_path / "s", {})

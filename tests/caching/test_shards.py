@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import errno
 import types
 
 import pytest
 import torch
 
-from graphsplit.caching import files
 from graphsplit.caching.dataset import CachedDataset, collate
 from graphsplit.caching.format import read_manifest
 from graphsplit.caching.run import cache
@@ -126,15 +124,3 @@ def test_duplicate_keys_are_refused(split, tmp_path):
     batches[1]["key"] = batches[0]["key"]
     with pytest.raises(CacheError, match=r"(?s)sample key 'pic000' twice.*unique 'key'"):
         cache(split, batches, tmp_path, progress=False)
-
-
-# ----------------------------------------------------------------------------------------- disk
-
-
-def test_full_disk_while_writing_gives_a_clear_error(split, tmp_path, monkeypatch):
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(files, "save_tensors", full)
-    with pytest.raises(CacheError, match=r"(?s)ran full while writing.*finished shards are kept"):
-        cache(split, loader(Pictures(4, keys=False)), tmp_path, progress=False)
