@@ -41,7 +41,7 @@ class LineLog:
     def write(self, text: str) -> int:
         with self._lock:
             if "\r" not in text:
-                if text.strip() == "" and self._pending:  # tqdm ends its bar with "\n"
+                if text.strip() == "" and self._last is not None:  # tqdm ends its bar: "\n"
                     self._emit()
                 elif text:
                     self.stream.write(text)
