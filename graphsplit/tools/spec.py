@@ -2,7 +2,9 @@
 
 Glossary:
     step spec (:class:`StepSpec`, public as ``graphsplit.StepSpec``): the training step module,
-        an example batch, the frozen parameters and the dataset to cache.
+        an example batch, the frozen parameters, and the data to cache: a ``dataset`` (batched
+        by the command line, optionally with the spec's ``collate_fn`` and ``num_workers``) or
+        a ready ``loader``; and the ``storage_dtype`` the cache stores floats in.
     spec text: how the command line names the function that returns a step spec:
         ``path/to/file.py:function`` (a file, imported under a private module name) or
         ``package.module:function`` (imported from ``PYTHONPATH``).
@@ -29,10 +31,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from graphsplit.errors import GraphsplitError
@@ -55,7 +59,16 @@ class StepSpec:
         frozen: which parameters are frozen (see :func:`graphsplit.split`); ``None`` uses
             ``requires_grad``.
         dataset: the dataset ``graphsplit cache`` runs stage 1 over (items are dicts of the
-            forward's inputs); not needed by ``inspect``.
+            forward's inputs, optionally with a ``"key"``); not needed by ``inspect``.
+        loader: instead of ``dataset``, the user's own data pipeline: a ``DataLoader`` (not
+            shuffled, not ``accelerator.prepare``'d) or any iterable of batches. The command
+            line then takes its batching as it is (``--batch-size`` / ``--num-workers`` do not
+            apply).
+        collate_fn, num_workers: how the command line batches ``dataset`` (the
+            ``DataLoader`` arguments); ``--num-workers`` overrides ``num_workers``.
+        storage_dtype: ``None`` caches losslessly; ``torch.bfloat16`` / ``torch.float16``
+            store wider floats narrower (see :func:`graphsplit.cache`); ``--storage-dtype``
+            overrides it.
 
     Example:
         >>> import torch
@@ -69,6 +82,10 @@ class StepSpec:
     example_kwargs: dict[str, Any] | None = None
     frozen: FrozenSpec = None
     dataset: Any = None
+    loader: Any = None
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    num_workers: int | None = None
+    storage_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.example_args, tuple):
@@ -110,13 +127,45 @@ def load_spec(text: str) -> StepSpec:
             getattr(result, "example_kwargs", None),
             getattr(result, "frozen", None),
             getattr(result, "dataset", None),
+            getattr(result, "loader", None),
+            getattr(result, "collate_fn", None),
+            getattr(result, "num_workers", None),
+            getattr(result, "storage_dtype", None),
         )
     if not isinstance(result.model, nn.Module):
         raise SpecError(
             f"{text} returned a StepSpec whose model is a {type(result.model).__name__}, "
             "not a torch.nn.Module.\n  fix: pass the module that runs the training step"
         )
+    _check_data(text, result)
     return result
+
+
+STORAGE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _check_data(text: str, spec: StepSpec) -> None:
+    """Refuse data options that contradict each other, naming the field to drop."""
+    if spec.loader is not None:
+        given = [name for name in ("dataset", "collate_fn", "num_workers") if getattr(spec, name)]
+        if given:
+            raise SpecError(
+                f"{text} returned a StepSpec with a loader and {', '.join(given)}: the loader "
+                "already decides how the data is read and batched.\n"
+                f"  fix: drop {', '.join(given)}, or drop loader and give dataset=..."
+            )
+    if spec.num_workers is not None and (
+        not isinstance(spec.num_workers, int) or spec.num_workers < 0
+    ):
+        raise SpecError(
+            f"{text} returned a StepSpec with num_workers={spec.num_workers!r}.\n"
+            "  fix: pass a whole number >= 0 (0 loads in the main process)"
+        )
+    if spec.storage_dtype is not None and spec.storage_dtype not in STORAGE_DTYPES:
+        raise SpecError(
+            f"{text} returned a StepSpec with storage_dtype={spec.storage_dtype!r}.\n"
+            "  fix: pass None (lossless), torch.bfloat16 or torch.float16"
+        )
 
 
 def _looks_like_spec(value: Any) -> bool:
