@@ -6,8 +6,10 @@ Glossary:
     temporary file: ``.{name}.tmp`` next to the file it becomes, created exclusively (never
         through a planted symlink); a run that dies leaves only those behind, and the next run
         deletes them (:func:`remove_temporary_files`).
-    commit: hash and fsync a finished temporary file, then rename it over its final name, so a
-        reader sees the old file or the whole new one, never a part.
+    commit: fsync a finished temporary file, then rename it over its final name, so a reader
+        sees the old file or the whole new one, never a part. The sha256 of a file graphsplit
+        wrote is computed from the bytes in memory while they are written, on a second thread
+        (hashlib and ``os.write`` both release the GIL), so nothing is read back.
     durable: fsync'd, file and folder, so it survives a power cut. Every file is fsync'd before
         anything relies on it; the folder once before the manifest names its files.
     regular: a plain file, not a symlink, FIFO, device or folder. Readers check with ``lstat``
@@ -19,8 +21,8 @@ Glossary:
 In and out::
 
     write_atomically(path, data)                      # durable, atomic, no room -> DiskFullError
-    save_tensors(tensors, path, metadata)             # safetensors, to path's temporary file
-    commit_file(temporary, path) -> (bytes, sha256)
+    save_tensors(tensors, path, metadata) -> sha256   # safetensors, to path's temporary file
+    commit_file(temporary, path, *, sha256=None) -> (bytes, sha256)   # None: hash the file
     read_regular(path, *, limit) -> bytes             # UnsafeFileError, FileNotFoundError
     regular_size(path) -> int | None                  # None: missing; UnsafeFileError
     pinned(path) -> name                              # for libraries that open by name
@@ -42,6 +44,7 @@ import shutil
 import stat
 import struct
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -110,14 +113,18 @@ def write_atomically(path: Path, data: bytes) -> None:
     fsync_folder(path.parent)
 
 
-def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> str:
     """Save ``tensors`` in the safetensors format to ``path``'s temporary file (commit it next
-    with :func:`commit_file`); views of one storage are fine.
+    with :func:`commit_file`, passing the sha256 returned); views of one storage are fine.
 
     graphsplit writes the format itself (an 8-byte header length, the JSON header padded to 8
     bytes, then each tensor's bytes, widest dtype first, then by name), straight from the
     tensors' memory: no copy, the same write path and errors as every other file, and the same
-    bytes on every run, process and safetensors version.
+    bytes on every run, process and safetensors version. The bytes are hashed from memory on a
+    second thread while this one writes them: the file is never read back to be hashed.
+
+    Returns:
+        The hex sha256 of the file's bytes.
 
     Raises:
         DiskFullError: no room (nothing is left behind); CacheError: a dtype safetensors lacks.
@@ -137,17 +144,29 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     temporary = temporary_path(path)
+    digest = hashlib.sha256()
     with no_room(path.parent, path.name, 8 + len(text) + offset):
         descriptor = _create_exclusively(temporary)
+        # One thread hashes each piece while this one writes it; the pieces are hashed in order.
+        hasher = ThreadPoolExecutor(1, thread_name_prefix="graphsplit-hash")
         try:
             with _removed_on_error(temporary):
-                _write_all(descriptor, struct.pack("<Q", len(text)) + text)
+                start = struct.pack("<Q", len(text)) + text
+                digest.update(start)
+                _write_all(descriptor, start)
+                hashed = None
                 for name in order:
                     value = tensors[name].detach().contiguous().reshape(-1)
                     if value.numel():
-                        _write_all(descriptor, value.view(torch.uint8).numpy().data)
+                        data = value.view(torch.uint8).numpy().data
+                        hashed = hasher.submit(digest.update, data)
+                        _write_all(descriptor, data)
+                if hashed is not None:
+                    hashed.result()
         finally:
+            hasher.shutdown(wait=True)
             os.close(descriptor)
+    return digest.hexdigest()
 
 
 SAFETENSORS_DTYPES = {
@@ -188,11 +207,12 @@ def safetensors_dtype(dtype: torch.dtype, name: str) -> str:
     return code
 
 
-def commit_file(temporary: Path, path: Path) -> tuple[int, str]:
-    """Hash and fsync a finished temporary file, then rename it into place.
+def commit_file(temporary: Path, path: Path, *, sha256: str | None = None) -> tuple[int, str]:
+    """Fsync a finished temporary file, then rename it into place.
 
-    The folder is fsync'd once, before the manifest is written: until then a rename lost to a
-    power cut only means the shard is redone on resume.
+    ``sha256`` is the digest :func:`save_tensors` computed while writing; without it the file
+    is read back and hashed. The folder is fsync'd once, before the manifest is written: until
+    then a rename lost to a power cut only means the shard is redone on resume.
 
     Returns:
         The file's size in bytes and its hex sha256.
@@ -201,7 +221,7 @@ def commit_file(temporary: Path, path: Path) -> tuple[int, str]:
         descriptor = _open_regular(temporary)
         try:
             with _removed_on_error(temporary):
-                sha = _sha256_descriptor(descriptor)
+                sha = sha256 if sha256 is not None else _sha256_descriptor(descriptor)
                 os.fsync(descriptor)
                 size = os.fstat(descriptor).st_size
         finally:

@@ -126,16 +126,16 @@ def write_shards(
 class ShardWriter:
     """Writes shards on background threads, so stage 1 keeps running meanwhile.
 
-    One thread serialises shard ``k`` with safetensors into a temporary file while two others
-    commit the shards before it (:meth:`commit`), so checksums and fsyncs overlap the
-    writing. At most one shard waits in memory besides the one being filled.
+    One thread serialises shard ``k`` into a temporary file (hashing its bytes from memory as
+    it writes them) while two others commit the shards before it (:meth:`commit`), so fsyncs
+    overlap the writing. At most one shard waits in memory besides the one being filled.
     """
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.bytes_submitted = 0
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="graphsplit-save")
-        # Two committers: one hashes a shard while the other waits for an fsync.
+        # Two committers: fsyncs of consecutive shards overlap.
         self._committers = ThreadPoolExecutor(2, thread_name_prefix="graphsplit-commit")
         self._saving: Future[Future[ShardProgress]] | None = None
         self._commits: list[Future[ShardProgress]] = []
@@ -165,15 +165,16 @@ class ShardWriter:
         # One metadata entry only: safetensors writes a dict's entries in a random order per
         # process, and resumed or multi-process runs must write byte-identical shards.
         metadata = {"graphsplit_keys": json.dumps(shard.keys)}
-        files.save_tensors(shard.tensors, self.folder / name, metadata)
+        sha = files.save_tensors(shard.tensors, self.folder / name, metadata)
         shard.tensors = {}
         temporary = files.temporary_path(self.folder / name)
-        return self._committers.submit(self.commit, shard, temporary)
+        return self._committers.submit(self.commit, shard, temporary, sha)
 
-    def commit(self, shard: PendingShard, temporary: Path) -> ShardProgress:
-        """Move a saved shard into place and record it in ``.partial/``."""
+    def commit(self, shard: PendingShard, temporary: Path, sha256: str) -> ShardProgress:
+        """Move a saved shard (whose bytes hash to ``sha256``) into place and record it in
+        ``.partial/``."""
         name = shard_file_name(shard.index)
-        size, sha = files.commit_file(temporary, self.folder / name)
+        size, sha = files.commit_file(temporary, self.folder / name, sha256=sha256)
         progress = ShardProgress(
             shard=ShardRecord(
                 file=name,
@@ -300,8 +301,8 @@ def _write_constants(
         for name, value in constants.items()
     }
     path = folder / CONSTANTS_FILE
-    files.save_tensors(physical, path, {"format": "pt"})
-    size, sha = files.commit_file(files.temporary_path(path), path)
+    sha = files.save_tensors(physical, path, {"format": "pt"})
+    size, sha = files.commit_file(files.temporary_path(path), path, sha256=sha)
     record = ConstantsRecord(file=CONSTANTS_FILE, sha256=sha, bytes=size, dim_orders=orders)
     errors = {name: error for name, error in errors.items() if name in constants}
     write_progress(folder, ConstantsProgress(constants=record, max_abs_error=errors))
