@@ -77,8 +77,12 @@ def write_shards(
     finished: Mapping[int, ShardProgress],
     processes: Processes,
     progress: bool | None,
-) -> None:
-    """Compute and write every shard this process owns that ``finished`` does not hold."""
+) -> dict[int, ShardProgress]:
+    """Compute and write every shard this process owns that ``finished`` does not hold.
+
+    Returns:
+        The progress record of each shard written, by shard index (also in ``.partial/``).
+    """
     per_shard = header.layout.batches_per_shard
 
     def wanted(batch_index: int) -> bool:
@@ -114,7 +118,7 @@ def write_shards(
                 )
         if pending is not None:
             writer.submit(pending)
-        writer.close()
+        return writer.close()
     except BaseException:
         writer.close(cancel=True)
         raise
@@ -137,24 +141,25 @@ class ShardWriter:
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="graphsplit-save")
         # Two committers: fsyncs of consecutive shards overlap.
         self._committers = ThreadPoolExecutor(2, thread_name_prefix="graphsplit-commit")
-        self._saving: Future[Future[ShardProgress]] | None = None
-        self._commits: list[Future[ShardProgress]] = []
+        self._saving: tuple[int, Future[Future[ShardProgress]]] | None = None
+        self._commits: dict[int, Future[ShardProgress]] = {}
 
     def submit(self, shard: PendingShard) -> None:
         """Queue a complete pending shard; waits while the shard before it is being saved."""
         self._collect_saving()
         self.bytes_submitted += shard.nbytes
-        self._saving = self._saver.submit(self.save, shard)
+        self._saving = (shard.index, self._saver.submit(self.save, shard))
 
-    def close(self, *, cancel: bool = False) -> list[ShardProgress]:
-        """Wait for every shard and return their progress records (none when ``cancel``)."""
+    def close(self, *, cancel: bool = False) -> dict[int, ShardProgress]:
+        """Wait for every shard and return their progress records by shard index (none when
+        ``cancel``)."""
         try:
             self._collect_saving()
-            return [commit.result() for commit in self._commits]
+            return {index: commit.result() for index, commit in self._commits.items()}
         except BaseException:
             if not cancel:
                 raise
-            return []
+            return {}
         finally:
             self._saver.shutdown(wait=True)
             self._committers.shutdown(wait=True)
@@ -193,9 +198,9 @@ class ShardWriter:
 
     def _collect_saving(self) -> None:
         if self._saving is not None:
-            saving, self._saving = self._saving, None
-            self._commits.append(saving.result())
-        for commit in self._commits:
+            (index, saving), self._saving = self._saving, None
+            self._commits[index] = saving.result()
+        for commit in self._commits.values():
             if commit.done() and commit.exception() is not None:
                 commit.result()
 
