@@ -15,8 +15,10 @@ In and out::
     collate(items) -> dict[str, Tensor]            # the keyword arguments of split.stage2
     verify_inputs(cached, dataset) -> None         # raises StaleCacheError naming changed keys
 
-Nothing here unpickles: shards are read with safetensors' memory-mapped ``safe_open`` and the
-manifest is strictly validated JSON. Auditing a whole cache is :mod:`graphsplit.caching.check`.
+Nothing here unpickles: shards are checked with safetensors' ``safe_open`` and read as views
+of their memory maps (:mod:`graphsplit.caching.mapped`: an item copies nothing, a batch is one
+copy), and the manifest is strictly validated JSON. Auditing a whole cache is
+:mod:`graphsplit.caching.check`.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 from safetensors import safe_open
 
 from graphsplit.caching import files
-from graphsplit.caching.check import file_problem, open_problem, some_keys
+from graphsplit.caching.check import file_problem, some_keys
 from graphsplit.caching.fingerprint import (
     BINDING_PARTS,
     UNKNOWN_WEIGHTS,
@@ -45,6 +47,7 @@ from graphsplit.caching.fingerprint import (
     warn_about_versions,
 )
 from graphsplit.caching.format import CONSTANTS_FILE, Manifest, read_manifest, tensor_name
+from graphsplit.caching.mapped import open_mapped
 from graphsplit.caching.memory_order import Order, inverse, row_order
 from graphsplit.caching.samples import describe_changes
 from graphsplit.errors import CacheError, CorruptCacheError, StaleCacheError
@@ -81,11 +84,12 @@ class CachedSample(dict):
 class CachedDataset(torch.utils.data.Dataset):
     """A map-style dataset over a cache folder; item ``i`` is sample ``i``'s rows.
 
-    Shards are opened lazily with safetensors' memory-mapped ``safe_open`` (at most 64 at a
-    time per process; a forked DataLoader worker keeps the ones already open) and, unless
-    ``verify=False``, checked against their sha256 the first time each is opened: a damaged
-    shard raises :class:`CorruptCacheError` naming it and its samples, while the other shards
-    still read.
+    Shards are opened lazily and memory-mapped (at most 64 at a time per process; a forked
+    DataLoader worker keeps the ones already open); an item's tensors are views of the map, so
+    :func:`collate`'s stack is the only copy (writing into an item changes only this process's
+    view of that row, never the file). Unless ``verify=False``, each shard is checked against
+    its sha256 the first time it is opened: a damaged shard raises :class:`CorruptCacheError`
+    naming it and its samples, while the other shards still read.
 
     Args:
         path: the cache folder.
@@ -244,7 +248,7 @@ class CachedDataset(torch.utils.data.Dataset):
             self.path, record, checksum=self.verify and shard not in self._verified
         )
         if problem is None:
-            handle, problem = open_problem(self.path, record, self.manifest)
+            handle, problem = open_mapped(self.path, record, self.manifest)
         if problem is not None:
             self._corrupt[shard] = problem
             raise self._corrupt_error(shard, problem)

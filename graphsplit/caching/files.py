@@ -26,6 +26,7 @@ In and out::
     read_regular(path, *, limit) -> bytes             # UnsafeFileError, FileNotFoundError
     regular_size(path) -> int | None                  # None: missing; UnsafeFileError
     pinned(path) -> name                              # for libraries that open by name
+    pinned_map(path) -> (name, mmap)                  # the same, and a private memory map
     sha256_file(path) -> str      file_matches(path, *, size, sha256) -> bool
     real_folder(path, *, create) -> bool              # no symlinked folders either
     free_bytes(folder) -> int     no_room(folder, name, needed)   # OSError -> DiskFullError
@@ -63,6 +64,7 @@ __all__ = [
     "is_regular",
     "no_room",
     "pinned",
+    "pinned_map",
     "read_regular",
     "real_folder",
     "regular_size",
@@ -394,6 +396,23 @@ def pinned(path: Path) -> Iterator[str]:
     descriptor = _open_regular(path)
     try:
         yield _descriptor_name(descriptor, path)
+    finally:
+        os.close(descriptor)
+
+
+@contextlib.contextmanager
+def pinned_map(path: Path) -> Iterator[tuple[str, mmap.mmap]]:
+    """:func:`pinned`'s name for ``path`` and a private, copy-on-write memory map of the same
+    file (so tensors can be views of it; writing to them never changes the file). The map
+    outlives the context: it is closed when nothing refers to it any more.
+
+    Raises:
+        UnsafeFileError, FileNotFoundError; ValueError: the file is empty.
+    """
+    descriptor = _open_regular(path)
+    try:
+        mapped = mmap.mmap(descriptor, 0, access=mmap.ACCESS_COPY)
+        yield _descriptor_name(descriptor, path), mapped
     finally:
         os.close(descriptor)
 
