@@ -88,7 +88,7 @@ class CachedDataset(torch.utils.data.Dataset):
     DataLoader worker keeps the ones already open); an item's tensors are views of the map, so
     :func:`collate`'s stack is the only copy (writing into an item changes only this process's
     view of that row, never the file). Unless ``verify=False``, each shard is checked against
-    its sha256 the first time it is opened: a damaged shard raises :class:`CorruptCacheError`
+    its checksum the first time it is opened: a damaged shard raises :class:`CorruptCacheError`
     naming it and its samples, while the other shards still read.
 
     Args:
@@ -101,11 +101,11 @@ class CachedDataset(torch.utils.data.Dataset):
             :func:`verify_inputs`).
         expected_keys: when given, refuse a cache whose sample keys are not exactly these
             (a cheap check for added or removed samples).
-        verify: check each shard's sha256 on first use (reads each shard once more). With
+        verify: check each shard's checksum on first use (reads each shard once more). With
             ``verify=False`` each shard's size, tensor names, shapes and dtypes, and the sample
             keys written inside it are still checked against the manifest (cheap: its header
             only), so a truncated or swapped shard is refused; changed bytes inside a tensor
-            are found only by the sha256 (or :func:`graphsplit.check_cache`).
+            are found only by the checksum (or :func:`graphsplit.check_cache`).
 
     Example:
         >>> import tempfile, graphsplit

@@ -246,7 +246,7 @@ def _finished_shards(folder: Path, header: CacheHeader) -> dict[int, ShardProgre
 
     def intact(progress: ShardProgress) -> bool:
         record = progress.shard
-        return files.file_matches(folder / record.file, size=record.bytes, sha256=record.sha256)
+        return files.file_matches(folder / record.file, size=record.bytes, checksum=record.checksum)
 
     with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:  # hashing releases the GIL
         verdicts = list(pool.map(intact, [progress for _, progress in candidates]))
@@ -255,7 +255,7 @@ def _finished_shards(folder: Path, header: CacheHeader) -> dict[int, ShardProgre
         constants = read_constants_progress(folder, header)
         record = constants and constants.constants
         if not record or not files.file_matches(
-            folder / CONSTANTS_FILE, size=record.bytes, sha256=record.sha256
+            folder / CONSTANTS_FILE, size=record.bytes, checksum=record.checksum
         ):
             del finished[0]  # shard 0's first batch also writes the constants: redo it
     return finished

@@ -7,9 +7,10 @@ Glossary:
         through a planted symlink); a run that dies leaves only those behind, and the next run
         deletes them (:func:`remove_temporary_files`).
     commit: fsync a finished temporary file, then rename it over its final name, so a reader
-        sees the old file or the whole new one, never a part. The sha256 of a file graphsplit
-        wrote is computed from the bytes in memory while they are written, on a second thread
-        (hashlib and ``os.write`` both release the GIL), so nothing is read back.
+        sees the old file or the whole new one, never a part. The checksum of a file graphsplit
+        wrote (:mod:`graphsplit.caching.checksums`) is computed from the bytes in memory while
+        they are written, on a second thread (zlib and ``os.write`` both release the GIL), so
+        nothing is read back.
     durable: fsync'd, file and folder, so it survives a power cut. Every file is fsync'd before
         anything relies on it; the folder once before the manifest names its files.
     regular: a plain file, not a symlink, FIFO, device or folder. Readers check with ``lstat``
@@ -21,13 +22,13 @@ Glossary:
 In and out::
 
     write_atomically(path, data)                      # durable, atomic, no room -> DiskFullError
-    save_tensors(tensors, path, metadata) -> sha256   # safetensors, to path's temporary file
-    commit_file(temporary, path, *, sha256=None) -> (bytes, sha256)   # None: hash the file
+    save_tensors(tensors, path, metadata) -> checksum # safetensors, to path's temporary file
+    commit_file(temporary, path, *, checksum=None) -> (bytes, checksum)   # None: read the file
     read_regular(path, *, limit) -> bytes             # UnsafeFileError, FileNotFoundError
     regular_size(path) -> int | None                  # None: missing; UnsafeFileError
     pinned(path) -> name                              # for libraries that open by name
     pinned_map(path) -> (name, mmap)                  # the same, and a private memory map
-    sha256_file(path) -> str      file_matches(path, *, size, sha256) -> bool
+    checksum_file(path, algorithm="crc32") -> str     file_matches(path, *, size, checksum)
     real_folder(path, *, create) -> bool              # no symlinked folders either
     free_bytes(folder) -> int     no_room(folder, name, needed)   # OSError -> DiskFullError
 """
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import mmap
 import os
@@ -51,12 +51,14 @@ from typing import Any
 
 import torch
 
+from graphsplit.caching.checksums import ALGORITHM, Running, algorithm_of
 from graphsplit.errors import CacheError, DiskFullError, UnsafeFileError
 from graphsplit.units import human_bytes
 
 __all__ = [
     "SAFETENSORS_DTYPES",
     "TEMPORARY_FILE",
+    "checksum_file",
     "commit_file",
     "file_matches",
     "free_bytes",
@@ -72,7 +74,6 @@ __all__ = [
     "rewrite_descriptor",
     "safetensors_dtype",
     "save_tensors",
-    "sha256_file",
     "temporary_path",
     "write_atomically",
 ]
@@ -117,7 +118,7 @@ def write_atomically(path: Path, data: bytes) -> None:
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> str:
     """Save ``tensors`` in the safetensors format to ``path``'s temporary file (commit it next
-    with :func:`commit_file`, passing the sha256 returned); views of one storage are fine.
+    with :func:`commit_file`, passing the checksum returned); views of one storage are fine.
 
     graphsplit writes the format itself (an 8-byte header length, the JSON header padded to 8
     bytes, then each tensor's bytes, widest dtype first, then by name), straight from the
@@ -126,7 +127,7 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     second thread while this one writes them: the file is never read back to be hashed.
 
     Returns:
-        The hex sha256 of the file's bytes.
+        The file's checksum (:data:`~graphsplit.caching.checksums.ALGORITHM`).
 
     Raises:
         DiskFullError: no room (nothing is left behind); CacheError: a dtype safetensors lacks.
@@ -146,7 +147,7 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     temporary = temporary_path(path)
-    digest = hashlib.sha256()
+    digest = Running()
     with no_room(path.parent, path.name, 8 + len(text) + offset):
         descriptor = _create_exclusively(temporary)
         # One thread hashes each piece while this one writes it; the pieces are hashed in order.
@@ -168,7 +169,7 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
         finally:
             hasher.shutdown(wait=True)
             os.close(descriptor)
-    return digest.hexdigest()
+    return digest.checksum()
 
 
 SAFETENSORS_DTYPES = {
@@ -209,27 +210,28 @@ def safetensors_dtype(dtype: torch.dtype, name: str) -> str:
     return code
 
 
-def commit_file(temporary: Path, path: Path, *, sha256: str | None = None) -> tuple[int, str]:
+def commit_file(temporary: Path, path: Path, *, checksum: str | None = None) -> tuple[int, str]:
     """Fsync a finished temporary file, then rename it into place.
 
-    ``sha256`` is the digest :func:`save_tensors` computed while writing; without it the file
-    is read back and hashed. The folder is fsync'd once, before the manifest is written: until
+    ``checksum`` is the one :func:`save_tensors` computed while writing; without it the file
+    is read back. The folder is fsync'd once, before the manifest is written: until
     then a rename lost to a power cut only means the shard is redone on resume.
 
     Returns:
-        The file's size in bytes and its hex sha256.
+        The file's size in bytes and its checksum.
     """
     with no_room(path.parent, path.name, None):
         descriptor = _open_regular(temporary)
         try:
             with _removed_on_error(temporary):
-                sha = sha256 if sha256 is not None else _sha256_descriptor(descriptor)
+                if checksum is None:
+                    checksum = _checksum_descriptor(descriptor, ALGORITHM)
                 os.fsync(descriptor)
                 size = os.fstat(descriptor).st_size
         finally:
             os.close(descriptor)
         os.replace(temporary, path)
-    return size, sha
+    return size, checksum
 
 
 def fsync_folder(folder: Path) -> None:
@@ -417,19 +419,20 @@ def pinned_map(path: Path) -> Iterator[tuple[str, mmap.mmap]]:
         os.close(descriptor)
 
 
-def sha256_file(path: Path) -> str:
-    """The hex sha256 of a regular file's bytes, hashed from a read-only memory map."""
+def checksum_file(path: Path, algorithm: str = ALGORITHM) -> str:
+    """The checksum of a regular file's bytes, from a read-only memory map."""
     descriptor = _open_regular(path)
     try:
-        return _sha256_descriptor(descriptor)
+        return _checksum_descriptor(descriptor, algorithm)
     finally:
         os.close(descriptor)
 
 
-def file_matches(path: Path, *, size: int, sha256: str) -> bool:
-    """Whether ``path`` is a regular file with exactly this size and sha256 (else: no)."""
+def file_matches(path: Path, *, size: int, checksum: str) -> bool:
+    """Whether ``path`` is a regular file with exactly this size and checksum (else: no)."""
     try:
-        return regular_size(path) == size and sha256_file(path) == sha256
+        algorithm = algorithm_of(checksum)
+        return regular_size(path) == size and checksum_file(path, algorithm) == checksum
     except (OSError, UnsafeFileError):
         return False
 
@@ -451,11 +454,12 @@ def _open_regular(path: Path) -> int:
     return descriptor
 
 
-def _sha256_descriptor(descriptor: int) -> str:
-    if os.fstat(descriptor).st_size == 0:
-        return hashlib.sha256().hexdigest()
-    with mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ) as mapped:
-        return hashlib.sha256(mapped).hexdigest()
+def _checksum_descriptor(descriptor: int, algorithm: str) -> str:
+    running = Running(algorithm)
+    if os.fstat(descriptor).st_size:
+        with mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ) as mapped:
+            running.update(mapped)
+    return running.checksum()
 
 
 def _unsafe(path: Path, mode: int) -> UnsafeFileError:

@@ -170,20 +170,20 @@ class ShardWriter:
         # One metadata entry only: safetensors writes a dict's entries in a random order per
         # process, and resumed or multi-process runs must write byte-identical shards.
         metadata = {"graphsplit_keys": json.dumps(shard.keys)}
-        sha = files.save_tensors(shard.tensors, self.folder / name, metadata)
+        checksum = files.save_tensors(shard.tensors, self.folder / name, metadata)
         shard.tensors = {}
         temporary = files.temporary_path(self.folder / name)
-        return self._committers.submit(self.commit, shard, temporary, sha)
+        return self._committers.submit(self.commit, shard, temporary, checksum)
 
-    def commit(self, shard: PendingShard, temporary: Path, sha256: str) -> ShardProgress:
-        """Move a saved shard (whose bytes hash to ``sha256``) into place and record it in
-        ``.partial/``."""
+    def commit(self, shard: PendingShard, temporary: Path, checksum: str) -> ShardProgress:
+        """Move a saved shard (with the ``checksum`` its bytes had in memory) into place and
+        record it in ``.partial/``."""
         name = shard_file_name(shard.index)
-        size, sha = files.commit_file(temporary, self.folder / name, sha256=sha256)
+        size, checksum = files.commit_file(temporary, self.folder / name, checksum=checksum)
         progress = ShardProgress(
             shard=ShardRecord(
                 file=name,
-                sha256=sha,
+                checksum=checksum,
                 bytes=size,
                 keys=tuple(shard.keys),
                 shapes=tuple(shard.shapes),
@@ -306,9 +306,9 @@ def _write_constants(
         for name, value in constants.items()
     }
     path = folder / CONSTANTS_FILE
-    sha = files.save_tensors(physical, path, {"format": "pt"})
-    size, sha = files.commit_file(files.temporary_path(path), path, sha256=sha)
-    record = ConstantsRecord(file=CONSTANTS_FILE, sha256=sha, bytes=size, dim_orders=orders)
+    checksum = files.save_tensors(physical, path, {"format": "pt"})
+    size, checksum = files.commit_file(files.temporary_path(path), path, checksum=checksum)
+    record = ConstantsRecord(file=CONSTANTS_FILE, checksum=checksum, bytes=size, dim_orders=orders)
     errors = {name: error for name, error in errors.items() if name in constants}
     write_progress(folder, ConstantsProgress(constants=record, max_abs_error=errors))
 

@@ -38,8 +38,8 @@ def watch_shards(delay: float) -> None:
     """Record each shard this process commits, then sleep ``delay`` seconds."""
     original = ShardWriter.commit
 
-    def commit(self, shard, temporary, sha256):
-        progress = original(self, shard, temporary, sha256)
+    def commit(self, shard, temporary, checksum):
+        progress = original(self, shard, temporary, checksum)
         WRITTEN.append(shard.index)
         time.sleep(delay)
         return progress

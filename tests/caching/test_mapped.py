@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 from graphsplit.caching.dataset import CachedDataset, collate
-from graphsplit.caching.files import sha256_file
+from graphsplit.caching.files import checksum_file
 from graphsplit.caching.mapped import MappedShard, _layout
 
 
@@ -41,11 +41,11 @@ def test_collate_makes_the_only_copy(path):
 
 def test_writing_into_an_item_never_changes_the_file(path):
     shard = path / "shard-00000.safetensors"
-    before = sha256_file(shard)
+    before = checksum_file(shard)
     cached = CachedDataset(path)
     original = cached[0]["latents"].clone()
     cached[0]["latents"].add_(1.0)
-    assert sha256_file(shard) == before
+    assert checksum_file(shard) == before
     assert torch.equal(CachedDataset(path)[0]["latents"], original)
 
 
