@@ -43,6 +43,7 @@ from graphsplit.caching.fingerprint import (
     Fingerprint,
     describe_differences,
     fingerprint,
+    in_terms_of,
     item_input_digest,
     warn_about_versions,
 )
@@ -151,7 +152,9 @@ class CachedDataset(torch.utils.data.Dataset):
         self._verified: set[int] = set()
         self._corrupt: dict[int, str] = {}
         if split is not None:
-            _check_fingerprint(self.manifest, fingerprint(split, allow_meta=True), self.path)
+            cached = self.manifest.header.fingerprint
+            current = in_terms_of(fingerprint(split, allow_meta=True), cached, split)
+            _check_fingerprint(self.manifest, current, self.path)
         if expected_keys is not None:
             self._check_keys(expected_keys)
         self.collation = _Collation(

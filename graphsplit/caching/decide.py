@@ -34,6 +34,7 @@ from graphsplit.caching.fingerprint import (
     BINDING_PARTS,
     Fingerprint,
     describe_differences,
+    in_terms_of,
     warn_about_versions,
 )
 from graphsplit.caching.format import (
@@ -97,7 +98,7 @@ def decide(
     if source.num_batches == 0:
         raise CacheError("the loader yielded no batches; there is nothing to cache")
     if os.path.lexists(folder / MANIFEST_FILE):
-        complete = _complete_cache(folder, source, current, storage_dtype, overwrite)
+        complete = _complete_cache(folder, split, source, current, storage_dtype, overwrite)
         if complete is not None:
             return Decision(header=complete.header, complete=complete)
     header = _resumable_header(folder, split, current, storage_dtype, shard_bytes, overwrite)
@@ -114,12 +115,18 @@ def decide(
 
 
 def _complete_cache(
-    folder: Path, source: BatchSource, current: Fingerprint, storage: str | None, overwrite: bool
+    folder: Path,
+    split: Any,
+    source: BatchSource,
+    current: Fingerprint,
+    storage: str | None,
+    overwrite: bool,
 ) -> Manifest | None:
     """The manifest of a complete cache to keep as it is, or None to rebuild it."""
     manifest = _read_or_discard(read_manifest, folder, overwrite)
     if manifest is None:
         return None
+    current = in_terms_of(current, manifest.header.fingerprint, split)
     reasons = _header_differences(manifest.header, current, storage)
     if reasons and not overwrite:
         raise StaleCacheError(
@@ -174,6 +181,7 @@ def _resumable_header(
         return None
     if header is None:
         return None
+    current = in_terms_of(current, header.fingerprint, split)
     reasons = [_header_differences(header, current, storage)]
     if header.layout.shard_bytes != shard_bytes:
         reasons.append(f"it used shard_bytes={header.layout.shard_bytes}")

@@ -68,7 +68,7 @@ def die_at(point: int) -> None:
 
         return operation
 
-    for name in ("write", "fsync", "replace", "ftruncate"):
+    for name in ("write", "writev", "fsync", "replace", "ftruncate"):
         setattr(os, name, counted(getattr(os, name)))
     if point == 0:
         atexit.register(lambda: print(f"operations: {count[0]}", flush=True))
