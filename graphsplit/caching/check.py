@@ -1,7 +1,7 @@
 """Audit a cache folder: is every file there, whole, and holding what the manifest lists?
 
 Glossary:
-    problem: one damaged file of a cache (missing, another size, another sha256, tensors other
+    problem: one damaged file of a cache (missing, another size, another checksum, tensors other
         than the manifest lists) and the samples it holds; the other files still read.
     tensor problem: a shard whose safetensors header names other tensors, shapes or dtypes
         than the manifest's rows (read from the header alone, no tensor data).
@@ -26,6 +26,7 @@ from typing import Any
 from safetensors import safe_open
 
 from graphsplit.caching import files
+from graphsplit.caching.checksums import algorithm_of
 from graphsplit.caching.format import (
     CONSTANTS_FILE,
     MANIFEST_FILE,
@@ -101,7 +102,7 @@ class CacheReport:
 
 
 def check_cache(path: str | os.PathLike[str]) -> CacheReport:
-    """Verify a cache folder: the manifest, and every file's size, sha256 and tensor header.
+    """Verify a cache folder: the manifest, and every file's size, checksum and tensor header.
 
     Reads every byte of the cache once. Problems are collected, not raised, so one call
     lists every damaged shard and the samples it holds.
@@ -139,7 +140,7 @@ def check_cache(path: str | os.PathLike[str]) -> CacheReport:
 
 def file_problem(folder: Path, record: FileRecord, *, checksum: bool) -> str | None:
     """What is wrong with a recorded file (missing, not a regular file, another size or
-    sha256), or None."""
+    checksum), or None."""
     path = folder / record.file
     try:
         size = files.regular_size(path)
@@ -147,8 +148,10 @@ def file_problem(folder: Path, record: FileRecord, *, checksum: bool) -> str | N
             return "the file is missing"
         if size != record.bytes:
             return f"it has {size:,} bytes, the manifest records {record.bytes:,}"
-        if checksum and files.sha256_file(path) != record.sha256:
-            return "its sha256 differs from the manifest's (the bytes changed)"
+        if checksum:
+            algorithm = algorithm_of(record.checksum)
+            if files.checksum_file(path, algorithm) != record.checksum:
+                return f"its {algorithm} checksum differs from the manifest's (the bytes changed)"
     except UnsafeFileError as error:
         return "it " + str(error).split(";")[0].removeprefix(f"{path} ")
     except OSError as error:

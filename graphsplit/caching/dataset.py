@@ -15,8 +15,10 @@ In and out::
     collate(items) -> dict[str, Tensor]            # the keyword arguments of split.stage2
     verify_inputs(cached, dataset) -> None         # raises StaleCacheError naming changed keys
 
-Nothing here unpickles: shards are read with safetensors' memory-mapped ``safe_open`` and the
-manifest is strictly validated JSON. Auditing a whole cache is :mod:`graphsplit.caching.check`.
+Nothing here unpickles: shards are checked with safetensors' ``safe_open`` and read as views
+of their memory maps (:mod:`graphsplit.caching.mapped`: an item copies nothing, a batch is one
+copy), and the manifest is strictly validated JSON. Auditing a whole cache is
+:mod:`graphsplit.caching.check`.
 """
 
 from __future__ import annotations
@@ -34,17 +36,19 @@ import torch
 from safetensors import safe_open
 
 from graphsplit.caching import files
-from graphsplit.caching.check import file_problem, open_problem, some_keys
+from graphsplit.caching.check import file_problem, some_keys
 from graphsplit.caching.fingerprint import (
     BINDING_PARTS,
     UNKNOWN_WEIGHTS,
     Fingerprint,
     describe_differences,
     fingerprint,
+    in_terms_of,
     item_input_digest,
     warn_about_versions,
 )
 from graphsplit.caching.format import CONSTANTS_FILE, Manifest, read_manifest, tensor_name
+from graphsplit.caching.mapped import open_mapped
 from graphsplit.caching.memory_order import Order, inverse, row_order
 from graphsplit.caching.samples import describe_changes
 from graphsplit.errors import CacheError, CorruptCacheError, StaleCacheError
@@ -81,11 +85,12 @@ class CachedSample(dict):
 class CachedDataset(torch.utils.data.Dataset):
     """A map-style dataset over a cache folder; item ``i`` is sample ``i``'s rows.
 
-    Shards are opened lazily with safetensors' memory-mapped ``safe_open`` (at most 64 at a
-    time per process; a forked DataLoader worker keeps the ones already open) and, unless
-    ``verify=False``, checked against their sha256 the first time each is opened: a damaged
-    shard raises :class:`CorruptCacheError` naming it and its samples, while the other shards
-    still read.
+    Shards are opened lazily and memory-mapped (at most 64 at a time per process; a forked
+    DataLoader worker keeps the ones already open); an item's tensors are views of the map, so
+    :func:`collate`'s stack is the only copy (writing into an item changes only this process's
+    view of that row, never the file). Unless ``verify=False``, each shard is checked against
+    its checksum the first time it is opened: a damaged shard raises :class:`CorruptCacheError`
+    naming it and its samples, while the other shards still read.
 
     Args:
         path: the cache folder.
@@ -97,11 +102,11 @@ class CachedDataset(torch.utils.data.Dataset):
             :func:`verify_inputs`).
         expected_keys: when given, refuse a cache whose sample keys are not exactly these
             (a cheap check for added or removed samples).
-        verify: check each shard's sha256 on first use (reads each shard once more). With
+        verify: check each shard's checksum on first use (reads each shard once more). With
             ``verify=False`` each shard's size, tensor names, shapes and dtypes, and the sample
             keys written inside it are still checked against the manifest (cheap: its header
             only), so a truncated or swapped shard is refused; changed bytes inside a tensor
-            are found only by the sha256 (or :func:`graphsplit.check_cache`).
+            are found only by the checksum (or :func:`graphsplit.check_cache`).
 
     Example:
         >>> import tempfile, graphsplit
@@ -147,7 +152,9 @@ class CachedDataset(torch.utils.data.Dataset):
         self._verified: set[int] = set()
         self._corrupt: dict[int, str] = {}
         if split is not None:
-            _check_fingerprint(self.manifest, fingerprint(split, allow_meta=True), self.path)
+            cached = self.manifest.header.fingerprint
+            current = in_terms_of(fingerprint(split, allow_meta=True), cached, split)
+            _check_fingerprint(self.manifest, current, self.path)
         if expected_keys is not None:
             self._check_keys(expected_keys)
         self.collation = _Collation(
@@ -244,7 +251,7 @@ class CachedDataset(torch.utils.data.Dataset):
             self.path, record, checksum=self.verify and shard not in self._verified
         )
         if problem is None:
-            handle, problem = open_problem(self.path, record, self.manifest)
+            handle, problem = open_mapped(self.path, record, self.manifest)
         if problem is not None:
             self._corrupt[shard] = problem
             raise self._corrupt_error(shard, problem)

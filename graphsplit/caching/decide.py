@@ -34,6 +34,7 @@ from graphsplit.caching.fingerprint import (
     BINDING_PARTS,
     Fingerprint,
     describe_differences,
+    in_terms_of,
     warn_about_versions,
 )
 from graphsplit.caching.format import (
@@ -97,7 +98,7 @@ def decide(
     if source.num_batches == 0:
         raise CacheError("the loader yielded no batches; there is nothing to cache")
     if os.path.lexists(folder / MANIFEST_FILE):
-        complete = _complete_cache(folder, source, current, storage_dtype, overwrite)
+        complete = _complete_cache(folder, split, source, current, storage_dtype, overwrite)
         if complete is not None:
             return Decision(header=complete.header, complete=complete)
     header = _resumable_header(folder, split, current, storage_dtype, shard_bytes, overwrite)
@@ -114,12 +115,18 @@ def decide(
 
 
 def _complete_cache(
-    folder: Path, source: BatchSource, current: Fingerprint, storage: str | None, overwrite: bool
+    folder: Path,
+    split: Any,
+    source: BatchSource,
+    current: Fingerprint,
+    storage: str | None,
+    overwrite: bool,
 ) -> Manifest | None:
     """The manifest of a complete cache to keep as it is, or None to rebuild it."""
     manifest = _read_or_discard(read_manifest, folder, overwrite)
     if manifest is None:
         return None
+    current = in_terms_of(current, manifest.header.fingerprint, split)
     reasons = _header_differences(manifest.header, current, storage)
     if reasons and not overwrite:
         raise StaleCacheError(
@@ -174,6 +181,7 @@ def _resumable_header(
         return None
     if header is None:
         return None
+    current = in_terms_of(current, header.fingerprint, split)
     reasons = [_header_differences(header, current, storage)]
     if header.layout.shard_bytes != shard_bytes:
         reasons.append(f"it used shard_bytes={header.layout.shard_bytes}")
@@ -246,7 +254,7 @@ def _finished_shards(folder: Path, header: CacheHeader) -> dict[int, ShardProgre
 
     def intact(progress: ShardProgress) -> bool:
         record = progress.shard
-        return files.file_matches(folder / record.file, size=record.bytes, sha256=record.sha256)
+        return files.file_matches(folder / record.file, size=record.bytes, checksum=record.checksum)
 
     with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:  # hashing releases the GIL
         verdicts = list(pool.map(intact, [progress for _, progress in candidates]))
@@ -255,7 +263,7 @@ def _finished_shards(folder: Path, header: CacheHeader) -> dict[int, ShardProgre
         constants = read_constants_progress(folder, header)
         record = constants and constants.constants
         if not record or not files.file_matches(
-            folder / CONSTANTS_FILE, size=record.bytes, sha256=record.sha256
+            folder / CONSTANTS_FILE, size=record.bytes, checksum=record.checksum
         ):
             del finished[0]  # shard 0's first batch also writes the constants: redo it
     return finished

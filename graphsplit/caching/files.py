@@ -6,8 +6,11 @@ Glossary:
     temporary file: ``.{name}.tmp`` next to the file it becomes, created exclusively (never
         through a planted symlink); a run that dies leaves only those behind, and the next run
         deletes them (:func:`remove_temporary_files`).
-    commit: hash and fsync a finished temporary file, then rename it over its final name, so a
-        reader sees the old file or the whole new one, never a part.
+    commit: fsync a finished temporary file, then rename it over its final name, so a reader
+        sees the old file or the whole new one, never a part. The checksum of a file graphsplit
+        wrote (:mod:`graphsplit.caching.checksums`) is computed from the bytes in memory while
+        they are written, on a second thread (zlib and ``os.write`` both release the GIL), so
+        nothing is read back.
     durable: fsync'd, file and folder, so it survives a power cut. Every file is fsync'd before
         anything relies on it; the folder once before the manifest names its files.
     regular: a plain file, not a symlink, FIFO, device or folder. Readers check with ``lstat``
@@ -19,12 +22,13 @@ Glossary:
 In and out::
 
     write_atomically(path, data)                      # durable, atomic, no room -> DiskFullError
-    save_tensors(tensors, path, metadata)             # safetensors, to path's temporary file
-    commit_file(temporary, path) -> (bytes, sha256)
+    save_tensors(tensors, path, metadata) -> checksum # safetensors, to path's temporary file
+    commit_file(temporary, path, *, checksum=None) -> (bytes, checksum)   # None: read the file
     read_regular(path, *, limit) -> bytes             # UnsafeFileError, FileNotFoundError
     regular_size(path) -> int | None                  # None: missing; UnsafeFileError
     pinned(path) -> name                              # for libraries that open by name
-    sha256_file(path) -> str      file_matches(path, *, size, sha256) -> bool
+    pinned_map(path) -> (name, mmap)                  # the same, and a private memory map
+    checksum_file(path, algorithm="crc32") -> str     file_matches(path, *, size, checksum)
     real_folder(path, *, create) -> bool              # no symlinked folders either
     free_bytes(folder) -> int     no_room(folder, name, needed)   # OSError -> DiskFullError
 """
@@ -33,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import mmap
 import os
@@ -42,17 +45,20 @@ import shutil
 import stat
 import struct
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from graphsplit.caching.checksums import ALGORITHM, Running, algorithm_of
 from graphsplit.errors import CacheError, DiskFullError, UnsafeFileError
 from graphsplit.units import human_bytes
 
 __all__ = [
     "SAFETENSORS_DTYPES",
     "TEMPORARY_FILE",
+    "checksum_file",
     "commit_file",
     "file_matches",
     "free_bytes",
@@ -60,6 +66,7 @@ __all__ = [
     "is_regular",
     "no_room",
     "pinned",
+    "pinned_map",
     "read_regular",
     "real_folder",
     "regular_size",
@@ -67,7 +74,6 @@ __all__ = [
     "rewrite_descriptor",
     "safetensors_dtype",
     "save_tensors",
-    "sha256_file",
     "temporary_path",
     "write_atomically",
 ]
@@ -110,14 +116,18 @@ def write_atomically(path: Path, data: bytes) -> None:
     fsync_folder(path.parent)
 
 
-def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> str:
     """Save ``tensors`` in the safetensors format to ``path``'s temporary file (commit it next
-    with :func:`commit_file`); views of one storage are fine.
+    with :func:`commit_file`, passing the checksum returned); views of one storage are fine.
 
     graphsplit writes the format itself (an 8-byte header length, the JSON header padded to 8
     bytes, then each tensor's bytes, widest dtype first, then by name), straight from the
     tensors' memory: no copy, the same write path and errors as every other file, and the same
-    bytes on every run, process and safetensors version.
+    bytes on every run, process and safetensors version. The bytes are hashed from memory on a
+    second thread while this one writes them: the file is never read back to be hashed.
+
+    Returns:
+        The file's checksum (:data:`~graphsplit.caching.checksums.ALGORITHM`).
 
     Raises:
         DiskFullError: no room (nothing is left behind); CacheError: a dtype safetensors lacks.
@@ -137,17 +147,26 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     temporary = temporary_path(path)
+    digest = Running()
     with no_room(path.parent, path.name, 8 + len(text) + offset):
         descriptor = _create_exclusively(temporary)
+        # A second thread hashes the pieces while this one writes them in a few vectored
+        # writes: each thread takes the GIL back rarely, so neither waits on the other.
+        pieces = [struct.pack("<Q", len(text)) + text]
+        for name in order:
+            value = tensors[name].detach().contiguous().reshape(-1)
+            if value.numel():
+                pieces.append(value.view(torch.uint8).numpy().data)
+        hasher = ThreadPoolExecutor(1, thread_name_prefix="graphsplit-hash")
         try:
             with _removed_on_error(temporary):
-                _write_all(descriptor, struct.pack("<Q", len(text)) + text)
-                for name in order:
-                    value = tensors[name].detach().contiguous().reshape(-1)
-                    if value.numel():
-                        _write_all(descriptor, value.view(torch.uint8).numpy().data)
+                hashed = hasher.submit(lambda: [digest.update(piece) for piece in pieces])
+                _write_all(descriptor, pieces)
+                hashed.result()
         finally:
+            hasher.shutdown(wait=True)
             os.close(descriptor)
+    return digest.checksum()
 
 
 SAFETENSORS_DTYPES = {
@@ -188,26 +207,28 @@ def safetensors_dtype(dtype: torch.dtype, name: str) -> str:
     return code
 
 
-def commit_file(temporary: Path, path: Path) -> tuple[int, str]:
-    """Hash and fsync a finished temporary file, then rename it into place.
+def commit_file(temporary: Path, path: Path, *, checksum: str | None = None) -> tuple[int, str]:
+    """Fsync a finished temporary file, then rename it into place.
 
-    The folder is fsync'd once, before the manifest is written: until then a rename lost to a
-    power cut only means the shard is redone on resume.
+    ``checksum`` is the one :func:`save_tensors` computed while writing; without it the file
+    is read back. The folder is fsync'd once, before the manifest is written: until
+    then a rename lost to a power cut only means the shard is redone on resume.
 
     Returns:
-        The file's size in bytes and its hex sha256.
+        The file's size in bytes and its checksum.
     """
     with no_room(path.parent, path.name, None):
         descriptor = _open_regular(temporary)
         try:
             with _removed_on_error(temporary):
-                sha = _sha256_descriptor(descriptor)
+                if checksum is None:
+                    checksum = _checksum_descriptor(descriptor, ALGORITHM)
                 os.fsync(descriptor)
                 size = os.fstat(descriptor).st_size
         finally:
             os.close(descriptor)
         os.replace(temporary, path)
-    return size, sha
+    return size, checksum
 
 
 def fsync_folder(folder: Path) -> None:
@@ -276,10 +297,26 @@ def is_regular(descriptor: int) -> bool:
     return stat.S_ISREG(os.fstat(descriptor).st_mode)
 
 
-def _write_all(descriptor: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(descriptor, view) :]
+def _write_all(descriptor: int, data: Any) -> None:
+    """Write all of ``data``: one bytes-like object, or a list of them written in order with
+    as few (vectored) system calls as the OS allows."""
+    views = [memoryview(piece).cast("B") for piece in (data if isinstance(data, list) else [data])]
+    views = [view for view in views if len(view)]
+    first = 0
+    while first < len(views):
+        if _WRITEV is None:
+            written = os.write(descriptor, views[first])
+        else:
+            written = _WRITEV(descriptor, views[first : first + _IOV_MAX])
+        while first < len(views) and written >= len(views[first]):
+            written -= len(views[first])
+            first += 1
+        if written:
+            views[first] = views[first][written:]
+
+
+_WRITEV = getattr(os, "writev", None)
+_IOV_MAX = 1024  # the least IOV_MAX of the systems with writev
 
 
 def _descriptor_name(descriptor: int, path: Path) -> str:
@@ -378,19 +415,37 @@ def pinned(path: Path) -> Iterator[str]:
         os.close(descriptor)
 
 
-def sha256_file(path: Path) -> str:
-    """The hex sha256 of a regular file's bytes, hashed from a read-only memory map."""
+@contextlib.contextmanager
+def pinned_map(path: Path) -> Iterator[tuple[str, mmap.mmap]]:
+    """:func:`pinned`'s name for ``path`` and a private, copy-on-write memory map of the same
+    file (so tensors can be views of it; writing to them never changes the file). The map
+    outlives the context: it is closed when nothing refers to it any more.
+
+    Raises:
+        UnsafeFileError, FileNotFoundError; ValueError: the file is empty.
+    """
     descriptor = _open_regular(path)
     try:
-        return _sha256_descriptor(descriptor)
+        mapped = mmap.mmap(descriptor, 0, access=mmap.ACCESS_COPY)
+        yield _descriptor_name(descriptor, path), mapped
     finally:
         os.close(descriptor)
 
 
-def file_matches(path: Path, *, size: int, sha256: str) -> bool:
-    """Whether ``path`` is a regular file with exactly this size and sha256 (else: no)."""
+def checksum_file(path: Path, algorithm: str = ALGORITHM) -> str:
+    """The checksum of a regular file's bytes, from a read-only memory map."""
+    descriptor = _open_regular(path)
     try:
-        return regular_size(path) == size and sha256_file(path) == sha256
+        return _checksum_descriptor(descriptor, algorithm)
+    finally:
+        os.close(descriptor)
+
+
+def file_matches(path: Path, *, size: int, checksum: str) -> bool:
+    """Whether ``path`` is a regular file with exactly this size and checksum (else: no)."""
+    try:
+        algorithm = algorithm_of(checksum)
+        return regular_size(path) == size and checksum_file(path, algorithm) == checksum
     except (OSError, UnsafeFileError):
         return False
 
@@ -412,11 +467,12 @@ def _open_regular(path: Path) -> int:
     return descriptor
 
 
-def _sha256_descriptor(descriptor: int) -> str:
-    if os.fstat(descriptor).st_size == 0:
-        return hashlib.sha256().hexdigest()
-    with mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ) as mapped:
-        return hashlib.sha256(mapped).hexdigest()
+def _checksum_descriptor(descriptor: int, algorithm: str) -> str:
+    running = Running(algorithm)
+    if os.fstat(descriptor).st_size:
+        with mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ) as mapped:
+            running.update(mapped)
+    return running.checksum()
 
 
 def _unsafe(path: Path, mode: int) -> UnsafeFileError:

@@ -19,14 +19,17 @@ Glossary:
     shard layout: shard ``k`` holds the rows of loader batches ``k * batches_per_shard`` up to
         the next multiple, which makes the layout a pure function of the loader's order and
         lets resumed and multi-process runs write the same files as one uninterrupted process.
-    shard record: one shard's file name, sha256, size and its samples (keys, per-tensor shapes,
+    shard record: one shard's file name, checksum, size and its samples (keys, per-tensor shapes,
         memory orders, input digests) in row order; the manifest lists them in shard order, so
         sample ``i`` of the cache is the ``i``-th row counted across shards.
     progress record: what a run notes in ``.partial/`` when a shard (or the constants file) is
         finished: its record, plus the loader positions and storage errors that resuming and
         finishing need and the manifest does not keep.
     stamp: ``format`` and ``format_version``, the first two fields of the manifest and the
-        resume header.
+        resume header. Format 2 records each file's ``checksum`` (``"crc32:…"``, see
+        :mod:`graphsplit.caching.checksums`); format 1 (graphsplit up to 0.2) recorded its
+        ``sha256`` (hex). Format-1 manifests and progress records are still read, their
+        ``sha256`` taken as the checksum ``"sha256:…"``, so caches written before still open.
 
 Each record is a frozen dataclass whose fields, in order, are its JSON fields (see
 :mod:`graphsplit.caching.validate`): the writers and the readers below share that one schema.
@@ -55,6 +58,7 @@ from typing import Any
 import torch
 
 from graphsplit.artifacts import BoundarySpec
+from graphsplit.caching.checksums import CHECKSUM, CHECKSUM_MEANING
 from graphsplit.caching.files import real_folder, write_atomically
 from graphsplit.caching.fingerprint import Fingerprint
 from graphsplit.caching.memory_order import Order
@@ -89,7 +93,8 @@ __all__ = [
 ]
 
 FORMAT = "graphsplit-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: files recorded by "sha256" (see the module glossary)
 MANIFEST_FILE = "manifest.json"
 CONSTANTS_FILE = "constants.safetensors"
 LOCK_FILE = ".lock"
@@ -160,10 +165,10 @@ class CacheHeader:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """A finished file of the cache: its name, sha256 and size in bytes."""
+    """A finished file of the cache: its name, checksum and size in bytes."""
 
     file: str
-    sha256: str = json_field(**_SHA256)
+    checksum: str = json_field(pattern=CHECKSUM, meaning=CHECKSUM_MEANING)
     bytes: int
 
 
@@ -341,7 +346,9 @@ def read_shard_progress(folder: Path, index: int, header: CacheHeader) -> ShardP
         return None
     reader = JsonReader(path)
     try:
-        progress: ShardProgress = reader.read(ShardProgress, reader.load())
+        document = reader.load()
+        _upgrade_file_record(document)
+        progress: ShardProgress = reader.read(ShardProgress, document)
         _check_shard(reader, progress.shard, header, index, "")
         _check_errors(reader, progress.max_abs_error, header, "max_abs_error")
     except ManifestError:
@@ -356,7 +363,9 @@ def read_constants_progress(folder: Path, header: CacheHeader) -> ConstantsProgr
         return None
     reader = JsonReader(path)
     try:
-        progress: ConstantsProgress = reader.read(ConstantsProgress, reader.load())
+        document = reader.load()
+        _upgrade_file_record(document)  # the constants record is inline
+        progress: ConstantsProgress = reader.read(ConstantsProgress, document)
         _check_constants(reader, progress.constants, header, "constants")
         _check_errors(reader, progress.max_abs_error, header, "max_abs_error")
     except ManifestError:
@@ -374,15 +383,28 @@ def _read_stamped(reader: JsonReader, cls: type) -> Any:
     version = document["format_version"]
     if type(version) is not int:
         reader.fail("format_version", f"is {version!r}; expected an integer")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         newer = version > FORMAT_VERSION
         raise ManifestError(
-            f"{reader.path} has cache format version {version}, this graphsplit reads version "
-            f"{FORMAT_VERSION}.\n  fix: "
+            f"{reader.path} has cache format version {version}, this graphsplit reads versions "
+            f"{READABLE_VERSIONS[0]} to {FORMAT_VERSION}.\n  fix: "
             + ("upgrade graphsplit to read it, or " if newer else "")
             + REBUILD
         )
+    if version == 1:
+        _upgrade_file_record(document.get("constants"))
+        shards = document.get("shards")
+        for shard in shards if isinstance(shards, list) else ():
+            _upgrade_file_record(shard)
     return reader.read(cls, {key: value for key, value in document.items() if key not in stamp})
+
+
+def _upgrade_file_record(record: Any) -> None:
+    """Turn a format-1 file record's ``"sha256": hex`` into ``"checksum": "sha256:hex"``, in
+    place (anything else is left for the strict reader to judge)."""
+    if isinstance(record, dict) and "sha256" in record and "checksum" not in record:
+        value = record.pop("sha256")
+        record["checksum"] = f"sha256:{value}" if isinstance(value, str) else value
 
 
 # ---------------------------------------------------- rules that span fields (after the types)

@@ -43,6 +43,7 @@ from graphsplit.caching.format import (
     CONSTANTS_FILE,
     LOCK_FILE,
     Manifest,
+    ShardProgress,
     ShardRecord,
     read_constants_progress,
     read_shard_progress,
@@ -205,26 +206,34 @@ def cache(
         if decision.complete is not None:
             return _info(folder, decision.complete, written=0)
         # 3. Every process computes and writes the unfinished shards it owns.
+        written: dict[int, ShardProgress] = {}  # this process's records, kept in memory
         processes.everywhere(
-            lambda: write_shards(
-                split,
-                source,
-                folder,
-                header=decision.header,
-                finished=decision.finished,
-                processes=processes,
-                progress=progress,
+            lambda: written.update(
+                write_shards(
+                    split,
+                    source,
+                    folder,
+                    header=decision.header,
+                    finished=decision.finished,
+                    processes=processes,
+                    progress=progress,
+                )
             )
         )
         # 4. The main process merges the progress records into the manifest.
-        return processes.on_main(lambda: _finish(folder, decision, source))
+        return processes.on_main(lambda: _finish(folder, decision, source, written))
     finally:
         if processes.is_main:
             lock.release()
 
 
-def _finish(folder: Path, decision: Decision, source: BatchSource) -> CacheInfo:
-    """Write the manifest from the progress records, then drop them; the cache is complete."""
+def _finish(
+    folder: Path, decision: Decision, source: BatchSource, written: Mapping[int, ShardProgress]
+) -> CacheInfo:
+    """Write the manifest from the progress records, then drop them; the cache is complete.
+
+    ``written`` holds the records this process wrote; only the others are read back.
+    """
     header = decision.header
     num_batches = source.num_batches
     assert num_batches is not None, "the main process has iterated the whole loader"
@@ -234,7 +243,7 @@ def _finish(folder: Path, decision: Decision, source: BatchSource) -> CacheInfo:
     shards = []
     errors: dict[str, float] = {}
     for index in range(num_shards):
-        progress = read_shard_progress(folder, index, header)
+        progress = written.get(index) or read_shard_progress(folder, index, header)
         if progress is None or files.regular_size(folder / progress.shard.file) is None:
             raise CacheError(
                 f"shard {index} of {folder} was not written (a process stopped early?).\n"

@@ -77,8 +77,12 @@ def write_shards(
     finished: Mapping[int, ShardProgress],
     processes: Processes,
     progress: bool | None,
-) -> None:
-    """Compute and write every shard this process owns that ``finished`` does not hold."""
+) -> dict[int, ShardProgress]:
+    """Compute and write every shard this process owns that ``finished`` does not hold.
+
+    Returns:
+        The progress record of each shard written, by shard index (also in ``.partial/``).
+    """
     per_shard = header.layout.batches_per_shard
 
     def wanted(batch_index: int) -> bool:
@@ -114,7 +118,7 @@ def write_shards(
                 )
         if pending is not None:
             writer.submit(pending)
-        writer.close()
+        return writer.close()
     except BaseException:
         writer.close(cancel=True)
         raise
@@ -126,35 +130,36 @@ def write_shards(
 class ShardWriter:
     """Writes shards on background threads, so stage 1 keeps running meanwhile.
 
-    One thread serialises shard ``k`` with safetensors into a temporary file while two others
-    commit the shards before it (:meth:`commit`), so checksums and fsyncs overlap the
-    writing. At most one shard waits in memory besides the one being filled.
+    One thread serialises shard ``k`` into a temporary file (hashing its bytes from memory as
+    it writes them) while two others commit the shards before it (:meth:`commit`), so fsyncs
+    overlap the writing. At most one shard waits in memory besides the one being filled.
     """
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
         self.bytes_submitted = 0
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="graphsplit-save")
-        # Two committers: one hashes a shard while the other waits for an fsync.
+        # Two committers: fsyncs of consecutive shards overlap.
         self._committers = ThreadPoolExecutor(2, thread_name_prefix="graphsplit-commit")
-        self._saving: Future[Future[ShardProgress]] | None = None
-        self._commits: list[Future[ShardProgress]] = []
+        self._saving: tuple[int, Future[Future[ShardProgress]]] | None = None
+        self._commits: dict[int, Future[ShardProgress]] = {}
 
     def submit(self, shard: PendingShard) -> None:
         """Queue a complete pending shard; waits while the shard before it is being saved."""
         self._collect_saving()
         self.bytes_submitted += shard.nbytes
-        self._saving = self._saver.submit(self.save, shard)
+        self._saving = (shard.index, self._saver.submit(self.save, shard))
 
-    def close(self, *, cancel: bool = False) -> list[ShardProgress]:
-        """Wait for every shard and return their progress records (none when ``cancel``)."""
+    def close(self, *, cancel: bool = False) -> dict[int, ShardProgress]:
+        """Wait for every shard and return their progress records by shard index (none when
+        ``cancel``)."""
         try:
             self._collect_saving()
-            return [commit.result() for commit in self._commits]
+            return {index: commit.result() for index, commit in self._commits.items()}
         except BaseException:
             if not cancel:
                 raise
-            return []
+            return {}
         finally:
             self._saver.shutdown(wait=True)
             self._committers.shutdown(wait=True)
@@ -165,19 +170,20 @@ class ShardWriter:
         # One metadata entry only: safetensors writes a dict's entries in a random order per
         # process, and resumed or multi-process runs must write byte-identical shards.
         metadata = {"graphsplit_keys": json.dumps(shard.keys)}
-        files.save_tensors(shard.tensors, self.folder / name, metadata)
+        checksum = files.save_tensors(shard.tensors, self.folder / name, metadata)
         shard.tensors = {}
         temporary = files.temporary_path(self.folder / name)
-        return self._committers.submit(self.commit, shard, temporary)
+        return self._committers.submit(self.commit, shard, temporary, checksum)
 
-    def commit(self, shard: PendingShard, temporary: Path) -> ShardProgress:
-        """Move a saved shard into place and record it in ``.partial/``."""
+    def commit(self, shard: PendingShard, temporary: Path, checksum: str) -> ShardProgress:
+        """Move a saved shard (with the ``checksum`` its bytes had in memory) into place and
+        record it in ``.partial/``."""
         name = shard_file_name(shard.index)
-        size, sha = files.commit_file(temporary, self.folder / name)
+        size, checksum = files.commit_file(temporary, self.folder / name, checksum=checksum)
         progress = ShardProgress(
             shard=ShardRecord(
                 file=name,
-                sha256=sha,
+                checksum=checksum,
                 bytes=size,
                 keys=tuple(shard.keys),
                 shapes=tuple(shard.shapes),
@@ -192,9 +198,9 @@ class ShardWriter:
 
     def _collect_saving(self) -> None:
         if self._saving is not None:
-            saving, self._saving = self._saving, None
-            self._commits.append(saving.result())
-        for commit in self._commits:
+            (index, saving), self._saving = self._saving, None
+            self._commits[index] = saving.result()
+        for commit in self._commits.values():
             if commit.done() and commit.exception() is not None:
                 commit.result()
 
@@ -300,9 +306,9 @@ def _write_constants(
         for name, value in constants.items()
     }
     path = folder / CONSTANTS_FILE
-    files.save_tensors(physical, path, {"format": "pt"})
-    size, sha = files.commit_file(files.temporary_path(path), path)
-    record = ConstantsRecord(file=CONSTANTS_FILE, sha256=sha, bytes=size, dim_orders=orders)
+    checksum = files.save_tensors(physical, path, {"format": "pt"})
+    size, checksum = files.commit_file(files.temporary_path(path), path, checksum=checksum)
+    record = ConstantsRecord(file=CONSTANTS_FILE, checksum=checksum, bytes=size, dim_orders=orders)
     errors = {name: error for name, error in errors.items() if name in constants}
     write_progress(folder, ConstantsProgress(constants=record, max_abs_error=errors))
 

@@ -38,8 +38,8 @@ def watch_shards(delay: float) -> None:
     """Record each shard this process commits, then sleep ``delay`` seconds."""
     original = ShardWriter.commit
 
-    def commit(self, shard, temporary):
-        progress = original(self, shard, temporary)
+    def commit(self, shard, temporary, checksum):
+        progress = original(self, shard, temporary, checksum)
         WRITTEN.append(shard.index)
         time.sleep(delay)
         return progress
@@ -68,7 +68,7 @@ def die_at(point: int) -> None:
 
         return operation
 
-    for name in ("write", "fsync", "replace", "ftruncate"):
+    for name in ("write", "writev", "fsync", "replace", "ftruncate"):
         setattr(os, name, counted(getattr(os, name)))
     if point == 0:
         atexit.register(lambda: print(f"operations: {count[0]}", flush=True))

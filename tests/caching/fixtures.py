@@ -201,11 +201,11 @@ def interrupt_after(monkeypatch: Any, shards: int) -> None:
     original = ShardWriter.commit
     done = []
 
-    def commit(self, shard, temporary):
+    def commit(self, shard, temporary, checksum):
         if len(done) >= shards:
             raise Interrupt("simulated crash")
         done.append(shard.index)
-        return original(self, shard, temporary)
+        return original(self, shard, temporary, checksum)
 
     monkeypatch.setattr(ShardWriter, "commit", commit)
 

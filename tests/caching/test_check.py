@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from graphsplit.caching.check import check_cache
 from graphsplit.caching.dataset import CachedDataset
-from graphsplit.caching.files import sha256_file
+from graphsplit.caching.files import checksum_file
 from graphsplit.errors import CorruptCacheError
 from tests.caching.fixtures import flip_last_byte, rewrite_manifest
 
@@ -18,7 +18,7 @@ def test_corrupt_shard_is_reported_and_other_shards_read(path):
     report = check_cache(path)
     assert not report.ok
     assert report.damaged_keys == ["pic004", "pic005"]
-    assert "shard-00002.safetensors: its sha256 differs" in str(report)
+    assert "shard-00002.safetensors: its crc32 checksum differs" in str(report)
     cached = CachedDataset(path)
     with pytest.raises(
         CorruptCacheError, match=r"(?s)shard-00002.safetensors.*'pic004', 'pic005'.*check_cache"
@@ -54,7 +54,7 @@ def test_shard_with_other_tensors_than_listed_is_reported(path):
     save_file({"0/latents": torch.zeros(4, 4, 4)}, shard)
     rewrite_manifest(
         path,
-        lambda d: d["shards"][0].update(sha256=sha256_file(shard), bytes=shard.stat().st_size),
+        lambda d: d["shards"][0].update(checksum=checksum_file(shard), bytes=shard.stat().st_size),
     )
     assert "its tensors differ from the manifest's" in str(check_cache(path))
     with pytest.raises(CorruptCacheError, match="tensors differ"):

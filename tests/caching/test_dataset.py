@@ -13,7 +13,7 @@ import graphsplit.caching.dataset as dataset_module
 from graphsplit.artifacts import BoundarySpec
 from graphsplit.caching.check import check_cache
 from graphsplit.caching.dataset import CachedDataset, CachedSample, collate, verify_inputs
-from graphsplit.caching.files import sha256_file
+from graphsplit.caching.files import checksum_file
 from graphsplit.caching.run import cache
 from graphsplit.errors import CacheError, CorruptCacheError, StaleCacheError
 from tests.caching.fixtures import (
@@ -276,7 +276,7 @@ def test_a_pickle_in_place_of_a_shard_is_refused(path, tmp_path, no_unpickling):
     with pytest.raises(CorruptCacheError, match="shard-00001"):
         CachedDataset(path)[2]
     rewrite_manifest(
-        path, lambda d: d["shards"][1].update(sha256=sha256_file(shard), bytes=len(payload))
+        path, lambda d: d["shards"][1].update(checksum=checksum_file(shard), bytes=len(payload))
     )
     with pytest.raises(CorruptCacheError, match="safetensors cannot open it"):
         CachedDataset(path)[2]

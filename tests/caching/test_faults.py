@@ -323,13 +323,13 @@ def test_verify_false_refuses_swapped_shards(path):
     assert torch.is_tensor(cached[4]["latents"])
 
 
-def test_flipped_bytes_are_the_sha256_checks_job(path):
+def test_flipped_bytes_are_the_checksums_job(path):
     shard = path / "shard-00001.safetensors"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF  # inside the last tensor's data: headers, sizes and keys still agree
     shard.write_bytes(bytes(data))
     CachedDataset(path, verify=False)[2]  # documented: verify=False does not hash
-    with pytest.raises(CorruptCacheError, match="sha256 differs"):
+    with pytest.raises(CorruptCacheError, match="crc32 checksum differs"):
         CachedDataset(path)[2]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import zlib
 
 import pytest
 import torch
@@ -22,16 +23,19 @@ def test_write_atomically_replaces_the_file_and_leaves_no_temporary(tmp_path):
     assert sorted(entry.name for entry in tmp_path.iterdir()) == ["record.json"]
 
 
-def test_commit_file_renames_and_reports_size_and_sha256(tmp_path):
+def test_commit_file_renames_and_reports_size_and_checksum(tmp_path):
     temporary = files.temporary_path(tmp_path / "shard.bin")
     assert temporary.name == ".shard.bin.tmp"
     temporary.write_bytes(b"rows")
     size, sha = files.commit_file(temporary, tmp_path / "shard.bin")
-    assert (size, sha) == (4, hashlib.sha256(b"rows").hexdigest())
+    assert (size, sha) == (4, f"crc32:{zlib.crc32(b'rows'):08x}")
     assert not temporary.exists()
-    assert files.file_matches(tmp_path / "shard.bin", size=4, sha256=sha)
-    assert not files.file_matches(tmp_path / "shard.bin", size=5, sha256=sha)
-    assert not files.file_matches(tmp_path / "missing.bin", size=4, sha256=sha)
+    assert files.file_matches(tmp_path / "shard.bin", size=4, checksum=sha)
+    assert not files.file_matches(tmp_path / "shard.bin", size=5, checksum=sha)
+    assert not files.file_matches(tmp_path / "missing.bin", size=4, checksum=sha)
+    old = "sha256:" + hashlib.sha256(b"rows").hexdigest()  # as format-1 caches recorded it
+    assert files.file_matches(tmp_path / "shard.bin", size=4, checksum=old)
+    assert not files.file_matches(tmp_path / "shard.bin", size=4, checksum=old[:-1] + "0")
 
 
 def test_remove_temporary_files_keeps_everything_else(tmp_path):
@@ -77,14 +81,15 @@ def test_save_tensors_writes_what_safetensors_reads(tmp_path):
         "e/empty": torch.zeros(0, 3),
     }
     path = tmp_path / "shard.safetensors"
-    files.save_tensors(tensors, path, {"graphsplit_keys": '["a"]'})
-    size, sha = files.commit_file(files.temporary_path(path), path)
+    computed = files.save_tensors(tensors, path, {"graphsplit_keys": '["a"]'})
+    size, sha = files.commit_file(files.temporary_path(path), path, checksum=computed)
     with safe_open(str(path), framework="pt") as handle:
         assert handle.metadata() == {"graphsplit_keys": '["a"]'}
         assert sorted(handle.keys()) == sorted(tensors)
         for name, value in tensors.items():
             assert torch.equal(handle.get_tensor(name), value)
-    assert size == path.stat().st_size and sha == files.sha256_file(path)
+    assert size == path.stat().st_size and sha == computed == files.checksum_file(path)
+    assert sha == f"crc32:{zlib.crc32(path.read_bytes()):08x}"  # from memory, as on disk
 
 
 def test_a_dtype_safetensors_lacks_is_named(tmp_path):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
+from graphsplit.caching.check import check_cache
 from graphsplit.caching.dataset import CachedDataset
 from graphsplit.caching.format import (
     read_constants_progress,
@@ -17,8 +21,17 @@ from graphsplit.caching.format import (
     write_progress,
     write_resume_header,
 )
-from graphsplit.errors import ManifestError
-from tests.caching.fixtures import rewrite_manifest
+from graphsplit.caching.run import cache
+from graphsplit.errors import CorruptCacheError, ManifestError
+from tests.caching.fixtures import (
+    SMALL,
+    Interrupt,
+    flip_last_byte,
+    interrupt_after,
+    loader,
+    make_split,
+    rewrite_manifest,
+)
 
 # ------------------------------------------------------------------------------- strict reading
 
@@ -38,7 +51,8 @@ from tests.caching.fixtures import rewrite_manifest
         (lambda d: d["shards"][0].update(bytes="12"), r"shards\[0\]\.bytes is str '12'"),
         (lambda d: d["shards"][0].update(bytes=True), r"shards\[0\]\.bytes is bool True"),
         (lambda d: d["shards"][0]["keys"].__setitem__(0, 5), r"keys\[0\] is int 5"),
-        (lambda d: d["shards"][0].update(sha256="x" * 64), r"sha256 is 'xxx"),
+        (lambda d: d["shards"][0].update(checksum="x" * 64), r"checksum is 'xxx"),
+        (lambda d: d["shards"][0].update(checksum="crc32:1234"), r"checksum is 'crc32:1234'"),
         (lambda d: d["shards"][0].update(extra=1), r"unexpected field\(s\) \['extra'\]"),
         (lambda d: d.pop("fingerprint"), r"lacks the field\(s\) \['fingerprint'\]"),
         (lambda d: d.update(format="pickle"), r"format is 'pickle'"),
@@ -88,8 +102,10 @@ def test_malformed_manifests_are_refused(path, text, message):
 
 
 def test_newer_format_version_asks_for_an_upgrade(path):
-    rewrite_manifest(path, lambda d: d.update(format_version=2))
-    with pytest.raises(ManifestError, match=r"(?s)format version 2.*upgrade graphsplit"):
+    rewrite_manifest(path, lambda d: d.update(format_version=3))
+    with pytest.raises(
+        ManifestError, match=r"(?s)format version 3.*reads versions 1 to 2.*upgrade"
+    ):
         CachedDataset(path)
 
 
@@ -112,16 +128,24 @@ def test_unfinished_cache_says_to_rerun(tmp_path, name):
 DATA_0_1 = Path(__file__).parent / "data" / "graphsplit-0.1"
 
 
-def test_a_manifest_of_graphsplit_0_1_reads_and_writes_back_byte_for_byte(tmp_path):
+def _as_format_2(text: str) -> str:
+    """A format-1 document as format 2 writes the same records: sha256 becomes the checksum."""
+    text = text.replace('"format_version": 1,', '"format_version": 2,')
+    return text.replace('"sha256": "', '"checksum": "sha256:')
+
+
+def test_a_manifest_of_graphsplit_0_1_reads_and_writes_back_the_same_records(tmp_path):
     written = DATA_0_1 / "complete" / "manifest.json"
     manifest = read_manifest(written.parent)
     assert manifest.num_samples == 4 and manifest.header.storage_dtype == "bfloat16"
     assert manifest.shards[1].row_orders[0] == (None, (1, 0, 2))
+    assert manifest.shards[0].checksum.startswith("sha256:") and '"sha256"' in written.read_text()
     write_manifest(tmp_path, manifest)
-    assert (tmp_path / "manifest.json").read_bytes() == written.read_bytes()
+    assert (tmp_path / "manifest.json").read_text() == _as_format_2(written.read_text())
+    assert read_manifest(tmp_path) == manifest
 
 
-def test_resume_records_of_graphsplit_0_1_read_and_write_back_byte_for_byte(tmp_path):
+def test_resume_records_of_graphsplit_0_1_read_and_write_back_the_same_records(tmp_path):
     old, new = tmp_path / "old" / ".partial", tmp_path / "new"
     shutil.copytree(DATA_0_1 / "partial", old)
     header = read_resume_header(old.parent)  # from .partial/plan.json
@@ -139,4 +163,60 @@ def test_resume_records_of_graphsplit_0_1_read_and_write_back_byte_for_byte(tmp_
         ("shard-00000.json", "shard-00000.json"),
         ("constants.json", "constants.json"),
     ]:
-        assert (new / ".partial" / new_name).read_bytes() == (old / old_name).read_bytes()
+        expected = _as_format_2((old / old_name).read_text())
+        assert (new / ".partial" / new_name).read_text() == expected
+
+
+# --------------------------------------------------------- format 1: files recorded by sha256
+
+
+def _to_format_1(document: dict, folder: Path) -> None:
+    """Rewrite a manifest as graphsplit <= 0.2 wrote it: each file's sha256, format 1."""
+    document["format_version"] = 1
+    for record in [document["constants"], *document["shards"]]:
+        del record["checksum"]
+        record["sha256"] = hashlib.sha256((folder / record["file"]).read_bytes()).hexdigest()
+
+
+def test_a_cache_written_in_format_1_still_opens_and_verifies_by_sha256(path):
+    expected = {item["key"]: item["latents"].clone() for item in CachedDataset(path)}
+    rewrite_manifest(path, lambda d: _to_format_1(d, path))
+    assert '"sha256"' in (path / "manifest.json").read_text()
+    cached = CachedDataset(path)  # verify=True: each shard is checked against its sha256
+    assert cached.manifest.shards[0].checksum.startswith("sha256:")
+    assert {item["key"]: item["latents"] for item in cached}.keys() == expected.keys()
+    assert all(torch.equal(item["latents"], expected[item["key"]]) for item in cached)
+    assert check_cache(path).ok
+    flip_last_byte(path / "shard-00001.safetensors")
+    assert "shard-00001.safetensors: its sha256 checksum differs" in str(check_cache(path))
+    with pytest.raises(CorruptCacheError, match="sha256 checksum differs"):
+        CachedDataset(path)[2]
+
+
+def test_a_run_interrupted_in_format_1_resumes_from_its_shards(tmp_path, monkeypatch):
+    whole = tmp_path / "whole"
+    cache(make_split(), loader(), whole, shard_bytes=SMALL, progress=False)
+    folder = tmp_path / "cache"
+    with monkeypatch.context() as patch:
+        interrupt_after(patch, 3)
+        with pytest.raises(Interrupt):
+            cache(make_split(), loader(), folder, shard_bytes=SMALL, progress=False)
+    partial = folder / ".partial"
+    for record in partial.glob("*.json"):  # as graphsplit <= 0.2 left them
+        document = json.loads(record.read_text())
+        if record.name == "header.json":
+            document["format_version"] = 1
+        for file_record in [document, document.get("constants")]:
+            if isinstance(file_record, dict) and "checksum" in file_record:
+                del file_record["checksum"]
+                data = (folder / file_record["file"]).read_bytes()
+                file_record["sha256"] = hashlib.sha256(data).hexdigest()
+        record.write_text(json.dumps(document))
+    assert '"sha256"' in (partial / "shard-00000.json").read_text()
+    info = cache(make_split(), loader(), folder, shard_bytes=SMALL, progress=False)
+    assert (info.reused_shards, info.written_shards) == (3, 3)
+    manifest = read_manifest(folder)
+    assert [shard.checksum[:6] for shard in manifest.shards] == ["sha256"] * 3 + ["crc32:"] * 3
+    assert [(path.name, path.read_bytes()) for path in sorted(folder.glob("*.safetensors"))] == [
+        (path.name, path.read_bytes()) for path in sorted(whole.glob("*.safetensors"))
+    ]

@@ -66,7 +66,7 @@ def test_folder_layout_and_manifest(split, tmp_path):
     assert manifest.shards[0].shapes[0] == ((4, 4, 4), (6, 8))
     assert len(manifest.shards[0].input_sha256[0]) == 64
     document = json.loads((tmp_path / "manifest.json").read_text())
-    assert document["format"] == "graphsplit-cache" and document["format_version"] == 1
+    assert document["format"] == "graphsplit-cache" and document["format_version"] == 2
     assert document["fingerprint"]["versions"]["torch"] == torch.__version__
     assert info.total_bytes == sum(
         (tmp_path / f).stat().st_size for f in names if f.endswith(".safetensors")

@@ -1,0 +1,85 @@
+"""Items are views of the shard's memory map: one copy per batch, the file never written."""
+
+from __future__ import annotations
+
+import gc
+import json
+import mmap
+import struct
+
+import torch
+from safetensors import safe_open
+
+from graphsplit.caching.dataset import CachedDataset, collate
+from graphsplit.caching.files import checksum_file
+from graphsplit.caching.mapped import MappedShard, _layout
+
+
+def test_rows_of_a_shard_are_views_of_one_map_equal_to_safetensors(path):
+    cached = CachedDataset(path)
+    first, second = cached[0], cached[1]  # shard 0 holds samples 0 and 1
+    storage = first["latents"].untyped_storage().data_ptr()
+    assert second["latents"].untyped_storage().data_ptr() == storage
+    assert first["text"].untyped_storage().data_ptr() == storage
+    shard = cached.manifest.shards[0]
+    with safe_open(str(path / shard.file), "pt") as handle:
+        for row, item in enumerate((first, second)):
+            for name in ("latents", "text"):
+                expected = handle.get_tensor(f"{row}/{name}")
+                assert item[name].dtype == expected.dtype
+                assert torch.equal(item[name].contiguous(), expected.contiguous())
+
+
+def test_collate_makes_the_only_copy(path):
+    cached = CachedDataset(path)
+    items = [cached[0], cached[1]]
+    batch = collate(items)
+    storage = batch["latents"].untyped_storage().data_ptr()
+    assert storage != items[0]["latents"].untyped_storage().data_ptr()
+    assert torch.equal(batch["latents"][0], items[0]["latents"])
+
+
+def test_writing_into_an_item_never_changes_the_file(path):
+    shard = path / "shard-00000.safetensors"
+    before = checksum_file(shard)
+    cached = CachedDataset(path)
+    original = cached[0]["latents"].clone()
+    cached[0]["latents"].add_(1.0)
+    assert checksum_file(shard) == before
+    assert torch.equal(CachedDataset(path)[0]["latents"], original)
+
+
+def test_items_outlive_their_dataset_and_its_maps(path):
+    cached = CachedDataset(path)
+    item = cached[3]
+    expected = item["latents"].clone()
+    del cached
+    gc.collect()
+    assert torch.equal(item["latents"], expected)
+
+
+def _mapped(payload: bytes) -> mmap.mmap:
+    mapped = mmap.mmap(-1, len(payload))
+    mapped[:] = payload
+    return mapped
+
+
+def _file(header: dict, data: bytes, pad: int) -> bytes:
+    text = json.dumps(header).encode() + b" " * pad
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def test_a_misaligned_tensor_is_copied_not_refused():
+    values = torch.tensor([1.5, -2.0, 3.25])
+    for pad in range(4):  # every alignment of the data start
+        data = values.numpy().tobytes()
+        header = {"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, len(data)]}}
+        mapped = _mapped(_file(header, data, pad))
+        layout = _layout(mapped)
+        assert not isinstance(layout, str)
+        assert torch.equal(MappedShard(mapped, layout).get_tensor("x"), values)
+
+
+def test_a_tensor_outside_the_file_is_a_problem():
+    header = {"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}
+    assert _layout(_mapped(_file(header, b"\x00" * 8, 0))) == "tensor 'x' lies outside the file"
