@@ -7,7 +7,7 @@ Glossary:
                      constant that stage 1 holds (names, dtypes, shapes and bytes):
                      ``crc32:`` + the sha256 of the names, dtypes, shapes and the CRC-32 of
                      each 1 MiB of their bytes (about 3 GB/s on one core; see
-                     :func:`fingerprint` for why this suffices). Caches of graphsplit up to 0.2
+                     :func:`fingerprint` for why this suffices). Caches of graphsplit 0.1
                      hold ``sha256:`` + the sha256 of the bytes themselves (about 1 GB/s); they
                      are compared in their own terms (:func:`in_terms_of`).
         ``boundary`` sha256 of the boundary's names, dtypes, batch dims and ranks (not the trace-
@@ -106,7 +106,7 @@ def fingerprint(
     """Fingerprint ``split.stage1``: its code, the frozen tensors it holds and its boundary.
 
     Hashing reads every frozen weight once: a CRC-32 per MiB, at about 3 GB/s on one CPU core
-    (``weights_algorithm="sha256"``: graphsplit 0.2's digest of the bytes, about 1 GB/s). The
+    (``weights_algorithm="sha256"``: graphsplit 0.1's digest of the bytes, about 1 GB/s). The
     CRCs are not cryptographic, and need not be: the weights digest tells a changed model from
     the one a cache was made with, it does not stand between a cache and someone forging one.
     A change confined to 32 consecutive bits of a MiB, or to one or two bits, always changes

@@ -55,7 +55,7 @@ def test_the_weights_digest_is_a_crc32_per_mib_mixed_by_sha256():
     )
     expected = hashlib.sha256(b"w|float32(300000,)|" + crcs).hexdigest()
     assert _weights({"w": values}) == "crc32:" + expected
-    old = hashlib.sha256(b"w|float32(300000,)|" + data).hexdigest()  # graphsplit <= 0.2
+    old = hashlib.sha256(b"w|float32(300000,)|" + data).hexdigest()  # graphsplit 0.1
     assert _weights({"w": values}, "sha256") == "sha256:" + old
 
 

@@ -171,7 +171,7 @@ def test_resume_records_of_graphsplit_0_1_read_and_write_back_the_same_records(t
 
 
 def _to_format_1(document: dict, folder: Path) -> None:
-    """Rewrite a manifest as graphsplit <= 0.2 wrote it: each file's sha256, format 1."""
+    """Rewrite a manifest as graphsplit 0.1 wrote it: each file's sha256, format 1."""
     document["format_version"] = 1
     for record in [document["constants"], *document["shards"]]:
         del record["checksum"]
