@@ -1,8 +1,8 @@
 """Cache I/O: graphsplit.cache and CachedDataset vs raw safetensors on the same tensors.
 
 Writing: ``graphsplit.cache`` (rows cut from batches, input digests, a checksum computed while
-writing and an fsync per shard, atomic renames, the manifest) with a stage 1 that only looks the rows up, against
-``safetensors.torch.save_file`` writing the same rows into the same shards, once bare (the
+writing and an fsync per shard, atomic renames, the manifest) with a stage 1 that only looks
+the rows up, against ``safetensors.torch.save_file`` writing the same rows into the same shards, once bare (the
 bytes stay in the page cache) and once followed by ``fsync`` (durable, as graphsplit's shards
 are). On caches larger than the page cache the two baselines converge. Reading: one shuffled
 epoch of ``CachedDataset`` items against raw ``safe_open(...).get_tensor`` reads of the same
