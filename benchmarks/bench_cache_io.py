@@ -1,16 +1,17 @@
 """Cache I/O: graphsplit.cache and CachedDataset vs raw safetensors on the same tensors.
 
 Writing: ``graphsplit.cache`` (rows cut from batches, input digests, a checksum computed while
-writing and an fsync per shard, atomic renames, the manifest) with a stage 1 that only looks
-the rows up, against ``safetensors.torch.save_file`` writing the same rows into the same shards, once bare (the
-bytes stay in the page cache) and once followed by ``fsync`` (durable, as graphsplit's shards
-are). On caches larger than the page cache the two baselines converge. Reading: one shuffled
-epoch of ``CachedDataset`` items against raw ``safe_open(...).get_tensor`` reads of the same
-rows, handles already open, every byte touched; with ``verify=False`` (or after the first
-epoch) and with the first-epoch checksums. Variants run interleaved round by round, on one
-torch thread by default; the report gives the median and IQR of same-round ratios (baseline
-seconds / graphsplit seconds, so 1.0 is "as fast as safetensors") on wall-clock and CPU time
-(all threads of the process, graphsplit's writer threads included), files in the page cache.
+writing and an fsync per shard, atomic renames, the manifest) with a stage 1 that only looks the
+rows up, against ``safetensors.torch.save_file`` writing the same rows into the same shards,
+once bare (the bytes stay in the page cache) and once followed by ``fsync`` (durable, as
+graphsplit's shards are). On caches larger than the page cache the two baselines converge.
+Reading: one shuffled epoch of ``CachedDataset`` items against raw ``safe_open(...).get_tensor``
+reads of the same rows, handles already open, every byte touched; with ``verify=False`` (or
+after the first epoch) and with the first-epoch checksums. Variants run interleaved round by
+round, on one torch thread by default; the report gives the median and IQR of same-round ratios
+(baseline seconds / graphsplit seconds, so 1.0 is "as fast as safetensors") on wall-clock and
+CPU time (all threads of the process, graphsplit's writer threads included), files in the page
+cache.
 
     python -m benchmarks.bench_cache_io --help
     python -m benchmarks.bench_cache_io --quick --out /tmp/results     # smoke test
