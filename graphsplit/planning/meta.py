@@ -33,6 +33,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
+from graphsplit.planning.memo import OpMemo
+
 META = torch.device("meta")
 
 
@@ -66,8 +68,8 @@ def _has_meta_tensor(tree: Any) -> bool:
     )
 
 
-# The fake mode of the analysis in progress (innermost last); see fake_mode().
-_FAKE_MODES: list[FakeTensorMode] = []
+# The fake mode of the analysis in progress (innermost last) and its op memo; see fake_mode().
+_FAKE_MODES: list[tuple[FakeTensorMode, OpMemo]] = []
 
 
 def fake_mode() -> FakeTensorMode:
@@ -76,7 +78,14 @@ def fake_mode() -> FakeTensorMode:
     One mode per :func:`analysis_view`: fake tensors of two modes cannot meet in one op, and
     the mode memoises the fake twin of every meta parameter it has converted.
     """
-    return _FAKE_MODES[-1] if _FAKE_MODES else FakeTensorMode(allow_non_fake_inputs=True)
+    return _fake_mode_and_memo()[0]
+
+
+def _fake_mode_and_memo() -> tuple[FakeTensorMode, OpMemo]:
+    if _FAKE_MODES:
+        return _FAKE_MODES[-1]
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    return mode, OpMemo(mode)
 
 
 @contextlib.contextmanager
@@ -85,8 +94,11 @@ def meta_execution() -> Iterator[None]:
 
     ``FakeTensorMode`` is what torch.export and dynamo trace under, so library code that asks
     "am I being traced?" says yes here and avoids reading tensor values.
+    Repeated op signatures are answered by the analysis's :class:`OpMemo` (same results, a
+    fraction of the fake mode's cost per op).
     """
-    with torch.no_grad(), fake_mode(), META, _StrayTensorsToMeta():
+    mode, memo = _fake_mode_and_memo()
+    with torch.no_grad(), mode, META, _StrayTensorsToMeta(), memo:
         yield
 
 
@@ -103,7 +115,8 @@ def analysis_view(model: nn.Module) -> Iterator[None]:
     module_dicts = {id(module): dict(vars(module)) for module in model.modules()}
     helpers = _helper_objects(model)
     helper_dicts = {id(obj): dict(vars(obj)) for obj in helpers}
-    _FAKE_MODES.append(FakeTensorMode(allow_non_fake_inputs=True))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    _FAKE_MODES.append((mode, OpMemo(mode)))
     try:
         for module in model.modules():
             for table in (module._parameters, module._buffers):
