@@ -28,7 +28,18 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _META = torch.device("meta")
-_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout)
+_DEVICE = torch.ops.prim.device.default  # the most frequent op: asked for first
+_SCALARS = (
+    int,
+    float,
+    bool,
+    str,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
 _UNSAFE_TAGS = frozenset(
     {
         torch.Tag.nondeterministic_seeded,
@@ -37,7 +48,9 @@ _UNSAFE_TAGS = frozenset(
         torch.Tag.inplace_view,
     }
 )
-# Why a signature is not memoised: reasons computed once per overload.
+# Views in all but schema: their output shares the input's storage (and version counter).
+_VIEWS_IN_DISGUISE = frozenset({torch.ops.aten._unsafe_view.default})
+# Whether an overload's results may be memoised, decided once per overload.
 _MEMOISABLE: dict[Any, bool] = {}
 
 
@@ -53,6 +66,7 @@ def _memoisable(func: Any) -> bool:
             and len(schema.returns) > 0
             and not _UNSAFE_TAGS.intersection(func.tags)
             and schema.name.split("::")[0] == "aten"
+            and func not in _VIEWS_IN_DISGUISE
         )
         _MEMOISABLE[func] = known
     return known
@@ -91,7 +105,7 @@ class OpMemo(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not _memoisable(func):
+        if func is _DEVICE or not _memoisable(func):
             return func(*args, **kwargs)
         try:
             key = (func, _key_of(args), _key_of(tuple(kwargs.items())) if kwargs else None)
