@@ -62,10 +62,27 @@ class _StrayTensorsToMeta(TorchFunctionMode):
 
 
 def _has_meta_tensor(tree: Any) -> bool:
+    """Whether a meta tensor is anywhere in ``tree`` (runs on every torch call: kept cheap).
+
+    Plain tuples, lists and dicts are walked directly; anything else goes through pytree,
+    which knows the containers libraries register (transformers' ``ModelOutput``).
+    """
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        return any(_has_meta_tensor(item) for item in tree)
+    if kind is dict:
+        return any(_has_meta_tensor(item) for item in tree.values())
+    if isinstance(tree, torch.Tensor):
+        return tree.device.type == "meta"
+    if kind in _ATOMS:
+        return False
     return any(
         isinstance(leaf, torch.Tensor) and leaf.device.type == "meta"
         for leaf in pytree.tree_leaves(tree)
     )
+
+
+_ATOMS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size})
 
 
 # The fake mode of the analysis in progress (innermost last) and its op memo; see fake_mode().
