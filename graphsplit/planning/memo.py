@@ -72,11 +72,33 @@ def _memoisable(func: Any) -> bool:
     return known
 
 
+def _memoisable_view(func: Any) -> bool:
+    """A view of its first argument (``view``, ``t``, ``transpose``, ``expand``, ...)."""
+    known = _MEMOISABLE_VIEW.get(func)
+    if known is None:
+        schema = func._schema
+        known = (
+            isinstance(func, torch._ops.OpOverload)
+            and func.is_view
+            and not schema.is_mutable
+            and len(schema.returns) == 1
+            and schema.returns[0].type.isSubtypeOf(torch._C.TensorType.get())
+            and schema.arguments[0].alias_info is not None
+            and not _UNSAFE_TAGS.intersection(func.tags)
+            and schema.name.split("::")[0] == "aten"
+        )
+        _MEMOISABLE_VIEW[func] = known
+    return known
+
+
+_MEMOISABLE_VIEW: dict[Any, bool] = {}
+
+
 def _key_of(value: Any) -> Any:
     """A hashable description of one argument, or raise ``TypeError`` if there is none."""
     if isinstance(value, torch.Tensor):
-        if value.layout is not torch.strided or value.is_sparse:
-            raise TypeError("not a strided tensor")
+        if value.layout is not torch.strided or value.dtype.is_complex:
+            raise TypeError("not a strided real tensor")  # (complex: conj/neg bits)
         return (
             type(value),
             value.dtype,
@@ -105,7 +127,11 @@ class OpMemo(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _DEVICE or not _memoisable(func):
+        if func is _DEVICE:
+            return func(*args, **kwargs)
+        if func in _VIEWS_IN_DISGUISE or _memoisable_view(func):
+            return self._view(func, args, kwargs)
+        if not _memoisable(func):
             return func(*args, **kwargs)
         try:
             key = (func, _key_of(args), _key_of(tuple(kwargs.items())) if kwargs else None)
@@ -133,6 +159,45 @@ class OpMemo(TorchDispatchMode):
             ]
         return made[0] if single else tuple(made)
 
+    def _view(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A view op: the answer is a new fake tensor on its first argument's storage."""
+        base = args[0] if args else None
+        if type(base) is not FakeTensor or base.fake_mode is not self.fake_mode:
+            return func(*args, **kwargs)
+        try:
+            key = (func, _key_of(args), _key_of(tuple(kwargs.items())) if kwargs else None)
+        except TypeError:
+            return func(*args, **kwargs)
+        entry = self.results.get(key, _MISSING)
+        if entry is _MISSING:
+            self.misses += 1
+            out = func(*args, **kwargs)
+            self.results[key] = self._view_entry(out, base)
+            return out
+        if entry is None:
+            return func(*args, **kwargs)
+        self.hits += 1
+        shape, stride, offset, dtype, device = entry
+        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+            elem = torch.empty_strided(shape, stride, dtype=dtype, device=_META)
+            elem.set_(base.untyped_storage(), offset, shape, stride)
+            return FakeTensor(self.fake_mode, elem, device)
+
+    def _view_entry(self, out: Any, base: FakeTensor) -> tuple | None:
+        if (
+            type(out) is not FakeTensor
+            or out.fake_mode is not self.fake_mode
+            or out.constant is not None
+            or out.requires_grad
+            or out.is_conj()
+            or out.is_neg()
+        ):
+            return None
+        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+            if out.untyped_storage()._cdata != base.untyped_storage()._cdata:
+                return None
+        return (out.shape, out.stride(), out.storage_offset(), out.dtype, out.device)
+
     def _entry(self, out: Any, args: tuple, kwargs: dict) -> tuple | None:
         single = isinstance(out, torch.Tensor)
         outputs = (out,) if single else out
@@ -151,6 +216,8 @@ class OpMemo(TorchDispatchMode):
                 or tensor.layout is not torch.strided
                 or tensor.requires_grad
                 or tensor.storage_offset() != 0
+                or tensor.is_conj()
+                or tensor.is_neg()
             ):
                 return None
             metas.append((tensor.shape, tensor.stride(), tensor.dtype, tensor.device))
