@@ -33,6 +33,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
+from graphsplit.planning.memo import OpMemo
+
 META = torch.device("meta")
 
 
@@ -60,14 +62,31 @@ class _StrayTensorsToMeta(TorchFunctionMode):
 
 
 def _has_meta_tensor(tree: Any) -> bool:
+    """Whether a meta tensor is anywhere in ``tree`` (runs on every torch call: kept cheap).
+
+    Plain tuples, lists and dicts are walked directly; anything else goes through pytree,
+    which knows the containers libraries register (transformers' ``ModelOutput``).
+    """
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        return any(_has_meta_tensor(item) for item in tree)
+    if kind is dict:
+        return any(_has_meta_tensor(item) for item in tree.values())
+    if isinstance(tree, torch.Tensor):
+        return tree.device.type == "meta"
+    if kind in _ATOMS:
+        return False
     return any(
         isinstance(leaf, torch.Tensor) and leaf.device.type == "meta"
         for leaf in pytree.tree_leaves(tree)
     )
 
 
-# The fake mode of the analysis in progress (innermost last); see fake_mode().
-_FAKE_MODES: list[FakeTensorMode] = []
+_ATOMS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size})
+
+
+# The fake mode of the analysis in progress (innermost last) and its op memo; see fake_mode().
+_FAKE_MODES: list[tuple[FakeTensorMode, OpMemo]] = []
 
 
 def fake_mode() -> FakeTensorMode:
@@ -76,7 +95,14 @@ def fake_mode() -> FakeTensorMode:
     One mode per :func:`analysis_view`: fake tensors of two modes cannot meet in one op, and
     the mode memoises the fake twin of every meta parameter it has converted.
     """
-    return _FAKE_MODES[-1] if _FAKE_MODES else FakeTensorMode(allow_non_fake_inputs=True)
+    return _fake_mode_and_memo()[0]
+
+
+def _fake_mode_and_memo() -> tuple[FakeTensorMode, OpMemo]:
+    if _FAKE_MODES:
+        return _FAKE_MODES[-1]
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    return mode, OpMemo(mode)
 
 
 @contextlib.contextmanager
@@ -85,8 +111,11 @@ def meta_execution() -> Iterator[None]:
 
     ``FakeTensorMode`` is what torch.export and dynamo trace under, so library code that asks
     "am I being traced?" says yes here and avoids reading tensor values.
+    Repeated op signatures are answered by the analysis's :class:`OpMemo` (same results, a
+    fraction of the fake mode's cost per op).
     """
-    with torch.no_grad(), fake_mode(), META, _StrayTensorsToMeta():
+    mode, memo = _fake_mode_and_memo()
+    with torch.no_grad(), mode, META, _StrayTensorsToMeta(), memo:
         yield
 
 
@@ -103,7 +132,8 @@ def analysis_view(model: nn.Module) -> Iterator[None]:
     module_dicts = {id(module): dict(vars(module)) for module in model.modules()}
     helpers = _helper_objects(model)
     helper_dicts = {id(obj): dict(vars(obj)) for obj in helpers}
-    _FAKE_MODES.append(FakeTensorMode(allow_non_fake_inputs=True))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    _FAKE_MODES.append((mode, OpMemo(mode)))
     try:
         for module in model.modules():
             for table in (module._parameters, module._buffers):

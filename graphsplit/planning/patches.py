@@ -34,15 +34,16 @@ from graphsplit.runtime import functional_inplace
 
 
 # -- leaf method calls ------------------------------------------------------------------------
-def _public_methods(module: nn.Module) -> list[str]:
+def _public_methods(cls: type) -> tuple[str, ...]:
+    """Methods defined by ``cls`` and its bases up to ``nn.Module``."""
     names: list[str] = []
-    for klass in type(module).__mro__:
+    for klass in cls.__mro__:
         if klass in (nn.Module, object):
             break
         for name, attr in vars(klass).items():
             if isinstance(attr, FunctionType) and not name.startswith("_") and name not in names:
                 names.append(name)
-    return names
+    return tuple(names)
 
 
 def _contains_proxy(tree: Any) -> bool:
@@ -60,9 +61,12 @@ def leaf_methods_recorded(
     module's ``get_attr`` handle.
     """
     patched = []
+    methods_of: dict[type, tuple[str, ...]] = {}  # a big model has thousands of leaves, few types
     for qualified_name in sorted(leaf_names):
         module = model.get_submodule(qualified_name)
-        for method_name in _public_methods(module):
+        if type(module) not in methods_of:
+            methods_of[type(module)] = _public_methods(type(module))
+        for method_name in methods_of[type(module)]:
             recorded = _recording(tracer, qualified_name, method_name, getattr(module, method_name))
             had = method_name in vars(module)
             previous = vars(module).get(method_name)

@@ -1,0 +1,227 @@
+"""Memoised fake-tensor results: each ATen op signature is computed once per analysis.
+
+Glossary:
+    op signature: an ATen overload with the metadata of its tensor arguments (shape, stride,
+        storage offset, dtype, device, layout) and the values of its other arguments. A model's
+        repeated blocks (28 transformer layers, 24 T5 blocks) run the same few hundred
+        signatures thousands of times.
+    memoisable op: one whose outputs are fresh tensors fully described by the signature: no
+        view or in-place op (their outputs alias or mutate an input, and in-place ops move
+        version counters the analysis reads), no random op, no op whose output shape or value
+        depends on data, no constant-carrying output (a fake tensor that remembers its value).
+
+Why not torch's own cache: ``FakeTensorMode`` does cache dispatch results (and it is on), but
+its hit path rebuilds a hash key through pytree for every argument and re-validates the entry;
+the analysis spends most of its time there. This mode sits just above the analysis's fake mode
+(below the op recorder, which still sees every op) and answers a repeated signature with new
+fake tensors of the recorded metadata, at a fraction of the cost. Results never leave one
+analysis (:class:`OpMemo` lives as long as its fake mode), so every ``split()`` pays its own
+first runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_META = torch.device("meta")
+_DEVICE = torch.ops.prim.device.default  # the most frequent op: asked for first
+_SCALARS = (
+    int,
+    float,
+    bool,
+    str,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
+_UNSAFE_TAGS = frozenset(
+    {
+        torch.Tag.nondeterministic_seeded,
+        torch.Tag.dynamic_output_shape,
+        torch.Tag.data_dependent_output,
+        torch.Tag.inplace_view,
+    }
+)
+# Views in all but schema: their output shares the input's storage (and version counter).
+_VIEWS_IN_DISGUISE = frozenset({torch.ops.aten._unsafe_view.default})
+# Whether an overload's results may be memoised, decided once per overload.
+_MEMOISABLE: dict[Any, bool] = {}
+
+
+def _memoisable(func: Any) -> bool:
+    known = _MEMOISABLE.get(func)
+    if known is None:
+        schema = func._schema
+        known = (
+            isinstance(func, torch._ops.OpOverload)
+            and not schema.is_mutable
+            and all(ret.alias_info is None for ret in schema.returns)
+            and all(ret.type.isSubtypeOf(torch._C.TensorType.get()) for ret in schema.returns)
+            and len(schema.returns) > 0
+            and not _UNSAFE_TAGS.intersection(func.tags)
+            and schema.name.split("::")[0] == "aten"
+            and func not in _VIEWS_IN_DISGUISE
+        )
+        _MEMOISABLE[func] = known
+    return known
+
+
+def _memoisable_view(func: Any) -> bool:
+    """A view of its first argument (``view``, ``t``, ``transpose``, ``expand``, ...)."""
+    known = _MEMOISABLE_VIEW.get(func)
+    if known is None:
+        schema = func._schema
+        known = (
+            isinstance(func, torch._ops.OpOverload)
+            and func.is_view
+            and not schema.is_mutable
+            and len(schema.returns) == 1
+            and schema.returns[0].type.isSubtypeOf(torch._C.TensorType.get())
+            and schema.arguments[0].alias_info is not None
+            and not _UNSAFE_TAGS.intersection(func.tags)
+            and schema.name.split("::")[0] == "aten"
+        )
+        _MEMOISABLE_VIEW[func] = known
+    return known
+
+
+_MEMOISABLE_VIEW: dict[Any, bool] = {}
+
+
+def _key_of(value: Any) -> Any:
+    """A hashable description of one argument, or raise ``TypeError`` if there is none."""
+    if isinstance(value, torch.Tensor):
+        if value.layout is not torch.strided or value.dtype.is_complex:
+            raise TypeError("not a strided real tensor")  # (complex: conj/neg bits)
+        return (
+            type(value),
+            value.dtype,
+            value.device,
+            value.shape,
+            value.stride(),
+            value.storage_offset(),
+        )
+    if isinstance(value, _SCALARS):
+        return (type(value), value)
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_key_of(item) for item in value))
+    raise TypeError(f"no key for {type(value).__name__}")
+
+
+class OpMemo(TorchDispatchMode):
+    """Answers repeated op signatures with fresh fake tensors; see the module docstring."""
+
+    def __init__(self, fake_mode: FakeTensorMode) -> None:
+        super().__init__()
+        self.fake_mode = fake_mode
+        # signature -> tuple of (shape, stride, dtype, device) per output; None: do not memoise
+        self.results: dict[Any, tuple | None] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _DEVICE:
+            return func(*args, **kwargs)
+        if func in _VIEWS_IN_DISGUISE or _memoisable_view(func):
+            return self._view(func, args, kwargs)
+        if not _memoisable(func):
+            return func(*args, **kwargs)
+        try:
+            key = (func, _key_of(args), _key_of(tuple(kwargs.items())) if kwargs else None)
+        except TypeError:
+            return func(*args, **kwargs)
+        entry = self.results.get(key, _MISSING)
+        if entry is _MISSING:
+            self.misses += 1
+            out = func(*args, **kwargs)
+            self.results[key] = self._entry(out, args, kwargs)
+            return out
+        if entry is None:
+            return func(*args, **kwargs)
+        self.hits += 1
+        single, outputs = entry
+        # The fake mode below must not see these allocations: they are its tensors' insides.
+        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+            made = [
+                FakeTensor(
+                    self.fake_mode,
+                    torch.empty_strided(shape, stride, dtype=dtype, device=_META),
+                    device,
+                )
+                for shape, stride, dtype, device in outputs
+            ]
+        return made[0] if single else tuple(made)
+
+    def _view(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """A view op: the answer is a new fake tensor on its first argument's storage."""
+        base = args[0] if args else None
+        if type(base) is not FakeTensor or base.fake_mode is not self.fake_mode:
+            return func(*args, **kwargs)
+        try:
+            key = (func, _key_of(args), _key_of(tuple(kwargs.items())) if kwargs else None)
+        except TypeError:
+            return func(*args, **kwargs)
+        entry = self.results.get(key, _MISSING)
+        if entry is _MISSING:
+            self.misses += 1
+            out = func(*args, **kwargs)
+            self.results[key] = self._view_entry(out, base)
+            return out
+        if entry is None:
+            return func(*args, **kwargs)
+        self.hits += 1
+        shape, stride, offset, dtype, device = entry
+        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+            elem = torch.empty_strided(shape, stride, dtype=dtype, device=_META)
+            elem.set_(base.untyped_storage(), offset, shape, stride)
+            return FakeTensor(self.fake_mode, elem, device)
+
+    def _view_entry(self, out: Any, base: FakeTensor) -> tuple | None:
+        if (
+            type(out) is not FakeTensor
+            or out.fake_mode is not self.fake_mode
+            or out.constant is not None
+            or out.requires_grad
+            or out.is_conj()
+            or out.is_neg()
+        ):
+            return None
+        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+            if out.untyped_storage()._cdata != base.untyped_storage()._cdata:
+                return None
+        return (out.shape, out.stride(), out.storage_offset(), out.dtype, out.device)
+
+    def _entry(self, out: Any, args: tuple, kwargs: dict) -> tuple | None:
+        single = isinstance(out, torch.Tensor)
+        outputs = (out,) if single else out
+        if not isinstance(outputs, tuple):
+            return None
+        inputs = {
+            id(value) for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)
+        }
+        metas = []
+        for tensor in outputs:
+            if (
+                type(tensor) is not FakeTensor
+                or tensor.fake_mode is not self.fake_mode
+                or tensor.constant is not None
+                or id(tensor) in inputs
+                or tensor.layout is not torch.strided
+                or tensor.requires_grad
+                or tensor.storage_offset() != 0
+                or tensor.is_conj()
+                or tensor.is_neg()
+            ):
+                return None
+            metas.append((tensor.shape, tensor.stride(), tensor.dtype, tensor.device))
+        return single, tuple(metas)
+
+
+_MISSING = object()

@@ -1,0 +1,112 @@
+"""The op memo and the one-mode FLOP count: same answers as the fake mode and FlopCounterMode."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils.flop_counter import FlopCounterMode
+
+from graphsplit.planning.interpret import _recorded
+from graphsplit.planning.meta import META, analysis_view, meta_execution
+
+
+def _metadata(tensor: torch.Tensor) -> tuple:
+    return (tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), tensor.dtype)
+
+
+def _memo():
+    from graphsplit.planning import meta
+
+    return meta._fake_mode_and_memo()[1]
+
+
+def _block(x: torch.Tensor, weight: torch.Tensor) -> list[torch.Tensor]:
+    h = F.linear(x, weight)  # t (a view of the weight), mm/addmm, _unsafe_view
+    v = h.transpose(0, 1).reshape(-1)  # a view, then a copy
+    return [h, v, torch.softmax(h, dim=-1), h.expand(2, *h.shape), h.clone()]
+
+
+def test_repeated_signatures_give_the_same_metadata_as_the_first_run():
+    weight = torch.empty(6, 4, device=META)
+    x = torch.empty(3, 4, device=META)
+    with analysis_view(nn.Module()), meta_execution():
+        memo = _memo()
+        first = _block(x, weight)
+        hits = memo.hits
+        second = _block(x, weight)  # answered by the memo
+        assert memo.hits >= hits + len(second)
+    for a, b in zip(first, second):
+        assert type(a) is FakeTensor and type(b) is FakeTensor
+        assert _metadata(a) == _metadata(b)
+        assert b is not a
+
+
+def test_a_memoised_view_shares_its_base_and_moves_with_its_writes():
+    with analysis_view(nn.Module()), meta_execution():
+        memo = _memo()
+        base = torch.empty(4, 6) + 1
+        views = [base.view(24)]
+        hits = memo.hits
+        views.append(base.view(24))
+        assert memo.hits == hits + 1  # the second view comes from the memo
+        for view in views:
+            assert view.untyped_storage()._cdata == base.untyped_storage()._cdata
+            assert view._base is base
+        before = base._version
+        views[1].mul_(2)  # in place, through the memoised view
+        assert base._version == before + 1
+
+
+def test_in_place_ops_are_not_memoised_and_bump_versions_every_time():
+    with analysis_view(nn.Module()), meta_execution():
+        h = torch.empty(2, 3) + 0
+        versions = [h._version]
+        for _ in range(3):
+            out = h.mul_(2)
+            assert out is h
+            versions.append(h._version)
+    assert versions == sorted(set(versions))  # strictly increasing
+
+
+def test_random_ops_are_recorded_every_time():
+    def draws() -> torch.Tensor:
+        x = torch.empty(2, 3) + 0
+        return F.dropout(x, 0.5, training=True) + torch.randn_like(x)
+
+    with analysis_view(nn.Module()), meta_execution():
+        _, first = _recorded(draws)
+        _, second = _recorded(draws)
+    assert first == second
+    assert sum(op.draws_random for op in first.ops) >= 2
+
+
+def test_flops_match_flop_counter_mode():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GELU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 5))
+    x = torch.empty(2, 3, 8, 8, device=META)
+
+    def step() -> torch.Tensor:
+        h = model(x)
+        q = h.view(2, 1, 1, 5)
+        return F.scaled_dot_product_attention(q, q, q) @ torch.empty(5, 7)
+
+    with analysis_view(model), meta_execution():
+        _, record = _recorded(step)
+        counter = FlopCounterMode(display=False)
+        with counter:
+            step()
+    assert record.flops == counter.get_total_flops() > 0
+
+
+def test_each_analysis_has_its_own_memo():
+    from graphsplit.planning import meta
+
+    with analysis_view(nn.Module()):
+        first = meta._fake_mode_and_memo()
+        with meta_execution():
+            torch.empty(2, 3) + 1
+        assert first[1].results
+    with analysis_view(nn.Module()):
+        second = meta._fake_mode_and_memo()
+        assert second[1] is not first[1] and not second[1].results
