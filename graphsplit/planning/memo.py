@@ -133,6 +133,16 @@ class OpMemo(TorchDispatchMode):
             return self._view(func, args, kwargs)
         if not _memoisable(func):
             return func(*args, **kwargs)
+        return self._lookup(
+            func, args, kwargs, lambda out: self._entry(out, args, kwargs), self._replay
+        )
+
+    def _lookup(self, func: Any, args: tuple, kwargs: dict, record: Any, replay: Any) -> Any:
+        """Answer ``func(*args, **kwargs)`` from the memo, or run it and ``record`` the result.
+
+        ``record(out)`` returns the entry to keep (None: never memoise this signature);
+        ``replay(entry)`` builds the answer of a repeated call.
+        """
         try:
             key = (func, _key_of(args), _key_of(tuple(kwargs.items())) if kwargs else None)
         except TypeError:
@@ -141,11 +151,14 @@ class OpMemo(TorchDispatchMode):
         if entry is _MISSING:
             self.misses += 1
             out = func(*args, **kwargs)
-            self.results[key] = self._entry(out, args, kwargs)
+            self.results[key] = record(out)
             return out
         if entry is None:
             return func(*args, **kwargs)
         self.hits += 1
+        return replay(entry)
+
+    def _replay(self, entry: tuple) -> Any:
         single, outputs = entry
         # The fake mode below must not see these allocations: they are its tensors' insides.
         with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
@@ -164,24 +177,15 @@ class OpMemo(TorchDispatchMode):
         base = args[0] if args else None
         if type(base) is not FakeTensor or base.fake_mode is not self.fake_mode:
             return func(*args, **kwargs)
-        try:
-            key = (func, _key_of(args), _key_of(tuple(kwargs.items())) if kwargs else None)
-        except TypeError:
-            return func(*args, **kwargs)
-        entry = self.results.get(key, _MISSING)
-        if entry is _MISSING:
-            self.misses += 1
-            out = func(*args, **kwargs)
-            self.results[key] = self._view_entry(out, base)
-            return out
-        if entry is None:
-            return func(*args, **kwargs)
-        self.hits += 1
-        shape, stride, offset, dtype, device = entry
-        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
-            elem = torch.empty_strided(shape, stride, dtype=dtype, device=_META)
-            elem.set_(base.untyped_storage(), offset, shape, stride)
-            return FakeTensor(self.fake_mode, elem, device)
+
+        def replay(entry: tuple) -> FakeTensor:
+            shape, stride, offset, dtype, device = entry
+            with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+                elem = torch.empty_strided(shape, stride, dtype=dtype, device=_META)
+                elem.set_(base.untyped_storage(), offset, shape, stride)
+                return FakeTensor(self.fake_mode, elem, device)
+
+        return self._lookup(func, args, kwargs, lambda out: self._view_entry(out, base), replay)
 
     def _view_entry(self, out: Any, base: FakeTensor) -> tuple | None:
         if (
