@@ -121,7 +121,7 @@ def as_step_module(step: Any, args: Any, kwargs: dict[str, Any]) -> StepCall:
             "attributes of self, or arguments); a lambda that calls a function holding the "
             "models hides them: pass that function instead"
         )
-    module = _build(step, function, signature, module_arguments, reached)
+    module = _build(step, function, owner, signature, module_arguments, reached)
     batch = {name: value for name, value in bound.arguments.items() if name not in module_arguments}
     positional = [
         parameter.name
@@ -220,7 +220,6 @@ class _Reached:
     def __init__(self) -> None:
         self.modules: dict[str, nn.Module] = {}
         self.tensors: dict[str, torch.Tensor] = {}
-        self.persistent: set[str] = set()  # buffers of a bound method's module ``self``
         self.helpers: dict[str, Any] = {}
         self._seen: set[int] = set()
 
@@ -251,12 +250,12 @@ class _Reached:
 
     def add_owner(self, owner: Any) -> None:
         """``self`` of a bound method: its attributes, under their own names."""
-        if isinstance(owner, nn.Module):
-            for table in (owner._parameters, owner._buffers, owner._modules):
-                for name, value in table.items():
-                    if value is not None:
-                        self.add(name, value)
-            self.persistent |= set(owner._buffers) - owner._non_persistent_buffers_set
+        if isinstance(owner, nn.Module):  # its own tensors are shared, see _share_tensors
+            for name, child in owner._modules.items():
+                if child is not None:
+                    self.add(name, child)
+            self._seen |= {id(tensor) for tensor in (*owner._parameters.values(),)}
+            self._seen |= {id(tensor) for tensor in owner._buffers.values()}
         for name, value in vars(owner).items():
             if not name.startswith("_"):
                 self.add(name, value)
@@ -341,6 +340,7 @@ def _loaded_globals(code: types.CodeType) -> list[str]:
 def _build(
     step: Any,
     function: types.FunctionType,
+    owner: Any,
     signature: inspect.Signature,
     module_arguments: dict[str, nn.Module],
     reached: _Reached,
@@ -352,15 +352,40 @@ def _build(
     module.step_callable = step
     for key, child in reached.modules.items():
         module.add_module(key, child)
-    for key, tensor in reached.tensors.items():
-        if isinstance(tensor, nn.Parameter):
-            module.register_parameter(key, tensor)
-        else:  # a global tensor is not the model's state: kept out of state dicts
-            module.register_buffer(key, tensor, persistent=key in reached.persistent)
+    if isinstance(owner, nn.Module):
+        _share_tensors(module, owner, function, reached)
+    else:
+        for key, tensor in reached.tensors.items():
+            if isinstance(tensor, nn.Parameter):
+                module.register_parameter(key, tensor)
+            else:  # a global tensor is not the model's state: kept out of state dicts
+                module.register_buffer(key, tensor, persistent=False)
     for key, helper in reached.helpers.items():
         setattr(module, key, helper)
     _drop_nested(module)
     return module
+
+
+def _share_tensors(
+    module: nn.Module, owner: nn.Module, function: types.FunctionType, reached: _Reached
+) -> None:
+    """A module's method: the step module shares ``self``'s own parameter and buffer tables.
+
+    The analysis swaps tensors in those tables for meta twins while it traces; sharing them
+    means ``self.bias`` in the method reads the twin, and the keys stay the module's own.
+    """
+    module._parameters = owner._parameters
+    module._buffers = owner._buffers
+    module._non_persistent_buffers_set = owner._non_persistent_buffers_set
+    for key, tensor in reached.tensors.items():
+        if isinstance(tensor, nn.Parameter):  # registering it would change the user's module
+            raise SplitError(
+                f"{_describe(function)} uses the parameter {key!r}, which is neither "
+                f"registered on {type(owner).__name__} nor an attribute of one of its modules.\n"
+                f"  fix:    register it on the module (self.{key} = nn.Parameter(...) in "
+                "__init__), so it has a name and trains"
+            )
+    # Other tensors become the stage's traced constants, held out of its state dict.
 
 
 def _drop_nested(module: nn.Module) -> None:
