@@ -121,18 +121,44 @@ def as_step_module(step: Any, args: Any, kwargs: dict[str, Any]) -> StepCall:
             "attributes of self, or arguments); a lambda that calls a function holding the "
             "models hides them: pass that function instead"
         )
-    module = _build(step, function, owner, signature, module_arguments, reached)
-    batch = {name: value for name, value in bound.arguments.items() if name not in module_arguments}
-    positional = [
-        parameter.name
-        for parameter in signature.parameters.values()
-        if parameter.kind is parameter.POSITIONAL_ONLY
-    ]
-    return StepCall(
-        module,
-        tuple(batch.pop(name) for name in positional if name in batch),
-        batch,
-    )
+    spread = _spread_dicts(signature, bound.arguments)
+    module = _build(step, function, owner, signature, module_arguments, spread, reached)
+    positional, batch = [], {}
+    for name, value in bound.arguments.items():
+        if name in module_arguments:
+            continue
+        if name in spread:
+            batch.update(value)
+        elif signature.parameters[name].kind is inspect.Parameter.POSITIONAL_ONLY:
+            positional.append(value)
+        else:
+            batch[name] = value
+    return StepCall(module, tuple(positional), batch)
+
+
+def _spread_dicts(
+    signature: inspect.Signature, arguments: dict[str, Any]
+) -> dict[str, tuple[str, ...]]:
+    """Parameters given a dict batch (``batch["pixel_values"]``): ``{parameter: its keys}``.
+
+    The step module takes such a dict's fields as parameters of their own and rebuilds the
+    dict, so the batch a ``DataLoader`` yields is what ``stage1(**batch)`` takes, and the
+    batch dimension of each field is seen. Only plain dicts whose keys are identifiers that
+    no other parameter uses are spread.
+    """
+    taken = set(signature.parameters)
+    spread: dict[str, tuple[str, ...]] = {}
+    for name, value in arguments.items():
+        if type(value) is not dict or not value:
+            continue
+        keys = tuple(value)
+        usable = all(isinstance(key, str) and _usable_name(key) for key in keys)
+        if usable and not (set(keys) & (taken - {name})) and not any(
+            key.startswith("_graphsplit") for key in keys
+        ):
+            spread[name] = keys
+            taken |= set(keys)
+    return spread
 
 
 # -- which callables ----------------------------------------------------------------------------
@@ -343,9 +369,10 @@ def _build(
     owner: Any,
     signature: inspect.Signature,
     module_arguments: dict[str, nn.Module],
+    spread: dict[str, tuple[str, ...]],
     reached: _Reached,
 ) -> nn.Module:
-    forward = _forward(step, function, signature, module_arguments)
+    forward = _forward(step, function, signature, module_arguments, spread)
     name = function.__name__ if function.__name__.isidentifier() else "function_step"
     cls = type(name, (FunctionStep,), {"forward": forward, "__doc__": function.__doc__})
     module = cls()
@@ -407,29 +434,45 @@ def _forward(
     function: types.FunctionType,
     signature: inspect.Signature,
     module_arguments: dict[str, nn.Module],
+    spread: dict[str, tuple[str, ...]],
 ) -> Any:
     """``def forward(self, <the callable's batch parameters>): return step(...)`` on one line.
 
     Compiled with the callable's file and first line, so reports point placeholders (the step's
-    inputs) at the user's ``def``.
+    inputs) at the user's ``def``. Every argument is passed by name except positional-only ones.
     """
-    parameters, call, defaults = [], [], {}
-    keyword_only = False
+    parameters: list[str] = []
+    call: list[str] = []
+    defaults: dict[str, Any] = {}
+    keyword_only = had_default = False
+
+    def declare(name: str, default: Any, kind: inspect._ParameterKind) -> None:
+        nonlocal keyword_only, had_default
+        needs_star = kind is inspect.Parameter.KEYWORD_ONLY or (
+            had_default and default is inspect.Parameter.empty
+        )
+        if needs_star and not keyword_only:
+            parameters.append("*")
+            keyword_only = True
+        if default is inspect.Parameter.empty:
+            parameters.append(name)
+        else:
+            had_default = True
+            defaults[name] = default
+            parameters.append(f"{name}=__defaults[{name!r}]")
+
     for parameter in signature.parameters.values():
-        name = parameter.name
+        name, kind = parameter.name, parameter.kind
         if name in module_arguments:
             value = f"__modules[{name!r}]"
+        elif name in spread:
+            for key in spread[name]:
+                declare(key, inspect.Parameter.empty, kind)
+            value = "{" + ", ".join(f"{key!r}: {key}" for key in spread[name]) + "}"
         else:
-            if parameter.kind is parameter.KEYWORD_ONLY and not keyword_only:
-                parameters.append("*")
-                keyword_only = True
-            if parameter.default is parameter.empty:
-                parameters.append(name)
-            else:
-                defaults[name] = parameter.default
-                parameters.append(f"{name}=__defaults[{name!r}]")
+            declare(name, parameter.default, kind)
             value = name
-        call.append(value if parameter.kind is parameter.POSITIONAL_ONLY else f"{name}={value}")
+        call.append(value if kind is parameter.POSITIONAL_ONLY else f"{name}={value}")
     head = ", ".join(["_graphsplit_step", *parameters])
     source = f"def forward({head}): return __step({', '.join(call)})\n"
     namespace = {"__step": step, "__modules": dict(module_arguments), "__defaults": defaults}
