@@ -14,6 +14,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from diffusers.training_utils import compute_snr
 from torch.utils.data import DataLoader
 
 import graphsplit
@@ -67,7 +68,24 @@ def training_step(batch):
     # Predict the noise residual and compute loss
     model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
 
-    loss = F.mse_loss(model_pred.float(), target.float(), reduction="mean")
+    if args.snr_gamma is None:
+        loss = F.mse_loss(model_pred.float(), target.float(), reduction="mean")
+    else:
+        # Compute loss-weights as per Section 3.4 of https://arxiv.org/abs/2303.09556.
+        # Since we predict the noise instead of x_0, the original formulation is slightly changed.
+        # This is discussed in Section 4.2 of the same paper.
+        snr = compute_snr(noise_scheduler, timesteps)
+        mse_loss_weights = torch.stack(
+            [snr, args.snr_gamma * torch.ones_like(timesteps)], dim=1
+        ).min(dim=1)[0]
+        if noise_scheduler.config.prediction_type == "epsilon":
+            mse_loss_weights = mse_loss_weights / snr
+        elif noise_scheduler.config.prediction_type == "v_prediction":
+            mse_loss_weights = mse_loss_weights / (snr + 1)
+
+        loss = F.mse_loss(model_pred.float(), target.float(), reduction="none")
+        loss = loss.mean(dim=list(range(1, len(loss.shape)))) * mse_loss_weights
+        loss = loss.mean()
     return loss
 
 
@@ -81,7 +99,8 @@ def _script_globals(monkeypatch):
         "noise_scheduler": parts.scheduler,
     }.items():
         monkeypatch.setitem(globals(), name, value)
-    monkeypatch.setattr(args, "prediction_type", None)
+    for option in ("noise_offset", "prediction_type", "snr_gamma"):
+        monkeypatch.setattr(args, option, getattr(args, option))  # restored after the test
     return parts
 
 
@@ -91,9 +110,17 @@ def _batches(count: int, batch_size: int = 2) -> list[dict]:
 
 
 @pytest.mark.usefixtures("_script_globals")
-@pytest.mark.parametrize("prediction_type", [None, "v_prediction"])
-def test_the_loop_body_splits_bit_for_bit(prediction_type):
-    args.prediction_type = prediction_type
+@pytest.mark.parametrize(
+    ("noise_offset", "prediction_type", "snr_gamma"),
+    [(0, None, None), pytest.param(0.1, "v_prediction", 5.0, marks=pytest.mark.slow)],
+    ids=["defaults", "offset-noise-v-prediction-min-snr"],
+)
+def test_the_loop_body_splits_bit_for_bit(noise_offset, prediction_type, snr_gamma):
+    args.noise_offset, args.prediction_type, args.snr_gamma = (
+        noise_offset,
+        prediction_type,
+        snr_gamma,
+    )
     batch = _batches(1)[0]
     split = graphsplit.split(training_step, (batch,))
 

@@ -121,15 +121,17 @@ def as_step_module(step: Any, args: Any, kwargs: dict[str, Any]) -> StepCall:
             "attributes of self, or arguments); a lambda that calls a function holding the "
             "models hides them: pass that function instead"
         )
-    spread = _spread_dicts(signature, bound.arguments)
-    module = _build(step, function, owner, signature, module_arguments, spread, reached)
+    spread = _spread_dicts(function, signature, bound.arguments)
+    # Parameters the example batch leaves out keep their defaults: they are not step inputs.
+    passed = inspect.Signature([signature.parameters[name] for name in bound.arguments])
+    module = _build(step, function, owner, passed, module_arguments, spread, reached)
     positional, batch = [], {}
     for name, value in bound.arguments.items():
         if name in module_arguments:
             continue
         if name in spread:
             batch.update(value)
-        elif signature.parameters[name].kind is inspect.Parameter.POSITIONAL_ONLY:
+        elif passed.parameters[name].kind is inspect.Parameter.POSITIONAL_ONLY:
             positional.append(value)
         else:
             batch[name] = value
@@ -137,27 +139,38 @@ def as_step_module(step: Any, args: Any, kwargs: dict[str, Any]) -> StepCall:
 
 
 def _spread_dicts(
-    signature: inspect.Signature, arguments: dict[str, Any]
+    function: types.FunctionType, signature: inspect.Signature, arguments: dict[str, Any]
 ) -> dict[str, tuple[str, ...]]:
     """Parameters given a dict batch (``batch["pixel_values"]``): ``{parameter: its keys}``.
 
     The step module takes such a dict's fields as parameters of their own and rebuilds the
     dict, so the batch a ``DataLoader`` yields is what ``stage1(**batch)`` takes, and the
-    batch dimension of each field is seen. Only plain dicts whose keys are identifiers that
-    no other parameter uses are spread.
+    batch dimension of each field is seen. A plain dict holding a tensor is spread; its keys
+    must be identifiers that no other parameter uses.
     """
     taken = set(signature.parameters)
     spread: dict[str, tuple[str, ...]] = {}
     for name, value in arguments.items():
-        if type(value) is not dict or not value:
+        if type(value) is not dict or not any(isinstance(v, torch.Tensor) for v in value.values()):
             continue
         keys = tuple(value)
-        usable = all(isinstance(key, str) and _usable_name(key) for key in keys)
-        if usable and not (set(keys) & (taken - {name})) and not any(
-            key.startswith("_graphsplit") for key in keys
-        ):
-            spread[name] = keys
-            taken |= set(keys)
+        bad = [
+            key
+            for key in keys
+            if not (isinstance(key, str) and _usable_name(key))
+            or key in taken - {name}
+            or key.startswith("_graphsplit")
+        ]
+        if bad:
+            raise SplitError(
+                f"{_describe(function)} takes the dict {name!r}, whose fields become stage 1's "
+                f"inputs, but its keys {bad!r} are not Python names or are already parameter "
+                "names.\n"
+                "  fix:    rename those fields in the dataset / collate_fn (or the parameters), "
+                "e.g. 'pixel_values', 'input_ids'"
+            )
+        spread[name] = keys
+        taken |= set(keys)
     return spread
 
 
@@ -181,8 +194,8 @@ def _python_function(step: Any) -> tuple[types.FunctionType, Any]:
         function, owner = step.__func__, step.__self__
     elif isinstance(step, types.FunctionType):
         function, owner = step, None
-    elif callable(step) and isinstance(getattr(type(step), "__call__", None), types.FunctionType):
-        function, owner = type(step).__call__, step
+    elif isinstance(_class_call(step), types.FunctionType):
+        function, owner = _class_call(step), step
     else:
         kind = "builtin " if isinstance(step, types.BuiltinFunctionType) else ""
         raise SplitError(
@@ -210,6 +223,14 @@ def _python_function(step: Any) -> tuple[types.FunctionType, Any]:
                 "(keep the loop over batches outside it)"
             )
     return function, owner
+
+
+def _class_call(step: Any) -> Any:
+    """The ``__call__`` ``step``'s class defines (or inherits), looked up on the class."""
+    for klass in type(step).__mro__:
+        if "__call__" in vars(klass):
+            return vars(klass)["__call__"]
+    return None
 
 
 def _signature(step: Any, function: types.FunctionType) -> inspect.Signature:
@@ -419,10 +440,7 @@ def _drop_nested(module: nn.Module) -> None:
     """A reached module inside another reached module keeps only the outer path."""
     children = dict(module._modules)
     inner = {
-        id(sub)
-        for key, child in children.items()
-        for sub in child.modules()
-        if sub is not child
+        id(sub) for key, child in children.items() for sub in child.modules() if sub is not child
     }
     for key, child in children.items():
         if id(child) in inner:

@@ -64,9 +64,7 @@ def _module(
     return stage
 
 
-def name_constants(
-    graph: fx.Graph, model: nn.Module, constants: dict[str, Any]
-) -> dict[str, Any]:
+def name_constants(graph: fx.Graph, model: nn.Module, constants: dict[str, Any]) -> dict[str, Any]:
     """Rename the graph's traced constants after where they came from; the renamed table.
 
     fx calls a tensor it met outside the model's parameters and buffers ``_tensor_constant0``;

@@ -142,6 +142,33 @@ def test_a_module_reached_twice_keeps_one_name():
     split_and_verify(training_step, (X, Y))
 
 
+def test_a_dict_batch_is_spread_into_stage1_inputs():
+    encoder, head = _models(10)
+
+    def training_step(batch, weight=1.0):
+        return F.mse_loss(head(encoder(batch["x"])), batch["y"]) * weight
+
+    split = split_and_verify(training_step, ({"x": X, "y": Y},))
+    assert split.input_names == ("x", "y")  # an argument left out keeps its default
+    assert split.boundary["encoder"].batch_dim == 0  # the field's batch dim is seen
+    loss = split.stage2(**split.stage1(x=X, y=Y))
+    assert torch.equal(loss, training_step({"x": X, "y": Y}))
+
+
+@pytest.mark.parametrize("keys", [("x", "weight"), ("x", "not a name")])
+def test_a_dict_batch_whose_keys_cannot_be_parameters_is_refused(keys):
+    encoder, head = _models(11)
+
+    def training_step(batch, weight=1.0):
+        return head(encoder(batch["x"])).sum() * weight
+
+    with pytest.raises(graphsplit.SplitError) as caught:
+        graphsplit.split(training_step, (dict(zip(keys, (X, Y))),))
+    message = str(caught.value)
+    assert "takes the dict 'batch'" in message and repr([keys[1]]) in message
+    assert "fix:    rename those fields" in message
+
+
 def test_placeholders_point_at_the_users_def_line():
     encoder, head = _models(7)
 
@@ -170,8 +197,16 @@ def _star_step(*tensors):
     ("step", "names", "fix"),
     [
         (len, "builtin builtin_function_or_method len", "pass the function that runs one"),
-        (lambda x: x.sum(), re.compile(r"<lambda> \(\S*test_callable\.py:\d+\) reaches no torch\.nn\.Module"), "use the models in the step's own"),
-        (_generator_step, re.compile(r"_generator_step \(\S*test_callable\.py:\d+\) is a generator"), "make it a plain function"),
+        (
+            lambda x: x.sum(),
+            re.compile(r"<lambda> \(\S*test_callable\.py:\d+\) reaches no torch\.nn\.Module"),
+            "use the models in the step's own",
+        ),
+        (
+            _generator_step,
+            re.compile(r"_generator_step \(\S*test_callable\.py:\d+\) is a generator"),
+            "make it a plain function",
+        ),
         (_async_step, "is an async function", "make it a plain function"),
         (Trainer, "the class Trainer", "pass an instance (graphsplit.split(Trainer(...)"),
         (functools.partial(global_step, y=Y), "functools.partial(global_step", "def function"),
@@ -188,7 +223,10 @@ def test_unsupported_callables_are_named_with_the_fix(step, names, fix):
 
 
 def test_a_batch_that_does_not_fit_the_function_names_it():
-    with pytest.raises(graphsplit.SplitError, match=r"global_step \(\S*test_callable\.py:\d+\): too many positional"):
+    with pytest.raises(
+        graphsplit.SplitError,
+        match=r"global_step \(\S*test_callable\.py:\d+\): too many positional",
+    ):
         graphsplit.split(global_step, (X, Y, X))
 
 
@@ -222,7 +260,12 @@ def test_constants_are_named_after_their_origin_and_kept_out_of_state_dicts():
     code = split.stage2.code
     assert "self.schedule_table" in code and "self.constant" in code
     assert "_tensor_constant" not in code + split.stage1.code
-    assert list(split.stage2.state_dict()) == ["head.weight", "head.bias", "body.weight", "body.bias"]
+    assert list(split.stage2.state_dict()) == [
+        "head.weight",
+        "head.bias",
+        "body.weight",
+        "body.bias",
+    ]
     assert dict(split.stage2.named_buffers())["schedule_table"] is model.schedule.table
 
 
@@ -243,9 +286,9 @@ def test_checkpoints_and_optimizers_cross_between_full_and_split_runs_strictly()
     split.stage2.load_state_dict(checkpoint["model"], strict=True)
     split_optimizer = torch.optim.Adam(_trainables(split.stage2), lr=0.1)
     split_optimizer.load_state_dict(checkpoint["optimizer"])
-    for model, opt, run in (
-        (full, optimizer, lambda: full(X, Y)),
-        (resumed, split_optimizer, lambda: split.stage2(**split.stage1(X, Y))),
+    for opt, run in (
+        (optimizer, lambda: full(X, Y)),
+        (split_optimizer, lambda: split.stage2(**split.stage1(X, Y))),
     ):
         opt.zero_grad()
         torch.manual_seed(0)
