@@ -288,11 +288,12 @@ class _Reached:
             holder = _holder(value)
             if holder is not None and self._claim(name, value):
                 self.modules[name] = holder
-        elif _is_helper_object(value) and self._claim(name, value):
-            holder = _holder(value)
+        elif _holds_attributes(value):
+            holder = _holder(value)  # a pipeline-like object (callable or not) holding modules
             if holder is not None:
-                self.modules[name] = holder
-            else:
+                if self._claim(name, value):
+                    self.modules[name] = holder
+            elif _is_helper_object(value) and self._claim(name, value):
                 self.helpers[name] = value
 
     def add_owner(self, owner: Any) -> None:
@@ -310,6 +311,12 @@ class _Reached:
 
 def _usable_name(name: str) -> bool:
     return name.isidentifier() and not keyword.iskeyword(name) and not name.startswith("__")
+
+
+def _holds_attributes(value: Any) -> bool:
+    """An instance with its own attributes: not a class, Python module, function or method."""
+    plain = (type, types.ModuleType, types.FunctionType, types.MethodType, functools.partial)
+    return hasattr(value, "__dict__") and not isinstance(value, plain)
 
 
 def _is_helper_object(value: Any) -> bool:

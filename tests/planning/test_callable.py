@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import functools
 import re
+import types
 
 import pytest
 import torch
@@ -127,6 +128,28 @@ def test_callable_object_and_containers_of_modules():
 
     split = split_and_verify(Step(), (X, Y))
     assert set(split.stage2.state_dict()) == {"models.head.weight", "models.head.bias"}
+
+
+def test_a_pipeline_object_holding_modules_and_a_scheduler():
+    encoder, head = _models(12)
+
+    class Pipeline:  # callable, like a diffusers pipeline
+        def __init__(self) -> None:
+            self.encoder, self.head = encoder, head
+            self.schedule = types.SimpleNamespace(table=torch.linspace(0.5, 1.5, 10))
+
+        def __call__(self, x):
+            return self.head(self.encoder(x))
+
+    pipe = Pipeline()
+
+    def training_step(x, y):
+        index = torch.randint(0, 10, (x.shape[0],))
+        return F.mse_loss(pipe.head(pipe.encoder(x)) * pipe.schedule.table[index, None], y)
+
+    split = split_and_verify(training_step, (X, Y))
+    assert list(split.stage2.state_dict()) == ["pipe.head.weight", "pipe.head.bias"]
+    assert "self.pipe_schedule_table" in split.stage2.code
 
 
 def test_a_module_reached_twice_keeps_one_name():
