@@ -346,3 +346,16 @@ def test_an_optimizer_on_the_users_modules_trains_stage2():
         F.mse_loss(reference(encoder(X)), Y).backward()
         reference_optimizer.step()
     assert torch.equal(head.weight, reference.weight) and torch.equal(head.bias, reference.bias)
+
+
+def test_saved_code_of_a_function_split_runs_with_the_same_objects(tmp_path):
+    split = graphsplit.split(global_step, (X, Y))
+    split.save_code(tmp_path)
+    source = (tmp_path / "stage2.py").read_text()
+    assert "TARGETS = ('HEAD',)" in source and "of global_step" in source
+    namespace: dict = {}
+    exec(compile(source, str(tmp_path / "stage2.py"), "exec"), namespace)
+    saved = namespace["Stage2"](split.stage2)
+    assert saved.HEAD is HEAD
+    boundary = split.stage1(X, Y)
+    assert torch.equal(saved(**boundary), split.stage2(**boundary))
