@@ -11,9 +11,11 @@
 On CPU, add ``--multi_gpu --num_processes 2`` after ``launch`` for two gloo processes. The
 model is graphsplit's zoo Stable-Diffusion LoRA step (real diffusers / transformers / peft
 classes, random weights) and the data are procedural captioned images, so nothing downloads.
-With the same arguments, ``train`` on one process reproduces ``full`` exactly: the same loss
-at every step (``losses.json``) and the same LoRA weights (``pytorch_lora_weights.safetensors``,
-peft's key names).
+The step is written as diffusers' ``train_text_to_image_lora.py`` writes it: the models are
+locals, the loop body is a function of the batch (``make_training_step``), and graphsplit
+splits that function. With the same arguments, ``train`` on one process reproduces ``full``
+exactly: the same loss at every step (``losses.json``) and the same LoRA weights
+(``pytorch_lora_weights.safetensors``, peft's key names).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from accelerate import Accelerator
 from peft import get_peft_model_state_dict
 from safetensors.torch import save_file
@@ -57,20 +60,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def models(args: argparse.Namespace, **on_meta: bool):
+    """``vae, text_encoder, unet, noise_scheduler`` as the script's ``main()`` holds them.
+
+    ``frozen_on_meta`` / ``trainable_on_meta`` build the encoders / the UNet without weights.
+    """
+    step = build_sd_lora_step(seed=args.seed, size=args.size, **on_meta)
+    return step.vae, step.text_encoder, step.unet, step.scheduler
+
+
+def make_training_step(vae, text_encoder, unet, noise_scheduler):
+    """The body of diffusers' training loop, as a function of the batch over the models."""
+
+    def training_step(batch):
+        # Convert images to latent space
+        latents = vae.encode(batch["pixel_values"]).latent_dist.sample()
+        latents = latents * vae.config.scaling_factor
+        # Sample noise that we'll add to the latents, and a random timestep for each image
+        noise = torch.randn_like(latents)
+        bsz = latents.shape[0]
+        timesteps = torch.randint(
+            0, noise_scheduler.config.num_train_timesteps, (bsz,), device=latents.device
+        )
+        noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
+        # Get the text embedding for conditioning, predict the noise residual
+        encoder_hidden_states = text_encoder(batch["input_ids"], return_dict=False)[0]
+        model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
+        return F.mse_loss(model_pred.float(), noise.float(), reduction="mean")
+
+    return training_step
+
+
 def dataset_and_batch(args: argparse.Namespace, device: torch.device):
     """The image-caption dataset and its first batch, which graphsplit traces the step with."""
     dataset = CaptionedImages(args.num_samples, args.resolution, seed=args.seed)
-    first = default_collate([dataset[i] for i in range(min(args.batch_size, len(dataset)))])
-    return dataset, (first["pixel_values"].to(device), first["input_ids"].to(device))
+    first = without_keys([dataset[i] for i in range(min(args.batch_size, len(dataset)))])
+    return dataset, {name: value.to(device) for name, value in first.items()}
 
 
 def without_keys(items: list[dict]) -> dict[str, torch.Tensor]:
-    """Collate dataset items into the step's keyword arguments (``pixel_values``, ``input_ids``)."""
+    """Collate dataset items into the step's batch (``pixel_values``, ``input_ids``)."""
     return default_collate([{k: v for k, v in item.items() if k != "key"} for item in items])
 
 
-def train_loop(accelerator, model, optimizer, loader, args) -> list[float]:
-    """``args.steps`` AdamW steps of ``model(**batch)``, cycling through ``loader``.
+def train_loop(accelerator, step, optimizer, loader, args) -> list[float]:
+    """``args.steps`` AdamW steps of ``step(batch)``, cycling through ``loader``.
 
     Returns this process's losses. Both ``full`` and ``train`` run this loop from the same seed,
     so the step's random draws (VAE sample, noise, timesteps) come out the same.
@@ -84,7 +118,7 @@ def train_loop(accelerator, model, optimizer, loader, args) -> list[float]:
         except StopIteration:
             batches = iter(loader)
             continue
-        loss = model(**batch)
+        loss = step(batch)
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
@@ -93,12 +127,12 @@ def train_loop(accelerator, model, optimizer, loader, args) -> list[float]:
     return losses
 
 
-def save(accelerator, step, losses: list[float], output_dir: Path) -> None:
+def save(accelerator, unet, losses: list[float], output_dir: Path) -> None:
     """Write the LoRA weights with peft's names, and the per-step losses, on the main process."""
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
-        lora = get_peft_model_state_dict(step.unet)  # keys like "...to_q.lora_A.weight"
+        lora = get_peft_model_state_dict(unet)  # keys like "...to_q.lora_A.weight"
         save_file(
             {k: v.detach().cpu().contiguous() for k, v in lora.items()}, output_dir / CHECKPOINT
         )
@@ -108,22 +142,26 @@ def save(accelerator, step, losses: list[float], output_dir: Path) -> None:
 
 def task_full(args, accelerator) -> None:
     """Train the whole step, frozen encoders included, as a script without graphsplit would."""
-    step = build_sd_lora_step(seed=args.seed, size=args.size).to(accelerator.device)
+    vae, text_encoder, unet, noise_scheduler = models(args)
+    for module in (vae, text_encoder, unet):
+        module.to(accelerator.device)
     dataset, _ = dataset_and_batch(args, accelerator.device)
     loader = DataLoader(dataset, args.batch_size, shuffle=False, collate_fn=without_keys)
-    optimizer = torch.optim.AdamW([p for p in step.parameters() if p.requires_grad], lr=args.lr)
-    model, optimizer, loader = accelerator.prepare(step, optimizer, loader)
-    losses = train_loop(accelerator, model, optimizer, loader, args)
-    save(accelerator, step, losses, args.output_dir)
+    optimizer = torch.optim.AdamW([p for p in unet.parameters() if p.requires_grad], lr=args.lr)
+    prepared, optimizer, loader = accelerator.prepare(unet, optimizer, loader)
+    training_step = make_training_step(vae, text_encoder, prepared, noise_scheduler)
+    losses = train_loop(accelerator, training_step, optimizer, loader, args)
+    save(accelerator, unet, losses, args.output_dir)
 
 
 def task_cache(args, accelerator) -> None:
     """Stage 1: only the frozen weights are real; each process writes every n-th shard."""
-    step = build_sd_lora_step(seed=args.seed, size=args.size, trainable_on_meta=True)
-    step.vae.to(accelerator.device)
-    step.text_encoder.to(accelerator.device)
+    vae, text_encoder, unet, noise_scheduler = models(args, trainable_on_meta=True)
+    vae.to(accelerator.device)
+    text_encoder.to(accelerator.device)
     dataset, example = dataset_and_batch(args, accelerator.device)
-    split = graphsplit.split(step, example)
+    training_step = make_training_step(vae, text_encoder, unet, noise_scheduler)
+    split = graphsplit.split(training_step, (example,))  # finds the models in its closure
     if accelerator.is_main_process:
         print(split.report())
     loader = DataLoader(dataset, args.batch_size, shuffle=False)  # plain: cache() shards it
@@ -135,19 +173,19 @@ def task_cache(args, accelerator) -> None:
 
 def task_train(args, accelerator) -> None:
     """Stage 2: only the LoRA UNet is real; batches are the cached boundary tensors."""
-    step = build_sd_lora_step(seed=args.seed, size=args.size, frozen_on_meta=True)
-    step.unet.to(accelerator.device)
+    vae, text_encoder, unet, noise_scheduler = models(args, frozen_on_meta=True)
+    unet.to(accelerator.device)
     _, example = dataset_and_batch(args, accelerator.device)
-    split = graphsplit.split(step, example)  # stage 2 holds the same UNet object as `step`
+    training_step = make_training_step(vae, text_encoder, unet, noise_scheduler)
+    split = graphsplit.split(training_step, (example,))  # stage 2 calls this same `unet`
     # Refuses a cache made by other stage-1 code or boundary; the frozen weights are on meta
     # here, so their digest was checked by the cache task (graphsplit warns about that).
     cached = graphsplit.CachedDataset(args.cache_dir, split)
     loader = DataLoader(cached, args.batch_size, shuffle=False, collate_fn=graphsplit.collate)
-    params = [p for p in split.stage2.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr)
-    model, optimizer, loader = accelerator.prepare(split.stage2, optimizer, loader)
-    losses = train_loop(accelerator, model, optimizer, loader, args)
-    save(accelerator, step, losses, args.output_dir)
+    optimizer = torch.optim.AdamW([p for p in unet.parameters() if p.requires_grad], lr=args.lr)
+    stage2, optimizer, loader = accelerator.prepare(split.stage2, optimizer, loader)
+    losses = train_loop(accelerator, lambda batch: stage2(**batch), optimizer, loader, args)
+    save(accelerator, unet, losses, args.output_dir)
 
 
 def main(argv: list[str] | None = None) -> None:

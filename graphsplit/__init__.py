@@ -5,6 +5,9 @@ storing; stage 2 trains from those stored tensors with the same loss and gradien
 
     split = graphsplit.split(model, args=(pixels, ids))
     loss = split.stage2(**split.stage1(pixels, ids))   # == model(pixels, ids)
+
+``model`` may also be a plain function (a training loop's body over local or global models) or
+a bound method: ``graphsplit.split(training_step, (batch,))``.
 """
 
 from graphsplit.api import Split, split

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 from graphsplit.artifacts import BoundarySpec, Cut
+from graphsplit.planning.callable import as_step_module
 from graphsplit.planning.codegen import build_stage1, build_stage2, standalone_source
 from graphsplit.planning.cut import boundary_specs, choose_boundary
 from graphsplit.planning.frozen import FrozenSpec, resolve_frozen
@@ -79,7 +81,7 @@ class Split:
 
 
 def split(
-    model: nn.Module,
+    model: nn.Module | Callable[..., Any],
     args: tuple[Any, ...] = (),
     kwargs: dict[str, Any] | None = None,
     *,
@@ -88,8 +90,12 @@ def split(
     """Split a training step (raw batch -> loss) into a cacheable stage 1 and a training stage 2.
 
     Args:
-        model: the module whose ``forward`` runs the whole step and returns the loss (or a
-            tuple / dict of outputs).
+        model: what runs the whole step and returns the loss (or a tuple / dict of outputs):
+            a module (its ``forward``), or a plain function, closure or bound method. The
+            modules a function reaches (closure cells, the globals it loads, ``self``'s
+            attributes, arguments that are modules) are found automatically and named as the
+            code names them (``unet.*``); stage 2 calls those same objects. Module arguments
+            are bound once: ``stage1`` takes the rest of the batch.
         args, kwargs: an example batch. Tensors whose first dim equals the first tensor's are
             batched along dim 0; other tensors are per-dataset constants. Only shapes, dtypes
             and devices are read: values are never looked at.
@@ -102,7 +108,8 @@ def split(
     Raises:
         TraceError: the step cannot be traced for every batch (control flow on tensor values,
             randomness drawn at trace time, batch-size-dependent Python control flow).
-        SplitError: no exact split exists (a non-tensor value without codec must cross).
+        SplitError: no exact split exists (a non-tensor value without codec must cross), or
+            ``model`` is a callable graphsplit cannot trace (a class, a builtin, a generator).
 
     Example:
         >>> import torch, graphsplit
@@ -120,8 +127,11 @@ def split(
         >>> torch.equal(parts.stage2(**parts.stage1(x, y)), step(x, y))
         True
     """
+    # 0. A function or bound method becomes a module whose forward calls it (same objects).
+    step = as_step_module(model, args, dict(kwargs or {}))
+    model, args, kwargs = step.module, step.args, step.kwargs
     # 1. Bind the example batch to forward's parameters; meta twins at two batch sizes.
-    examples = bind_examples(model, args, dict(kwargs or {}))
+    examples = bind_examples(model, args, kwargs)
     frozen_names = resolve_frozen(model, frozen)
     trainable = frozenset(name for name, _ in model.named_parameters() if name not in frozen_names)
     # 2. Trace and analyse (in rounds), then give the graph back the step's real device.

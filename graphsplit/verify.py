@@ -17,6 +17,7 @@ from torch import nn
 
 from graphsplit.api import Split
 from graphsplit.errors import VerifyError
+from graphsplit.planning.callable import as_step_module
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class Comparison:
 
 
 def verify(
-    model: nn.Module,
+    model: nn.Module | Callable[..., Any],
     split: Split,
     args: tuple[Any, ...] = (),
     kwargs: dict[str, Any] | None = None,
@@ -45,7 +46,9 @@ def verify(
 ) -> list[Comparison]:
     """Check that ``split`` reproduces ``model`` on this batch: outputs and gradients.
 
-    With the default ``rtol=atol=0`` the check is bit for bit.
+    With the default ``rtol=atol=0`` the check is bit for bit. ``model`` is what was split: a
+    module, or a function / bound method (its modules are found as :func:`graphsplit.split`
+    finds them, and module arguments are left out of the batch stage 1 is given).
 
     Returns:
         one :class:`Comparison` per output tensor and trainable parameter.
@@ -62,7 +65,8 @@ def verify(
         >>> all(c.ok for c in comparisons)
         True
     """
-    kwargs = dict(kwargs or {})
+    step = as_step_module(model, args, dict(kwargs or {}))
+    model, args, kwargs = step.module, step.args, step.kwargs
     params = [
         (name, param)
         for name, param in model.named_parameters()

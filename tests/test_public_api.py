@@ -35,11 +35,11 @@ PUBLIC_NAMES = [
 
 SIGNATURES = {
     "split": (
-        "(model: 'nn.Module', args: 'tuple[Any, ...]' = (), "
+        "(model: 'nn.Module | Callable[..., Any]', args: 'tuple[Any, ...]' = (), "
         "kwargs: 'dict[str, Any] | None' = None, *, frozen: 'FrozenSpec' = None) -> 'Split'"
     ),
     "verify": (
-        "(model: 'nn.Module', split: 'Split', args: 'tuple[Any, ...]' = (), "
+        "(model: 'nn.Module | Callable[..., Any]', split: 'Split', args: 'tuple[Any, ...]' = (), "
         "kwargs: 'dict[str, Any] | None' = None, *, seed: 'int' = 0, rtol: 'float' = 0.0, "
         "atol: 'float' = 0.0) -> 'list[Comparison]'"
     ),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -45,14 +46,92 @@ def _refuse_meta_tensors(stage: nn.Module, args: Any) -> None:
 def _module(
     graph: fx.Graph, model: nn.Module, constants: dict[str, Any], name: str
 ) -> fx.GraphModule:
+    constants = name_constants(graph, model, constants)
     targets = sorted(
         {node.target for node in graph.nodes if node.op in ("get_attr", "call_module")},
         key=lambda target: (target.count("."), target),
     )
     root = {target: fetch(model, constants, target) for target in targets}
     stage = fx.GraphModule(root, graph, class_name=name)
+    for target, value in constants.items():
+        if target in root and isinstance(value, torch.Tensor):
+            # A traced constant is not the model's state: kept out of the state dict, so the
+            # stage's keys are the model's own (checkpoints load both ways, strict).
+            delattr(stage, target)
+            stage.register_buffer(target, value, persistent=False)
+    _follow_model_order(stage, model)
     stage.register_forward_pre_hook(_refuse_meta_tensors)
     return stage
+
+
+def name_constants(graph: fx.Graph, model: nn.Module, constants: dict[str, Any]) -> dict[str, Any]:
+    """Rename the graph's traced constants after where they came from; the renamed table.
+
+    fx calls a tensor it met outside the model's parameters and buffers ``_tensor_constant0``;
+    when it is an attribute of a helper object the model holds (``scheduler.alphas_cumprod``)
+    it becomes ``scheduler_alphas_cumprod``, else ``constant_0``.
+    """
+    origins = _constant_origins(model)
+    new_names: dict[str, str] = {}
+    taken = {n.target for n in graph.nodes if n.op in ("get_attr", "call_module")}
+    for node in graph.nodes:
+        if node.op != "get_attr" or node.target not in constants:
+            continue
+        if node.target not in new_names:
+            new_names[node.target] = node.target
+            if node.target.startswith("_tensor_constant"):
+                base = origins.get(id(constants[node.target]), "constant")
+                candidate, index = base, 0
+                while candidate in taken or hasattr(model, candidate):
+                    candidate, index = f"{base}_{index}", index + 1
+                taken.add(candidate)
+                new_names[node.target] = candidate
+        if new_names[node.target] != node.target:
+            node.target = new_names[node.target]
+            node._rename(node.target)
+    return {new: constants[old] for old, new in new_names.items()}
+
+
+def _constant_origins(model: nn.Module) -> dict[int, str]:
+    """``id(tensor) -> "scheduler_alphas_cumprod"`` for tensors of the model's helper objects."""
+    found: dict[int, str] = {}
+    for prefix, module in model.named_modules():
+        for name, value in vars(module).items():
+            if isinstance(value, (nn.Module, torch.Tensor, type)) or name.startswith("_"):
+                continue
+            for attribute, tensor in getattr(value, "__dict__", {}).items():
+                if isinstance(tensor, torch.Tensor):
+                    path = ".".join(part for part in (prefix, name, attribute) if part)
+                    found.setdefault(id(tensor), path.replace(".", "_").strip("_"))
+    return found
+
+
+def _follow_model_order(stage: nn.Module, model: nn.Module) -> None:
+    """Order the stage's parameters, buffers and submodules as the model registers them.
+
+    fx registers a stage's attributes in graph order; an optimizer's state dict addresses
+    parameters by position, so one made on the model's parameters would map onto the wrong
+    stage parameters after a reload unless both iterate in the same order.
+    """
+    position = {name: index for index, name in enumerate(_registration_order(model))}
+    last = len(position)
+    for prefix, module in list(stage.named_modules()):
+        for table in (module._parameters, module._buffers, module._modules):
+            ordered = sorted(
+                table.items(),
+                key=lambda item: position.get(f"{prefix}.{item[0]}".lstrip("."), last),
+            )
+            table.clear()
+            table.update(ordered)
+
+
+def _registration_order(model: nn.Module) -> list[str]:
+    names: list[str] = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dotted = f"{prefix}." if prefix else ""
+        names += [dotted + name for name in (*module._parameters, *module._buffers)]
+        names.append(prefix)
+    return names
 
 
 def build_stage1(

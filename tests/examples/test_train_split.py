@@ -62,7 +62,7 @@ def test_cache_then_train_reproduces_full_and_saves_a_loadable_lora(tmp_path):
          "50000", *COMMON],
         tmp_path,
     )  # fmt: skip
-    assert "graphsplit plan for SDLoRAStep" in out
+    assert "graphsplit plan for training_step" in out
     assert out.count("graphsplit plan") == 1  # the report is printed by the main process only
     report = graphsplit.check_cache(cache)
     assert report.ok, report
