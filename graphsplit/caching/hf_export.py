@@ -29,6 +29,8 @@ constants are safetensors bytes, rows are Arrow numbers.
 In and out::
 
     to_hf_dataset(path, split=None, *, verify=True) -> datasets.Dataset
+    export_cache(path, out, *, split=None, overwrite=False, parquet=False) -> Path
+                                            to_hf_dataset written with save_to_disk / to_parquet
     HFCachedDataset(dataset, split=None)    map-style; item i -> CachedSample; len; keys
     HFCachedIterable(dataset, split=None)   for a streamed datasets.IterableDataset
     export_record(dataset) -> ExportRecord  the record a dataset carries (header, constants)
@@ -38,6 +40,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import shutil
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +57,7 @@ from graphsplit.caching.fingerprint import fingerprint, in_terms_of
 from graphsplit.caching.format import CacheHeader
 from graphsplit.caching.memory_order import inverse
 from graphsplit.caching.validate import JsonReader, to_json
-from graphsplit.errors import CacheError, ManifestError
+from graphsplit.errors import CacheError, ManifestError, Remedy
 
 if TYPE_CHECKING:
     from graphsplit.api import Split
@@ -63,6 +67,7 @@ __all__ = [
     "HFCachedDataset",
     "HFCachedIterable",
     "HFExportError",
+    "export_cache",
     "export_record",
     "to_hf_dataset",
 ]
@@ -207,6 +212,58 @@ def to_hf_dataset(path: str | Path, split: Split | None = None, *, verify: bool 
         features=feature_set,
     )
     return datasets.Dataset.from_dict(columns, features=feature_set, info=info)
+
+
+def export_cache(
+    path: str | Path,
+    out: str | Path,
+    *,
+    split: Split | None = None,
+    overwrite: bool = False,
+    parquet: bool = False,
+) -> Path:
+    """Write the cache at ``path`` as a ``datasets`` dataset to ``out``; returns ``out``.
+
+    ``out`` becomes a ``save_to_disk`` folder (read it with ``datasets.load_from_disk``), or
+    with ``parquet=True`` one parquet file (``datasets.load_dataset("parquet", ...)``, which
+    can stream it). Either then goes to the Hub with ``push_to_hub``.
+
+    Raises:
+        HFExportError: ``out`` exists (``error.remedy`` is :attr:`Remedy.OVERWRITE`), or it is
+            not a dataset of this kind, which graphsplit never deletes.
+    """
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        kind = "file" if parquet else "folder"
+        replaceable = (
+            out.is_file() and not out.is_symlink()
+            if parquet
+            else out.is_dir() and not out.is_symlink() and (out / "state.json").is_file()
+        )
+        if not replaceable:
+            raise HFExportError(
+                f"{out} exists and is not a {'parquet file' if parquet else 'saved dataset'} "
+                f"graphsplit may replace.\n  fix:    choose a new {kind} to write, or move {out} "
+                "away"
+            )
+        if not overwrite:
+            raise HFExportError(
+                f"{out} already holds an exported dataset.\n  fix:    pass {{remedy}} to "
+                "replace it, or choose another destination",
+                remedy=Remedy.OVERWRITE,
+            )
+    dataset = to_hf_dataset(path, split)
+    partial = out.with_name(out.name + ".partial")  # the old export stays until the new is whole
+    if partial.is_dir() and not partial.is_symlink():
+        shutil.rmtree(partial)
+    if parquet:
+        dataset.to_parquet(str(partial))
+    else:
+        dataset.save_to_disk(str(partial))
+    if out.is_dir():
+        shutil.rmtree(out)
+    os.replace(partial, out)
+    return out
 
 
 # ------------------------------------------------------------------------------------- import

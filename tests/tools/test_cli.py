@@ -133,5 +133,8 @@ def test_cache_command_under_accelerate_launch_with_two_processes(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("graphsplit cache at") == 1  # printed by the main process only
+    # off a terminal, progress goes through accelerate's logger, from the main process only
+    status = [line for line in result.stderr.splitlines() if "caching (process" in line]
+    assert status and all(line.startswith("[RANK 0] caching (process 0 of 2):") for line in status)
     assert main(["check-cache", str(out)]) == 0
     assert len(list(out.glob("shard-*.safetensors"))) > 1  # both processes wrote shards
