@@ -28,7 +28,7 @@ constants are safetensors bytes, rows are Arrow numbers.
 
 In and out::
 
-    to_hf_dataset(path, split=None, *, verify=True) -> datasets.Dataset
+    to_hf_dataset(path, split=None, *, verify=True, cache_dir=None) -> datasets.Dataset
     export_cache(path, out, *, split=None, overwrite=False, parquet=False) -> Path
                                             to_hf_dataset written with save_to_disk / to_parquet
     HFCachedDataset(dataset, split=None)    map-style; item i -> CachedSample; len; keys
@@ -39,6 +39,7 @@ In and out::
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import shutil
@@ -138,13 +139,23 @@ class ExportRecord:
 # ------------------------------------------------------------------------------------- export
 
 
-def to_hf_dataset(path: str | Path, split: Split | None = None, *, verify: bool = True) -> Any:
+def to_hf_dataset(
+    path: str | Path,
+    split: Split | None = None,
+    *,
+    verify: bool = True,
+    cache_dir: str | Path | None = None,
+) -> Any:
     """The cache at ``path`` as a ``datasets.Dataset``, one row per sample, in cache order.
 
     Args:
         path: a cache folder written by :func:`graphsplit.cache`.
         split: when given, refuse a cache this split did not make (as ``CachedDataset`` does).
         verify: check each shard's checksum while reading it.
+        cache_dir: ``None`` builds the dataset in memory (nothing is written); a folder
+            streams the rows into Arrow files there instead, for caches larger than memory
+            (``datasets``' own cache format, named by the manifest's digest, so a changed
+            cache is never served from an older export).
 
     The dataset's ``key`` feature carries the export record (the fingerprint among it; see the
     module glossary); ``info.description`` says in words where it came from. Push it with
@@ -200,17 +211,24 @@ def to_hf_dataset(path: str | Path, split: Split | None = None, *, verify: bool 
                 )
             yield row
 
+    feature_set = datasets.Features(features)
+    description = (
+        f"graphsplit cache of {len(cached)} samples exported from {cached.path}; the cache's "
+        f"fingerprint and header are in the features metadata (the {KEY_COLUMN!r} feature's id)"
+    )
+    if cache_dir is not None:
+        manifest = json.dumps(to_json(cached.manifest), sort_keys=True).encode()
+        digest = hashlib.sha256(manifest + features[KEY_COLUMN].id.encode()).hexdigest()
+        dataset = datasets.Dataset.from_generator(
+            rows, features=feature_set, cache_dir=str(cache_dir), fingerprint=digest[:32]
+        )
+        dataset.info.description = description
+        return dataset
     columns: dict[str, list[Any]] = {name: [] for name in features}
     for row in rows():
         for name, value in row.items():
             columns[name].append(value)
-    feature_set = datasets.Features(features)
-    info = datasets.DatasetInfo(
-        description=f"graphsplit cache of {len(cached)} samples exported from {cached.path}; "
-        f"the cache's fingerprint and header are in the features metadata (the "
-        f"{KEY_COLUMN!r} feature's id)",
-        features=feature_set,
-    )
+    info = datasets.DatasetInfo(description=description, features=feature_set)
     return datasets.Dataset.from_dict(columns, features=feature_set, info=info)
 
 

@@ -120,6 +120,17 @@ def test_the_fingerprint_survives_parquet_save_to_disk_and_streaming(built, tmp_
     _same_items(folder, list(iterable))
 
 
+def test_a_large_export_streams_into_the_folder_named(built, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "not-here"))
+    exported = to_hf_dataset(built, cache_dir=tmp_path / "arrow")
+    assert exported.cache_files and all(
+        str(tmp_path / "arrow") in entry["filename"] for entry in exported.cache_files
+    )
+    assert not (tmp_path / "not-here").exists()
+    _same_items(list(CachedDataset(built)), list(HFCachedDataset(exported, make_split())))
+    assert export_record(exported).header == read_manifest(built).header
+
+
 def test_bfloat16_storage_and_buckets_round_trip(tmp_path):
     split = make_split()
     pictures = Pictures(8, sizes=(8, 4))

@@ -54,7 +54,14 @@ def test_bad_spec_in_a_subprocess_has_no_traceback(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "argv", [["--help"], ["inspect", "--help"], ["cache", "--help"], ["check-cache", "--help"]]
+    "argv",
+    [
+        ["--help"],
+        ["inspect", "--help"],
+        ["cache", "--help"],
+        ["check-cache", "--help"],
+        ["export", "--help"],
+    ],
 )
 def test_help(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -68,7 +75,7 @@ def test_help_lists_commands(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for command in ("inspect", "cache", "check-cache"):
+    for command in ("inspect", "cache", "check-cache", "export"):
         assert command in out
 
 
