@@ -2,9 +2,30 @@
 
 Every error a user can fix names four things: the graph node, the user's source line, the
 reason, and the fix. :func:`user_error` builds that message so all of them read alike.
+
+Glossary:
+    remedy (:class:`Remedy`): a fix that is one option of both the Python API and the command
+        line (``overwrite=True`` is ``--overwrite``). An error carries it as a typed field,
+        ``error.remedy``, so code decides by it and never by the message's text.
+    wording (:class:`Wording`): whose words a message uses for its remedy. A message written
+        with the slot ``{remedy}`` renders it as ``overwrite=True`` by default and as
+        ``--overwrite`` inside ``speaking(Wording.CLI)``, which the ``graphsplit`` command wraps
+        around everything it runs; ``error.args[0]`` always holds the Python wording.
+
+    >>> error = GraphsplitError("fix: pass {remedy}", remedy=Remedy.OVERWRITE)
+    >>> str(error)
+    'fix: pass overwrite=True'
+    >>> with speaking(Wording.CLI):
+    ...     str(error)
+    'fix: pass --overwrite'
 """
 
 from __future__ import annotations
+
+import contextlib
+import enum
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 import torch.fx
 
@@ -16,18 +37,85 @@ __all__ = [
     "GraphsplitError",
     "ManifestError",
     "MetaParameterError",
+    "Remedy",
     "SplitError",
     "StaleCacheError",
     "TornFileError",
     "TraceError",
     "UnsafeFileError",
     "VerifyError",
+    "Wording",
+    "speaking",
     "user_error",
 ]
 
+REMEDY_SLOT = "{remedy}"
+
+
+class Wording(enum.Enum):
+    """Whose words an error's remedy is rendered in."""
+
+    PYTHON = "python"
+    CLI = "cli"
+
+
+class Remedy(enum.Enum):
+    """A fix that is one option, named in the Python API and on the command line."""
+
+    OVERWRITE = ("overwrite=True", "--overwrite")
+    STORE_BFLOAT16 = ("storage_dtype=torch.bfloat16", "--storage-dtype bfloat16")
+    STORE_LOSSLESS = ("storage_dtype=None", "--storage-dtype none")
+    NUM_WORKERS_0 = ("num_workers=0", "--num-workers 0")
+
+    def __init__(self, python: str, cli: str) -> None:
+        self.python = python
+        self.cli = cli
+
+    def words(self, wording: Wording | None = None) -> str:
+        """The option in ``wording`` (default: the current one, see :func:`speaking`)."""
+        wording = _WORDING.get() if wording is None else wording
+        return self.cli if wording is Wording.CLI else self.python
+
+
+_WORDING: ContextVar[Wording] = ContextVar("graphsplit_wording", default=Wording.PYTHON)
+
+
+@contextlib.contextmanager
+def speaking(wording: Wording) -> Iterator[None]:
+    """Render errors' remedies in ``wording`` inside the block (the CLI uses ``Wording.CLI``)."""
+    token = _WORDING.set(wording)
+    try:
+        yield
+    finally:
+        _WORDING.reset(token)
+
 
 class GraphsplitError(Exception):
-    """Base class of every error graphsplit raises on purpose."""
+    """Base class of every error graphsplit raises on purpose.
+
+    ``remedy`` is the typed fix (a :class:`Remedy`, or None): a subclass may set it as a class
+    attribute, a raise site passes ``remedy=``. The message may hold the slot ``{remedy}``
+    where the option is named; ``str(error)`` fills it in the current :class:`Wording`, and a
+    message without the slot gets the command-line option on a line of its own when rendered
+    for the command line.
+    """
+
+    remedy: Remedy | None = None
+
+    def __init__(self, *args: object, remedy: Remedy | None = None) -> None:
+        if remedy is not None:
+            self.remedy = remedy
+        self.template = args[0] if args and isinstance(args[0], str) else None
+        if self.template is not None and self.remedy is not None:
+            args = (self.template.replace(REMEDY_SLOT, self.remedy.python), *args[1:])
+        super().__init__(*args)
+
+    def __str__(self) -> str:
+        if self.remedy is None or self.template is None or _WORDING.get() is Wording.PYTHON:
+            return super().__str__()
+        if REMEDY_SLOT in self.template:
+            return self.template.replace(REMEDY_SLOT, self.remedy.cli)
+        return f"{self.template}\n  on the command line: {self.remedy.cli}"
 
 
 class TraceError(GraphsplitError):
@@ -97,10 +185,12 @@ def user_error(
     fix: str,
     node: torch.fx.Node | None = None,
     source: str | None = None,
+    remedy: Remedy | None = None,
 ) -> GraphsplitError:
     """Build an error whose message names the node, the user's source line, the reason and fix.
 
     ``source`` defaults to the ``file:line`` graphsplit recorded for ``node`` while tracing.
+    With ``remedy``, write ``{remedy}`` in ``fix`` where the option goes (see the glossary).
     """
     if source is None and node is not None:
         source = node.meta.get("source")
@@ -113,4 +203,4 @@ def user_error(
     if source:
         lines.append(f"  source: {source}")
     lines.append(f"  fix:    {fix}")
-    return error_type("\n".join(lines))
+    return error_type("\n".join(lines), remedy=remedy)

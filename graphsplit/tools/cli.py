@@ -9,6 +9,10 @@ Glossary:
         over the spec's data into a cache folder (under ``accelerate launch`` each process
         writes its share); see :mod:`graphsplit.tools.cache_command`.
     check-cache: verify every file of a cache folder.
+    export: write a cache as a Hugging Face ``datasets`` dataset (a ``save_to_disk`` folder or a
+        parquet file) to push to the Hub or stream; see :mod:`graphsplit.caching.hf_export`.
+    CLI words: every error's typed remedy (:class:`graphsplit.errors.Remedy`) is rendered as
+        its flag (``--overwrite``), since ``main`` runs inside ``speaking(Wording.CLI)``.
     exit code: 0 success; 1 the operation failed (the step cannot be split, the cache is
         damaged); 2 a usage error (bad arguments, a spec that cannot be loaded or has no dataset).
 
@@ -21,6 +25,8 @@ In and out::
                      [--log-interval SECONDS]        plan, then progress, then the CacheInfo
     graphsplit --version
     graphsplit check-cache DIR                   the check's report on stdout
+    graphsplit export DIR --out DEST [--parquet] [--overwrite]
+                                                 DEST: datasets.load_from_disk / parquet
 
     main(argv: Sequence[str] | None = None) -> int     the exit code
     build_parser() -> argparse.ArgumentParser
@@ -39,7 +45,7 @@ from pathlib import Path
 import torch
 
 from graphsplit.caching import check_cache
-from graphsplit.errors import GraphsplitError
+from graphsplit.errors import GraphsplitError, Wording, speaking
 from graphsplit.tools.cache_command import (
     EXIT_FAILED,
     EXIT_OK,
@@ -85,6 +91,32 @@ def _check_cache(args: argparse.Namespace) -> int:
     report = check_cache(args.dir)
     print(report)
     return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _export(args: argparse.Namespace) -> int:
+    from graphsplit.caching.hf_export import export_cache
+
+    out = export_cache(args.dir, args.out, overwrite=args.overwrite, parquet=args.parquet)
+    print(f"wrote the cache at {args.dir} as a datasets dataset to {out}")
+    return EXIT_OK
+
+
+def _add_export(commands: argparse._SubParsersAction) -> None:
+    export = commands.add_parser(
+        "export",
+        help="write a cache as a Hugging Face datasets dataset (to push to the Hub or stream)",
+        description="Write the cache DIR as a datasets dataset, one row per sample, with the "
+        "cache's fingerprint in its features metadata: a save_to_disk folder "
+        "(datasets.load_from_disk) or, with --parquet, one parquet file. Read it back for "
+        "stage 2 with graphsplit.caching.hf_export.HFCachedDataset. Needs the datasets package.",
+    )
+    export.add_argument("dir", metavar="DIR", help="the cache folder")
+    export.add_argument("--out", required=True, help="the folder (or parquet file) to write")
+    export.add_argument("--parquet", action="store_true", help="write one parquet file")
+    export.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier export at --out"
+    )
+    export.set_defaults(run=_export)
 
 
 def _non_negative(text: str) -> int:
@@ -196,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("dir", metavar="DIR", help="the cache folder")
     check.set_defaults(run=_check_cache)
+    _add_export(commands)
     return parser
 
 
@@ -203,7 +236,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    return args.run(args)
+    with speaking(Wording.CLI):
+        try:
+            return args.run(args)
+        except GraphsplitError as error:  # one the command did not catch: still no traceback
+            return fail(f"{type(error).__name__}: {error}", EXIT_FAILED)
 
 
 if __name__ == "__main__":

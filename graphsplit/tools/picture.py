@@ -10,24 +10,35 @@ Glossary:
         with the value's shape and bytes per sample (``const`` for a per-dataset constant).
     random node: draws random numbers (double octagon); trainable node: reads a trainable
         parameter (red bold border).
+    group: the module or function call a node belongs to (:mod:`graphsplit.tools.groups`):
+        a box (Graphviz cluster) around its nodes in ``split.dot``; one node of its own in the
+        overview, striped with the colours of the stages inside it.
+    hidden value: a node neither stage runs (a shape query only Python control flow read);
+        left out of every drawing, counted in the graph's title and listed in the page.
 
-In: a :class:`~graphsplit.api.Split`. Out: ``split.dot`` always, ``split.svg`` when Graphviz's
-``dot`` is on ``PATH``, and a self-contained ``split.html`` (no scripts, no network). The output
-depends only on the split, so the same split always gives the same files.
+In: a :class:`~graphsplit.api.Split`. Out: ``split.dot`` (every node, grouped) always,
+``split.svg`` (its drawing) when Graphviz's ``dot`` is on ``PATH``, and a self-contained
+``split.html`` (no scripts, no network): it opens on the overview (groups collapsed) scaled to
+fit the window, with each group's own drawing in a collapsible section below (``<details>``);
+without Graphviz it lists the nodes by group instead. The output depends only on the split, so
+the same split always gives the same files.
 """
 
 from __future__ import annotations
 
 import html
 import os
+import re
 import shutil
 import subprocess
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
 from graphsplit.artifacts import TaintKind
+from graphsplit.tools.groups import Group, group_nodes, is_hidden
 from graphsplit.units import human_bytes
 
 if TYPE_CHECKING:
@@ -66,10 +77,14 @@ def render_split(split: Split, path: str | os.PathLike[str]) -> Path:
     dot_text = to_dot(split)
     (folder / "split.dot").write_text(dot_text)
     svg = _run_graphviz(dot_text)
-    if svg is not None:
-        (folder / "split.svg").write_text(svg)
     page = folder / "split.html"
-    page.write_text(to_html(split, svg=svg))
+    if svg is None:
+        page.write_text(to_html(split))
+        return page
+    (folder / "split.svg").write_text(svg)
+    overview = _run_graphviz(to_dot(split, collapsed=True))
+    groups = {group: _run_graphviz(to_dot(split, only=group)) for group in _visible_groups(split)}
+    page.write_text(to_html(split, svg=overview or svg, group_svgs=groups))
     return page
 
 
@@ -147,33 +162,162 @@ def _node_attributes(split: Split, node: fx.Node) -> str:
     return ", ".join(f'{key}="{value}"' for key, value in attributes.items())
 
 
-def to_dot(split: Split) -> str:
-    """The Graphviz source of the picture: nodes in graph order, so the text is deterministic."""
-    boundary = set(split.cut.boundary)
+def _visible_groups(split: Split) -> list[Group]:
+    """The groups other than the step's own code that hold a drawn node, in graph order."""
+    groups = group_nodes(split)
+    seen: dict[Group, None] = {}
+    for node in split.graph.nodes:
+        if not groups[node].is_step and not is_hidden(split, node):
+            seen.setdefault(groups[node])
+    return list(seen)
+
+
+def _group_id(index: int) -> str:
+    return f"group_{index}"
+
+
+def to_dot(split: Split, *, collapsed: bool = False, only: Group | None = None) -> str:
+    """The Graphviz source of the picture, deterministic (nodes in graph order).
+
+    Default: every drawn node, each group's in a cluster. ``collapsed``: each group is one
+    node (the overview). ``only``: one group's nodes, with their outside neighbours as plain
+    ellipses. Hidden values are left out of all three, and counted in the title.
+    """
+    groups = group_nodes(split)
+    drawn = [node for node in split.graph.nodes if not is_hidden(split, node)]
+    hidden = sum(1 for node in split.graph.nodes if is_hidden(split, node))
+    order = _visible_groups(split)
+    ids = {group: _group_id(index) for index, group in enumerate(order)}
+    title = f"{split.model_name or 'step'}"
+    if hidden:
+        title += f"  ({hidden} values nothing uses are hidden)"
+    if only is not None:
+        title = f"{only.label} in {split.model_name or 'the step'}"
     lines = [
         "digraph split {",
         "  rankdir=TB;",
+        f'  label={_dot_string(title)}; labelloc=t; fontname="Helvetica";',
         '  node [fontname="Helvetica", fontsize=10];',
         '  edge [fontname="Helvetica", fontsize=9];',
-        *_legend_dot(),
+        *([] if only is not None else _legend_dot()),
     ]
-    for node in split.graph.nodes:
-        lines.append(f"  {_dot_string(node.name)} [{_node_attributes(split, node)}];")
-    for node in split.graph.nodes:
-        for user in node.users:
-            edge = f"  {_dot_string(node.name)} -> {_dot_string(user.name)}"
-            crosses = node in boundary and stage_of(split, user) in ("stage 2", "both")
-            if crosses:
-                label = _dot_string("boundary: " + boundary_label(split, node))
-                edge += f' [label={label}, color="{_BOUNDARY_EDGE}", penwidth=3, style=bold]'
-            lines.append(edge + ";")
+    if only is not None:
+        members = [node for node in drawn if groups[node] == only]
+        inside = set(members)
+        around = {
+            other
+            for node in members
+            for other in (*node.all_input_nodes, *node.users)
+            if other not in inside and not is_hidden(split, other)
+        }
+        for node in drawn:
+            if node in inside:
+                lines.append(f"  {_dot_string(node.name)} [{_node_attributes(split, node)}];")
+            elif node in around:
+                lines.append(
+                    f"  {_dot_string(node.name)} [label={_dot_string(node.name)}, "
+                    'shape=ellipse, color="#999999", fontcolor="#666666"];'
+                )
+        lines += _edges(split, drawn, lambda node: node.name, keep=inside | around, only=inside)
+    elif collapsed:
+        emitted: set[Group] = set()
+        for node in drawn:
+            group = groups[node]
+            if group.is_step:
+                lines.append(f"  {_dot_string(node.name)} [{_node_attributes(split, node)}];")
+            elif group not in emitted:
+                emitted.add(group)
+                members = [other for other in drawn if groups[other] == group]
+                lines.append(f"  {ids[group]} [{_group_attributes(split, group, members)}];")
+        lines += _edges(
+            split,
+            drawn,
+            lambda node: node.name if groups[node].is_step else ids[groups[node]],
+        )
+    else:
+        for node in drawn:
+            if groups[node].is_step:
+                lines.append(f"  {_dot_string(node.name)} [{_node_attributes(split, node)}];")
+        for group in order:
+            lines.append(f"  subgraph cluster_{ids[group]} {{")
+            lines.append(f'    label={_dot_string(group.label)}; style="rounded,dashed";')
+            for node in drawn:
+                if groups[node] == group:
+                    lines.append(f"    {_dot_string(node.name)} [{_node_attributes(split, node)}];")
+            lines.append("  }")
+        lines += _edges(split, drawn, lambda node: node.name)
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def _edges(
+    split: Split,
+    drawn: Iterable[fx.Node],
+    name: Callable[[fx.Node], str],
+    *,
+    keep: set[fx.Node] | None = None,
+    only: set[fx.Node] | None = None,
+) -> list[str]:
+    """Edges between drawn nodes, each once, named by ``name`` (a group stands for its nodes);
+    boundary edges bold and labelled. With ``only``, edges touching those nodes."""
+    boundary = set(split.cut.boundary)
+    visible = set(drawn)
+    lines: list[str] = []
+    seen: set[tuple[str, str, str]] = set()
+    for node in drawn:
+        for user in node.users:
+            if user not in visible or (keep is not None and (node not in keep or user not in keep)):
+                continue
+            if only is not None and node not in only and user not in only:
+                continue
+            source, target = name(node), name(user)
+            if source == target:
+                continue
+            label = ""
+            if node in boundary and stage_of(split, user) in ("stage 2", "both"):
+                label = "boundary: " + boundary_label(split, node)
+            if (source, target, label) in seen:
+                continue
+            seen.add((source, target, label))
+            edge = f"  {_dot_string(source)} -> {_dot_string(target)}"
+            if label:
+                edge += (
+                    f' [label={_dot_string(label)}, color="{_BOUNDARY_EDGE}", penwidth=3, '
+                    "style=bold]"
+                )
+            lines.append(edge + ";")
+    return lines
+
+
+def _group_attributes(split: Split, group: Group, members: list[fx.Node]) -> str:
+    """One node standing for a collapsed group: its name, size, stages (stripes), marks."""
+    stages = [stage for stage in STAGE_COLOURS if any(stage_of(split, n) == stage for n in members)]
+    lines = [group.label, f"{len(members)} nodes: {', '.join(stages)}"]
+    random_ops = sorted({op for n in members if _is_random(n) for op in n.meta["facts"].random_ops})
+    if random_ops:
+        lines.append("random: " + ", ".join(random_ops))
+    for node in members:  # an edge inside the box is not drawn: say what crosses there
+        if node in split.cut.boundary:
+            lines.append(f"boundary {node.name}: {boundary_label(split, node)}")
+    colours = ":".join(STAGE_COLOURS[stage] for stage in stages)
+    attributes = {
+        "label": "\\n".join(line.replace("\\", "\\\\").replace('"', '\\"') for line in lines),
+        "fillcolor": colours,
+        "style": "filled" if len(stages) == 1 else "striped",
+        "shape": "box3d" if len(stages) == 1 else "box",
+    }
+    if any(_is_trainable(split, n) for n in members):
+        attributes.update(color=_TRAINABLE_BORDER, penwidth="3")
+    if any(n in split.cut.boundary for n in members):
+        attributes["peripheries"] = "2"
+    return ", ".join(f'{key}="{value}"' for key, value in attributes.items())
 
 
 def _legend_dot() -> list[str]:
     lines = ["  subgraph cluster_legend {", '    label="legend"; fontsize=10;']
     for index, (stage, colour) in enumerate(STAGE_COLOURS.items()):
+        if stage == "unused":  # hidden from the drawings; listed in the page
+            continue
         lines.append(
             f'    legend_{index} [label="{stage}", style=filled, fillcolor="{colour}", shape=box];'
         )
@@ -212,11 +356,31 @@ th, td { border: 1px solid #999; padding: 2px 8px; font-size: 13px; text-align: 
 .both { background: %(both)s; } .unused { background: %(unused)s; }
 .trainable { border: 3px solid %(trainable)s; font-weight: bold; }
 .random { font-style: italic; }
+.graph svg { width: 100%%; height: auto; max-height: 85vh; }
+details { margin: 0.4em 0; } summary { cursor: pointer; }
 """
 
 
-def to_html(split: Split, *, svg: str | None = None) -> str:
-    """A self-contained page: the SVG inline when given, else the nodes listed by stage."""
+def _fit(svg: str) -> str:
+    """The ``<svg>`` element alone, without its fixed size, so it scales to fit the page."""
+    start = svg.find("<svg")
+    svg = svg[start:] if start >= 0 else svg
+    end = svg.find(">")
+    if end < 0:
+        return svg
+    opening = re.sub(r'\s(width|height)="[^"]*"', "", svg[:end])
+    return opening + svg[end:]
+
+
+def to_html(
+    split: Split,
+    *,
+    svg: str | None = None,
+    group_svgs: dict[Group, str | None] | None = None,
+) -> str:
+    """A self-contained page: the overview ``svg`` scaled to fit, each group in a collapsible
+    section (its drawing from ``group_svgs``, else its nodes); without ``svg``, the nodes
+    listed by group. Hidden values are listed last."""
     style = _STYLE % {**STAGE_COLOURS, "trainable": _TRAINABLE_BORDER}
     title = html.escape(f"graphsplit: {split.model_name}")
     parts = [
@@ -228,18 +392,53 @@ def to_html(split: Split, *, svg: str | None = None) -> str:
         "<h2>Boundary</h2>",
         _boundary_table(split),
     ]
+    groups = group_nodes(split)
+    drawn = [node for node in split.graph.nodes if not is_hidden(split, node)]
     if svg is not None:
-        start = svg.find("<svg")
-        parts += ["<h2>Graph</h2>", svg[start:] if start >= 0 else svg]
+        parts += [
+            "<h2>Graph</h2>",
+            "<p>Each module or function call is one box; open its section below to see "
+            "inside it.</p>",
+            f'<div class="graph">{_fit(svg)}</div>',
+        ]
+        group_svgs = group_svgs or {}
+        sections = _visible_groups(split)
+        if sections:
+            parts.append("<h2>Groups</h2>")
+        for group in sections:
+            members = [node for node in drawn if groups[node] == group]
+            inner = group_svgs.get(group)
+            body = (
+                f'<div class="graph">{_fit(inner)}</div>' if inner else _node_table(split, members)
+            )
+            parts.append(_details(f"{group.label}: {len(members)} nodes", body))
     else:
         parts += [
-            "<h2>Nodes by stage</h2>",
+            "<h2>Nodes by group</h2>",
             "<p>Graphviz's <code>dot</code> was not found, so the graph is listed instead; "
             "<code>split.dot</code> beside this page holds its source.</p>",
-            _node_table(split),
         ]
+        for group in [Group.STEP, *_visible_groups(split)]:
+            members = [node for node in drawn if groups[node] == group]
+            if members:
+                label = f"{group.label}: {len(members)} nodes"
+                parts.append(_details(label, _node_table(split, members), opened=group.is_step))
+    hidden = [node for node in split.graph.nodes if is_hidden(split, node)]
+    if hidden:
+        parts.append(
+            _details(
+                f"{len(hidden)} values nothing uses (shape queries Python read), hidden from "
+                "the drawings",
+                _node_table(split, hidden),
+            )
+        )
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
+
+
+def _details(summary: str, body: str, *, opened: bool = False) -> str:
+    state = " open" if opened else ""
+    return f"<details{state}><summary>{html.escape(summary)}</summary>\n{body}\n</details>"
 
 
 def _css_class(stage: str) -> str:
@@ -273,12 +472,12 @@ def _boundary_table(split: Split) -> str:
     return "\n".join(rows)
 
 
-def _node_table(split: Split) -> str:
+def _node_table(split: Split, members: list[fx.Node]) -> str:
     boundary = set(split.cut.boundary)
     rows = ["<table><tr><th>stage</th><th>node</th><th>op</th><th>shape</th><th>marks</th></tr>"]
     order = list(STAGE_COLOURS)
     nodes = sorted(
-        enumerate(split.graph.nodes),
+        enumerate(members),
         key=lambda item: (order.index(stage_of(split, item[1])), item[0]),
     )
     for _, node in nodes:

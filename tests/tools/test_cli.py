@@ -54,7 +54,14 @@ def test_bad_spec_in_a_subprocess_has_no_traceback(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "argv", [["--help"], ["inspect", "--help"], ["cache", "--help"], ["check-cache", "--help"]]
+    "argv",
+    [
+        ["--help"],
+        ["inspect", "--help"],
+        ["cache", "--help"],
+        ["check-cache", "--help"],
+        ["export", "--help"],
+    ],
 )
 def test_help(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -68,7 +75,7 @@ def test_help_lists_commands(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     out = capsys.readouterr().out
-    for command in ("inspect", "cache", "check-cache"):
+    for command in ("inspect", "cache", "check-cache", "export"):
         assert command in out
 
 
@@ -133,5 +140,8 @@ def test_cache_command_under_accelerate_launch_with_two_processes(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("graphsplit cache at") == 1  # printed by the main process only
+    # off a terminal, progress goes through accelerate's logger, from the main process only
+    status = [line for line in result.stderr.splitlines() if "caching (process" in line]
+    assert status and all(line.startswith("[RANK 0] caching (process 0 of 2):") for line in status)
     assert main(["check-cache", str(out)]) == 0
     assert len(list(out.glob("shard-*.safetensors"))) > 1  # both processes wrote shards
