@@ -273,6 +273,7 @@ def size(path: RemotePath) -> int | None:
     """
     try:
         with _requests(path, "read"):
+            _forget_listings(path)
             info = path.fs.info(path.path)
     except FileNotFoundError:
         return None
@@ -288,7 +289,15 @@ def size(path: RemotePath) -> int | None:
 def exists(path: RemotePath) -> bool:
     """Whether an object (or a folder) ``path`` exists."""
     with _requests(path, "read"):
+        _forget_listings(path)
         return bool(path.fs.exists(path.path))
+
+
+def _forget_listings(path: RemotePath) -> None:
+    """Drop fsspec's cached listings of ``path``'s folders: another process (a rank of the
+    same run, a resumed run) may have written there since, and a cached listing would answer
+    "no such file" without asking the store."""
+    path.fs.invalidate_cache(path.path)
 
 
 def read_bytes(path: RemotePath, *, limit: int) -> bytes:
