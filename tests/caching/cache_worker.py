@@ -12,8 +12,8 @@ mid-way; ``--die-at K`` dies like ``kill -9`` before the K-th durable file opera
 (0: print how many there are); ``--pause-after K`` prints ``paused`` once K shards are
 committed and then blocks until stdin closes, so a test can ``kill -9`` it at a known point
 without sleeping; PATH may be a URL (``s3://...``); ``--seed`` picks other pictures;
-``--train-steps`` then trains stage 2 on the cache with ``accelerator.prepare`` (DDP) and writes each process's
-shards, losses and final parameter checksum to ``FILE.<rank>.json``.
+``--train-steps`` then trains stage 2 on the cache with ``accelerator.prepare`` (DDP) and
+writes each process's shards, losses and final parameter checksum to ``FILE.<rank>.json``.
 """
 
 from __future__ import annotations

@@ -296,3 +296,30 @@ def test_shards_and_manifest_share_one_mode_that_honours_the_umask(tmp_path, uma
     modes = {entry.name: entry.stat().st_mode & 0o777 for entry in (tmp_path / "cache").iterdir()}
     assert {"manifest.json", "constants.safetensors", "shard-00000.safetensors"} <= set(modes)
     assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_accelerate_processes_write_one_s3_cache_and_train_from_it(
+    s3, bucket, local_twin, tmp_path
+):
+    pytest.importorskip("accelerate")
+    url = f"s3://{bucket}/shared"
+    report = tmp_path / "report"
+    command = [
+        *(sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu"),
+        *("--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"),
+        *("--dynamo_backend", "no", "--main_process_port", str(_free_port())),
+        *(str(WORKER), url, "--accelerate", "--train-steps", "2", "--report", str(report)),
+    ]
+    finished = subprocess.run(command, env=worker_environment(), capture_output=True, timeout=180)
+    assert finished.returncode == 0, finished.stderr.decode()[-4000:]
+    reports = [json.loads(report.with_suffix(f".{rank}.json").read_text()) for rank in (0, 1)]
+    assert reports[0]["written"] == [0, 2, 4] and reports[1]["written"] == [1, 3, 5]
+    assert reports[0]["checksum"] == reports[1]["checksum"]  # DDP trained from the bucket
+    assert remote_contents(s3, f"{bucket}/shared") == cache_contents(local_twin)
