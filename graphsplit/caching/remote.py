@@ -78,12 +78,21 @@ class RemotePath:
 
     ``fs`` is the filesystem, ``path`` the name fsspec uses (no protocol); ``str()`` gives the
     URL, for messages. It has no ``__fspath__``: an ``os`` call on it fails loudly instead of
-    creating a local file with a URL's name.
+    creating a local file with a URL's name. In a forked process (a DataLoader worker) ``fs``
+    is rebuilt from its options: fsspec's async filesystems (s3fs, gcsfs) are not fork-safe.
     """
 
     def __init__(self, fs: Any, path: str) -> None:
-        self.fs = fs
+        self._fs = fs
+        self._pid = os.getpid()
         self.path = path.rstrip("/")
+
+    @property
+    def fs(self) -> Any:
+        if self._pid != os.getpid():
+            self._fs = type(self._fs)(**self._fs.storage_options)
+            self._pid = os.getpid()
+        return self._fs
 
     def __truediv__(self, name: str) -> RemotePath:
         return RemotePath(self.fs, f"{self.path}/{name}")

@@ -323,3 +323,21 @@ def test_two_accelerate_processes_write_one_s3_cache_and_train_from_it(
     assert reports[0]["written"] == [0, 2, 4] and reports[1]["written"] == [1, 3, 5]
     assert reports[0]["checksum"] == reports[1]["checksum"]  # DDP trained from the bucket
     assert remote_contents(s3, f"{bucket}/shared") == cache_contents(local_twin)
+
+
+def test_dataloader_workers_read_a_remote_cache(s3, bucket, local_twin):
+    url = f"s3://{bucket}/cache"
+    cache(make_split(), loader(Pictures(12)), url, shard_bytes=SMALL, progress=False)
+    cached = CachedDataset(url, make_split())
+    context = "fork" if "fork" in torch.multiprocessing.get_all_start_methods() else None
+    batches = torch.utils.data.DataLoader(
+        cached, batch_size=4, num_workers=2, collate_fn=collate, multiprocessing_context=context
+    )
+    local = CachedDataset(local_twin)
+    expected = collate([local[i] for i in range(12)])
+    together = {name: [] for name in expected}
+    for batch in batches:  # each worker process opens the store itself (s3fs is not fork-safe)
+        for name, value in batch.items():
+            together[name].append(value)
+    assert torch.equal(torch.cat(together["latents"]), expected["latents"])
+    assert torch.equal(torch.cat(together["text"], dim=1), expected["text"])
