@@ -43,13 +43,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import mmap
 import os
 import re
 import shutil
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -58,7 +57,7 @@ import torch
 
 from graphsplit.caching import remote
 from graphsplit.caching.checksums import ALGORITHM, Running, algorithm_of
-from graphsplit.caching.remote import RemotePath
+from graphsplit.caching.remote import RemotePath, nothing, or_remote
 from graphsplit.caching.tensor_file import SAFETENSORS_DTYPES, safetensors_dtype, serialise
 from graphsplit.errors import DiskFullError, UnsafeFileError
 from graphsplit.units import human_bytes
@@ -101,37 +100,17 @@ CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _PROC_FDS = Path("/proc/self/fd")
 
 
-def _or_remote(remote_function: Callable[..., Any]) -> Callable[[Callable], Callable]:
-    """Send a call whose first argument is a :class:`RemotePath` to ``remote_function`` (the
-    same operation on an object store, :mod:`graphsplit.caching.remote`)."""
-
-    def wrap(local_function: Callable) -> Callable:
-        @functools.wraps(local_function)
-        def either(path: Any, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(path, RemotePath):
-                return remote_function(path, *args, **kwargs)
-            return local_function(path, *args, **kwargs)
-
-        return either
-
-    return wrap
-
-
-def _nothing(*args: Any, **kwargs: Any) -> None:
-    """What an object store does instead of a folder fsync: nothing (a put is durable)."""
-
-
 # ------------------------------------------------------------------------------------ writing
 
 
-@_or_remote(remote.staging_path)
+@or_remote(remote.staging_path)
 def temporary_path(path: Path) -> Path:
     """Where ``path`` is written before it is committed: ``.{name}.tmp`` in the same folder
     (for a remote ``path``, a local staging file)."""
     return path.with_name(f".{path.name}.tmp")
 
 
-@_or_remote(remote.put_bytes)
+@or_remote(remote.put_bytes)
 def write_atomically(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
 
@@ -217,7 +196,7 @@ def commit_file(temporary: Path, path: Path, *, checksum: str | None = None) -> 
     return size, checksum
 
 
-@_or_remote(_nothing)
+@or_remote(nothing)
 def fsync_folder(folder: Path) -> None:
     """Make renames inside ``folder`` durable (a no-op where folders cannot be opened)."""
     try:
@@ -255,7 +234,7 @@ def no_room(folder: Path, name: str, needed: int | None) -> Iterator[None]:
         ) from None
 
 
-@_or_remote(_nothing)
+@or_remote(nothing)
 def free_bytes(folder: Path) -> int | None:
     """The bytes free on the disk holding ``folder`` (None: a remote store, no such limit)."""
     return shutil.disk_usage(folder).free
@@ -357,7 +336,7 @@ def real_folder(path: Path, *, create: bool) -> bool:
 # ------------------------------------------------------------------------------------ reading
 
 
-@_or_remote(remote.size)
+@or_remote(remote.size)
 def regular_size(path: Path) -> int | None:
     """The size of the regular file ``path``, or None when it does not exist.
 
@@ -373,7 +352,7 @@ def regular_size(path: Path) -> int | None:
     return info.st_size
 
 
-@_or_remote(remote.read_bytes)
+@or_remote(remote.read_bytes)
 def read_regular(path: Path, *, limit: int) -> bytes:
     """The bytes of the regular file ``path``, refused above ``limit`` bytes.
 
@@ -425,7 +404,7 @@ def pinned_map(path: Path) -> Iterator[tuple[str, mmap.mmap]]:
         os.close(descriptor)
 
 
-@_or_remote(remote.checksum)
+@or_remote(remote.checksum)
 def checksum_file(path: Path, algorithm: str = ALGORITHM) -> str:
     """The checksum of a regular file's bytes, from a read-only memory map (a remote object
     is streamed)."""
@@ -445,13 +424,13 @@ def file_matches(path: Path, *, size: int, checksum: str) -> bool:
         return False
 
 
-@_or_remote(remote.exists)
+@or_remote(remote.exists)
 def exists(path: Path) -> bool:
     """Whether anything, even a dangling symlink, is at ``path`` (readers then judge it)."""
     return os.path.lexists(path)
 
 
-@_or_remote(remote.list_files)
+@or_remote(remote.list_files)
 def list_files(folder: Path) -> list[str]:
     """The names of the entries of ``folder`` that are not folders (symlinks included), sorted;
     none when it does not exist."""
@@ -460,7 +439,7 @@ def list_files(folder: Path) -> list[str]:
     return sorted(e.name for e in folder.iterdir() if e.is_symlink() or not e.is_dir())
 
 
-@_or_remote(remote.remove)
+@or_remote(remote.remove)
 def remove(path: Path) -> None:
     """Delete the file (or symlink) ``path`` if it exists."""
     path.unlink(missing_ok=True)

@@ -25,17 +25,19 @@ In and out::
     download(path, local)
     checksum(path, algorithm)   exists(path)    list_files(folder)    remove(path)
     make_folder(path)           staging_path(path) -> Path
+    @or_remote(remote_function)  # how caching.files sends a RemotePath here
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import os
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,8 @@ __all__ = [
     "list_files",
     "location",
     "make_folder",
+    "nothing",
+    "or_remote",
     "put_bytes",
     "read_bytes",
     "read_range",
@@ -202,6 +206,26 @@ def _raise_storage_error(path: RemotePath, action: str, error: Exception) -> Non
         "network and the store, then rerun the same call: a cache run resumes from the "
         "shards already uploaded"
     ) from None
+
+
+def or_remote(remote_function: Callable[..., Any]) -> Callable[[Callable], Callable]:
+    """Decorate a local file operation of :mod:`graphsplit.caching.files` so that a call whose
+    first argument is a :class:`RemotePath` goes to ``remote_function`` instead."""
+
+    def wrap(local_function: Callable) -> Callable:
+        @functools.wraps(local_function)
+        def either(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(path, RemotePath):
+                return remote_function(path, *args, **kwargs)
+            return local_function(path, *args, **kwargs)
+
+        return either
+
+    return wrap
+
+
+def nothing(*args: Any, **kwargs: Any) -> None:
+    """What an object store needs instead of a folder fsync or a free-space check: nothing."""
 
 
 # ------------------------------------------------------------------------------------ writing

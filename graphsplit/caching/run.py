@@ -132,7 +132,12 @@ def cache(
         dataloader: a ``torch.utils.data.DataLoader`` (map-style datasets are read by index, so
             resumed and multi-process runs load only what they compute) or any re-iterable of
             batches.
-        path: the cache folder; created if missing. It may be on a shared filesystem.
+        path: the cache folder; created if missing. It may be on a shared filesystem, or a
+            URL of any fsspec filesystem (``"s3://bucket/cache"``, ``"gs://..."``,
+            ``"hf://..."``; ``"file://..."`` is a local folder): shards are then uploaded
+            whole, the manifest last, and the lock is a lock object (see
+            :mod:`graphsplit.caching.remote_lock`). Pass URLs as strings: ``pathlib.Path``
+            turns ``s3://b`` into ``s3:/b``, which is refused, never made a local folder.
         accelerator: an ``accelerate.Accelerator``. Under ``accelerate launch`` each process
             computes and writes every ``num_processes``-th shard and the main process writes the
             manifest; the result equals a single-process cache, file for file. Pass the plain
@@ -154,7 +159,9 @@ def cache(
             process failed; DiskFullError: no room for a file (rerun to resume);
             StaleCacheError: the folder holds another cache, or one of other samples (keys or
             inputs), and ``overwrite`` is false; CacheLockedError: another run is writing the
-            folder; UnsafeFileError: a file of the folder is a symlink, FIFO or device.
+            folder; UnsafeFileError: a file of the folder is a symlink, FIFO or device;
+            UnsupportedStorageError: a URL fsspec cannot open; StorageError: the store failed
+            a request (rerun to resume).
 
     Example:
         >>> import tempfile, graphsplit
