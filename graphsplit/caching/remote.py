@@ -8,7 +8,8 @@ Glossary:
         written by one put (single or multipart) becomes visible whole, or not at all, and
         reads after a write see it (S3 and GCS are strongly consistent).
     staging file: where a file bound for a remote cache is serialised before its upload: a
-        local temporary file (``$TMPDIR/graphsplit-upload-PID/``), deleted once uploaded.
+        local temporary file in a private ``$TMPDIR/graphsplit-upload-*/`` folder, deleted
+        once uploaded (the folder when the process exits).
     storage error: the store refused or failed a request (credentials, network, a missing
         bucket): a :class:`~graphsplit.errors.StorageError` naming the URL and the fix.
 
@@ -30,12 +31,14 @@ In and out::
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import functools
 import hashlib
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -244,11 +247,22 @@ def put_bytes(path: RemotePath, data: bytes, *, exclusive: bool = False) -> None
 
 def staging_path(path: RemotePath) -> Path:
     """The local staging file of ``path`` (unique per process and URL, see the glossary)."""
-    folder = Path(tempfile.gettempdir()) / f"graphsplit-upload-{os.getpid()}"
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(folder, 0o700)
     digest = hashlib.sha256(str(path).encode()).hexdigest()[:16]
-    return folder / f".{digest}-{path.name}.tmp"
+    return _staging_folder() / f".{digest}-{path.name}.tmp"
+
+
+_STAGING: dict[int, Path] = {}  # this process's staging folder (a forked child makes its own)
+
+
+def _staging_folder() -> Path:
+    """A private folder (``mkdtemp``: a fresh name, mode 0o700, never a planted one) for this
+    process's staging files, removed when the process exits normally."""
+    folder = _STAGING.get(os.getpid())
+    if folder is None:
+        folder = Path(tempfile.mkdtemp(prefix="graphsplit-upload-"))
+        _STAGING[os.getpid()] = folder
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def upload(staged: Path, path: RemotePath, checksum: str) -> tuple[int, str]:
@@ -276,9 +290,10 @@ def make_folder(path: RemotePath) -> None:
             bucket = fs.split_path(path.path)[0]
             if not fs.exists(bucket):
                 raise StorageError(
-                    f"the bucket {bucket!r} of the cache URL {path} does not exist (or these "
-                    "credentials cannot see it).\n  fix: create the bucket first, or check the "
-                    "URL and the credentials"
+                    f"the bucket {bucket!r} of the cache URL {path} does not exist, or these "
+                    "credentials cannot see it, or the store cannot be reached.\n  fix: create "
+                    "the bucket first (graphsplit never does), or check the URL, the endpoint "
+                    "(AWS_ENDPOINT_URL) and the credentials"
                 )
         else:
             fs.makedirs(path.path, exist_ok=True)

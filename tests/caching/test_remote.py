@@ -286,15 +286,22 @@ def test_a_remote_cache_of_another_split_is_refused_then_overwritten(s3, bucket)
 
 @pytest.mark.parametrize("umask", [0o002, 0o022])
 def test_shards_and_manifest_share_one_mode_that_honours_the_umask(tmp_path, umask):
+    from graphsplit.caching.lock import FolderLock
+
     previous = os.umask(umask)
     try:
         cache(
             make_split(), loader(Pictures(4)), tmp_path / "cache", shard_bytes=SMALL, progress=False
         )
+        lock = FolderLock(tmp_path / "cache" / ".lock")  # a teammate must be able to resume
+        lock.acquire()
+        lock_mode = (tmp_path / "cache" / ".lock").stat().st_mode & 0o777
+        lock.release()
     finally:
         os.umask(previous)
     modes = {entry.name: entry.stat().st_mode & 0o777 for entry in (tmp_path / "cache").iterdir()}
     assert {"manifest.json", "constants.safetensors", "shard-00000.safetensors"} <= set(modes)
+    modes[".lock"] = lock_mode
     assert set(modes.values()) == {0o666 & ~umask}, modes
 
 
