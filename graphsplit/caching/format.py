@@ -10,7 +10,8 @@ A cache folder holds::
                                graphsplit 0.1 named it .partial/plan.json, still read)
     .partial/shard-00000.json  while writing: ShardProgress, one per finished shard
     .partial/constants.json    while writing: ConstantsProgress, once the constants are written
-    .lock                      the writer's flock; names its pid and host (see caching.lock)
+    .lock                      the writer's flock (an object store: a lock object, see
+                               caching.remote_lock); names its pid and host
 
 Glossary:
     header: what a run was started with (fingerprint, inputs, boundary, storage, shard layout);
