@@ -204,3 +204,17 @@ def user_error(
         lines.append(f"  source: {source}")
     lines.append(f"  fix:    {fix}")
     return error_type("\n".join(lines), remedy=remedy)
+
+
+# storage errors
+# -- caches on fsspec filesystems (s3://, gs://, hf://): see graphsplit.caching.remote ---------
+class UnsupportedStorageError(CacheError):
+    """A cache path graphsplit cannot open: a URL fsspec does not know or lacks the package
+    for, or a local path that is a URL whose '//' was lost."""
+
+
+class StorageError(CacheError):
+    """A remote store refused or failed a request (credentials, network, a missing bucket)."""
+
+
+__all__ += ["StorageError", "UnsupportedStorageError"]

@@ -37,7 +37,9 @@ from graphsplit.caching.format import (
     tensor_name,
 )
 from graphsplit.caching.memory_order import row_order
-from graphsplit.errors import ManifestError, UnsafeFileError
+from graphsplit.caching.ranged import RangedShard
+from graphsplit.caching.remote import RemotePath, location
+from graphsplit.errors import CacheError, ManifestError, StorageError, UnsafeFileError
 
 __all__ = [
     "CacheProblem",
@@ -45,6 +47,7 @@ __all__ = [
     "check_cache",
     "file_problem",
     "open_problem",
+    "open_shard",
     "shard_tensors_problem",
     "some_keys",
 ]
@@ -69,7 +72,7 @@ class CacheProblem:
 class CacheReport:
     """What :func:`check_cache` found; ``ok`` when every file is intact."""
 
-    path: Path
+    path: Path | RemotePath
     num_samples: int
     num_shards: int
     checked_bytes: int
@@ -105,14 +108,19 @@ def check_cache(path: str | os.PathLike[str]) -> CacheReport:
     """Verify a cache folder: the manifest, and every file's size, checksum and tensor header.
 
     Reads every byte of the cache once. Problems are collected, not raised, so one call
-    lists every damaged shard and the samples it holds.
+    lists every damaged shard and the samples it holds. ``path`` may be a URL of any fsspec
+    filesystem (``s3://bucket/cache``): every object is then streamed once, and each shard's
+    header read by ranges.
+
+    Raises:
+        UnsupportedStorageError: a URL fsspec cannot open; StorageError: the store failed.
 
     Example:
         >>> report = check_cache(path)  # doctest: +SKIP
         >>> report.ok, report.damaged_keys  # doctest: +SKIP
         (True, [])
     """
-    folder = Path(path)
+    folder = location(path)
     try:
         manifest = read_manifest(folder)
     except ManifestError as error:
@@ -138,7 +146,7 @@ def check_cache(path: str | os.PathLike[str]) -> CacheReport:
     return CacheReport(folder, manifest.num_samples, len(manifest.shards), checked, tuple(problems))
 
 
-def file_problem(folder: Path, record: FileRecord, *, checksum: bool) -> str | None:
+def file_problem(folder: Path | RemotePath, record: FileRecord, *, checksum: bool) -> str | None:
     """What is wrong with a recorded file (missing, not a regular file, another size or
     checksum), or None."""
     path = folder / record.file
@@ -159,12 +167,16 @@ def file_problem(folder: Path, record: FileRecord, *, checksum: bool) -> str | N
     return None
 
 
-def open_problem(folder: Path, record: ShardRecord, manifest: Manifest) -> tuple[Any, str | None]:
-    """Open a shard that :func:`file_problem` passed: its safetensors handle, or a problem."""
+def open_problem(
+    folder: Path | RemotePath, record: ShardRecord, manifest: Manifest
+) -> tuple[Any, str | None]:
+    """Open a shard that :func:`file_problem` passed: its safetensors handle (a
+    :class:`RangedShard` on an object store), or a problem."""
     try:
-        with files.pinned(folder / record.file) as name:
-            handle = safe_open(name, framework="pt", device="cpu")
-    except UnsafeFileError as error:
+        handle = open_shard(folder / record.file, record.bytes)
+    except StorageError:
+        raise
+    except (UnsafeFileError, CacheError) as error:
         return None, str(error).split(";")[0]
     except Exception as error:  # safetensors raises its own error types
         return None, f"safetensors cannot open it ({error})"
@@ -210,14 +222,24 @@ def shard_tensors_problem(handle: Any, record: ShardRecord, manifest: Manifest) 
     return None
 
 
-def _constants_problem(folder: Path, manifest: Manifest) -> str | None:
+def open_shard(path: Path | RemotePath, size: int) -> Any:
+    """A safetensors handle of a shard: ``safe_open`` on a local file, ranged on a remote one."""
+    if isinstance(path, RemotePath):
+        return RangedShard(path, size)
+    with files.pinned(path) as name:
+        return safe_open(name, framework="pt", device="cpu")
+
+
+def _constants_problem(folder: Path | RemotePath, manifest: Manifest) -> str | None:
     header = manifest.header
+    assert manifest.constants is not None
     try:
-        with files.pinned(folder / CONSTANTS_FILE) as name, safe_open(name, "pt") as f:
-            names = set(f.keys())
-            wanted = {spec.name for spec in header.constant_specs}
-            if names != wanted:
-                return f"it holds {sorted(names)}, the manifest lists {sorted(wanted)}"
+        names = set(open_shard(folder / CONSTANTS_FILE, manifest.constants.bytes).keys())
+        wanted = {spec.name for spec in header.constant_specs}
+        if names != wanted:
+            return f"it holds {sorted(names)}, the manifest lists {sorted(wanted)}"
+    except StorageError:
+        raise
     except Exception as error:
         return f"safetensors cannot open it ({error})"
     return None

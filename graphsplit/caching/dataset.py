@@ -33,10 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
 
-from graphsplit.caching import files
-from graphsplit.caching.check import file_problem, some_keys
+from graphsplit.caching.check import file_problem, open_problem, open_shard, some_keys
 from graphsplit.caching.fingerprint import (
     BINDING_PARTS,
     UNKNOWN_WEIGHTS,
@@ -50,8 +48,10 @@ from graphsplit.caching.fingerprint import (
 from graphsplit.caching.format import CONSTANTS_FILE, Manifest, read_manifest, tensor_name
 from graphsplit.caching.mapped import open_mapped
 from graphsplit.caching.memory_order import Order, inverse, row_order
+from graphsplit.caching.read_through import LocalCopies
+from graphsplit.caching.remote import RemotePath, location
 from graphsplit.caching.samples import describe_changes
-from graphsplit.errors import CacheError, CorruptCacheError, StaleCacheError
+from graphsplit.errors import CacheError, CorruptCacheError, StaleCacheError, StorageError
 
 if TYPE_CHECKING:
     from graphsplit.api import Split
@@ -65,7 +65,7 @@ _MAX_OPEN_SHARDS = 64
 class _Collation:
     """What :func:`collate` needs to batch items of one cache: batch dims, dtypes, constants."""
 
-    path: Path
+    path: Path | RemotePath
     rows: tuple[tuple[str, int, torch.dtype], ...]  # (name, batch dim, dtype stage 2 takes)
     constants: Mapping[str, torch.Tensor]
     order: tuple[str, ...]
@@ -92,8 +92,12 @@ class CachedDataset(torch.utils.data.Dataset):
     its checksum the first time it is opened: a damaged shard raises :class:`CorruptCacheError`
     naming it and its samples, while the other shards still read.
 
+    A cache on an fsspec filesystem (``"s3://bucket/cache"``, ``"gs://..."``, ``"hf://..."``)
+    is read by byte ranges (each shard's header once, then one request per tensor; nothing is
+    mapped), or, with ``local_cache``, through a local read-through copy of each shard.
+
     Args:
-        path: the cache folder.
+        path: the cache folder, or its URL.
         split: when given, refuse a cache made from other frozen weights, stage-1 code or
             boundary (:class:`StaleCacheError` naming what differs); other library versions
             only warn.
@@ -106,7 +110,11 @@ class CachedDataset(torch.utils.data.Dataset):
             ``verify=False`` each shard's size, tensor names, shapes and dtypes, and the sample
             keys written inside it are still checked against the manifest (cheap: its header
             only), so a truncated or swapped shard is refused; changed bytes inside a tensor
-            are found only by the checksum (or :func:`graphsplit.check_cache`).
+            are found only by the checksum (or :func:`graphsplit.check_cache`). On an object
+            store without ``local_cache`` the checksum streams each shard once per process.
+        local_cache: for a remote cache, a local folder to keep verified copies of its shards
+            in (:mod:`graphsplit.caching.read_through`), downloaded on first use and then
+            memory-mapped: the fast way to train from a bucket. Ignored for a local cache.
 
     Example:
         >>> import tempfile, graphsplit
@@ -132,9 +140,13 @@ class CachedDataset(torch.utils.data.Dataset):
         dataset: Any = None,
         expected_keys: Iterable[Any] | None = None,
         verify: bool = True,
+        local_cache: str | os.PathLike[str] | None = None,
     ) -> None:
-        self.path = Path(path)
+        self.path = location(path)
         self.manifest: Manifest = read_manifest(self.path)
+        self._copies: LocalCopies | None = None
+        if local_cache is not None and isinstance(self.path, RemotePath):
+            self._copies = LocalCopies(local_cache, self.path)
         self.verify = verify
         header = self.manifest.header
         self.boundary = {spec.name: spec for spec in header.boundary}
@@ -247,11 +259,16 @@ class CachedDataset(torch.utils.data.Dataset):
         if shard in self._corrupt:
             raise self._corrupt_error(shard, self._corrupt[shard])
         record = self.manifest.shards[shard]
-        problem = file_problem(
-            self.path, record, checksum=self.verify and shard not in self._verified
-        )
-        if problem is None:
-            handle, problem = open_mapped(self.path, record, self.manifest)
+        verify = self.verify and shard not in self._verified
+        if self._copies is not None:  # a verified local copy, then read as a local cache
+            problem = self._copies.fetch(record, verify=verify)
+            if problem is None:
+                handle, problem = open_mapped(self._copies.folder, record, self.manifest)
+        else:
+            problem = file_problem(self.path, record, checksum=verify)
+            if problem is None:
+                opener = open_problem if isinstance(self.path, RemotePath) else open_mapped
+                handle, problem = opener(self.path, record, self.manifest)
         if problem is not None:
             self._corrupt[shard] = problem
             raise self._corrupt_error(shard, problem)
@@ -275,17 +292,24 @@ class CachedDataset(torch.utils.data.Dataset):
         record = self.manifest.constants
         if record is None:
             return {}
-        problem = file_problem(self.path, record, checksum=self.verify)
+        folder = self.path
+        if self._copies is not None:
+            problem = self._copies.fetch(record, verify=self.verify)
+            folder = self._copies.folder
+        else:
+            problem = file_problem(self.path, record, checksum=self.verify)
         constants: dict[str, torch.Tensor] = {}
         if problem is None:
             try:
-                with files.pinned(self.path / record.file) as name, safe_open(name, "pt") as f:
-                    for spec in header.constant_specs:
-                        value = f.get_tensor(spec.name)
-                        order = record.dim_orders.get(spec.name)
-                        if order is not None:
-                            value = value.permute(inverse(order))
-                        constants[spec.name] = value.to(spec.dtype)
+                handle = open_shard(folder / record.file, record.bytes)
+                for spec in header.constant_specs:
+                    value = handle.get_tensor(spec.name)
+                    order = record.dim_orders.get(spec.name)
+                    if order is not None:
+                        value = value.permute(inverse(order))
+                    constants[spec.name] = value.to(spec.dtype)
+            except StorageError:
+                raise
             except Exception as error:
                 problem = f"it cannot be read ({error})"
         if problem is not None:

@@ -97,7 +97,7 @@ def decide(
     files.remove_temporary_files(folder, folder / PARTIAL_DIR)
     if source.num_batches == 0:
         raise CacheError("the loader yielded no batches; there is nothing to cache")
-    if os.path.lexists(folder / MANIFEST_FILE):
+    if files.exists(folder / MANIFEST_FILE):
         complete = _complete_cache(folder, split, source, current, storage_dtype, overwrite)
         if complete is not None:
             return Decision(header=complete.header, complete=complete)
@@ -246,8 +246,8 @@ def _header_differences(header: CacheHeader, current: Fingerprint, storage: str 
 def _finished_shards(folder: Path, header: CacheHeader) -> dict[int, ShardProgress]:
     """The shards of an interrupted run whose record and file (checksum included) agree."""
     candidates = []
-    for entry in sorted((folder / PARTIAL_DIR).glob("shard-*.json")):
-        match = SHARD_PROGRESS_PATTERN.fullmatch(entry.name)
+    for name in files.list_files(folder / PARTIAL_DIR):
+        match = SHARD_PROGRESS_PATTERN.fullmatch(name)
         progress = match and read_shard_progress(folder, int(match.group(1)), header)
         if progress:
             candidates.append((int(match.group(1)), progress))
@@ -306,7 +306,7 @@ def _check_disk_space(
     per_sample = _stored_bytes_per_sample(header) + 64 * len(header.sample_specs) + 256
     needed = max(0, remaining) * per_sample
     free = files.free_bytes(folder)
-    if needed > free:
+    if free is not None and needed > free:
         hint = ""
         if header.storage_dtype is None and any(
             spec.dtype.is_floating_point and spec.dtype.itemsize > 2 for spec in header.sample_specs
@@ -342,26 +342,25 @@ def _check_files_present(folder: Path, manifest: Manifest) -> None:
 
 def _remove_cache_files(folder: Path) -> None:
     """Delete the files graphsplit wrote (the manifest first), nothing else in the folder."""
-    (folder / MANIFEST_FILE).unlink(missing_ok=True)
-    for entry in folder.iterdir():
-        if (entry.is_symlink() or not entry.is_dir()) and (
-            SHARD_FILE_PATTERN.fullmatch(entry.name)
-            or entry.name == CONSTANTS_FILE
-            or files.TEMPORARY_FILE.fullmatch(entry.name)
+    files.remove(folder / MANIFEST_FILE)
+    for name in files.list_files(folder):
+        if (
+            SHARD_FILE_PATTERN.fullmatch(name)
+            or name == CONSTANTS_FILE
+            or files.TEMPORARY_FILE.fullmatch(name)
         ):
-            entry.unlink()
+            files.remove(folder / name)
     remove_progress(folder)
 
 
 def remove_progress(folder: Path) -> None:
     """Delete ``.partial/`` and the records in it (the cache is complete, or discarded)."""
     partial = folder / PARTIAL_DIR
-    if not files.real_folder(partial, create=False):
+    if isinstance(partial, Path) and not files.real_folder(partial, create=False):
         return
-    for entry in partial.iterdir():
-        if (entry.is_symlink() or not entry.is_dir()) and (
-            entry.suffix == ".json" or files.TEMPORARY_FILE.fullmatch(entry.name)
-        ):
-            entry.unlink()
-    with contextlib.suppress(OSError):
-        partial.rmdir()
+    for name in files.list_files(partial):
+        if name.endswith(".json") or files.TEMPORARY_FILE.fullmatch(name):
+            files.remove(partial / name)
+    if isinstance(partial, Path):  # an object store has no empty folders to remove
+        with contextlib.suppress(OSError):
+            partial.rmdir()

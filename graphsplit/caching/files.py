@@ -30,20 +30,24 @@ In and out::
     pinned_map(path) -> (name, mmap)                  # the same, and a private memory map
     checksum_file(path, algorithm="crc32") -> str     file_matches(path, *, size, checksum)
     real_folder(path, *, create) -> bool              # no symlinked folders either
-    free_bytes(folder) -> int     no_room(folder, name, needed)   # OSError -> DiskFullError
+    free_bytes(folder) -> int | None    no_room(folder, name, needed)   # -> DiskFullError
+    exists(path)    list_files(folder) -> names    remove(path)
+
+Each of these also takes a :class:`~graphsplit.caching.remote.RemotePath` (a cache on an
+fsspec filesystem) and does the same there with whole-object puts (see
+:mod:`graphsplit.caching.remote`), except ``pinned``/``pinned_map``: remote shards are read by
+byte ranges (:mod:`graphsplit.caching.ranged`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import mmap
 import os
 import re
 import shutil
 import stat
-import struct
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,25 +55,32 @@ from typing import Any
 
 import torch
 
+from graphsplit.caching import remote
 from graphsplit.caching.checksums import ALGORITHM, Running, algorithm_of
-from graphsplit.errors import CacheError, DiskFullError, UnsafeFileError
+from graphsplit.caching.remote import RemotePath, nothing, or_remote
+from graphsplit.caching.tensor_file import SAFETENSORS_DTYPES, safetensors_dtype, serialise
+from graphsplit.errors import DiskFullError, UnsafeFileError
 from graphsplit.units import human_bytes
 
 __all__ = [
+    "FILE_MODE",
     "SAFETENSORS_DTYPES",
     "TEMPORARY_FILE",
     "checksum_file",
     "commit_file",
+    "exists",
     "file_matches",
     "free_bytes",
     "fsync_folder",
     "is_regular",
+    "list_files",
     "no_room",
     "pinned",
     "pinned_map",
     "read_regular",
     "real_folder",
     "regular_size",
+    "remove",
     "remove_temporary_files",
     "rewrite_descriptor",
     "safetensors_dtype",
@@ -79,20 +90,27 @@ __all__ = [
 ]
 
 TEMPORARY_FILE = re.compile(r"\..+\.tmp")
+# Every file, shards and manifest alike: read and write for all, less the umask (0o022 gives
+# 0o644, 0o002 gives 0o664 for a group-shared cache).
+FILE_MODE = 0o666
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _PROC_FDS = Path("/proc/self/fd")
 
+
 # ------------------------------------------------------------------------------------ writing
 
 
+@or_remote(remote.staging_path)
 def temporary_path(path: Path) -> Path:
-    """Where ``path`` is written before it is committed: ``.{name}.tmp`` in the same folder."""
+    """Where ``path`` is written before it is committed: ``.{name}.tmp`` in the same folder
+    (for a remote ``path``, a local staging file)."""
     return path.with_name(f".{path.name}.tmp")
 
 
+@or_remote(remote.put_bytes)
 def write_atomically(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
 
@@ -120,11 +138,11 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     """Save ``tensors`` in the safetensors format to ``path``'s temporary file (commit it next
     with :func:`commit_file`, passing the checksum returned); views of one storage are fine.
 
-    graphsplit writes the format itself (an 8-byte header length, the JSON header padded to 8
-    bytes, then each tensor's bytes, widest dtype first, then by name), straight from the
-    tensors' memory: no copy, the same write path and errors as every other file, and the same
-    bytes on every run, process and safetensors version. The bytes are hashed from memory on a
-    second thread while this one writes them: the file is never read back to be hashed.
+    graphsplit writes the format itself (:mod:`graphsplit.caching.tensor_file`), straight from
+    the tensors' memory: no copy, the same write path and errors as every other file, and the
+    same bytes on every run, process and safetensors version. The bytes are hashed from memory
+    on a second thread while this one writes them: the file is never read back to be hashed.
+    For a remote ``path`` the temporary file is a local staging file, uploaded by the commit.
 
     Returns:
         The file's checksum (:data:`~graphsplit.caching.checksums.ALGORITHM`).
@@ -132,31 +150,13 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     Raises:
         DiskFullError: no room (nothing is left behind); CacheError: a dtype safetensors lacks.
     """
-    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for name in order:
-        value = tensors[name]
-        end = offset + value.numel() * value.element_size()
-        header[name] = {
-            "dtype": safetensors_dtype(value.dtype, name),
-            "shape": list(value.shape),
-            "data_offsets": [offset, end],
-        }
-        offset = end
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
+    pieces, total = serialise(tensors, metadata)
     temporary = temporary_path(path)
     digest = Running()
-    with no_room(path.parent, path.name, 8 + len(text) + offset):
+    with no_room(temporary.parent, path.name, total):
         descriptor = _create_exclusively(temporary)
         # A second thread hashes the pieces while this one writes them in a few vectored
         # writes: each thread takes the GIL back rarely, so neither waits on the other.
-        pieces = [struct.pack("<Q", len(text)) + text]
-        for name in order:
-            value = tensors[name].detach().contiguous().reshape(-1)
-            if value.numel():
-                pieces.append(value.view(torch.uint8).numpy().data)
         hasher = ThreadPoolExecutor(1, thread_name_prefix="graphsplit-hash")
         try:
             with _removed_on_error(temporary):
@@ -169,54 +169,19 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     return digest.checksum()
 
 
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    **{
-        getattr(torch, name): code
-        for name, code in [
-            ("uint16", "U16"),
-            ("uint32", "U32"),
-            ("uint64", "U64"),
-            ("float8_e4m3fn", "F8_E4M3"),
-            ("float8_e5m2", "F8_E5M2"),
-            ("complex64", "C64"),
-        ]
-        if hasattr(torch, name)
-    },
-}
-
-
-def safetensors_dtype(dtype: torch.dtype, name: str) -> str:
-    """The safetensors name of ``dtype`` (``"F32"``), or a CacheError naming the tensor."""
-    code = SAFETENSORS_DTYPES.get(dtype)
-    if code is None:
-        raise CacheError(
-            f"the boundary tensor {name!r} is {dtype}, which the safetensors format cannot "
-            f"store.\n  fix: cast it in the training step to one of "
-            f"{sorted(str(d).removeprefix('torch.') for d in SAFETENSORS_DTYPES)}"
-        )
-    return code
-
-
 def commit_file(temporary: Path, path: Path, *, checksum: str | None = None) -> tuple[int, str]:
     """Fsync a finished temporary file, then rename it into place.
 
     ``checksum`` is the one :func:`save_tensors` computed while writing; without it the file
     is read back. The folder is fsync'd once, before the manifest is written: until
-    then a rename lost to a power cut only means the shard is redone on resume.
+    then a rename lost to a power cut only means the shard is redone on resume. For a remote
+    ``path`` the (local) temporary file is uploaded whole, then deleted.
 
     Returns:
         The file's size in bytes and its checksum.
     """
+    if isinstance(path, RemotePath):
+        return remote.upload(temporary, path, checksum or checksum_file(temporary))
     with no_room(path.parent, path.name, None):
         descriptor = _open_regular(temporary)
         try:
@@ -231,6 +196,7 @@ def commit_file(temporary: Path, path: Path, *, checksum: str | None = None) -> 
     return size, checksum
 
 
+@or_remote(nothing)
 def fsync_folder(folder: Path) -> None:
     """Make renames inside ``folder`` durable (a no-op where folders cannot be opened)."""
     try:
@@ -268,8 +234,9 @@ def no_room(folder: Path, name: str, needed: int | None) -> Iterator[None]:
         ) from None
 
 
-def free_bytes(folder: Path) -> int:
-    """The bytes free on the disk holding ``folder``."""
+@or_remote(nothing)
+def free_bytes(folder: Path) -> int | None:
+    """The bytes free on the disk holding ``folder`` (None: a remote store, no such limit)."""
     return shutil.disk_usage(folder).free
 
 
@@ -279,7 +246,7 @@ def _create_exclusively(path: Path) -> int:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC
-    return os.open(path, flags, 0o644)
+    return os.open(path, flags, FILE_MODE)
 
 
 def rewrite_descriptor(path: Path, descriptor: int, data: bytes) -> None:
@@ -338,18 +305,21 @@ def remove_temporary_files(*folders: Path) -> None:
     """Delete the temporary files a stopped run left in ``folders`` (missing or symlinked
     folders are skipped: nothing outside the cache is touched)."""
     for folder in folders:
-        if real_folder(folder, create=False):
+        if not isinstance(folder, RemotePath) and real_folder(folder, create=False):
             for entry in folder.iterdir():
                 if TEMPORARY_FILE.fullmatch(entry.name) and not entry.is_dir():
                     entry.unlink(missing_ok=True)
 
 
 def real_folder(path: Path, *, create: bool) -> bool:
-    """Whether ``path`` is a folder and not a symlink to one (created first if ``create``).
+    """Whether ``path`` is a folder and not a symlink to one (created first if ``create``);
+    on an object store, where folders are prefixes, whether anything lies under it.
 
     Raises:
         UnsafeFileError: ``path`` is a symlink or another kind of file.
     """
+    if isinstance(path, RemotePath):
+        return create or remote.exists(path)
     if create:
         with contextlib.suppress(FileExistsError):
             os.mkdir(path)
@@ -366,6 +336,7 @@ def real_folder(path: Path, *, create: bool) -> bool:
 # ------------------------------------------------------------------------------------ reading
 
 
+@or_remote(remote.size)
 def regular_size(path: Path) -> int | None:
     """The size of the regular file ``path``, or None when it does not exist.
 
@@ -381,6 +352,7 @@ def regular_size(path: Path) -> int | None:
     return info.st_size
 
 
+@or_remote(remote.read_bytes)
 def read_regular(path: Path, *, limit: int) -> bytes:
     """The bytes of the regular file ``path``, refused above ``limit`` bytes.
 
@@ -432,8 +404,10 @@ def pinned_map(path: Path) -> Iterator[tuple[str, mmap.mmap]]:
         os.close(descriptor)
 
 
+@or_remote(remote.checksum)
 def checksum_file(path: Path, algorithm: str = ALGORITHM) -> str:
-    """The checksum of a regular file's bytes, from a read-only memory map."""
+    """The checksum of a regular file's bytes, from a read-only memory map (a remote object
+    is streamed)."""
     descriptor = _open_regular(path)
     try:
         return _checksum_descriptor(descriptor, algorithm)
@@ -448,6 +422,27 @@ def file_matches(path: Path, *, size: int, checksum: str) -> bool:
         return regular_size(path) == size and checksum_file(path, algorithm) == checksum
     except (OSError, UnsafeFileError):
         return False
+
+
+@or_remote(remote.exists)
+def exists(path: Path) -> bool:
+    """Whether anything, even a dangling symlink, is at ``path`` (readers then judge it)."""
+    return os.path.lexists(path)
+
+
+@or_remote(remote.list_files)
+def list_files(folder: Path) -> list[str]:
+    """The names of the entries of ``folder`` that are not folders (symlinks included), sorted;
+    none when it does not exist."""
+    if not real_folder(folder, create=False):
+        return []
+    return sorted(e.name for e in folder.iterdir() if e.is_symlink() or not e.is_dir())
+
+
+@or_remote(remote.remove)
+def remove(path: Path) -> None:
+    """Delete the file (or symlink) ``path`` if it exists."""
+    path.unlink(missing_ok=True)
 
 
 def _open_regular(path: Path) -> int:

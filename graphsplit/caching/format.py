@@ -10,7 +10,8 @@ A cache folder holds::
                                graphsplit 0.1 named it .partial/plan.json, still read)
     .partial/shard-00000.json  while writing: ShardProgress, one per finished shard
     .partial/constants.json    while writing: ConstantsProgress, once the constants are written
-    .lock                      the writer's flock; names its pid and host (see caching.lock)
+    .lock                      the writer's flock (an object store: a lock object, see
+                               caching.remote_lock); names its pid and host
 
 Glossary:
     header: what a run was started with (fingerprint, inputs, boundary, storage, shard layout);
@@ -48,7 +49,6 @@ In and out::
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -59,7 +59,7 @@ import torch
 
 from graphsplit.artifacts import BoundarySpec
 from graphsplit.caching.checksums import CHECKSUM, CHECKSUM_MEANING
-from graphsplit.caching.files import real_folder, write_atomically
+from graphsplit.caching.files import exists, real_folder, write_atomically
 from graphsplit.caching.fingerprint import Fingerprint
 from graphsplit.caching.memory_order import Order
 from graphsplit.caching.validate import REBUILD, JsonReader, json_field, json_names, to_json
@@ -290,10 +290,10 @@ def read_manifest(folder: Path) -> Manifest:
         ManifestError: the folder holds no manifest, or it is malformed, of another format
             version, or names files outside the folder; the message names the field.
     """
-    path = Path(folder) / MANIFEST_FILE
-    if not os.path.lexists(path):
+    path = folder / MANIFEST_FILE
+    if not exists(path):
         hint = ""
-        if has_resume_header(Path(folder)):
+        if has_resume_header(folder):
             hint = (
                 " (a caching run started there but did not finish; rerun graphsplit.cache with "
                 "the same arguments to complete it)"
@@ -321,7 +321,7 @@ def has_resume_header(folder: Path) -> bool:
     """Whether a caching run started in ``folder`` (and has not finished or been cleaned up)."""
     partial = folder / PARTIAL_DIR
     names = (RESUME_HEADER_FILE, RESUME_HEADER_FILE_0_1)
-    return any(os.path.lexists(partial / name) for name in names)
+    return any(exists(partial / name) for name in names)
 
 
 def read_resume_header(folder: Path) -> CacheHeader | None:
@@ -330,8 +330,8 @@ def read_resume_header(folder: Path) -> CacheHeader | None:
     Reads ``.partial/header.json``, or ``.partial/plan.json`` where graphsplit 0.1 left one.
     """
     for name in (RESUME_HEADER_FILE, RESUME_HEADER_FILE_0_1):
-        path = Path(folder) / PARTIAL_DIR / name
-        if os.path.lexists(path):
+        path = folder / PARTIAL_DIR / name
+        if exists(path):
             reader = JsonReader(path)
             header: CacheHeader = _read_stamped(reader, CacheHeader)
             _check_header(reader, header)
@@ -341,8 +341,8 @@ def read_resume_header(folder: Path) -> CacheHeader | None:
 
 def read_shard_progress(folder: Path, index: int, header: CacheHeader) -> ShardProgress | None:
     """The progress record of shard ``index``, or None when absent or unreadable."""
-    path = Path(folder) / PARTIAL_DIR / shard_progress_name(index)
-    if not os.path.lexists(path):
+    path = folder / PARTIAL_DIR / shard_progress_name(index)
+    if not exists(path):
         return None
     reader = JsonReader(path)
     try:
@@ -358,8 +358,8 @@ def read_shard_progress(folder: Path, index: int, header: CacheHeader) -> ShardP
 
 def read_constants_progress(folder: Path, header: CacheHeader) -> ConstantsProgress | None:
     """The progress record of the constants file, or None when absent or unreadable."""
-    path = Path(folder) / PARTIAL_DIR / CONSTANTS_PROGRESS_FILE
-    if not os.path.lexists(path):
+    path = folder / PARTIAL_DIR / CONSTANTS_PROGRESS_FILE
+    if not exists(path):
         return None
     reader = JsonReader(path)
     try:

@@ -101,7 +101,7 @@ class FolderLock:
         flags = os.O_RDWR | os.O_CREAT | files.NOFOLLOW | files.NONBLOCK | files.CLOEXEC
         try:
             with files.no_room(self.path.parent, self.path.name, None):
-                descriptor = os.open(self.path, flags, 0o644)
+                descriptor = os.open(self.path, flags, files.FILE_MODE)
         except OSError as error:
             if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
                 files.regular_size(self.path)  # names what is there

@@ -51,6 +51,8 @@ from graphsplit.caching.format import (
 )
 from graphsplit.caching.lock import FolderLock
 from graphsplit.caching.processes import Processes
+from graphsplit.caching.remote import RemotePath, location, make_folder
+from graphsplit.caching.remote_lock import RemoteLock
 from graphsplit.caching.shards import write_shards
 from graphsplit.caching.sources import BatchSource, source_for
 from graphsplit.errors import CacheError
@@ -73,7 +75,7 @@ class CacheInfo:
     ``storage_dtype`` introduced (empty when storage is lossless).
     """
 
-    path: Path
+    path: Path | RemotePath
     num_samples: int
     num_shards: int
     total_bytes: int
@@ -130,7 +132,12 @@ def cache(
         dataloader: a ``torch.utils.data.DataLoader`` (map-style datasets are read by index, so
             resumed and multi-process runs load only what they compute) or any re-iterable of
             batches.
-        path: the cache folder; created if missing. It may be on a shared filesystem.
+        path: the cache folder; created if missing. It may be on a shared filesystem, or a
+            URL of any fsspec filesystem (``"s3://bucket/cache"``, ``"gs://..."``,
+            ``"hf://..."``; ``"file://..."`` is a local folder): shards are then uploaded
+            whole, the manifest last, and the lock is a lock object (see
+            :mod:`graphsplit.caching.remote_lock`). Pass URLs as strings: ``pathlib.Path``
+            turns ``s3://b`` into ``s3:/b``, which is refused, never made a local folder.
         accelerator: an ``accelerate.Accelerator``. Under ``accelerate launch`` each process
             computes and writes every ``num_processes``-th shard and the main process writes the
             manifest; the result equals a single-process cache, file for file. Pass the plain
@@ -152,7 +159,9 @@ def cache(
             process failed; DiskFullError: no room for a file (rerun to resume);
             StaleCacheError: the folder holds another cache, or one of other samples (keys or
             inputs), and ``overwrite`` is false; CacheLockedError: another run is writing the
-            folder; UnsafeFileError: a file of the folder is a symlink, FIFO or device.
+            folder; UnsafeFileError: a file of the folder is a symlink, FIFO or device;
+            UnsupportedStorageError: a URL fsspec cannot open; StorageError: the store failed
+            a request (rerun to resume).
 
     Example:
         >>> import tempfile, graphsplit
@@ -170,7 +179,7 @@ def cache(
         >>> info.num_samples, info.num_shards
         (6, 1)
     """
-    folder = Path(path)
+    folder = location(path)
     storage = _storage_name(storage_dtype)
     if type(shard_bytes) is not int or shard_bytes < 1:
         raise ValueError(f"shard_bytes must be a positive integer, got {shard_bytes!r}")
@@ -182,7 +191,10 @@ def cache(
     processes.check_same_fingerprint(current)
 
     # 2. The main process locks the folder and decides: nothing to do, resume, or start afresh.
-    lock = FolderLock(folder / LOCK_FILE)
+    if isinstance(folder, RemotePath):
+        lock: FolderLock | RemoteLock = RemoteLock(folder / LOCK_FILE)
+    else:
+        lock = FolderLock(folder / LOCK_FILE)
 
     def locked_decision() -> Decision:
         _make_folder(folder)
@@ -221,18 +233,23 @@ def cache(
             )
         )
         # 4. The main process merges the progress records into the manifest.
-        return processes.on_main(lambda: _finish(folder, decision, source, written))
+        return processes.on_main(lambda: _finish(folder, decision, source, written, lock))
     finally:
         if processes.is_main:
             lock.release()
 
 
 def _finish(
-    folder: Path, decision: Decision, source: BatchSource, written: Mapping[int, ShardProgress]
+    folder: Path | RemotePath,
+    decision: Decision,
+    source: BatchSource,
+    written: Mapping[int, ShardProgress],
+    lock: FolderLock | RemoteLock,
 ) -> CacheInfo:
     """Write the manifest from the progress records, then drop them; the cache is complete.
 
-    ``written`` holds the records this process wrote; only the others are read back.
+    ``written`` holds the records this process wrote; only the others are read back. On an
+    object store the lock is confirmed first (its fence), so only its holder publishes.
     """
     header = decision.header
     num_batches = source.num_batches
@@ -270,13 +287,19 @@ def _finish(
         shards=tuple(shards),
     )
     files.fsync_folder(folder)  # every shard's rename is durable before the manifest names it
+    if isinstance(lock, RemoteLock):
+        lock.confirm()
     write_manifest(folder, manifest)
     remove_progress(folder)
     return _info(folder, manifest, written=num_shards - len(decision.finished))
 
 
-def _make_folder(folder: Path) -> None:
-    """Create the cache folder (and its parents); a file in its place is a CacheError."""
+def _make_folder(folder: Path | RemotePath) -> None:
+    """Create the cache folder (and its parents); a file in its place is a CacheError. On an
+    object store, check that its bucket exists (none is ever created)."""
+    if isinstance(folder, RemotePath):
+        make_folder(folder)
+        return
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
@@ -313,7 +336,7 @@ def _check_unique_keys(folder: Path, shards: Sequence[ShardRecord]) -> None:
         )
 
 
-def _info(folder: Path, manifest: Manifest, *, written: int) -> CacheInfo:
+def _info(folder: Path | RemotePath, manifest: Manifest, *, written: int) -> CacheInfo:
     storage = manifest.header.storage_dtype
     total = sum(shard.bytes for shard in manifest.shards)
     total += manifest.constants.bytes if manifest.constants else 0

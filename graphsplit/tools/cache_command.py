@@ -37,11 +37,13 @@ from torch.utils.data import DataLoader
 
 from graphsplit.api import Split, split
 from graphsplit.caching import cache
+from graphsplit.caching.remote import location
 from graphsplit.errors import (
     CorruptCacheError,
     GraphsplitError,
     ManifestError,
     StaleCacheError,
+    UnsupportedStorageError,
 )
 from graphsplit.tools.launch import LaunchError, launched_accelerator, world_size
 from graphsplit.tools.progress import line_log
@@ -112,7 +114,7 @@ def run_cache(args: argparse.Namespace) -> int:
             info = cache(
                 parts,
                 loader,
-                Path(args.out),
+                args.out,  # a folder or a URL (s3://...): never through Path, which mangles URLs
                 accelerator=accelerator,
                 overwrite=args.overwrite,
                 shard_bytes=args.shard_bytes,
@@ -150,8 +152,11 @@ def _usage_problem(args: argparse.Namespace, spec: StepSpec) -> str | None:
                 "already batches the data.\n  fix:    drop "
                 f"{' and '.join(flags)}, or give the spec dataset=... instead of loader=..."
             )
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
+    try:
+        out = location(args.out)
+    except UnsupportedStorageError as error:
+        return f"--out: {error}"
+    if isinstance(out, Path) and out.exists() and not out.is_dir():
         return (
             f"--out {out} is an existing file, not a folder.\n  fix:    pass the path of a "
             "folder (it is created if missing), or move the file away"

@@ -1,7 +1,7 @@
 """Run graphsplit.cache in a separate process, for the kill -9 and accelerate tests.
 
     python tests/caching/cache_worker.py PATH [--length N] [--shard-bytes B] [--delay S]
-        [--die-at K] [--seed S]
+        [--die-at K] [--pause-after K] [--seed S]
     accelerate launch --multi_gpu --num_processes 2 tests/caching/cache_worker.py PATH \
         --accelerate [--train-steps N] [--report FILE]
 
@@ -9,9 +9,11 @@
 processes CPU ones. ``accelerate launch --cpu --num_processes 2`` starts a single process
 unless MPI is set up.) ``--delay`` sleeps after each finished shard so a test can kill the run
 mid-way; ``--die-at K`` dies like ``kill -9`` before the K-th durable file operation
-(0: print how many there are); ``--seed`` picks other pictures; ``--train-steps`` then
-trains stage 2 on the cache with ``accelerator.prepare`` (DDP) and writes each process's
-shards, losses and final parameter checksum to ``FILE.<rank>.json``.
+(0: print how many there are); ``--pause-after K`` prints ``paused`` once K shards are
+committed and then blocks until stdin closes, so a test can ``kill -9`` it at a known point
+without sleeping; PATH may be a URL (``s3://...``); ``--seed`` picks other pictures;
+``--train-steps`` then trains stage 2 on the cache with ``accelerator.prepare`` (DDP) and
+writes each process's shards, losses and final parameter checksum to ``FILE.<rank>.json``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,13 +37,20 @@ from tests.caching.fixtures import Pictures, loader, make_split
 WRITTEN: list[int] = []  # the shards this process wrote
 
 
-def watch_shards(delay: float) -> None:
-    """Record each shard this process commits, then sleep ``delay`` seconds."""
+def watch_shards(delay: float, pause_after: int | None = None) -> None:
+    """Record each shard this process commits, then sleep ``delay`` seconds; after
+    ``pause_after`` commits, say so and block (until stdin closes: the test kills us first)."""
     original = ShardWriter.commit
+    guard = threading.Lock()
 
     def commit(self, shard, temporary, checksum):
         progress = original(self, shard, temporary, checksum)
-        WRITTEN.append(shard.index)
+        with guard:
+            WRITTEN.append(shard.index)
+            pause = len(WRITTEN) == pause_after
+        if pause:
+            print("paused", flush=True)
+            sys.stdin.read()
         time.sleep(delay)
         return progress
 
@@ -98,7 +108,7 @@ def train(split, path: Path, accelerator, steps: int) -> dict[str, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("path", type=Path)
+    parser.add_argument("path")  # a folder or a URL: never through Path, which mangles URLs
     parser.add_argument("--length", type=int, default=12)
     parser.add_argument("--shard-bytes", type=int, default=1500)
     parser.add_argument("--delay", type=float, default=0.0)
@@ -107,8 +117,9 @@ def main() -> None:
     parser.add_argument("--report", type=Path)
     parser.add_argument("--die-at", type=int)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--pause-after", type=int)
     args = parser.parse_args()
-    watch_shards(args.delay)
+    watch_shards(args.delay, args.pause_after)
     if args.die_at is not None:
         die_at(args.die_at)
     accelerator = None

@@ -6,6 +6,7 @@ import pytest
 
 from graphsplit.caching.run import cache
 from tests.caching.fixtures import SMALL, Pictures, loader, make_split
+from tests.caching.s3_server import bucket, s3, s3_endpoint  # noqa: F401 (fixtures)
 
 
 @pytest.fixture
