@@ -39,7 +39,7 @@ from graphsplit.caching.format import (
 from graphsplit.caching.memory_order import row_order
 from graphsplit.caching.ranged import RangedShard
 from graphsplit.caching.remote import RemotePath, location
-from graphsplit.errors import CacheError, ManifestError, StorageError, UnsafeFileError
+from graphsplit.errors import CacheError, ManifestError, Remedy, StorageError, UnsafeFileError
 
 __all__ = [
     "CacheProblem",
@@ -98,9 +98,7 @@ class CacheReport:
             f"{len(self.damaged_keys)} of {self.num_samples} samples unreadable"
         ]
         lines += [f"  {problem}" for problem in self.problems]
-        lines.append(
-            "  fix: rebuild the cache with graphsplit.cache(split, loader, path, overwrite=True)"
-        )
+        lines.append(f"  fix: rebuild the cache (run cache again with {Remedy.OVERWRITE.words()})")
         return "\n".join(lines)
 
 

@@ -51,7 +51,7 @@ from graphsplit.caching.memory_order import Order, inverse, row_order
 from graphsplit.caching.read_through import LocalCopies
 from graphsplit.caching.remote import RemotePath, location
 from graphsplit.caching.samples import describe_changes
-from graphsplit.errors import CacheError, CorruptCacheError, StaleCacheError, StorageError
+from graphsplit.errors import CacheError, CorruptCacheError, Remedy, StaleCacheError, StorageError
 
 if TYPE_CHECKING:
     from graphsplit.api import Split
@@ -284,7 +284,8 @@ class CachedDataset(torch.utils.data.Dataset):
             f"shard {record.file} of the cache at {self.path} is damaged: {problem}. It holds "
             f"{len(record.keys)} samples: {some_keys(record.keys)}; the other shards still read.\n"
             "  fix: run graphsplit.check_cache(path) to list every damaged shard, then rebuild "
-            "the cache with graphsplit.cache(split, loader, path, overwrite=True)"
+            "the cache (run cache again with {remedy})",
+            remedy=Remedy.OVERWRITE,
         )
 
     def _load_constants(self) -> dict[str, torch.Tensor]:
@@ -315,8 +316,8 @@ class CachedDataset(torch.utils.data.Dataset):
         if problem is not None:
             raise CorruptCacheError(
                 f"{CONSTANTS_FILE} of the cache at {self.path} is damaged: {problem}; every "
-                "batch needs it.\n  fix: rebuild the cache with graphsplit.cache(split, loader, "
-                "path, overwrite=True)"
+                "batch needs it.\n  fix: rebuild the cache (run cache again with {remedy})",
+                remedy=Remedy.OVERWRITE,
             )
         return constants
 
@@ -330,8 +331,8 @@ class CachedDataset(torch.utils.data.Dataset):
             raise StaleCacheError(
                 f"the cache at {self.path} holds other samples than expected: "
                 + describe_changes(missing=missing, removed=extra)
-                + ".\n  fix: rebuild the cache with graphsplit.cache(split, loader, path, "
-                "overwrite=True)"
+                + ".\n  fix: rebuild the cache (run cache again with {remedy})",
+                remedy=Remedy.OVERWRITE,
             )
 
 
@@ -424,7 +425,8 @@ def _check_fingerprint(manifest: Manifest, current: Fingerprint, path: Path) -> 
     if binding:
         raise StaleCacheError(
             f"the cache at {path} was not made by this split: {binding}.\n  fix: rebuild the "
-            "cache with graphsplit.cache(split, loader, path, overwrite=True)"
+            "cache (run cache again with {remedy})",
+            remedy=Remedy.OVERWRITE,
         )
     if current.weights == UNKNOWN_WEIGHTS:
         warnings.warn(
@@ -488,6 +490,6 @@ def verify_inputs(cached: CachedDataset | str | os.PathLike[str], dataset: Any) 
         raise StaleCacheError(
             f"the cache at {cached.path} was made from other data: "
             + describe_changes(changed=changed, added=added, removed=removed)
-            + f"{hint}.\n  fix: rebuild the cache with graphsplit.cache(split, loader, path, "
-            "overwrite=True)"
+            + f"{hint}.\n  fix: rebuild the cache (run cache again with {{remedy}})",
+            remedy=Remedy.OVERWRITE,
         )

@@ -59,6 +59,7 @@ from graphsplit.errors import (
     CacheError,
     CorruptCacheError,
     ManifestError,
+    Remedy,
     StaleCacheError,
     TornFileError,
 )
@@ -131,7 +132,8 @@ def _complete_cache(
     if reasons and not overwrite:
         raise StaleCacheError(
             f"the folder {folder} holds a graphsplit cache made differently: {reasons}.\n"
-            "  fix: pass overwrite=True to replace it, or choose another path"
+            "  fix: pass {remedy} to replace it, or choose another path",
+            remedy=Remedy.OVERWRITE,
         )
     if overwrite:
         _remove_cache_files(folder)
@@ -141,7 +143,8 @@ def _complete_cache(
         raise StaleCacheError(
             f"the cache at {folder} holds {manifest.num_samples} samples but the loader yields "
             f"{source.num_samples}: samples were added or removed since it was written.\n"
-            "  fix: pass overwrite=True to rebuild it"
+            "  fix: pass {remedy} to rebuild it",
+            remedy=Remedy.OVERWRITE,
         )
     _check_files_present(folder, manifest)
     per_shard = manifest.header.layout.batches_per_shard
@@ -153,7 +156,8 @@ def _complete_cache(
     if not changes.empty:
         raise StaleCacheError(
             f"the cache at {folder} was made from other data than the loader yields now: "
-            f"{changes}.\n  fix: pass overwrite=True to rebuild it, or choose another path"
+            f"{changes}.\n  fix: pass {{remedy}} to rebuild it, or choose another path",
+            remedy=Remedy.OVERWRITE,
         )
     remove_progress(folder)  # left over if a run stopped right after writing the manifest
     return manifest
@@ -196,8 +200,9 @@ def _resumable_header(
         return None
     raise StaleCacheError(
         f"the folder {folder} holds an unfinished cache started differently: {described}.\n"
-        "  fix: rerun with the same split and options to finish it, or pass overwrite=True "
-        "to discard it"
+        "  fix: rerun with the same split and options to finish it, or pass {remedy} "
+        "to discard it",
+        remedy=Remedy.OVERWRITE,
     )
 
 
@@ -291,8 +296,9 @@ def _same_samples(
         raise StaleCacheError(
             f"the unfinished cache at {folder} was started from other data than the loader "
             f"yields now: {merge(changes)}, in finished shard(s) {sorted(changes)}.\n  fix: rerun "
-            "with the data the run started with, or pass overwrite=True to redo the changed "
-            "shards"
+            "with the data the run started with, or pass {remedy} to redo the changed "
+            "shards",
+            remedy=Remedy.OVERWRITE,
         )
     return {shard: progress for shard, progress in finished.items() if shard not in changes}
 
@@ -311,7 +317,7 @@ def _check_disk_space(
         if header.storage_dtype is None and any(
             spec.dtype.is_floating_point and spec.dtype.itemsize > 2 for spec in header.sample_specs
         ):
-            hint = ", or store in lower precision (storage_dtype=torch.bfloat16)"
+            hint = f", or store in lower precision ({Remedy.STORE_BFLOAT16.words()})"
         raise CacheError(
             f"not enough disk space for the cache at {folder}: it needs about "
             f"{human_bytes(needed)} ({remaining} samples x {human_bytes(per_sample)}) but only "
@@ -336,7 +342,8 @@ def _check_files_present(folder: Path, manifest: Manifest) -> None:
             state = "is missing" if size is None else f"has {size} bytes, not {record.bytes}"
             raise CorruptCacheError(
                 f"the cache at {folder} is damaged: {record.file} {state}.\n  fix: run "
-                "graphsplit.check_cache(path) for details, or rebuild it with overwrite=True"
+                "graphsplit.check_cache(path) for details, or rebuild it with {remedy}",
+                remedy=Remedy.OVERWRITE,
             )
 
 

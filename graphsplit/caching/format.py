@@ -63,7 +63,7 @@ from graphsplit.caching.files import exists, real_folder, write_atomically
 from graphsplit.caching.fingerprint import Fingerprint
 from graphsplit.caching.memory_order import Order
 from graphsplit.caching.validate import REBUILD, JsonReader, json_field, json_names, to_json
-from graphsplit.errors import ManifestError
+from graphsplit.errors import ManifestError, Remedy
 
 __all__ = [
     "CONSTANTS_FILE",
@@ -389,7 +389,8 @@ def _read_stamped(reader: JsonReader, cls: type) -> Any:
             f"{reader.path} has cache format version {version}, this graphsplit reads versions "
             f"{READABLE_VERSIONS[0]} to {FORMAT_VERSION}.\n  fix: "
             + ("upgrade graphsplit to read it, or " if newer else "")
-            + REBUILD
+            + REBUILD,
+            remedy=Remedy.OVERWRITE,
         )
     if version == 1:
         _upgrade_file_record(document.get("constants"))

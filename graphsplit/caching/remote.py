@@ -47,6 +47,7 @@ from typing import Any
 from graphsplit.caching.checksums import Running
 from graphsplit.errors import (
     GraphsplitError,
+    Remedy,
     StorageError,
     UnsafeFileError,
     UnsupportedStorageError,
@@ -361,8 +362,8 @@ def read_bytes(path: RemotePath, *, limit: int) -> bytes:
         raise UnsafeFileError(
             f"{path} holds {human_bytes(found)}, more than the {human_bytes(limit)} a "
             "graphsplit cache file of its kind can hold.\n  fix: the file is damaged or not "
-            "graphsplit's; rebuild the cache with graphsplit.cache(split, loader, path, "
-            "overwrite=True)"
+            "graphsplit's; rebuild the cache (run cache again with {remedy})",
+            remedy=Remedy.OVERWRITE,
         )
     with _requests(path, "read"):
         return bytes(path.fs.cat_file(path.path))

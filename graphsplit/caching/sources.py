@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from graphsplit.caching.format import ShardProgress
-from graphsplit.errors import CacheError, StaleCacheError
+from graphsplit.errors import CacheError, Remedy, StaleCacheError
 
 __all__ = ["Batch", "BatchSource", "as_mapping", "batch_keys", "source_for"]
 
@@ -252,5 +252,6 @@ def _order_changed(shard: int) -> CacheError:
     return StaleCacheError(
         f"the loader yields other samples for shard {shard} than the interrupted run did "
         "(its order or dataset changed), so the run cannot resume.\n  fix: use the same loader "
-        "without shuffling, or pass overwrite=True to start the cache afresh"
+        "without shuffling, or pass {remedy} to start the cache afresh",
+        remedy=Remedy.OVERWRITE,
     )

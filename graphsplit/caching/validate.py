@@ -45,12 +45,12 @@ from typing import Any, NoReturn
 import torch
 
 from graphsplit.caching.files import read_regular
-from graphsplit.errors import ManifestError, TornFileError, UnsafeFileError
+from graphsplit.errors import ManifestError, Remedy, TornFileError, UnsafeFileError
 
 __all__ = ["REBUILD", "JsonReader", "Rule", "json_field", "json_names", "to_json"]
 
 MAX_JSON_BYTES = 1 << 30  # a manifest of ten million samples is well below this
-REBUILD = "rebuild the cache with graphsplit.cache(split, loader, path, overwrite=True)"
+REBUILD = "rebuild the cache (run cache again with {remedy})"
 _RULE = "graphsplit.caching.validate"  # the key of a field's rule in its metadata
 
 
@@ -155,7 +155,8 @@ class JsonReader:
     def fail(self, where: str, problem: str) -> NoReturn:
         raise ManifestError(
             f"{self.path} is not a valid graphsplit cache file: {where or 'the document'} "
-            f"{problem}.\n  fix: the file is damaged or was not written by graphsplit; {REBUILD}"
+            f"{problem}.\n  fix: the file is damaged or was not written by graphsplit; {REBUILD}",
+            remedy=Remedy.OVERWRITE,
         )
 
     def load(self) -> dict[str, Any]:
@@ -167,7 +168,8 @@ class JsonReader:
         except OSError as error:
             raise ManifestError(
                 f"{self.path} cannot be read ({error.strerror or error}).\n  fix: check its "
-                f"permissions, or {REBUILD}"
+                f"permissions, or {REBUILD}",
+                remedy=Remedy.OVERWRITE,
             ) from None
         try:
             text = data.decode("utf-8")
@@ -180,7 +182,8 @@ class JsonReader:
             problem = "is empty" if not data.strip() else f"is not valid JSON ({error})"
             raise TornFileError(
                 f"{self.path} {problem}.\n  fix: the file is damaged or was "
-                f"not written by graphsplit; {REBUILD}"
+                f"not written by graphsplit; {REBUILD}",
+                remedy=Remedy.OVERWRITE,
             ) from None
         return self.mapping(document, "")
 

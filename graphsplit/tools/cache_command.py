@@ -67,8 +67,12 @@ def fail(message: str, code: int) -> int:
 
 
 def cli_fix(error: GraphsplitError) -> str | None:
-    """The fix of a cache() error in command-line words, chosen by the error's type."""
-    if isinstance(error, _OVERWRITE_FIXES):
+    """The fix of a cache() error in command-line words, chosen by the error's type.
+
+    Errors that carry a typed :class:`~graphsplit.errors.Remedy` already name it in the
+    caller's words; this covers the older messages that still spell ``overwrite=True``.
+    """
+    if error.remedy is None and isinstance(error, _OVERWRITE_FIXES):
         return (
             "on the command line: rerun with --overwrite to replace the cache (its fix above "
             "says overwrite=True, the library's name for the same thing), or pass another --out"

@@ -126,16 +126,21 @@ def test_a_stale_cache_error_names_the_overwrite_flag(tmp_path, capsys):
     capsys.readouterr()
     assert main(["cache", f"{DATA_SPECS}:other_weights", "--out", str(out)]) == 1
     error = capsys.readouterr().err
-    assert "StaleCacheError" in error and "rerun with --overwrite" in error
+    assert "StaleCacheError" in error and "pass --overwrite to replace it" in error
+    assert "overwrite=True" not in error  # the typed remedy speaks the command line's words
     argv = ["cache", f"{DATA_SPECS}:other_weights", "--out", str(out), "--overwrite"]
     assert main(argv) == 0
 
 
 def test_cli_fix_is_chosen_by_type_not_text():
+    from graphsplit.errors import Remedy
+
     assert "--overwrite" in cli_fix(StaleCacheError("anything"))
     from graphsplit.errors import CacheLockedError
 
     assert cli_fix(CacheLockedError("pass overwrite=True")) is None
+    # An error with a typed remedy already names it in the caller's words.
+    assert cli_fix(StaleCacheError("pass {remedy}", remedy=Remedy.OVERWRITE)) is None
 
 
 class _SingleProcess:
