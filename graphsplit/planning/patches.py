@@ -163,6 +163,8 @@ class _TracedTorchCalls(TorchFunctionMode):
         if self.tracer.computing_meta:
             return func(*args, **kwargs)
         traced = _contains_proxy((args, kwargs))
+        if traced:
+            self.tracer.drop_pending_guards((args, kwargs))
         if func in RANDOM_FUNCTIONS and not traced:
             return self.tracer.record_call(func, args, kwargs)
         if func in RANDOM_FILLS and not traced:
@@ -170,9 +172,24 @@ class _TracedTorchCalls(TorchFunctionMode):
             return self.tracer.record_call(
                 functional_inplace, (tensor, func.__name__, *rest), kwargs
             )
+        if func in _INDEXING and not traced and _slice_holds_proxy(args[1]):
+            traced = True  # real[:n] with a traced n: one getitem node, the bound stays traced
         if func in _INDEXING and traced and not isinstance(args[0], fx.Proxy):
             return self.tracer.record_call(_INDEXING[func], args, kwargs)
+        if traced:
+            # Straight to the proxies' handler: torch's argument parser would first turn a
+            # traced size in an int list (torch.randint(0, 10, (x.shape[0],))) into a Python
+            # int through __index__, baking the batch size into the plan.
+            return fx.Proxy.__torch_function__(func, types, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _slice_holds_proxy(index: Any) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(
+        isinstance(item, slice) and _contains_proxy((item.start, item.stop, item.step))
+        for item in items
+    )
 
 
 @contextlib.contextmanager

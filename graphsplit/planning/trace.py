@@ -49,28 +49,47 @@ from graphsplit.planning.rng import (
     locate_random_draw,
     set_generator_states,
 )
+from graphsplit.planning.state import module_state_restored
 from graphsplit.planning.user_code import (
     current_line,
     current_location,
-    describe,
     frame_location_of,
-    is_internal,
 )
 
 _MAX_NAME = 48
 _STATIC_TENSOR_ATTRIBUTES = frozenset({"dtype", "is_floating_point", "is_complex"})
+_OWN_ATTRIBUTES = frozenset({"node", "_node", "root", "attr", "tracer"})
 
 
 class _Proxy(fx.Proxy):
-    """A proxy whose Python conversions (``len``, ``bool``, ``int``) read the meta value."""
+    """A proxy that answers Python's questions the way its meta value would.
+
+    - ``isinstance(x, torch.Tensor)`` is true when the value is a tensor (``__class__``):
+      library code that branches on it (DiffSynth's ``transfer_data_to_device`` casts only
+      tensors; einops picks its torch backend) must run the program eager runs;
+    - ``len``, ``bool``, ``int``, ``float`` and ``__index__`` (a slice bound, ``[0] * n``) read
+      the meta value and record a guard (see :meth:`_Tracer.concrete`).
+    """
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        if isinstance(self.node.meta.get("val"), torch.Tensor):
+            return torch.Tensor
+        return type(self)
 
     def __getattr__(self, name: str) -> Any:
-        if name in _STATIC_TENSOR_ATTRIBUTES:
-            value = self.node.meta.get("val")
-            if isinstance(value, torch.Tensor):
+        if name in _OWN_ATTRIBUTES:  # not set yet (during construction): never a graph node
+            raise AttributeError(name)
+        value = self.node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            if name in _STATIC_TENSOR_ATTRIBUTES:
                 # A traced op's dtype is fixed by the trace; code such as torch.finfo(x.dtype)
                 # needs the real object. (Under autocast, split with the same autocast on.)
                 return getattr(value, name)
+            if name.startswith("_") and not hasattr(value, name):
+                # Probes such as Parameter's isinstance check (getattr(x, "_is_param", False))
+                # must see what a tensor says: no such attribute.
+                raise AttributeError(name)
         return _Attribute(self, name)
 
     def __len__(self) -> int:
@@ -81,6 +100,9 @@ class _Proxy(fx.Proxy):
 
     def __float__(self) -> float:
         return self.tracer.concrete(self, float)
+
+    def __index__(self) -> int:
+        return self.tracer.concrete(self, operator.index, pending=True)
 
     def __iter__(self) -> Iterator[Any]:
         return self.tracer.iter(self)
@@ -131,6 +153,13 @@ class _Attribute(_Proxy):
             ).node
         return self._node
 
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        if self._node is None:  # answered without a node: torch's argument parser asks too
+            value = getattr(self.root.node.meta.get("val"), self.attr, None)
+            return torch.Tensor if isinstance(value, torch.Tensor) else type(self)
+        return _Proxy.__class__.fget(self)  # type: ignore[attr-defined]
+
     def __call__(self, *args: Any, **kwargs: Any) -> _Proxy:
         return self.tracer.create_proxy("call_method", self.attr, (self.root, *args), kwargs)
 
@@ -143,6 +172,7 @@ class _Tracer(fx.Tracer):
         self.leaf_names = leaf_names
         self.example_values = example_values
         self.guards: list[Guard] = []
+        self.pending_guards: list[Guard] = []
         self.computing_meta = False
         self.module_proxies: dict[str, _Proxy] = {}
         self.forward_location: tuple[str, str] = ("<unknown>", "")
@@ -154,10 +184,18 @@ class _Tracer(fx.Tracer):
     def proxy(self, node: fx.Node) -> _Proxy:
         return _Proxy(node, self)
 
+    def create_arg(self, a: Any) -> Any:
+        # A proxy first: it claims to be a torch.Tensor (see _Proxy.__class__), and fx would
+        # otherwise store it away as a tensor constant.
+        if isinstance(a, fx.Proxy):
+            return a.node
+        return super().create_arg(a)
+
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
         return qualified_name in self.leaf_names or super().is_leaf_module(module, qualified_name)
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        self.keep_pending_guards()
         if name is None:
             name = _descriptive_name(kind, target, args)
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
@@ -219,8 +257,18 @@ class _Tracer(fx.Tracer):
             self.computing_meta = False
 
     # -- Python conversions of traced values ---------------------------------------------
-    def concrete(self, proxy: _Proxy, convert: Callable[[Any], Any]) -> Any:
-        """Resolve a Python conversion from the meta value; refuse it on tensor data."""
+    def concrete(
+        self, proxy: _Proxy, convert: Callable[[Any], Any], *, pending: bool = False
+    ) -> Any:
+        """Resolve a Python conversion from the meta value; refuse it on tensor data.
+
+        ``pending`` (``__index__``): torch's argument parser also calls ``__index__`` on the
+        items of an int list (``torch.randint(0, 10, (x.shape[0],))``) just to see whether
+        they are ints, before the call reaches the tracer, which records it with the size
+        still traced. Such a guard waits in ``pending_guards`` until the next traced event:
+        the tracer's torch-call handler drops those its call's arguments explain
+        (:meth:`drop_pending_guards`), anything else keeps them.
+        """
         node = proxy.node
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor) and convert is not len:  # len() reads the shape
@@ -235,8 +283,22 @@ class _Tracer(fx.Tracer):
             )
         result = convert(value)
         location, _ = current_location()
-        self.guards.append(Guard(node, convert, result, location))
+        if not pending:
+            self.keep_pending_guards()
+        (self.pending_guards if pending else self.guards).append(
+            Guard(node, convert, result, location)
+        )
         return result
+
+    def keep_pending_guards(self) -> None:
+        """Pending ``__index__`` guards were real Python ints: keep them."""
+        self.guards.extend(self.pending_guards)
+        self.pending_guards.clear()
+
+    def drop_pending_guards(self, args: Any) -> None:
+        """Drop pending guards on proxies inside ``args``: the parser's probes of one call."""
+        nodes = {_node_if_created(leaf) for leaf in torch.utils._pytree.tree_leaves(args)}
+        self.pending_guards[:] = [g for g in self.pending_guards if g.node not in nodes]
 
     def to_bool(self, obj: _Proxy) -> bool:
         return self.concrete(obj, bool)
@@ -253,6 +315,13 @@ class _Tracer(fx.Tracer):
         if hasattr(value, "keys"):
             return list(value.keys())
         return super().keys(obj)
+
+
+def _node_if_created(value: Any) -> fx.Node | None:
+    """A proxy's node, without creating an attribute's node (that would be a traced event)."""
+    if isinstance(value, _Attribute):
+        return value._node
+    return value.node if isinstance(value, fx.Proxy) else None
 
 
 def _descriptive_name(kind: str, target: Any, args: tuple) -> str | None:
@@ -291,11 +360,18 @@ def trace_step(
     """
     states = generator_states()
     before = set(vars(model))
-    tracer, graph = _trace_graph(model, example_values, leaf_names, record)
+    with module_state_restored(model):
+        tracer, graph = _trace_graph(model, example_values, leaf_names, record)
+        constants = {
+            name: vars(model)[name]
+            for name in set(vars(model)) - before
+            if isinstance(vars(model)[name], (torch.Tensor, torch.Generator))
+        }
     changed = changed_generators(states, generator_states())
     if changed:
         set_generator_states(states)  # the user's generators must not move because we traced
-        location = locate_random_draw(lambda: _trace_graph(model, example_values, leaf_names))
+        with module_state_restored(model):
+            location = locate_random_draw(lambda: _trace_graph(model, example_values, leaf_names))
         set_generator_states(states)
         raise user_error(
             TraceError,
@@ -306,11 +382,6 @@ def trace_step(
             fix="draw with torch (torch.rand, torch.randint, torch.randn_like, ...), or move "
             "the Python/NumPy draw into the data pipeline and pass the result as an input",
         )
-    constants = {
-        name: vars(model)[name]
-        for name in set(vars(model)) - before
-        if isinstance(vars(model)[name], (torch.Tensor, torch.Generator))
-    }
     restore_input_names(graph, model)
     functionalize_inplace(graph)
     input_names = tuple(n.target for n in graph.nodes if n.op == "placeholder")
@@ -327,39 +398,17 @@ def _trace_graph(
     tracer.record = record
     tracer.forward_location = _definition_of(type(model).forward)
     to_int = lambda size: tracer.concrete(size, operator.index)  # noqa: E731
-    try:
-        with (
-            leaf_methods_recorded(tracer, model, leaf_names),
-            traced_range(to_int),
-            traced_factories(),
-            traced_torch_calls(tracer),
-        ):
-            graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
-    except TypeError as exc:
-        if "Proxy' object cannot be interpreted as an integer" not in str(exc):
-            raise
-        raise user_error(
-            TraceError,
-            "Python code uses a traced size as a Python integer (range(), a list index, a "
-            "slice bound); such a size may depend on the batch size, so it cannot become a "
-            "Python number in a plan that must work for every batch.",
-            source=_innermost_user_line(exc),
-            fix="use tensor ops over the whole batch (no Python loop over samples), or read "
-            "fixed sizes (not the batch size) from the model's config",
-        ) from None
+    # Python conversions of traced values (int(), __index__, range()) are guarded ints; one
+    # that depends on the batch size is refused by the analysis (analyze._check_guards).
+    with (
+        leaf_methods_recorded(tracer, model, leaf_names),
+        traced_range(to_int),
+        traced_factories(),
+        traced_torch_calls(tracer),
+    ):
+        graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
+    tracer.keep_pending_guards()
     return tracer, graph
-
-
-def _innermost_user_line(exc: BaseException) -> str | None:
-    """The last user-code line in ``exc``'s traceback, as ``file:line  code``."""
-    found = None
-    trace = exc.__traceback__
-    while trace is not None:
-        if not is_internal(trace.tb_frame.f_code.co_filename):
-            filename = trace.tb_frame.f_code.co_filename
-            found = describe(frame_location_of(filename, trace.tb_lineno))
-        trace = trace.tb_next
-    return found
 
 
 def _definition_of(function: Any) -> tuple[str, str]:
