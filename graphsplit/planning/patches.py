@@ -9,6 +9,9 @@ Glossary:
         parser only takes them as one tuple (:func:`traced_factories`).
     traced torch call: a torch call with no traced argument that still becomes a node: every
         random draw, and a real tensor indexed by a traced value (:func:`traced_torch_calls`).
+    checkpoint region: the nodes traced inside one ``torch.utils.checkpoint.checkpoint(fn,
+        ...)`` call, tagged ``node.meta["checkpoint"]`` (:func:`checkpoints_recorded`), so
+        stage 2 can checkpoint them again (:mod:`graphsplit.planning.checkpoint`).
 
 In: the tracer (for :func:`leaf_methods_recorded`), or a function turning a traced size into a
 Python int (for :func:`traced_range`). Out: context managers.
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._device
+import torch.utils.checkpoint
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -257,3 +261,50 @@ def traced_factories() -> Iterator[None]:
     finally:
         for name, factory in originals.items():
             setattr(torch, name, factory)
+
+
+# -- torch.utils.checkpoint.checkpoint ------------------------------------------------------------
+# Options of checkpoint() that stage 2 passes on as written (context_fn, a callable, is not:
+# a region using it is traced through without being checkpointed again).
+CHECKPOINT_OPTIONS = (
+    "use_reentrant",
+    "preserve_rng_state",
+    "determinism_check",
+    "debug",
+    "early_stop",
+)
+
+
+@contextlib.contextmanager
+def checkpoints_recorded(tracer: Any) -> Iterator[None]:
+    """Tag the nodes traced inside each ``torch.utils.checkpoint.checkpoint`` call.
+
+    DiffSynth (``torch.utils.checkpoint.checkpoint(create_custom_forward(block), *args,
+    use_reentrant=False)``) and diffusers (``self._gradient_checkpointing_func(block, ...)``,
+    which calls ``torch.utils.checkpoint.checkpoint(block.__call__, ...)``) look the function
+    up on ``torch.utils.checkpoint`` when they call it, so replacing that attribute sees both.
+    ``tracer.open_checkpoint(options)`` / ``tracer.close_checkpoint(token)`` bracket the
+    traced call; regions nested in a region belong to the outer one.
+    """
+    module = torch.utils.checkpoint
+    original = module.checkpoint
+
+    @functools.wraps(original)
+    def checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+        if tracer.computing_meta or not _contains_proxy((args, kwargs)):
+            return original(function, *args, **kwargs)
+        options = {name: kwargs.pop(name) for name in CHECKPOINT_OPTIONS if name in kwargs}
+        if "context_fn" in kwargs:
+            kwargs.pop("context_fn")
+            options = None  # not representable in stage code: traced through as before
+        token = tracer.open_checkpoint(options)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            tracer.close_checkpoint(token)
+
+    module.checkpoint = checkpoint
+    try:
+        yield
+    finally:
+        module.checkpoint = original

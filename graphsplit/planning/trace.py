@@ -34,9 +34,12 @@ from torch import nn
 
 from graphsplit.artifacts import Guard, Traced
 from graphsplit.errors import TraceError, user_error
+from graphsplit.planning.checkpoint import CHECKPOINT, CheckpointRegion
+from graphsplit.planning.guards import GUARDS
 from graphsplit.planning.inplace import functionalize_inplace
 from graphsplit.planning.interpret import TracingInterpreter
 from graphsplit.planning.patches import (
+    checkpoints_recorded,
     leaf_methods_recorded,
     traced_factories,
     traced_range,
@@ -173,6 +176,9 @@ class _Tracer(fx.Tracer):
         self.example_values = example_values
         self.guards: list[Guard] = []
         self.pending_guards: list[Guard] = []
+        # The checkpoint() call being traced, if any (see patches.checkpoints_recorded).
+        self.checkpoint: CheckpointRegion | None = None
+        self.checkpoint_count = 0
         self.computing_meta = False
         self.module_proxies: dict[str, _Proxy] = {}
         self.forward_location: tuple[str, str] = ("<unknown>", "")
@@ -199,6 +205,8 @@ class _Tracer(fx.Tracer):
         if name is None:
             name = _descriptive_name(kind, target, args)
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if self.checkpoint is not None and kind not in ("placeholder", "output"):
+            node.meta[CHECKPOINT] = self.checkpoint
         if kind == "placeholder":
             node.meta["source"], node.meta["source_code"] = self.forward_location
             node.meta["val"] = self._meta_value(node)
@@ -235,6 +243,19 @@ class _Tracer(fx.Tracer):
         name = f"_generator_{sum(isinstance(v, torch.Generator) for v in vars(self.root).values())}"
         setattr(self.root, name, generator)
         return self.create_proxy("get_attr", name, (), {})
+
+    def open_checkpoint(self, options: dict[str, Any] | None) -> CheckpointRegion | None:
+        """Start tagging nodes with a new checkpoint region (unless one is open already)."""
+        if self.checkpoint is not None:
+            return None
+        if options is not None:
+            self.checkpoint = CheckpointRegion(self.checkpoint_count, options)
+            self.checkpoint_count += 1
+        return self.checkpoint
+
+    def close_checkpoint(self, token: CheckpointRegion | None) -> None:
+        if token is not None and token is self.checkpoint:
+            self.checkpoint = None
 
     def module_proxy(self, qualified_name: str) -> _Proxy:
         """One ``get_attr`` node per leaf module whose methods the step calls."""
@@ -384,6 +405,8 @@ def trace_step(
         )
     restore_input_names(graph, model)
     functionalize_inplace(graph)
+    for guard in tracer.guards:  # for stage code to recheck (planning/guards.py)
+        guard.node.meta.setdefault(GUARDS, []).append(guard)
     input_names = tuple(n.target for n in graph.nodes if n.op == "placeholder")
     return Traced(graph, constants, tuple(tracer.guards), input_names)
 
@@ -405,6 +428,7 @@ def _trace_graph(
         traced_range(to_int),
         traced_factories(),
         traced_torch_calls(tracer),
+        checkpoints_recorded(tracer),
     ):
         graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
     tracer.keep_pending_guards()
