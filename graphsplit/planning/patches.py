@@ -9,6 +9,8 @@ Glossary:
         parser only takes them as one tuple (:func:`traced_factories`).
     traced torch call: a torch call with no traced argument that still becomes a node: every
         random draw, and a real tensor indexed by a traced value (:func:`traced_torch_calls`).
+    einops call: ``rearrange`` / ``repeat`` on traced values, one node each
+        (:func:`einops_calls_recorded`).
     checkpoint region: the nodes traced inside one ``torch.utils.checkpoint.checkpoint(fn,
         ...)`` call, tagged ``node.meta["checkpoint"]`` (:func:`checkpoints_recorded`), so
         stage 2 can checkpoint them again (:mod:`graphsplit.planning.checkpoint`).
@@ -23,6 +25,7 @@ import builtins
 import contextlib
 import functools
 import operator
+import sys
 from collections.abc import Callable, Iterator
 from types import FunctionType
 from typing import Any
@@ -70,8 +73,10 @@ def leaf_methods_recorded(
         module = model.get_submodule(qualified_name)
         if type(module) not in methods_of:
             methods_of[type(module)] = _public_methods(type(module))
+        inline = _is_mixed(module)
         for method_name in methods_of[type(module)]:
-            recorded = _recording(tracer, qualified_name, method_name, getattr(module, method_name))
+            original = getattr(module, method_name)
+            recorded = _recording(tracer, qualified_name, method_name, original, inline=inline)
             had = method_name in vars(module)
             previous = vars(module).get(method_name)
             object.__setattr__(module, method_name, recorded)
@@ -86,17 +91,35 @@ def leaf_methods_recorded(
                 vars(module).pop(method_name, None)
 
 
-def _recording(tracer: Any, qualified_name: str, method_name: str, original: Any) -> Any:
+def _is_mixed(module: nn.Module) -> bool:
+    """Whether ``module`` holds both frozen and trainable parameters (a LoRA'd DiT)."""
+    flags = {parameter.requires_grad for parameter in module.parameters()}
+    return flags == {True, False}
+
+
+def _recording(
+    tracer: Any, qualified_name: str, method_name: str, original: Any, *, inline: bool
+) -> Any:
     """``original`` (a bound method), recorded as one node when called on traced values.
 
     ``functools.wraps`` keeps its signature: library code inspects it (transformers'
     ``apply_chunking_to_forward`` counts the parameters of the forward it is given).
+
+    ``inline``: the module mixes frozen and trainable parameters. A method other than
+    ``forward`` (``dit.patchify(x)``, ``dit.unpatchify(x, grid)``) is then traced into, its
+    submodules staying leaves, so stage 2 holds only the submodules and parameters the method
+    uses instead of the whole module with every frozen weight in it. If tracing into it
+    fails, the call is recorded as one node, as for other modules.
     """
 
     @functools.wraps(original)
     def recorded(*args: Any, **kwargs: Any) -> Any:
         if tracer.computing_meta or not _contains_proxy((args, kwargs)):
             return original(*args, **kwargs)
+        if inline:
+            with tracer.rolled_back_on_error():
+                return original(*args, **kwargs)
+            # It failed, and what it traced was undone: record the call whole.
         handle = tracer.module_proxy(qualified_name)
         return tracer.create_proxy("call_method", method_name, (handle, *args), kwargs)
 
@@ -308,3 +331,42 @@ def checkpoints_recorded(tracer: Any) -> Iterator[None]:
         yield
     finally:
         module.checkpoint = original
+
+
+# -- einops ---------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def einops_calls_recorded(tracer: Any) -> Iterator[None]:
+    """``rearrange(x, pattern, f=f)`` / ``repeat(...)`` on traced values: one node each.
+
+    Traced values pass einops' ``isinstance`` check, so einops would run on them op by op
+    (a dozen ``reshape`` / ``permute`` / size-arithmetic nodes per call, correct but hard to
+    read). Both functions call ``einops.einops.reduce`` by its global name, which is replaced
+    here, so the call is recorded as written: ``einops.rearrange(x, 'b c f h w -> b (f h w)
+    c')``, its axis lengths traced. einops is not imported here: only a step that uses it
+    has it loaded.
+    """
+    module = sys.modules.get("einops.einops")
+    if module is None or not callable(getattr(module, "reduce", None)):
+        yield
+        return
+    original = module.reduce
+    as_written = {"rearrange": module.rearrange, "repeat": module.repeat}
+
+    @functools.wraps(original)
+    def reduce(tensor: Any, pattern: str, reduction: Any, **axes_lengths: Any) -> Any:
+        traced = _contains_proxy((tensor, axes_lengths))
+        if tracer.computing_meta or not traced or not isinstance(reduction, str):
+            return original(tensor, pattern, reduction, **axes_lengths)
+        if reduction in as_written:
+            return tracer.create_proxy(
+                "call_function", as_written[reduction], (tensor, pattern), axes_lengths
+            )
+        return tracer.create_proxy(
+            "call_function", original, (tensor, pattern, reduction), axes_lengths
+        )
+
+    module.reduce = reduce
+    try:
+        yield
+    finally:
+        module.reduce = original

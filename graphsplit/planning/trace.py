@@ -22,6 +22,7 @@ Out: :class:`~graphsplit.artifacts.Traced` — the graph, the constants it refer
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import operator
@@ -40,6 +41,7 @@ from graphsplit.planning.inplace import functionalize_inplace
 from graphsplit.planning.interpret import TracingInterpreter
 from graphsplit.planning.patches import (
     checkpoints_recorded,
+    einops_calls_recorded,
     leaf_methods_recorded,
     traced_factories,
     traced_range,
@@ -257,6 +259,21 @@ class _Tracer(fx.Tracer):
         if token is not None and token is self.checkpoint:
             self.checkpoint = None
 
+    @contextlib.contextmanager
+    def rolled_back_on_error(self) -> Iterator[None]:
+        """Undo a failed attempt to trace into a call (its nodes, guards, handles); no raise."""
+        count = len(self.graph.nodes)
+        guards, pending = len(self.guards), len(self.pending_guards)
+        handles, region = dict(self.module_proxies), self.checkpoint
+        try:
+            yield
+        except Exception:
+            for node in reversed(list(self.graph.nodes)[count:]):
+                self.graph.erase_node(node)
+            del self.guards[guards:]
+            del self.pending_guards[pending:]
+            self.module_proxies, self.checkpoint = handles, region
+
     def module_proxy(self, qualified_name: str) -> _Proxy:
         """One ``get_attr`` node per leaf module whose methods the step calls."""
         if qualified_name not in self.module_proxies:
@@ -429,6 +446,7 @@ def _trace_graph(
         traced_factories(),
         traced_torch_calls(tracer),
         checkpoints_recorded(tracer),
+        einops_calls_recorded(tracer),
     ):
         graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
     tracer.keep_pending_guards()
