@@ -27,6 +27,7 @@ import inspect
 import math
 import operator
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -58,7 +59,9 @@ from graphsplit.planning.state import module_state_restored
 from graphsplit.planning.user_code import (
     current_line,
     current_location,
+    frame_location,
     frame_location_of,
+    user_frame,
 )
 
 _MAX_NAME = 48
@@ -177,7 +180,8 @@ class _Tracer(fx.Tracer):
         self.leaf_names = leaf_names
         self.example_values = example_values
         self.guards: list[Guard] = []
-        self.pending_guards: list[Guard] = []
+        # __index__ guards and the user instruction that read them (see concrete()).
+        self.pending_guards: list[tuple[Guard, tuple[int, int]]] = []
         # The checkpoint() call being traced, if any (see patches.checkpoints_recorded).
         self.checkpoint: CheckpointRegion | None = None
         self.checkpoint_count = 0
@@ -304,8 +308,9 @@ class _Tracer(fx.Tracer):
         items of an int list (``torch.randint(0, 10, (x.shape[0],))``) just to see whether
         they are ints, before the call reaches the tracer, which records it with the size
         still traced. Such a guard waits in ``pending_guards`` until the next traced event:
-        the tracer's torch-call handler drops those its call's arguments explain
-        (:meth:`drop_pending_guards`), anything else keeps them.
+        the tracer's torch-call handler drops those its call's arguments explain, read at the
+        instruction that makes the call (:meth:`drop_pending_guards`); anything else keeps
+        them, so ``[0] * n`` just before ``torch.zeros(n)`` stays guarded.
         """
         node = proxy.node
         value = node.meta.get("val")
@@ -320,23 +325,30 @@ class _Tracer(fx.Tracer):
                 "into the data pipeline, before the step is called",
             )
         result = convert(value)
-        location, _ = current_location()
-        if not pending:
+        frame = user_frame()
+        guard = Guard(node, convert, result, frame_location(frame)[0])
+        if pending:
+            self.pending_guards.append((guard, _instruction(frame)))
+        else:
             self.keep_pending_guards()
-        (self.pending_guards if pending else self.guards).append(
-            Guard(node, convert, result, location)
-        )
+            self.guards.append(guard)
         return result
 
     def keep_pending_guards(self) -> None:
         """Pending ``__index__`` guards were real Python ints: keep them."""
-        self.guards.extend(self.pending_guards)
+        self.guards.extend(guard for guard, _ in self.pending_guards)
         self.pending_guards.clear()
 
     def drop_pending_guards(self, args: Any) -> None:
-        """Drop pending guards on proxies inside ``args``: the parser's probes of one call."""
+        """Drop the parser's probes of this call: pending guards on proxies inside ``args``,
+        read at the instruction that makes the call."""
         nodes = {_node_if_created(leaf) for leaf in torch.utils._pytree.tree_leaves(args)}
-        self.pending_guards[:] = [g for g in self.pending_guards if g.node not in nodes]
+        here = _instruction(user_frame())
+        self.pending_guards[:] = [
+            (guard, at)
+            for guard, at in self.pending_guards
+            if guard.node not in nodes or at != here
+        ]
 
     def to_bool(self, obj: _Proxy) -> bool:
         return self.concrete(obj, bool)
@@ -353,6 +365,11 @@ class _Tracer(fx.Tracer):
         if hasattr(value, "keys"):
             return list(value.keys())
         return super().keys(obj)
+
+
+def _instruction(frame: FrameType | None) -> tuple[int, int]:
+    """Which user frame, at which bytecode instruction (a call's probes share both)."""
+    return (id(frame), frame.f_lasti) if frame is not None else (0, -1)
 
 
 def _node_if_created(value: Any) -> fx.Node | None:
