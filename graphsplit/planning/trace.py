@@ -6,13 +6,20 @@ Glossary:
         the user's own trainable modules: their forward, hooks and checkpointing stay theirs).
         Modules that mix both are traced into when :func:`trace_step` is asked to.
     leaf method call: ``vae.encode(x)`` on a leaf module, recorded as ``get_attr(vae)`` followed
-        by ``call_method(encode)``, just like ``forward`` (see :mod:`graphsplit.planning.patches`).
+        by ``call_method(encode)``, just like ``forward`` (see :mod:`graphsplit.planning.patches`);
+        methods of a mixed module (``dit.patchify(x)``) are traced into instead.
     meta value: every node carries ``node.meta["val"]``, the value its op produced on ``meta``
         tensors (computed by :class:`~graphsplit.planning.interpret.TracingInterpreter`). Python
         control flow on shapes, ranks, dtypes and devices reads these values; control flow on
         tensor *values* raises :class:`~graphsplit.errors.TraceError`.
-    guard: a Python value the trace read from a meta value (a ``len``, ``bool``, ``int``), kept
-        so the analysis can check it does not change with the batch size.
+    guard: a Python value the trace read from a meta value (a ``len``, ``bool``, ``int``,
+        ``__index__``), kept so the analysis can check it does not change with the batch size;
+        also listed in ``node.meta["guards"]``, where stage 2 finds the sizes to recheck
+        (:mod:`graphsplit.planning.guards`).
+    traced value: a proxy that passes ``isinstance(x, torch.Tensor)`` when its meta value is a
+        tensor, so library code runs the branch eager runs (see :class:`_Proxy`).
+    checkpoint region: nodes traced inside ``torch.utils.checkpoint.checkpoint``, tagged
+        ``node.meta["checkpoint"]`` (:mod:`graphsplit.planning.checkpoint`).
 
 In: the model, example inputs as meta values, the names of modules to trace into.
 Out: :class:`~graphsplit.artifacts.Traced` — the graph, the constants it references, its guards:
