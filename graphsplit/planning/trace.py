@@ -349,6 +349,8 @@ class _Tracer(fx.Tracer):
     def drop_pending_guards(self, args: Any) -> None:
         """Drop the parser's probes of this call: pending guards on proxies inside ``args``,
         read at the instruction that makes the call."""
+        if not self.pending_guards:  # the usual case: no stack walk per traced call
+            return
         nodes = {_node_if_created(leaf) for leaf in torch.utils._pytree.tree_leaves(args)}
         here = _instruction(user_frame())
         self.pending_guards[:] = [
