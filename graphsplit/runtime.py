@@ -18,8 +18,11 @@ from typing import Any
 
 import torch
 
+from graphsplit.errors import SplitError
+
 __all__ = [
     "LEGACY_NAMES",
+    "check_size",
     "decode_diagonal_gaussian",
     "decode_diagonal_gaussian_deterministic",
     "encode_diagonal_gaussian",
@@ -47,6 +50,24 @@ def functional_inplace(
     result = tensor.clone()
     getattr(result, method)(*args, **kwargs)
     return result
+
+
+def check_size(value: Any, expected: int, what: str, where: str) -> Any:
+    """Stop stage code run at a size its plan was not made for; else return ``value``.
+
+    ``value`` is an int the traced step turned into a Python number (a resolution, a frame
+    count) or a tensor whose ``len`` it read; ``what`` names it, ``where`` is the user's line.
+    """
+    actual = len(value) if isinstance(value, torch.Tensor) else int(value)
+    if actual != expected:
+        raise SplitError(
+            f"this plan was made for {what} = {expected}, got {actual}; split again for this "
+            "size.\n"
+            f"  source: {where}\n"
+            "  fix:    call graphsplit.split with an example batch of this size (one plan per "
+            "resolution or frame count: bucket the data by size)"
+        )
+    return value
 
 
 def encode_diagonal_gaussian(distribution: Any) -> torch.Tensor:

@@ -24,6 +24,7 @@ from graphsplit.caching.fingerprint import fingerprint
 
 RUNTIME_NAMES = [
     "LEGACY_NAMES",
+    "check_size",
     "decode_diagonal_gaussian",
     "decode_diagonal_gaussian_deterministic",
     "encode_diagonal_gaussian",
@@ -31,7 +32,7 @@ RUNTIME_NAMES = [
     "functional_setitem",
 ]
 # Helpers added after 0.1: no 0.1 cache can have called them, so they have no legacy spelling.
-ADDED_AFTER_0_1 = {"functional_inplace"}
+ADDED_AFTER_0_1 = {"check_size", "functional_inplace"}
 
 # fingerprint(split).code as graphsplit 0.1.0 computed it (recorded by running 0.1.0 on the
 # same steps, torch 2.13): the stage code called graphsplit_trace_functional_setitem and

@@ -24,6 +24,7 @@ from torch import nn
 from graphsplit.artifacts import Cut
 from graphsplit.errors import MetaParameterError, SplitError
 from graphsplit.planning.interpret import fetch
+from graphsplit.planning.stage2_passes import finish_stage2
 
 
 def _refuse_meta_tensors(stage: nn.Module, args: Any) -> None:
@@ -166,6 +167,7 @@ def build_stage2(
             env[node].meta = dict(node.meta)
         elif node in cut.stage2 or node.op == "output":
             env[node] = stage.node_copy(node, env.__getitem__)
+    finish_stage2(stage, graph, cut, env)  # size guards, checkpointed calls (trace's helper)
     return _module(stage, model, constants, "Stage2")
 
 

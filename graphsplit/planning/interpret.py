@@ -40,6 +40,7 @@ from torch.utils.flop_counter import flop_registry
 
 from graphsplit.artifacts import AtenOp, OpRecord
 from graphsplit.errors import GraphsplitError, TraceError, user_error
+from graphsplit.planning.eager_protocols import eager_protocols_on_meta
 from graphsplit.planning.meta import meta_execution, to_meta
 from graphsplit.planning.mixing import ALONG_DIM_OPS, BATCH_NORM_TRAINING
 
@@ -234,7 +235,7 @@ class _MetaInterpreter(fx.Interpreter):
     def run_on_meta(self, node: fx.Node, *, record: bool) -> tuple[Any, OpRecord | None]:
         """Run one node on meta (recording its ops if asked); failures become TraceErrors."""
         try:
-            with meta_execution():
+            with meta_execution(), eager_protocols_on_meta():
                 if record:
                     return _recorded(lambda: super(_MetaInterpreter, self).run_node(node))
                 return super().run_node(node), None

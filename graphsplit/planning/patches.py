@@ -9,6 +9,11 @@ Glossary:
         parser only takes them as one tuple (:func:`traced_factories`).
     traced torch call: a torch call with no traced argument that still becomes a node: every
         random draw, and a real tensor indexed by a traced value (:func:`traced_torch_calls`).
+    einops call: ``rearrange`` / ``repeat`` on traced values, one node each
+        (:func:`einops_calls_recorded`).
+    checkpoint region: the nodes traced inside one ``torch.utils.checkpoint.checkpoint(fn,
+        ...)`` call, tagged ``node.meta["checkpoint"]`` (:func:`checkpoints_recorded`), so
+        stage 2 can checkpoint them again (:mod:`graphsplit.planning.checkpoint`).
 
 In: the tracer (for :func:`leaf_methods_recorded`), or a function turning a traced size into a
 Python int (for :func:`traced_range`). Out: context managers.
@@ -20,6 +25,7 @@ import builtins
 import contextlib
 import functools
 import operator
+import sys
 from collections.abc import Callable, Iterator
 from types import FunctionType
 from typing import Any
@@ -27,6 +33,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.utils._device
+import torch.utils.checkpoint
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -66,8 +73,10 @@ def leaf_methods_recorded(
         module = model.get_submodule(qualified_name)
         if type(module) not in methods_of:
             methods_of[type(module)] = _public_methods(type(module))
+        inline = _is_mixed(module)
         for method_name in methods_of[type(module)]:
-            recorded = _recording(tracer, qualified_name, method_name, getattr(module, method_name))
+            original = getattr(module, method_name)
+            recorded = _recording(tracer, qualified_name, method_name, original, inline=inline)
             had = method_name in vars(module)
             previous = vars(module).get(method_name)
             object.__setattr__(module, method_name, recorded)
@@ -82,17 +91,35 @@ def leaf_methods_recorded(
                 vars(module).pop(method_name, None)
 
 
-def _recording(tracer: Any, qualified_name: str, method_name: str, original: Any) -> Any:
+def _is_mixed(module: nn.Module) -> bool:
+    """Whether ``module`` holds both frozen and trainable parameters (a LoRA'd DiT)."""
+    flags = {parameter.requires_grad for parameter in module.parameters()}
+    return flags == {True, False}
+
+
+def _recording(
+    tracer: Any, qualified_name: str, method_name: str, original: Any, *, inline: bool
+) -> Any:
     """``original`` (a bound method), recorded as one node when called on traced values.
 
     ``functools.wraps`` keeps its signature: library code inspects it (transformers'
     ``apply_chunking_to_forward`` counts the parameters of the forward it is given).
+
+    ``inline``: the module mixes frozen and trainable parameters. A method other than
+    ``forward`` (``dit.patchify(x)``, ``dit.unpatchify(x, grid)``) is then traced into, its
+    submodules staying leaves, so stage 2 holds only the submodules and parameters the method
+    uses instead of the whole module with every frozen weight in it. If tracing into it
+    fails, the call is recorded as one node, as for other modules.
     """
 
     @functools.wraps(original)
     def recorded(*args: Any, **kwargs: Any) -> Any:
         if tracer.computing_meta or not _contains_proxy((args, kwargs)):
             return original(*args, **kwargs)
+        if inline:
+            with tracer.rolled_back_on_error():
+                return original(*args, **kwargs)
+            # It failed, and what it traced was undone: record the call whole.
         handle = tracer.module_proxy(qualified_name)
         return tracer.create_proxy("call_method", method_name, (handle, *args), kwargs)
 
@@ -163,6 +190,8 @@ class _TracedTorchCalls(TorchFunctionMode):
         if self.tracer.computing_meta:
             return func(*args, **kwargs)
         traced = _contains_proxy((args, kwargs))
+        if traced:
+            self.tracer.drop_pending_guards((args, kwargs))
         if func in RANDOM_FUNCTIONS and not traced:
             return self.tracer.record_call(func, args, kwargs)
         if func in RANDOM_FILLS and not traced:
@@ -170,9 +199,24 @@ class _TracedTorchCalls(TorchFunctionMode):
             return self.tracer.record_call(
                 functional_inplace, (tensor, func.__name__, *rest), kwargs
             )
+        if func in _INDEXING and not traced and _slice_holds_proxy(args[1]):
+            traced = True  # real[:n] with a traced n: one getitem node, the bound stays traced
         if func in _INDEXING and traced and not isinstance(args[0], fx.Proxy):
             return self.tracer.record_call(_INDEXING[func], args, kwargs)
+        if traced:
+            # Straight to the proxies' handler: torch's argument parser would first turn a
+            # traced size in an int list (torch.randint(0, 10, (x.shape[0],))) into a Python
+            # int through __index__, baking the batch size into the plan.
+            return fx.Proxy.__torch_function__(func, types, args, kwargs)
         return func(*args, **kwargs)
+
+
+def _slice_holds_proxy(index: Any) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(
+        isinstance(item, slice) and _contains_proxy((item.start, item.stop, item.step))
+        for item in items
+    )
 
 
 @contextlib.contextmanager
@@ -240,3 +284,89 @@ def traced_factories() -> Iterator[None]:
     finally:
         for name, factory in originals.items():
             setattr(torch, name, factory)
+
+
+# -- torch.utils.checkpoint.checkpoint ------------------------------------------------------------
+# Options of checkpoint() that stage 2 passes on as written (context_fn, a callable, is not:
+# a region using it is traced through without being checkpointed again).
+CHECKPOINT_OPTIONS = (
+    "use_reentrant",
+    "preserve_rng_state",
+    "determinism_check",
+    "debug",
+    "early_stop",
+)
+
+
+@contextlib.contextmanager
+def checkpoints_recorded(tracer: Any) -> Iterator[None]:
+    """Tag the nodes traced inside each ``torch.utils.checkpoint.checkpoint`` call.
+
+    DiffSynth (``torch.utils.checkpoint.checkpoint(create_custom_forward(block), *args,
+    use_reentrant=False)``) and diffusers (``self._gradient_checkpointing_func(block, ...)``,
+    which calls ``torch.utils.checkpoint.checkpoint(block.__call__, ...)``) look the function
+    up on ``torch.utils.checkpoint`` when they call it, so replacing that attribute sees both.
+    ``tracer.open_checkpoint(options)`` / ``tracer.close_checkpoint(token)`` bracket the
+    traced call; regions nested in a region belong to the outer one.
+    """
+    module = torch.utils.checkpoint
+    original = module.checkpoint
+
+    @functools.wraps(original)
+    def checkpoint(function: Any, *args: Any, **kwargs: Any) -> Any:
+        if tracer.computing_meta or not _contains_proxy((args, kwargs)):
+            return original(function, *args, **kwargs)
+        options = {name: kwargs.pop(name) for name in CHECKPOINT_OPTIONS if name in kwargs}
+        if "context_fn" in kwargs:
+            kwargs.pop("context_fn")
+            options = None  # not representable in stage code: traced through as before
+        token = tracer.open_checkpoint(options)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            tracer.close_checkpoint(token)
+
+    module.checkpoint = checkpoint
+    try:
+        yield
+    finally:
+        module.checkpoint = original
+
+
+# -- einops ---------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def einops_calls_recorded(tracer: Any) -> Iterator[None]:
+    """``rearrange(x, pattern, f=f)`` / ``repeat(...)`` on traced values: one node each.
+
+    Traced values pass einops' ``isinstance`` check, so einops would run on them op by op
+    (a dozen ``reshape`` / ``permute`` / size-arithmetic nodes per call, correct but hard to
+    read). Both functions call ``einops.einops.reduce`` by its global name, which is replaced
+    here, so the call is recorded as written: ``einops.rearrange(x, 'b c f h w -> b (f h w)
+    c')``, its axis lengths traced. einops is not imported here: only a step that uses it
+    has it loaded.
+    """
+    module = sys.modules.get("einops.einops")
+    if module is None or not callable(getattr(module, "reduce", None)):
+        yield
+        return
+    original = module.reduce
+    as_written = {"rearrange": module.rearrange, "repeat": module.repeat}
+
+    @functools.wraps(original)
+    def reduce(tensor: Any, pattern: str, reduction: Any, **axes_lengths: Any) -> Any:
+        traced = _contains_proxy((tensor, axes_lengths))
+        if tracer.computing_meta or not traced or not isinstance(reduction, str):
+            return original(tensor, pattern, reduction, **axes_lengths)
+        if reduction in as_written:
+            return tracer.create_proxy(
+                "call_function", as_written[reduction], (tensor, pattern), axes_lengths
+            )
+        return tracer.create_proxy(
+            "call_function", original, (tensor, pattern, reduction), axes_lengths
+        )
+
+    module.reduce = reduce
+    try:
+        yield
+    finally:
+        module.reduce = original

@@ -6,13 +6,20 @@ Glossary:
         the user's own trainable modules: their forward, hooks and checkpointing stay theirs).
         Modules that mix both are traced into when :func:`trace_step` is asked to.
     leaf method call: ``vae.encode(x)`` on a leaf module, recorded as ``get_attr(vae)`` followed
-        by ``call_method(encode)``, just like ``forward`` (see :mod:`graphsplit.planning.patches`).
+        by ``call_method(encode)``, just like ``forward`` (see :mod:`graphsplit.planning.patches`);
+        methods of a mixed module (``dit.patchify(x)``) are traced into instead.
     meta value: every node carries ``node.meta["val"]``, the value its op produced on ``meta``
         tensors (computed by :class:`~graphsplit.planning.interpret.TracingInterpreter`). Python
         control flow on shapes, ranks, dtypes and devices reads these values; control flow on
         tensor *values* raises :class:`~graphsplit.errors.TraceError`.
-    guard: a Python value the trace read from a meta value (a ``len``, ``bool``, ``int``), kept
-        so the analysis can check it does not change with the batch size.
+    guard: a Python value the trace read from a meta value (a ``len``, ``bool``, ``int``,
+        ``__index__``), kept so the analysis can check it does not change with the batch size;
+        also listed in ``node.meta["guards"]``, where stage 2 finds the sizes to recheck
+        (:mod:`graphsplit.planning.guards`).
+    traced value: a proxy that passes ``isinstance(x, torch.Tensor)`` when its meta value is a
+        tensor, so library code runs the branch eager runs (see :class:`_Proxy`).
+    checkpoint region: nodes traced inside ``torch.utils.checkpoint.checkpoint``, tagged
+        ``node.meta["checkpoint"]`` (:mod:`graphsplit.planning.checkpoint`).
 
 In: the model, example inputs as meta values, the names of modules to trace into.
 Out: :class:`~graphsplit.artifacts.Traced` — the graph, the constants it references, its guards:
@@ -22,10 +29,12 @@ Out: :class:`~graphsplit.artifacts.Traced` — the graph, the constants it refer
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import operator
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -34,9 +43,13 @@ from torch import nn
 
 from graphsplit.artifacts import Guard, Traced
 from graphsplit.errors import TraceError, user_error
+from graphsplit.planning.checkpoint import CHECKPOINT, CheckpointRegion
+from graphsplit.planning.guards import GUARDS
 from graphsplit.planning.inplace import functionalize_inplace
 from graphsplit.planning.interpret import TracingInterpreter
 from graphsplit.planning.patches import (
+    checkpoints_recorded,
+    einops_calls_recorded,
     leaf_methods_recorded,
     traced_factories,
     traced_range,
@@ -49,28 +62,49 @@ from graphsplit.planning.rng import (
     locate_random_draw,
     set_generator_states,
 )
+from graphsplit.planning.state import module_state_restored
 from graphsplit.planning.user_code import (
     current_line,
     current_location,
-    describe,
+    frame_location,
     frame_location_of,
-    is_internal,
+    user_frame,
 )
 
 _MAX_NAME = 48
 _STATIC_TENSOR_ATTRIBUTES = frozenset({"dtype", "is_floating_point", "is_complex"})
+_OWN_ATTRIBUTES = frozenset({"node", "_node", "root", "attr", "tracer"})
 
 
 class _Proxy(fx.Proxy):
-    """A proxy whose Python conversions (``len``, ``bool``, ``int``) read the meta value."""
+    """A proxy that answers Python's questions the way its meta value would.
+
+    - ``isinstance(x, torch.Tensor)`` is true when the value is a tensor (``__class__``):
+      library code that branches on it (DiffSynth's ``transfer_data_to_device`` casts only
+      tensors; einops picks its torch backend) must run the program eager runs;
+    - ``len``, ``bool``, ``int``, ``float`` and ``__index__`` (a slice bound, ``[0] * n``) read
+      the meta value and record a guard (see :meth:`_Tracer.concrete`).
+    """
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        if isinstance(self.node.meta.get("val"), torch.Tensor):
+            return torch.Tensor
+        return type(self)
 
     def __getattr__(self, name: str) -> Any:
-        if name in _STATIC_TENSOR_ATTRIBUTES:
-            value = self.node.meta.get("val")
-            if isinstance(value, torch.Tensor):
+        if name in _OWN_ATTRIBUTES:  # not set yet (during construction): never a graph node
+            raise AttributeError(name)
+        value = self.node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            if name in _STATIC_TENSOR_ATTRIBUTES:
                 # A traced op's dtype is fixed by the trace; code such as torch.finfo(x.dtype)
                 # needs the real object. (Under autocast, split with the same autocast on.)
                 return getattr(value, name)
+            if name.startswith("_") and not hasattr(value, name):
+                # Probes such as Parameter's isinstance check (getattr(x, "_is_param", False))
+                # must see what a tensor says: no such attribute.
+                raise AttributeError(name)
         return _Attribute(self, name)
 
     def __len__(self) -> int:
@@ -81,6 +115,9 @@ class _Proxy(fx.Proxy):
 
     def __float__(self) -> float:
         return self.tracer.concrete(self, float)
+
+    def __index__(self) -> int:
+        return self.tracer.concrete(self, operator.index, pending=True)
 
     def __iter__(self) -> Iterator[Any]:
         return self.tracer.iter(self)
@@ -131,6 +168,13 @@ class _Attribute(_Proxy):
             ).node
         return self._node
 
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:
+        if self._node is None:  # answered without a node: torch's argument parser asks too
+            value = getattr(self.root.node.meta.get("val"), self.attr, None)
+            return torch.Tensor if isinstance(value, torch.Tensor) else type(self)
+        return _Proxy.__class__.fget(self)  # type: ignore[attr-defined]
+
     def __call__(self, *args: Any, **kwargs: Any) -> _Proxy:
         return self.tracer.create_proxy("call_method", self.attr, (self.root, *args), kwargs)
 
@@ -143,6 +187,11 @@ class _Tracer(fx.Tracer):
         self.leaf_names = leaf_names
         self.example_values = example_values
         self.guards: list[Guard] = []
+        # __index__ guards and the user instruction that read them (see concrete()).
+        self.pending_guards: list[tuple[Guard, tuple[int, int]]] = []
+        # The checkpoint() call being traced, if any (see patches.checkpoints_recorded).
+        self.checkpoint: CheckpointRegion | None = None
+        self.checkpoint_count = 0
         self.computing_meta = False
         self.module_proxies: dict[str, _Proxy] = {}
         self.forward_location: tuple[str, str] = ("<unknown>", "")
@@ -154,13 +203,23 @@ class _Tracer(fx.Tracer):
     def proxy(self, node: fx.Node) -> _Proxy:
         return _Proxy(node, self)
 
+    def create_arg(self, a: Any) -> Any:
+        # A proxy first: it claims to be a torch.Tensor (see _Proxy.__class__), and fx would
+        # otherwise store it away as a tensor constant.
+        if isinstance(a, fx.Proxy):
+            return a.node
+        return super().create_arg(a)
+
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
         return qualified_name in self.leaf_names or super().is_leaf_module(module, qualified_name)
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        self.keep_pending_guards()
         if name is None:
             name = _descriptive_name(kind, target, args)
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if self.checkpoint is not None and kind not in ("placeholder", "output"):
+            node.meta[CHECKPOINT] = self.checkpoint
         if kind == "placeholder":
             node.meta["source"], node.meta["source_code"] = self.forward_location
             node.meta["val"] = self._meta_value(node)
@@ -198,6 +257,34 @@ class _Tracer(fx.Tracer):
         setattr(self.root, name, generator)
         return self.create_proxy("get_attr", name, (), {})
 
+    def open_checkpoint(self, options: dict[str, Any] | None) -> CheckpointRegion | None:
+        """Start tagging nodes with a new checkpoint region (unless one is open already)."""
+        if self.checkpoint is not None:
+            return None
+        if options is not None:
+            self.checkpoint = CheckpointRegion(self.checkpoint_count, options)
+            self.checkpoint_count += 1
+        return self.checkpoint
+
+    def close_checkpoint(self, token: CheckpointRegion | None) -> None:
+        if token is not None and token is self.checkpoint:
+            self.checkpoint = None
+
+    @contextlib.contextmanager
+    def rolled_back_on_error(self) -> Iterator[None]:
+        """Undo a failed attempt to trace into a call (its nodes, guards, handles); no raise."""
+        count = len(self.graph.nodes)
+        guards, pending = len(self.guards), len(self.pending_guards)
+        handles, region = dict(self.module_proxies), self.checkpoint
+        try:
+            yield
+        except Exception:
+            for node in reversed(list(self.graph.nodes)[count:]):
+                self.graph.erase_node(node)
+            del self.guards[guards:]
+            del self.pending_guards[pending:]
+            self.module_proxies, self.checkpoint = handles, region
+
     def module_proxy(self, qualified_name: str) -> _Proxy:
         """One ``get_attr`` node per leaf module whose methods the step calls."""
         if qualified_name not in self.module_proxies:
@@ -219,8 +306,19 @@ class _Tracer(fx.Tracer):
             self.computing_meta = False
 
     # -- Python conversions of traced values ---------------------------------------------
-    def concrete(self, proxy: _Proxy, convert: Callable[[Any], Any]) -> Any:
-        """Resolve a Python conversion from the meta value; refuse it on tensor data."""
+    def concrete(
+        self, proxy: _Proxy, convert: Callable[[Any], Any], *, pending: bool = False
+    ) -> Any:
+        """Resolve a Python conversion from the meta value; refuse it on tensor data.
+
+        ``pending`` (``__index__``): torch's argument parser also calls ``__index__`` on the
+        items of an int list (``torch.randint(0, 10, (x.shape[0],))``) just to see whether
+        they are ints, before the call reaches the tracer, which records it with the size
+        still traced. Such a guard waits in ``pending_guards`` until the next traced event:
+        the tracer's torch-call handler drops those its call's arguments explain, read at the
+        instruction that makes the call (:meth:`drop_pending_guards`); anything else keeps
+        them, so ``[0] * n`` just before ``torch.zeros(n)`` stays guarded.
+        """
         node = proxy.node
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor) and convert is not len:  # len() reads the shape
@@ -234,9 +332,32 @@ class _Tracer(fx.Tracer):
                 "into the data pipeline, before the step is called",
             )
         result = convert(value)
-        location, _ = current_location()
-        self.guards.append(Guard(node, convert, result, location))
+        frame = user_frame()
+        guard = Guard(node, convert, result, frame_location(frame)[0])
+        if pending:
+            self.pending_guards.append((guard, _instruction(frame)))
+        else:
+            self.keep_pending_guards()
+            self.guards.append(guard)
         return result
+
+    def keep_pending_guards(self) -> None:
+        """Pending ``__index__`` guards were real Python ints: keep them."""
+        self.guards.extend(guard for guard, _ in self.pending_guards)
+        self.pending_guards.clear()
+
+    def drop_pending_guards(self, args: Any) -> None:
+        """Drop the parser's probes of this call: pending guards on proxies inside ``args``,
+        read at the instruction that makes the call."""
+        if not self.pending_guards:  # the usual case: no stack walk per traced call
+            return
+        nodes = {_node_if_created(leaf) for leaf in torch.utils._pytree.tree_leaves(args)}
+        here = _instruction(user_frame())
+        self.pending_guards[:] = [
+            (guard, at)
+            for guard, at in self.pending_guards
+            if guard.node not in nodes or at != here
+        ]
 
     def to_bool(self, obj: _Proxy) -> bool:
         return self.concrete(obj, bool)
@@ -253,6 +374,18 @@ class _Tracer(fx.Tracer):
         if hasattr(value, "keys"):
             return list(value.keys())
         return super().keys(obj)
+
+
+def _instruction(frame: FrameType | None) -> tuple[int, int]:
+    """Which user frame, at which bytecode instruction (a call's probes share both)."""
+    return (id(frame), frame.f_lasti) if frame is not None else (0, -1)
+
+
+def _node_if_created(value: Any) -> fx.Node | None:
+    """A proxy's node, without creating an attribute's node (that would be a traced event)."""
+    if isinstance(value, _Attribute):
+        return value._node
+    return value.node if isinstance(value, fx.Proxy) else None
 
 
 def _descriptive_name(kind: str, target: Any, args: tuple) -> str | None:
@@ -291,11 +424,18 @@ def trace_step(
     """
     states = generator_states()
     before = set(vars(model))
-    tracer, graph = _trace_graph(model, example_values, leaf_names, record)
+    with module_state_restored(model):
+        tracer, graph = _trace_graph(model, example_values, leaf_names, record)
+        constants = {
+            name: vars(model)[name]
+            for name in set(vars(model)) - before
+            if isinstance(vars(model)[name], (torch.Tensor, torch.Generator))
+        }
     changed = changed_generators(states, generator_states())
     if changed:
         set_generator_states(states)  # the user's generators must not move because we traced
-        location = locate_random_draw(lambda: _trace_graph(model, example_values, leaf_names))
+        with module_state_restored(model):
+            location = locate_random_draw(lambda: _trace_graph(model, example_values, leaf_names))
         set_generator_states(states)
         raise user_error(
             TraceError,
@@ -306,13 +446,10 @@ def trace_step(
             fix="draw with torch (torch.rand, torch.randint, torch.randn_like, ...), or move "
             "the Python/NumPy draw into the data pipeline and pass the result as an input",
         )
-    constants = {
-        name: vars(model)[name]
-        for name in set(vars(model)) - before
-        if isinstance(vars(model)[name], (torch.Tensor, torch.Generator))
-    }
     restore_input_names(graph, model)
     functionalize_inplace(graph)
+    for guard in tracer.guards:  # for stage code to recheck (planning/guards.py)
+        guard.node.meta.setdefault(GUARDS, []).append(guard)
     input_names = tuple(n.target for n in graph.nodes if n.op == "placeholder")
     return Traced(graph, constants, tuple(tracer.guards), input_names)
 
@@ -327,39 +464,19 @@ def _trace_graph(
     tracer.record = record
     tracer.forward_location = _definition_of(type(model).forward)
     to_int = lambda size: tracer.concrete(size, operator.index)  # noqa: E731
-    try:
-        with (
-            leaf_methods_recorded(tracer, model, leaf_names),
-            traced_range(to_int),
-            traced_factories(),
-            traced_torch_calls(tracer),
-        ):
-            graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
-    except TypeError as exc:
-        if "Proxy' object cannot be interpreted as an integer" not in str(exc):
-            raise
-        raise user_error(
-            TraceError,
-            "Python code uses a traced size as a Python integer (range(), a list index, a "
-            "slice bound); such a size may depend on the batch size, so it cannot become a "
-            "Python number in a plan that must work for every batch.",
-            source=_innermost_user_line(exc),
-            fix="use tensor ops over the whole batch (no Python loop over samples), or read "
-            "fixed sizes (not the batch size) from the model's config",
-        ) from None
+    # Python conversions of traced values (int(), __index__, range()) are guarded ints; one
+    # that depends on the batch size is refused by the analysis (analyze._check_guards).
+    with (
+        leaf_methods_recorded(tracer, model, leaf_names),
+        traced_range(to_int),
+        traced_factories(),
+        traced_torch_calls(tracer),
+        checkpoints_recorded(tracer),
+        einops_calls_recorded(tracer),
+    ):
+        graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
+    tracer.keep_pending_guards()
     return tracer, graph
-
-
-def _innermost_user_line(exc: BaseException) -> str | None:
-    """The last user-code line in ``exc``'s traceback, as ``file:line  code``."""
-    found = None
-    trace = exc.__traceback__
-    while trace is not None:
-        if not is_internal(trace.tb_frame.f_code.co_filename):
-            filename = trace.tb_frame.f_code.co_filename
-            found = describe(frame_location_of(filename, trace.tb_lineno))
-        trace = trace.tb_next
-    return found
 
 
 def _definition_of(function: Any) -> tuple[str, str]:

@@ -1,0 +1,158 @@
+"""Recheck, in stage 2, the Python ints the trace read: a plan is made for one size.
+
+Tracing turns some traced sizes into Python ints (a slice bound through ``__index__``,
+``int(h)``, ``range(frames)``), and the plan then holds that number: a plan made for 64×64
+latents holds ``64``. The analysis refuses ints that follow the batch size; ints that follow
+the resolution or frame count are legitimate, but a batch at another resolution would then
+fail deep inside (an einops or ``view`` error) or, worse, run a program traced for another
+shape. Stage 2 therefore recomputes each such int from the values it has and stops with
+a :class:`~graphsplit.errors.SplitError` naming the value, the user's line and the fix.
+
+Glossary:
+    size guard: a guard (``node.meta["guards"]``, written by the tracer) whose value is an int
+        read with ``int()`` / ``__index__`` / ``range()`` from an int, or ``len()`` of a tensor.
+        Ranks (``len(x.shape)``) and booleans are not rechecked: they do not follow a size.
+    inspection node: a node that only reads sizes (``x.shape``, ``[k]``, ``x.size(d)``, ``//``):
+        stage 2 may run it to recompute a guard even if the step did not need it there.
+
+In: the traced graph, the cut, the stage-2 graph being built and its node map. Out: the stage-2
+graph, with a ``graphsplit_runtime_check_size(value, expected, what, where)`` call inserted
+right after each recomputable size guard's value:
+
+    recheck_size_guards(stage, graph, cut, env) -> None
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from graphsplit.artifacts import Cut, Guard
+from graphsplit.runtime import check_size
+
+# Where the tracer lists the guards read from a node (see trace.trace_step).
+GUARDS = "guards"
+
+_INSPECTION_FUNCTIONS = frozenset(
+    {
+        getattr,
+        len,
+        operator.getitem,
+        operator.add,
+        operator.sub,
+        operator.mul,
+        operator.floordiv,
+        operator.mod,
+        operator.neg,
+    }
+)
+_INSPECTION_METHODS = frozenset({"size", "dim", "numel"})
+_SIZE_ATTRIBUTES = frozenset({"shape", "ndim"})
+
+
+def is_size_guard(guard: Guard) -> bool:
+    """Whether ``guard`` is an int read from a size (see the glossary)."""
+    value = guard.node.meta.get("val")
+    if isinstance(guard.value, bool) or not isinstance(guard.value, int):
+        return False
+    if guard.convert is len:
+        return isinstance(value, torch.Tensor)
+    return guard.convert in (int, operator.index) and isinstance(value, int)
+
+
+def recheck_size_guards(
+    stage: fx.Graph, graph: fx.Graph, cut: Cut, env: dict[fx.Node, fx.Node]
+) -> None:
+    """Insert a check after each size guard stage 2 can recompute (see the module docstring)."""
+    checked: set[fx.Node] = set()
+    cursor: fx.Node | None = None  # the last node inserted: checks keep the step's order
+    for node in graph.nodes:
+        for guard in node.meta.get(GUARDS, ()):
+            if node in checked or not is_size_guard(guard):
+                continue
+            chain = _recomputation(node, env)
+            if chain is None:
+                continue
+            checked.add(node)
+            for needed in chain:
+                with stage.inserting_after(_insertion_point(stage, needed, env, cursor)):
+                    env[needed] = cursor = stage.node_copy(needed, env.__getitem__)
+            with stage.inserting_after(_insertion_point(stage, node, env, cursor, itself=True)):
+                where = _where(node, guard)
+                arguments = (env[node], guard.value, _expression(node), where)
+                cursor = stage.call_function(check_size, arguments, {})
+
+
+def _recomputation(node: fx.Node, env: dict[fx.Node, fx.Node]) -> list[fx.Node] | None:
+    """Nodes stage 2 must add to compute ``node`` (in graph order), or None if it cannot."""
+    needed: dict[fx.Node, None] = {}
+    pending = [node]
+    while pending:
+        current = pending.pop()
+        if current in env or current in needed:
+            continue
+        if not _is_inspection(current):
+            return None
+        needed[current] = None
+        pending.extend(current.all_input_nodes)
+    order = {n: index for index, n in enumerate(node.graph.nodes)}
+    return sorted(needed, key=order.__getitem__)
+
+
+def _is_inspection(node: fx.Node) -> bool:
+    if node.op == "call_function" and node.target in _INSPECTION_FUNCTIONS:
+        return node.target is not getattr or node.args[1] in _SIZE_ATTRIBUTES
+    return node.op == "call_method" and node.target in _INSPECTION_METHODS
+
+
+def _insertion_point(
+    stage: fx.Graph,
+    node: fx.Node,
+    env: dict[fx.Node, fx.Node],
+    cursor: fx.Node | None,
+    *,
+    itself: bool = False,
+) -> fx.Node:
+    """The stage node to insert after: the latest of ``node``'s inputs (or ``node`` itself,
+    for its check) and the last node inserted, never among the placeholders."""
+    order = {n: index for index, n in enumerate(stage.nodes)}
+    candidates = [env[node]] if itself else [env[arg] for arg in node.all_input_nodes]
+    if cursor is not None:
+        candidates.append(cursor)
+    latest = max(candidates, key=order.__getitem__) if candidates else None
+    return _after_placeholders(stage, latest)
+
+
+def _after_placeholders(stage: fx.Graph, node: fx.Node | None) -> fx.Node:
+    """``node``, or the last placeholder if ``node`` is one (stage inputs stay first)."""
+    if node is not None and node.op != "placeholder":
+        return node
+    placeholders = [n for n in stage.nodes if n.op == "placeholder"]
+    return placeholders[-1] if placeholders else next(iter(stage.nodes))
+
+
+def _where(node: fx.Node, guard: Guard) -> str:
+    """The user's ``file:line  code`` where the int was read."""
+    code = node.meta.get("source_code") if node.meta.get("source") == guard.source else None
+    return f"{guard.source}  {code}" if code else guard.source
+
+
+def _expression(node: Any, depth: int = 0) -> str:
+    if not isinstance(node, fx.Node):
+        return repr(node)
+    if depth > 6 or node.op not in ("call_function", "call_method"):
+        return node.name
+    args = node.args
+    if node.target is getattr:
+        return f"{_expression(args[0], depth + 1)}.{args[1]}"
+    if node.target is operator.getitem:
+        return f"{_expression(args[0], depth + 1)}[{_expression(args[1], depth + 1)}]"
+    if node.op == "call_method":
+        rest = ", ".join(_expression(arg, depth + 1) for arg in args[1:])
+        return f"{_expression(args[0], depth + 1)}.{node.target}({rest})"
+    if node.target is len:
+        return f"len({_expression(args[0], depth + 1)})"
+    return node.name

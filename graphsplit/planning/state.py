@@ -1,0 +1,86 @@
+"""Undo what the step's code wrote into its modules while it was traced.
+
+Tracing runs the user's ``forward`` with fx proxies, and code that caches on ``self`` stores
+them: Qwen-Image's RoPE does ``self.pos_freqs = self.pos_freqs.to(device)`` and fills
+``self.rope_cache[key]``. Left there, the analysis that follows (and the user's own eager
+calls after ``split``) would read proxies of a finished graph. So the state of every module,
+and of every plain helper object a module holds (a scheduler), is put back as soon as the
+trace is done.
+
+Glossary:
+    state: an object's ``__dict__`` (attributes added, rebound or deleted are undone) and the
+        contents of the plain ``dict`` / ``list`` values in it (``self.cache[key] = ...``,
+        ``self._buffers``), one level deep.
+
+In: the model. Out: a context manager:
+
+    module_state_restored(model) -> ContextManager
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+_Saved = tuple[Any, dict[str, Any], dict[str, Any]]
+
+
+@contextlib.contextmanager
+def module_state_restored(model: nn.Module) -> Iterator[None]:
+    """Snapshot the state of ``model``'s modules and helper objects; restore it on exit."""
+    saved = [_snapshot(obj) for obj in _stateful_objects(model)]
+    try:
+        yield
+    finally:
+        for obj, attributes, contents in saved:
+            _restore(obj, attributes, contents)
+
+
+def _stateful_objects(model: nn.Module) -> list[Any]:
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        found.setdefault(id(module), module)
+        for value in vars(module).values():
+            if _is_helper_object(value):
+                found.setdefault(id(value), value)
+    return list(found.values())
+
+
+def _is_helper_object(value: Any) -> bool:
+    """A plain Python object with attributes (a scheduler, a config), not a module or tensor."""
+    if isinstance(value, (nn.Module, torch.Tensor, type)) or callable(value):
+        return False
+    return hasattr(value, "__dict__") and not isinstance(value, (dict, list, tuple))
+
+
+def _snapshot(obj: Any) -> _Saved:
+    attributes = dict(vars(obj))
+    contents = {
+        name: (dict(value) if isinstance(value, dict) else list(value))
+        for name, value in attributes.items()
+        if type(value) in (dict, list)
+    }
+    return obj, attributes, contents
+
+
+def _restore(obj: Any, attributes: dict[str, Any], contents: dict[str, Any]) -> None:
+    current = vars(obj)
+    for name in [name for name in current if name not in attributes]:
+        del current[name]
+    for name, value in attributes.items():
+        if current.get(name, _MISSING) is not value:
+            current[name] = value
+    for name, content in contents.items():
+        container = attributes[name]
+        if isinstance(container, dict):
+            container.clear()
+            container.update(content)
+        else:
+            container[:] = content
+
+
+_MISSING = object()
