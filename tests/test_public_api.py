@@ -36,7 +36,8 @@ PUBLIC_NAMES = [
 SIGNATURES = {
     "split": (
         "(model: 'nn.Module', args: 'tuple[Any, ...]' = (), "
-        "kwargs: 'dict[str, Any] | None' = None, *, frozen: 'FrozenSpec' = None) -> 'Split'"
+        "kwargs: 'dict[str, Any] | None' = None, *, frozen: 'FrozenSpec' = None, "
+        "recompute: 'Recompute' = 'auto') -> 'Split'"
     ),
     "verify": (
         "(model: 'nn.Module', split: 'Split', args: 'tuple[Any, ...]' = (), "
