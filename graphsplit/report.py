@@ -71,8 +71,13 @@ def recomputation_lines(trade: Recomputation | None) -> list[str]:
         f"{human_bytes(trade.weight_bytes)} of frozen weights stage 2 now holds "
         f"({len(trade.weights)} tensors)",
     ]
-    if trade.weights:
-        lines.append(f"  weights: {', '.join(trade.weights)}")
+    owners: dict[str, list[str]] = {}
+    for name in trade.weights:
+        owner, _, leaf = name.rpartition(".")
+        owners.setdefault(owner, []).append(leaf)
+    if owners:
+        lines.append("  frozen weights stage 2 now holds (load them in the training process):")
+    lines += [f"    {owner or '(model)'}: {', '.join(leaves)}" for owner, leaves in owners.items()]
     lines.append('  (recompute="never" caches this work instead)')
     return lines
 

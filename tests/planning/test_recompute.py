@@ -116,7 +116,7 @@ def test_report_and_plan_show_the_trade():
     assert "proj_base_layer" in report and "proj.base_layer" in report
     assert "saves 1.0 KiB per sample of cache; costs 4.1 KFLOP per sample" in report
     assert "2.2 KiB of frozen weights stage 2 now holds (2 tensors)" in report
-    assert "weights: proj.base_layer.bias, proj.base_layer.weight" in report
+    assert "    proj.base_layer: bias, weight\n" in report
     plan = json.loads(json.dumps(split.to_json()))
     assert plan["recomputed"] == {
         "nodes": [
