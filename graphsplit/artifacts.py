@@ -251,13 +251,15 @@ class Recomputation:
     caches all frozen work (``recompute="never"``).
 
     ``nodes``: the frozen work stage 2 redoes, in graph order. ``bytes_saved_per_sample``: the
-    boundary's bytes per sample under "never" minus under this plan. ``flops_per_sample``: the
-    FLOPs stage 2 adds by redoing ``nodes``. ``weights``: the frozen parameters stage 2 holds only
-    because of the trade (sorted qualified names), ``weight_bytes`` their size.
+    boundary's bytes per sample under "never" minus under this plan; None when "never" has no
+    exact split at all (a frozen layer's output cannot be cached, but can be redone).
+    ``flops_per_sample``: the FLOPs stage 2 adds by redoing ``nodes``. ``weights``: the frozen
+    parameters stage 2 holds only because of the trade (sorted qualified names),
+    ``weight_bytes`` their size.
     """
 
     nodes: tuple[fx.Node, ...]
-    bytes_saved_per_sample: int
+    bytes_saved_per_sample: int | None
     flops_per_sample: int
     weights: tuple[str, ...]
     weight_bytes: int

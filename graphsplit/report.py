@@ -65,8 +65,12 @@ def recomputation_lines(trade: Recomputation | None) -> list[str]:
     lines = ["", 'Frozen work stage 2 redoes instead of caching it (recompute="auto"):']
     for node in trade.nodes:
         lines.append(f"  {node.name:<40} {_what(node):<24} {node.meta.get('source', '')}")
+    if trade.bytes_saved_per_sample is None:
+        saves = 'makes the split possible (recompute="never" finds no exact one)'
+    else:
+        saves = f"saves {human_bytes(trade.bytes_saved_per_sample)} per sample of cache"
     lines += [
-        f"  saves {human_bytes(trade.bytes_saved_per_sample)} per sample of cache; costs "
+        f"  {saves}; costs "
         f"{human_flops(trade.flops_per_sample)} per sample in stage 2 and "
         f"{human_bytes(trade.weight_bytes)} of frozen weights stage 2 now holds "
         f"({len(trade.weights)} tensors)",
@@ -78,7 +82,8 @@ def recomputation_lines(trade: Recomputation | None) -> list[str]:
     if owners:
         lines.append("  frozen weights stage 2 now holds (load them in the training process):")
     lines += [f"    {owner or '(model)'}: {', '.join(leaves)}" for owner, leaves in owners.items()]
-    lines.append('  (recompute="never" caches this work instead)')
+    if trade.bytes_saved_per_sample is not None:
+        lines.append('  (recompute="never" caches this work instead)')
     return lines
 
 

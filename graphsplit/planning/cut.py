@@ -58,6 +58,7 @@ from graphsplit.planning.recompute import (
     check_recompute,
     price,
     traced_batch_size,
+    weights_read,
 )
 from graphsplit.planning.taint import (
     compute_taint,
@@ -138,15 +139,18 @@ def choose_boundary(
     """
     check_recompute(recompute)
     taint = compute_taint(graph, trainable)
-    stored = _cheapest(graph, taint, _NO_PRICES)
     if recompute == "never":
-        return stored
+        return _cheapest(graph, taint, _NO_PRICES)
     assert model is not None, 'recompute="auto" prices weights: pass the model'
     weight_bytes = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
     prices = price(graph, taint, weight_bytes, costs)
     if not prices.work:
-        return stored
+        return _cheapest(graph, taint, _NO_PRICES)
     traded = _cheapest(graph, taint, prices)
+    try:
+        stored: Cut | None = _cheapest(graph, taint, _NO_PRICES)
+    except SplitError:  # only redoing frozen work makes this step splittable
+        stored = None
     trade = _trade(graph, stored, traded, taint, weight_bytes)
     return dataclasses.replace(traded, recomputation=trade)
 
@@ -160,19 +164,21 @@ def _cheapest(graph: fx.Graph, taint: Mapping[fx.Node, Taint], prices: Prices) -
 
 def _trade(
     graph: fx.Graph,
-    stored: Cut,
+    stored: Cut | None,
     traded: Cut,
     taint: Mapping[fx.Node, Taint],
     weight_bytes: Mapping[str, int],
 ) -> Recomputation | None:
-    """What ``traded`` redoes in stage 2, and what that bought, against ``stored``."""
+    """What ``traded`` redoes in stage 2, and what that bought, against ``stored`` (None when
+    no plan without recomputation exists)."""
     redone = tuple(node for node in graph.nodes if node in traded.stage2 and is_banned(node, taint))
     if not redone:
         return None
-    added = sorted(held_weights(traded) - held_weights(stored))
+    read = set().union(*(weights_read(node, taint) for node in redone))
+    added = sorted(read - (held_weights(stored) if stored else frozenset()))
     return Recomputation(
         nodes=redone,
-        bytes_saved_per_sample=boundary_bytes(stored) - boundary_bytes(traded),
+        bytes_saved_per_sample=boundary_bytes(stored) - boundary_bytes(traded) if stored else None,
         flops_per_sample=sum(facts(node).flops for node in redone) // traced_batch_size(graph),
         weights=tuple(added),
         weight_bytes=sum(weight_bytes[name] for name in added),

@@ -104,7 +104,7 @@ def price(
     batch_size = traced_batch_size(graph)
     found = candidates(graph, taint)
     work = {node: costs.work_cost(facts(node).flops / batch_size) for node in found}
-    priced = set().union(*(_weights_read(node, taint) for node in found)) if found else set()
+    priced = set().union(*(weights_read(node, taint) for node in found)) if found else set()
     readers: dict[str, list[fx.Node]] = {name: [] for name in priced}
     for node in graph.nodes:
         if "facts" in node.meta:
@@ -195,7 +195,7 @@ def _varies(node: fx.Node) -> bool:
     return node_facts.is_tensor and not node_facts.is_constant
 
 
-def _weights_read(node: fx.Node, taint: Mapping[fx.Node, Taint]) -> set[str]:
+def weights_read(node: fx.Node, taint: Mapping[fx.Node, Taint]) -> set[str]:
     """Frozen parameters stage 2 must hold to redo ``node``: its module's, and those read by the
     cheap work between it and its frontier (``x @ self.weight.t()``)."""
     names: set[str] = set(facts(node).params)

@@ -296,3 +296,31 @@ def test_an_unknown_recompute_choice_is_refused_before_tracing():
     message = str(caught.value)
     assert "recompute='always' is not a choice" in message
     assert 'fix:    pass recompute="auto"' in message and 'recompute="never"' in message
+
+
+class FrozenLayerOnAFoldedBatch(nn.Module):
+    """A fold (as for classifier-free guidance) before a frozen layer: its output has 2B rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = frozen(nn.Linear(4, 8))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        doubled = torch.cat([x, torch.zeros_like(x)])
+        return self.head(self.frozen(doubled)).mean()
+
+
+def test_redoing_a_frozen_layer_can_be_the_only_exact_split():
+    model = FrozenLayerOnAFoldedBatch()
+    with pytest.raises(SplitError, match="does not hold one row per sample"):
+        graphsplit.split(model, (batch(3, 4),), recompute="never")
+    split = split_and_verify(model, (batch(3, 4),))
+    assert boundary_summary(split) == {"x": ((3, 4), 0, 16)}
+    trade = split.cut.recomputation
+    assert [node.name for node in trade.nodes] == ["frozen"]
+    assert trade.bytes_saved_per_sample is None
+    assert trade.weights == ("frozen.bias", "frozen.weight")
+    assert 'makes the split possible (recompute="never" finds no exact one)' in split.report()
+    assert split.to_json()["recomputed"]["bytes_saved_per_sample"] is None
+    verify_at(model, split, batch(5, 4, seed=1))
