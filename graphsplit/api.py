@@ -85,7 +85,7 @@ def split(
     kwargs: dict[str, Any] | None = None,
     *,
     frozen: FrozenSpec = None,
-    recompute: Recompute = "auto",
+    recompute: Recompute = "never",
 ) -> Split:
     """Split a training step (raw batch -> loss) into a cacheable stage 1 and a training stage 2.
 
@@ -97,10 +97,11 @@ def split(
             and devices are read: values are never looked at.
         frozen: which parameters are frozen. ``None``: those with ``requires_grad=False``.
             Also a predicate ``(name, param) -> bool``, modules, or qualified-name prefixes.
-        recompute: ``"auto"`` (default): stage 2 may redo a frozen layer whose inputs it has
-            anyway (a LoRA'd layer's base projection, an embedding lookup) when the cache bytes
-            per sample saved outweigh the FLOPs and the frozen weights stage 2 must then hold;
-            ``report()`` shows the trade. ``"never"``: all frozen work stays in stage 1.
+        recompute: ``"never"`` (default): all frozen work stays in stage 1, so a stage-2
+            process may build every frozen module on ``meta``. ``"auto"``: stage 2 may redo a
+            frozen layer whose inputs it has anyway (a LoRA'd layer's base projection, an
+            embedding lookup) when the cache bytes per sample saved outweigh the FLOPs and the
+            frozen weights stage 2 must then hold; ``report()`` shows the trade.
 
     Returns:
         :class:`Split` with ``stage1``, ``stage2``, ``boundary``, ``report()``, ``save_code()``.

@@ -37,7 +37,7 @@ SIGNATURES = {
     "split": (
         "(model: 'nn.Module', args: 'tuple[Any, ...]' = (), "
         "kwargs: 'dict[str, Any] | None' = None, *, frozen: 'FrozenSpec' = None, "
-        "recompute: 'Recompute' = 'auto') -> 'Split'"
+        "recompute: 'Recompute' = 'never') -> 'Split'"
     ),
     "verify": (
         "(model: 'nn.Module', split: 'Split', args: 'tuple[Any, ...]' = (), "

@@ -88,9 +88,9 @@ def check_recompute(recompute: object) -> None:
     if recompute not in RECOMPUTE_CHOICES:
         raise SplitError(
             f"recompute={recompute!r} is not a choice.\n"
-            '  fix:    pass recompute="auto" (stage 2 may redo a frozen layer when that saves '
-            'more cache than it costs; the default) or recompute="never" (cache all frozen '
-            "work)"
+            '  fix:    pass recompute="never" (cache all frozen work; the default) or '
+            'recompute="auto" (stage 2 may redo a frozen layer when that saves more cache than '
+            "it costs)"
         )
 
 

@@ -123,7 +123,7 @@ def test_trainable_branch_beside_frozen_branch_keeps_both_inputs():
     assert param_names(split.stage1, model) == {"encoder.weight", "encoder.bias"}
     assert "encoder" not in {name.split(".")[0] for name in param_names(split.stage2, model)}
     # x crosses anyway, so "auto" redoes the small frozen layer instead of storing its output.
-    split = split_and_verify(model, (batch(3, 4),))
+    split = split_and_verify(model, (batch(3, 4),), recompute="auto")
     assert boundary_summary(split) == {"x": ((3, 4), 0, 16)}
     assert {"encoder.weight", "encoder.bias"} <= param_names(split.stage2, model)
 
@@ -291,7 +291,7 @@ def test_integer_inputs_and_keyword_arguments():
     split = split_and_verify(model, (ids,), {"weight": batch(3, 5)}, recompute="never")
     assert boundary_summary(split) == {"weight": ((3, 5), 0, 20), "embed": ((3, 5, 16), 0, 320)}
     # With "auto" stage 2 looks the embeddings up itself, from the integer ids.
-    split = split_and_verify(model, (), {"ids": ids})
+    split = split_and_verify(model, (), {"ids": ids}, recompute="auto")
     assert boundary_summary(split) == {"ids": ((3, 5), 0, 40)}
     assert split.boundary["ids"].dtype == torch.int64
 
@@ -404,7 +404,7 @@ def test_frozen_matmul_is_stored_with_never_even_when_its_input_is_smaller():
     assert boundary_summary(split) == {"matmul": ((3, 64), 0, 256)}
     assert "matmul" not in stage2_names(split)
     # "auto" prices it (512 FLOP and 1 KiB of weight per 16x the bytes) and redoes it.
-    split = split_and_verify(model, (batch(3, 4),))
+    split = split_and_verify(model, (batch(3, 4),), recompute="auto")
     assert boundary_summary(split) == {"x": ((3, 4), 0, 16)}
     assert {"matmul", "weight"} <= stage2_names(split)
     assert param_names(split.stage2, model) == {"weight", "head.weight", "head.bias"}

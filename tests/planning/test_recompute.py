@@ -71,9 +71,9 @@ BASE = {"proj.base_layer.weight", "proj.base_layer.bias"}
 LORA = {"proj.lora_A.default.weight", "proj.lora_B.default.weight"}
 
 
-def test_lora_base_projection_is_cached_with_never():
+def test_lora_base_projection_is_cached_with_never_the_default():
     model = lora_projection()
-    split = split_and_verify(model, lora_batch(3), recompute="never")
+    split = split_and_verify(model, lora_batch(3))
     # The tokens cross as the output of lora_dropout (an identity here: same bytes, and one
     # node fewer for stage 2 to run).
     assert boundary_summary(split) == {
@@ -88,7 +88,7 @@ def test_lora_base_projection_is_cached_with_never():
 
 def test_lora_base_projection_is_recomputed_with_auto():
     model = lora_projection()
-    split = split_and_verify(model, lora_batch(3))  # "auto" is the default
+    split = split_and_verify(model, lora_batch(3), recompute="auto")
     # The tokens cross anyway (lora_A reads them): redoing the base projection saves 1 KiB
     # per sample for 1 KFLOP and 2.25 KiB of weights held once.
     assert boundary_summary(split) == {"tokens": ((3, 4, 8), 0, 128), "target": ((3, 4), 0, 16)}
@@ -110,7 +110,7 @@ def test_lora_base_projection_is_recomputed_with_auto():
 
 def test_report_and_plan_show_the_trade():
     model = lora_projection()
-    split = graphsplit.split(model, lora_batch(3))
+    split = graphsplit.split(model, lora_batch(3), recompute="auto")
     report = split.report()
     assert 'Frozen work stage 2 redoes instead of caching it (recompute="auto"):' in report
     assert "proj_base_layer" in report and "proj.base_layer" in report
@@ -131,7 +131,7 @@ def test_report_and_plan_show_the_trade():
         "weights": ["proj.base_layer.bias", "proj.base_layer.weight"],
         "weight_bytes": 2304,
     }
-    never = graphsplit.split(model, lora_batch(3), recompute="never")
+    never = graphsplit.split(model, lora_batch(3))
     assert "redoes" not in never.report() and never.to_json()["recomputed"] is None
 
 
@@ -149,7 +149,7 @@ class LabelConditioned(nn.Module):
 
 def test_label_embedding_lookup_is_recomputed_from_the_labels():
     model = LabelConditioned()
-    split = split_and_verify(model, (batch(3, 32), labels(3)))
+    split = split_and_verify(model, (batch(3, 32), labels(3)), recompute="auto")
     # 8 B of label per sample instead of 128 B of embedding; the lookup runs no FLOPs.
     assert boundary_summary(split) == {"latents": ((3, 32), 0, 128), "labels": ((3,), 0, 8)}
     assert param_names(split.stage2, model) == {
@@ -192,7 +192,7 @@ class FrozenSummaryBesideTrainable(nn.Module):
 
 def test_a_cheap_frozen_layer_is_recomputed():
     model = FrozenSummaryBesideTrainable(16)
-    split = split_and_verify(model, (batch(3, 16),))
+    split = split_and_verify(model, (batch(3, 16),), recompute="auto")
     # Saves 8 B per sample; costs ceil(64 FLOP / 4096) + ceil(136 B / 65536) = 2.
     assert boundary_summary(split) == {"x": ((3, 16), 0, 64)}
     assert "summary" in stage2_names(split)
@@ -201,7 +201,7 @@ def test_a_cheap_frozen_layer_is_recomputed():
 
 def test_a_frozen_layer_whose_flops_outweigh_the_bytes_is_stored():
     model = FrozenSummaryBesideTrainable(16384)
-    split = split_and_verify(model, (batch(3, 16384),))
+    split = split_and_verify(model, (batch(3, 16384),), recompute="auto")
     # Would save 8 B per sample; costs ceil(65536 FLOP / 4096) + ceil(131080 B / 65536) = 19.
     assert boundary_summary(split) == {"x": ((3, 16384), 0, 65536), "summary": ((3, 2), 0, 8)}
     assert param_names(split.stage2, model) == {"trainable.weight", "trainable.bias"}
@@ -240,7 +240,7 @@ class FrozenEncoderOnRawInput(nn.Module):
 
 def test_a_whole_frozen_encoder_is_never_recomputed():
     model = FrozenEncoderOnRawInput()
-    split = split_and_verify(model, (batch(3, 4),))
+    split = split_and_verify(model, (batch(3, 4),), recompute="auto")
     assert boundary_summary(split) == {"encoder": ((3, 64), 0, 256)}
     assert param_names(split.stage2, model) == {"head.weight", "head.bias"}
     assert split.cut.recomputation is None
@@ -259,7 +259,7 @@ class FrozenChainOnRawInput(nn.Module):
 
 def test_a_layer_whose_input_only_frozen_work_reads_is_not_recomputed():
     model = FrozenChainOnRawInput()
-    split = split_and_verify(model, (batch(3, 4),))
+    split = split_and_verify(model, (batch(3, 4),), recompute="auto")
     # Storing x (16 B) and redoing both layers would be cheaper by the prices, but ``second``
     # reads a value stage 2 would not otherwise have: chains of frozen work stay in stage 1.
     graph = split.graph
@@ -295,7 +295,7 @@ def test_an_unknown_recompute_choice_is_refused_before_tracing():
         graphsplit.split(Untraceable(), (batch(3, 4),), recompute="always")
     message = str(caught.value)
     assert "recompute='always' is not a choice" in message
-    assert 'fix:    pass recompute="auto"' in message and 'recompute="never"' in message
+    assert 'fix:    pass recompute="never"' in message and 'recompute="auto"' in message
 
 
 class FrozenLayerOnAFoldedBatch(nn.Module):
@@ -315,7 +315,7 @@ def test_redoing_a_frozen_layer_can_be_the_only_exact_split():
     model = FrozenLayerOnAFoldedBatch()
     with pytest.raises(SplitError, match="does not hold one row per sample"):
         graphsplit.split(model, (batch(3, 4),), recompute="never")
-    split = split_and_verify(model, (batch(3, 4),))
+    split = split_and_verify(model, (batch(3, 4),), recompute="auto")
     assert boundary_summary(split) == {"x": ((3, 4), 0, 16)}
     trade = split.cut.recomputation
     assert [node.name for node in trade.nodes] == ["frozen"]
