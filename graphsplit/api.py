@@ -26,6 +26,7 @@ from graphsplit.planning.codegen import build_stage1, build_stage2, standalone_s
 from graphsplit.planning.cut import boundary_specs, choose_boundary
 from graphsplit.planning.frozen import FrozenSpec, resolve_frozen
 from graphsplit.planning.inputs import bind_examples
+from graphsplit.planning.recompute import Recompute, check_recompute
 from graphsplit.planning.rewrites import restore_devices
 from graphsplit.planning.rounds import trace_and_analyze
 from graphsplit.report import plan_json, render_report
@@ -86,6 +87,7 @@ def split(
     kwargs: dict[str, Any] | None = None,
     *,
     frozen: FrozenSpec = None,
+    recompute: Recompute = "never",
 ) -> Split:
     """Split a training step (raw batch -> loss) into a cacheable stage 1 and a training stage 2.
 
@@ -101,6 +103,11 @@ def split(
             and devices are read: values are never looked at.
         frozen: which parameters are frozen. ``None``: those with ``requires_grad=False``.
             Also a predicate ``(name, param) -> bool``, modules, or qualified-name prefixes.
+        recompute: ``"never"`` (default): all frozen work stays in stage 1, so a stage-2
+            process may build every frozen module on ``meta``. ``"auto"``: stage 2 may redo a
+            frozen layer whose inputs it has anyway (a LoRA'd layer's base projection, an
+            embedding lookup) when the cache bytes per sample saved outweigh the FLOPs and the
+            frozen weights stage 2 must then hold; ``report()`` shows the trade.
 
     Returns:
         :class:`Split` with ``stage1``, ``stage2``, ``boundary``, ``report()``, ``save_code()``.
@@ -127,6 +134,7 @@ def split(
         >>> torch.equal(parts.stage2(**parts.stage1(x, y)), step(x, y))
         True
     """
+    check_recompute(recompute)
     # 0. A function or bound method becomes a module whose forward calls it (same objects).
     step = as_step_module(model, args, dict(kwargs or {}))
     model, args, kwargs = step.module, step.args, step.kwargs
@@ -138,7 +146,7 @@ def split(
     traced = trace_and_analyze(model, examples, trainable)
     restore_devices(traced.graph, examples.device)
     # 3. Choose the boundary: the one place where that decision is taken.
-    cut = choose_boundary(traced.graph, trainable)
+    cut = choose_boundary(traced.graph, trainable, recompute=recompute, model=model)
     boundary = boundary_specs(cut)
     keys = list(boundary)
     # 4. Generate the two stages from the cut.

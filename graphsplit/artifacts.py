@@ -16,7 +16,8 @@ The pipeline, and the artifact each step hands to the next::
     planning.inputs.bind_examples(model, args, kwargs) -> ExampleInputs
     planning.trace.trace_step(model, values, leaves)    -> Traced (graph, guards, constants)
     planning.analyze.analyze(traced, model, examples)   -> node.meta["facts"] = NodeFacts
-    planning.cut.choose_boundary(graph, trainable)      -> Cut (boundary, stages, Taint per node)
+    planning.cut.choose_boundary(graph, trainable)      -> Cut (boundary, stages, Taint per node,
+                                                           Recomputation: frozen work redone)
     planning.codegen.build_stage1 / build_stage2        -> torch.fx.GraphModule each
 
 Node facts are never mutated: an update is ``dataclasses.replace(facts, ...)`` written back to
@@ -245,6 +246,26 @@ class Taint:
 
 
 @dataclass(frozen=True)
+class Recomputation:
+    """The store-or-recompute trade a cut made (``recompute="auto"``), against the plan that
+    caches all frozen work (``recompute="never"``).
+
+    ``nodes``: the frozen work stage 2 redoes, in graph order. ``bytes_saved_per_sample``: the
+    boundary's bytes per sample under "never" minus under this plan; None when "never" has no
+    exact split at all (a frozen layer's output cannot be cached, but can be redone).
+    ``flops_per_sample``: the FLOPs stage 2 adds by redoing ``nodes``. ``weights``: the frozen
+    parameters stage 2 holds only because of the trade (sorted qualified names),
+    ``weight_bytes`` their size.
+    """
+
+    nodes: tuple[fx.Node, ...]
+    bytes_saved_per_sample: int | None
+    flops_per_sample: int
+    weights: tuple[str, ...]
+    weight_bytes: int
+
+
+@dataclass(frozen=True)
 class Cut:
     """The chosen boundary and the nodes each stage runs (a cheap node may be in both)."""
 
@@ -256,3 +277,6 @@ class Cut:
     # the tensor they came from is not in stage 2.
     reanchored: frozenset[fx.Node] = frozenset()
     anchor: fx.Node | None = None
+    # Frozen work stage 2 redoes instead of reading it from the cache (``recompute="auto"``),
+    # and the trade that bought it; None when stage 2 redoes no frozen work.
+    recomputation: Recomputation | None = None

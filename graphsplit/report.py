@@ -5,7 +5,9 @@
 
 The report answers what a careful user asks before trusting a plan: what is cached (and how
 big per sample), which parameters each stage holds, how much frozen work leaves the training
-step, which random draws stay in stage 2, and what could not be cached and why.
+step, which frozen work stage 2 redoes instead (the store-or-recompute trade: bytes saved per
+sample against FLOPs and frozen weights added), which random draws stay in stage 2, and what
+could not be cached and why.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from graphsplit.artifacts import MixingCause, Taint, TaintKind
+from graphsplit.artifacts import MixingCause, Recomputation, Taint, TaintKind
 from graphsplit.planning.cut import facts, is_banned, module_owner
 from graphsplit.units import human_bytes, human_flops
 
@@ -44,6 +46,60 @@ def moved_flops(split: Split) -> int:
     """FLOPs per sample that stage 1 runs and stage 2 does not."""
     total = sum(facts(node).flops for node in split.cut.stage1 - split.cut.stage2)
     return total // max(split.batch_sizes[0], 1)
+
+
+def _what(node: fx.Node) -> str:
+    """What a node runs, for the report: the module path, or the function's name."""
+    owner = module_owner(node)
+    if owner is node:
+        return str(node.target)
+    if owner is not None:
+        return f"{owner.target}.{node.target}"
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def recomputation_lines(trade: Recomputation | None) -> list[str]:
+    """The store-or-recompute trade, or nothing when stage 2 redoes no frozen work."""
+    if trade is None:
+        return []
+    lines = ["", 'Frozen work stage 2 redoes instead of caching it (recompute="auto"):']
+    for node in trade.nodes:
+        lines.append(f"  {node.name:<40} {_what(node):<24} {node.meta.get('source', '')}")
+    if trade.bytes_saved_per_sample is None:
+        saves = 'makes the split possible (recompute="never" finds no exact one)'
+    else:
+        saves = f"saves {human_bytes(trade.bytes_saved_per_sample)} per sample of cache"
+    lines += [
+        f"  {saves}; costs "
+        f"{human_flops(trade.flops_per_sample)} per sample in stage 2 and "
+        f"{human_bytes(trade.weight_bytes)} of frozen weights stage 2 now holds "
+        f"({len(trade.weights)} tensors)",
+    ]
+    owners: dict[str, list[str]] = {}
+    for name in trade.weights:
+        owner, _, leaf = name.rpartition(".")
+        owners.setdefault(owner, []).append(leaf)
+    if owners:
+        lines.append("  frozen weights stage 2 now holds (load them in the training process):")
+    lines += [f"    {owner or '(model)'}: {', '.join(leaves)}" for owner, leaves in owners.items()]
+    if trade.bytes_saved_per_sample is not None:
+        lines.append('  (recompute="never" caches this work instead)')
+    return lines
+
+
+def recomputation_json(trade: Recomputation | None) -> dict[str, Any] | None:
+    if trade is None:
+        return None
+    return {
+        "nodes": [
+            {"node": node.name, "runs": _what(node), "source": node.meta.get("source")}
+            for node in trade.nodes
+        ],
+        "bytes_saved_per_sample": trade.bytes_saved_per_sample,
+        "flops_per_sample": trade.flops_per_sample,
+        "weights": list(trade.weights),
+        "weight_bytes": trade.weight_bytes,
+    }
 
 
 def random_nodes(split: Split) -> list[fx.Node]:
@@ -129,6 +185,7 @@ def render_report(split: Split) -> str:
         f"Work moved out of the training step: {human_flops(moved_flops(split))} "
         "per sample (matmul/conv/attention FLOPs)",
     ]
+    lines += recomputation_lines(split.cut.recomputation)
     randoms = random_nodes(split)
     if randoms:
         lines += ["", "Random draws kept in stage 2 (same order as the original step):"]
@@ -157,6 +214,7 @@ def plan_json(split: Split) -> dict[str, Any]:
         "stage1_nodes": [n.name for n in split.graph.nodes if n in split.cut.stage1],
         "stage2_nodes": [n.name for n in split.graph.nodes if n in split.cut.stage2],
         "moved_flops_per_sample": moved_flops(split),
+        "recomputed": recomputation_json(split.cut.recomputation),
         "random": [
             {"node": n.name, "ops": list(facts(n).random_ops), "source": n.meta.get("source")}
             for n in random_nodes(split)

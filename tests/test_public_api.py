@@ -36,7 +36,8 @@ PUBLIC_NAMES = [
 SIGNATURES = {
     "split": (
         "(model: 'nn.Module | Callable[..., Any]', args: 'tuple[Any, ...]' = (), "
-        "kwargs: 'dict[str, Any] | None' = None, *, frozen: 'FrozenSpec' = None) -> 'Split'"
+        "kwargs: 'dict[str, Any] | None' = None, *, frozen: 'FrozenSpec' = None, "
+        "recompute: 'Recompute' = 'never') -> 'Split'"
     ),
     "verify": (
         "(model: 'nn.Module | Callable[..., Any]', split: 'Split', args: 'tuple[Any, ...]' = (), "

@@ -1,12 +1,13 @@
 """Decide which values cross from stage 1 to stage 2: taint, then a min-cut on bytes per sample.
 
-Glossary:
-    tainted: a node that reads a trainable parameter, draws random numbers, mixes samples of a
-        batch, or depends on a tainted node. Tainted nodes run in stage 2, every step.
-    storable: an untainted tensor with one row per sample along a known batch dim, or a
-        per-dataset constant. Only storable values can be boundary values.
-    banned: untainted work that stage 2 must never redo: anything that runs FLOPs (matmuls,
-        convolutions, attention) and any call of a module that owns frozen parameters.
+Glossary (the predicates live in :mod:`graphsplit.planning.taint`, the prices in
+:mod:`graphsplit.planning.recompute`):
+    tainted: must run in stage 2 (reads a trainable parameter, draws random numbers, mixes
+        samples, or depends on such a node).
+    storable: an untainted per-sample tensor or per-dataset constant: a possible boundary value.
+    banned (frozen work): untainted work with FLOPs, or a call of a module owning frozen
+        parameters. With ``recompute="never"`` stage 2 never redoes it; with ``"auto"`` the
+        candidates among it (one layer whose inputs are already on the boundary) have a price.
 
 The min-cut (node splitting as in functorch's rematerialisation partitioner): every node ``v``
 becomes ``v_in -> v_out`` whose capacity is the cost of storing ``v`` (infinite if it cannot be
@@ -16,105 +17,73 @@ nodes (they stay in stage 1); tainted nodes and the step's outputs drain to the 
 source and sink are called the stage-1 and stage-2 terminals here: "source" elsewhere in
 graphsplit means the user's ``file:line``.)
 
-Costs are integers, ordered so that bytes dominate everything else:
-``bytes_per_sample * W + 2`` per stored value and ``1`` per node stage 2 recomputes, with ``W``
-larger than every tie-breaker together. Among cuts with equal bytes this prefers fewer stage-2
-operations, then fewer boundary tensors. networkx returns the cut whose sink side is smallest
-(nodes that can reach the sink in the residual network); that set is the same for every maximum
-flow, so the plan does not depend on the flow algorithm's internals.
+With ``recompute="auto"`` a candidate's edge from the stage-1 terminal costs its FLOPs in
+byte-equivalents instead of being infinite, and each frozen parameter a candidate reads becomes
+a node ``weight:<name>`` fed by the stage-1 terminal at the price of holding it and feeding
+every node that reads it: stage 2 pays for a weight once, however many of its readers it runs.
 
-In: a graph whose nodes carry ``meta["facts"]``, the trainable parameter names.
+Costs are integers, ordered so that bytes dominate everything else:
+``bytes_per_sample * W + 2`` per stored value, ``price * W + 1`` per candidate stage 2 redoes,
+``price * W`` per priced weight it holds, and ``1`` per other node stage 2 recomputes, with
+``W`` larger than every tie-breaker together. Among cuts with equal bytes this prefers fewer
+stage-2 operations, then fewer boundary tensors. networkx returns the cut whose sink side is
+smallest (nodes that can reach the sink in the residual network); that set is the same for every
+maximum flow, so the plan does not depend on the flow algorithm's internals.
+
+In: a graph whose nodes carry ``meta["facts"]``, the trainable parameter names, and (for
+``recompute="auto"``) the model, whose parameter sizes price the weights.
 Out: :class:`~graphsplit.artifacts.Cut`, and the boundary's public description:
 
-    choose_boundary(graph, trainable) -> Cut
+    choose_boundary(graph, trainable, recompute=, model=) -> Cut
     stages_for(graph, boundary, taint) -> Cut      # any boundary: tests hand-write them
     boundary_specs(cut) -> dict[str, BoundarySpec]
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import networkx as nx
 import torch.fx as fx
 from torch import nn
 
-from graphsplit.artifacts import BoundarySpec, Cut, NodeFacts, Taint, TaintKind
+from graphsplit.artifacts import BoundarySpec, Cut, Recomputation, Taint
 from graphsplit.errors import SplitError, user_error
+from graphsplit.planning.recompute import (
+    AUTO,
+    CostModel,
+    Prices,
+    Recompute,
+    check_recompute,
+    price,
+    traced_batch_size,
+    weights_read,
+)
+from graphsplit.planning.taint import (
+    compute_taint,
+    facts,
+    is_banned,
+    is_storable,
+    module_owner,
+    storage_cost,
+)
+
+__all__ = [
+    "boundary_specs",
+    "choose_boundary",
+    "compute_taint",
+    "facts",
+    "is_banned",
+    "is_storable",
+    "module_owner",
+    "stages_for",
+    "storage_cost",
+]
 
 # The flow network's terminals (its source and sink).
 _STAGE1_TERMINAL, _STAGE2_TERMINAL = "source", "sink"
-
-
-def facts(node: fx.Node) -> NodeFacts:
-    """The analysis's facts about ``node`` (``node.meta["facts"]``)."""
-    return node.meta["facts"]
-
-
-def compute_taint(graph: fx.Graph, trainable: frozenset[str]) -> Mapping[fx.Node, Taint]:
-    """Tainted nodes with their reason, in graph order."""
-    taint: dict[fx.Node, Taint] = {}
-    for node in graph.nodes:
-        if node.op == "output":
-            continue
-        own = _own_taint(node, trainable)
-        if own is not None:
-            taint[node] = own
-            continue
-        for producer in node.all_input_nodes:
-            if producer in taint:
-                taint[node] = taint[producer]
-                break
-    return taint
-
-
-def _own_taint(node: fx.Node, trainable: frozenset[str]) -> Taint | None:
-    node_facts = facts(node)
-    read = tuple(sorted(node_facts.params & trainable))
-    if read:
-        return Taint(TaintKind.TRAINABLE, node, trainable_parameters=read)
-    if node_facts.random_ops:
-        return Taint(TaintKind.RANDOM, node, random_ops=node_facts.random_ops)
-    if node_facts.mixing is not None:
-        return Taint(TaintKind.MIXING, node, mixing=node_facts.mixing)
-    return None
-
-
-def is_storable(node: fx.Node, taint: Mapping[fx.Node, Taint]) -> bool:
-    node_facts = facts(node)
-    return (
-        node not in taint
-        and node.op != "get_attr"
-        and node_facts.is_tensor
-        and (node_facts.per_sample or node_facts.is_constant)
-    )
-
-
-def module_owner(node: fx.Node) -> fx.Node | None:
-    """The node naming the module a call runs: ``self.unet(x)`` itself, ``vae`` for
-    ``vae.encode(x)``; None for anything that is not a module call."""
-    if node.op == "call_module":
-        return node
-    if node.op == "call_method" and node.args and isinstance(node.args[0], fx.Node):
-        handle = node.args[0]
-        if handle.op == "get_attr" and isinstance(handle.meta.get("val"), nn.Module):
-            return handle
-    return None
-
-
-def is_banned(node: fx.Node, taint: Mapping[fx.Node, Taint]) -> bool:
-    """Untainted work stage 2 must not redo: FLOPs, or a call into a frozen module."""
-    if node in taint:
-        return False
-    if facts(node).flops > 0:
-        return True
-    owner = module_owner(node)
-    return owner is not None and bool(facts(owner).params)
-
-
-def storage_cost(node: fx.Node) -> int:
-    """Bytes per sample; a per-dataset constant is stored once and costs nothing per sample."""
-    return facts(node).bytes_per_sample if facts(node).per_sample else 0
+_NO_PRICES = Prices(work={}, weights={}, readers={})
 
 
 def _is_batch_size(node: fx.Node, taint: Mapping[fx.Node, Taint]) -> bool:
@@ -122,7 +91,7 @@ def _is_batch_size(node: fx.Node, taint: Mapping[fx.Node, Taint]) -> bool:
 
 
 def _flow_network(
-    graph: fx.Graph, taint: Mapping[fx.Node, Taint], *, anchorable: bool
+    graph: fx.Graph, taint: Mapping[fx.Node, Taint], prices: Prices, *, anchorable: bool
 ) -> nx.DiGraph:
     """The node-split network; with ``anchorable``, batch-size values need no inputs."""
     nodes = [node for node in graph.nodes if node.op != "output"]
@@ -136,6 +105,8 @@ def _flow_network(
             network.add_edge(v_in, v_out)
         if node in taint:
             network.add_edge(v_in, _STAGE2_TERMINAL)
+        elif node in prices.work:
+            network.add_edge(_STAGE1_TERMINAL, v_in, capacity=prices.work[node] * weight + 1)
         elif node.op == "placeholder" or is_banned(node, taint):
             network.add_edge(_STAGE1_TERMINAL, v_in)
         else:
@@ -145,22 +116,91 @@ def _flow_network(
                 network.add_edge(v_out, _STAGE2_TERMINAL)
             elif not (anchorable and _is_batch_size(user, taint)):
                 network.add_edge(v_out, f"{user.name}:in")
+    for name, cost in prices.weights.items():
+        network.add_edge(_STAGE1_TERMINAL, f"weight:{name}", capacity=cost * weight)
+        for reader in prices.readers[name]:
+            network.add_edge(f"weight:{name}", f"{reader.name}:in")
     return network
 
 
-def choose_boundary(graph: fx.Graph, trainable: frozenset[str]) -> Cut:
-    """The cheapest exact boundary; raises :class:`SplitError` when none exists."""
+def choose_boundary(
+    graph: fx.Graph,
+    trainable: frozenset[str],
+    *,
+    recompute: Recompute = "never",
+    model: nn.Module | None = None,
+    costs: CostModel = AUTO,
+) -> Cut:
+    """The cheapest exact boundary; raises :class:`SplitError` when none exists.
+
+    ``recompute="auto"`` (``model`` required) lets stage 2 redo candidate frozen work when its
+    price in ``costs`` is below the bytes it saves; the cut's ``recomputation`` says what was
+    traded against the ``"never"`` plan.
+    """
+    check_recompute(recompute)
     taint = compute_taint(graph, trainable)
-    cut = stages_for(graph, _min_cut(graph, taint, anchorable=True), taint)
+    if recompute == "never":
+        return _cheapest(graph, taint, _NO_PRICES)
+    assert model is not None, 'recompute="auto" prices weights: pass the model'
+    weight_bytes = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
+    prices = price(graph, taint, weight_bytes, costs)
+    if not prices.work:
+        return _cheapest(graph, taint, _NO_PRICES)
+    traded = _cheapest(graph, taint, prices)
+    try:
+        stored: Cut | None = _cheapest(graph, taint, _NO_PRICES)
+    except SplitError:  # only redoing frozen work makes this step splittable
+        stored = None
+    trade = _trade(graph, stored, traded, taint, weight_bytes)
+    return dataclasses.replace(traded, recomputation=trade)
+
+
+def _cheapest(graph: fx.Graph, taint: Mapping[fx.Node, Taint], prices: Prices) -> Cut:
+    cut = stages_for(graph, _min_cut(graph, taint, prices, anchorable=True), taint)
     if cut.reanchored and cut.anchor is None:  # nothing per-sample to read the batch size off
-        cut = stages_for(graph, _min_cut(graph, taint, anchorable=False), taint)
+        cut = stages_for(graph, _min_cut(graph, taint, prices, anchorable=False), taint)
     return cut
 
 
+def _trade(
+    graph: fx.Graph,
+    stored: Cut | None,
+    traded: Cut,
+    taint: Mapping[fx.Node, Taint],
+    weight_bytes: Mapping[str, int],
+) -> Recomputation | None:
+    """What ``traded`` redoes in stage 2, and what that bought, against ``stored`` (None when
+    no plan without recomputation exists)."""
+    redone = tuple(node for node in graph.nodes if node in traded.stage2 and is_banned(node, taint))
+    if not redone:
+        return None
+    read = set().union(*(weights_read(node, taint) for node in redone))
+    added = sorted(read - (held_weights(stored) if stored else frozenset()))
+    return Recomputation(
+        nodes=redone,
+        bytes_saved_per_sample=boundary_bytes(stored) - boundary_bytes(traded) if stored else None,
+        flops_per_sample=sum(facts(node).flops for node in redone) // traced_batch_size(graph),
+        weights=tuple(added),
+        weight_bytes=sum(weight_bytes[name] for name in added),
+    )
+
+
+def boundary_bytes(cut: Cut) -> int:
+    """Bytes per sample the cut's boundary stores."""
+    return sum(storage_cost(node) for node in cut.boundary)
+
+
+def held_weights(cut: Cut) -> frozenset[str]:
+    """Parameters stage 2 holds (those its nodes read), by qualified name."""
+    return frozenset(
+        name for node in cut.stage2 if "facts" in node.meta for name in facts(node).params
+    )
+
+
 def _min_cut(
-    graph: fx.Graph, taint: Mapping[fx.Node, Taint], *, anchorable: bool
+    graph: fx.Graph, taint: Mapping[fx.Node, Taint], prices: Prices, *, anchorable: bool
 ) -> tuple[fx.Node, ...]:
-    network = _flow_network(graph, taint, anchorable=anchorable)
+    network = _flow_network(graph, taint, prices, anchorable=anchorable)
     try:
         _, (stage1_side, _) = nx.minimum_cut(
             network, _STAGE1_TERMINAL, _STAGE2_TERMINAL, flow_func=nx.algorithms.flow.dinitz

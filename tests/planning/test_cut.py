@@ -3,6 +3,8 @@
 Every test checks exactness bit for bit (``split_and_verify``) and what the plan says: the
 boundary's names, shapes and batch dims, which parameters each stage holds and which nodes stage 2
 recomputes (graph shapes, shared modules, shape values, per-dataset constants, banned work).
+Tests about the rule that frozen work stays in stage 1 pass ``recompute="never"``; what
+``recompute="auto"`` trades instead is in ``test_recompute.py``.
 """
 
 from __future__ import annotations
@@ -116,10 +118,14 @@ class TrainableSkipAroundFrozen(nn.Module):
 
 def test_trainable_branch_beside_frozen_branch_keeps_both_inputs():
     model = TrainableSkipAroundFrozen()
-    split = split_and_verify(model, (batch(3, 4),))
+    split = split_and_verify(model, (batch(3, 4),), recompute="never")
     assert boundary_summary(split) == {"x": ((3, 4), 0, 16), "encoder": ((3, 8), 0, 32)}
     assert param_names(split.stage1, model) == {"encoder.weight", "encoder.bias"}
     assert "encoder" not in {name.split(".")[0] for name in param_names(split.stage2, model)}
+    # x crosses anyway, so "auto" redoes the small frozen layer instead of storing its output.
+    split = split_and_verify(model, (batch(3, 4),), recompute="auto")
+    assert boundary_summary(split) == {"x": ((3, 4), 0, 16)}
+    assert {"encoder.weight", "encoder.bias"} <= param_names(split.stage2, model)
 
 
 # -- shared and repeated frozen modules ---------------------------------------------------------
@@ -209,7 +215,7 @@ class ShapeValues(nn.Module):
 
 def test_shape_values_are_recomputed_in_stage2_from_the_boundary():
     model = ShapeValues()
-    split = split_and_verify(model, (batch(3, 2, 4, 4),))
+    split = split_and_verify(model, (batch(3, 2, 4, 4),), recompute="never")
     assert boundary_summary(split) == {"view": ((3, 48), 0, 192)}
     # stage 2 reads features.shape[0] from the cached tensor: no need to cache the images
     assert "images" not in split.boundary
@@ -278,12 +284,16 @@ def token_ids(size: int) -> torch.Tensor:
 def test_integer_inputs_and_keyword_arguments():
     model = TokenEmbeddings()
     ids = token_ids(3)
-    # A frozen module call is never rerun, even though the ids are 4x smaller than embeddings.
-    split = split_and_verify(model, (), {"ids": ids})
+    # With "never" a frozen module call is not rerun, though the ids are 8x smaller.
+    split = split_and_verify(model, (), {"ids": ids}, recompute="never")
     assert boundary_summary(split) == {"embed": ((3, 5, 16), 0, 320)}
     assert torch.equal(split.stage2(**split.stage1(ids=ids)), model(ids=ids))
-    split = split_and_verify(model, (ids,), {"weight": batch(3, 5)})
+    split = split_and_verify(model, (ids,), {"weight": batch(3, 5)}, recompute="never")
     assert boundary_summary(split) == {"weight": ((3, 5), 0, 20), "embed": ((3, 5, 16), 0, 320)}
+    # With "auto" stage 2 looks the embeddings up itself, from the integer ids.
+    split = split_and_verify(model, (), {"ids": ids}, recompute="auto")
+    assert boundary_summary(split) == {"ids": ((3, 5), 0, 40)}
+    assert split.boundary["ids"].dtype == torch.int64
 
 
 def test_stage1_takes_an_omitted_default_argument_under_its_own_name():
@@ -388,8 +398,13 @@ class ExpandingMatmul(nn.Module):
         return self.head(x @ self.weight).mean()
 
 
-def test_expensive_frozen_matmul_is_stored_even_when_its_input_is_smaller():
+def test_frozen_matmul_is_stored_with_never_even_when_its_input_is_smaller():
     model = ExpandingMatmul()
-    split = split_and_verify(model, (batch(3, 4),))
+    split = split_and_verify(model, (batch(3, 4),), recompute="never")
     assert boundary_summary(split) == {"matmul": ((3, 64), 0, 256)}
     assert "matmul" not in stage2_names(split)
+    # "auto" prices it (512 FLOP and 1 KiB of weight per 16x the bytes) and redoes it.
+    split = split_and_verify(model, (batch(3, 4),), recompute="auto")
+    assert boundary_summary(split) == {"x": ((3, 4), 0, 16)}
+    assert {"matmul", "weight"} <= stage2_names(split)
+    assert param_names(split.stage2, model) == {"weight", "head.weight", "head.bias"}

@@ -10,8 +10,13 @@ Properties:
     2. Stage ownership: stage 1 holds no trainable parameter and runs no tainted node; stage 2
        runs no banned node, and every tainted node the output needs and every random draw
        (dead or not: skipping one would shift the RNG stream of later draws).
-    3. Optimality: the boundary's bytes per sample equal a brute-force optimum over all sets of
-       storable nodes that form a valid boundary.
+       With ``recompute="auto"`` stage 2 may also run frozen work, but only the candidates
+       (one layer whose inputs are already on the boundary), never random or tainted-input work
+       outside stage 2's own needs.
+    3. Optimality: the plan's cost equals a brute-force optimum over all sets of storable nodes
+       that form a valid boundary. With ``recompute="never"`` the cost is the boundary's bytes
+       per sample; with ``"auto"`` (and with other exchange rates, drawn) it is those bytes plus
+       the price of every candidate stage 2 redoes and of every priced frozen weight it holds.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from torch import nn
 
 import graphsplit
 from graphsplit.artifacts import Taint
-from graphsplit.planning.cut import facts, is_banned, is_storable, storage_cost
+from graphsplit.planning.cut import choose_boundary, facts, is_banned, is_storable, storage_cost
+from graphsplit.planning.recompute import CostModel, Prices, candidates, price
 from tests.helpers import batch, param_names
 
 BATCH = 3
@@ -39,6 +45,7 @@ MAX_CANDIDATES = 16
 # op -> number of inputs. Ops with parameters draw whether those are frozen.
 ARITY = {
     "frozen_or_trainable_linear": 1,
+    "lora_linear": 1,  # frozen base(h) + trainable adapter(h): stage 2 has h anyway
     "add": 2,
     "mul": 2,
     "tanh": 1,
@@ -50,7 +57,7 @@ ARITY = {
     "batch_mean": 1,  # mixes samples: h - h.mean(0)
     "dataset_constant_add": 1,  # h + tanh(c @ m) from parameters only: no batch dim
 }
-HAS_PARAMS = {"frozen_or_trainable_linear", "dataset_constant_add"}
+HAS_PARAMS = {"frozen_or_trainable_linear", "dataset_constant_add"}  # may be frozen
 FROZEN_FORMS = ("requires_grad", "prefixes", "modules", "predicate")
 
 
@@ -68,6 +75,7 @@ class StepSpec:
     outputs: tuple[int, ...]  # node indices (0 is x) summed into the prediction
     loss: str  # "mse" against a target y, or "mean" of the raw prediction
     frozen_form: str
+    recompute: str = "auto"
 
 
 def _allowed(kind: str, width: int) -> bool:
@@ -92,6 +100,8 @@ def step_specs(draw: st.DrawFn) -> StepSpec:
             inputs = (first, draw(st.sampled_from(same_width)))
         if kind == "frozen_or_trainable_linear":
             width = draw(st.sampled_from((2, 4, 8)))
+        elif kind == "lora_linear":
+            width = draw(st.sampled_from((4, 8, 16)))
         elif kind == "cat":
             width *= 2
         elif kind == "narrow":
@@ -107,6 +117,7 @@ def step_specs(draw: st.DrawFn) -> StepSpec:
         outputs=tuple(sorted(outputs)),
         loss=draw(st.sampled_from(("mse", "mean"))),
         frozen_form=draw(st.sampled_from(FROZEN_FORMS)),
+        recompute=draw(st.sampled_from(("auto", "never"))),
     )
 
 
@@ -122,6 +133,10 @@ class GeneratedStep(nn.Module):
             width_in = widths[op.inputs[0]]
             if op.kind == "frozen_or_trainable_linear":
                 layer = nn.Linear(width_in, op.width)
+            elif op.kind == "lora_linear":
+                layer = nn.Module()
+                layer.base = nn.Linear(width_in, op.width)
+                layer.adapter = nn.Linear(width_in, op.width, bias=False)
             elif op.kind == "dataset_constant_add":
                 layer = nn.Module()
                 layer.c = nn.Parameter(torch.randn(width_in, generator=generator))
@@ -143,6 +158,9 @@ class GeneratedStep(nn.Module):
         h = inputs[0]
         if op.kind == "frozen_or_trainable_linear":
             return getattr(self, f"node{index}")(h)
+        if op.kind == "lora_linear":
+            layer = getattr(self, f"node{index}")
+            return layer.base(h) + layer.adapter(h)
         if op.kind == "add":
             return h + inputs[1]
         if op.kind == "mul":
@@ -172,6 +190,11 @@ def build(spec: StepSpec) -> tuple[GeneratedStep, tuple[torch.Tensor, torch.Tens
     torch.manual_seed(0)
     model = GeneratedStep(spec)
     frozen_modules = [f"node{index}" for index, op in enumerate(spec.ops, start=1) if op.frozen]
+    frozen_modules += [
+        f"node{index}.base"
+        for index, op in enumerate(spec.ops, start=1)
+        if op.kind == "lora_linear"
+    ]
     if spec.frozen_form == "requires_grad":
         for name in frozen_modules:
             model.get_submodule(name).requires_grad_(False)
@@ -181,14 +204,14 @@ def build(spec: StepSpec) -> tuple[GeneratedStep, tuple[torch.Tensor, torch.Tens
     elif spec.frozen_form == "modules":
         frozen = [model.get_submodule(name) for name in frozen_modules]
     else:
-        frozen = lambda name, param: name.split(".")[0] in frozen_modules  # noqa: E731
+        frozen = lambda name, param: name.rpartition(".")[0] in frozen_modules  # noqa: E731
     args = (batch(BATCH, WIDTH, seed=1), batch(BATCH, seed=2))
     return model, args, frozen
 
 
 def split_spec(spec: StepSpec) -> tuple[GeneratedStep, tuple, graphsplit.Split]:
     model, args, frozen = build(spec)
-    return model, args, graphsplit.split(model, args, frozen=frozen)
+    return model, args, graphsplit.split(model, args, frozen=frozen, recompute=spec.recompute)
 
 
 # -- brute force ------------------------------------------------------------------------------
@@ -203,50 +226,97 @@ def _closure(starts: set[fx.Node], step) -> set[fx.Node]:
     return seen
 
 
-def brute_force_optimum(graph: fx.Graph, taint: dict[fx.Node, Taint]) -> int:
-    """The least bytes per sample of any valid boundary, by enumerating candidate sets.
+NO_PRICES = Prices(work={}, weights={}, readers={})
 
-    A set of storable nodes is a valid boundary when stage 2 -- walking back from what it must
-    compute through inputs, stopping at boundary values, as ``planning.cut.stages_for`` does --
-    never reaches an input (placeholder) or a banned node. What stage 2 must compute is the
-    output and every tainted node (the cut drains both to its sink: a random draw must happen in
-    stage 2 even when its value is unused). Only storable nodes that lie between a forbidden node
-    and a required one can matter, so only those are enumerated.
+
+def plan_cost(boundary, stage2: set[fx.Node], prices: Prices) -> int:
+    """Bytes per sample stored, plus what stage 2 pays to redo priced work and hold weights."""
+    held = {name for name, readers in prices.readers.items() if stage2 & set(readers)}
+    return (
+        sum(storage_cost(node) for node in boundary)
+        + sum(prices.work[node] for node in stage2 if node in prices.work)
+        + sum(prices.weights[name] for name in held)
+    )
+
+
+def _required(graph: fx.Graph, taint: dict[fx.Node, Taint]) -> set[fx.Node]:
+    """What stage 2 must compute: the output, and every tainted node (the cut drains both to
+    its sink: a random draw must happen in stage 2 even when its value is unused)."""
+    output = next(node for node in graph.nodes if node.op == "output")
+    return set(output.all_input_nodes) | set(taint)
+
+
+def _forbidden(graph: fx.Graph, taint: dict[fx.Node, Taint], prices: Prices) -> set[fx.Node]:
+    """What stage 2 may not run at any price: inputs, and frozen work that is not priced."""
+    return {
+        n
+        for n in graph.nodes
+        if n.op == "placeholder" or (n.op != "output" and is_banned(n, taint))
+        if n not in prices.work
+    }
+
+
+def stage2_walk(
+    graph: fx.Graph, taint: dict[fx.Node, Taint], prices: Prices, boundary: set[fx.Node]
+) -> set[fx.Node] | None:
+    """What stage 2 runs for ``boundary`` -- walking back from what it must compute, stopping at
+    boundary values, as ``planning.cut.stages_for`` does -- or None if that reaches a
+    forbidden node."""
+    forbidden = _forbidden(graph, taint, prices)
+    seen: set[fx.Node] = set()
+    pending = list(_required(graph, taint))
+    while pending:
+        node = pending.pop()
+        if node in seen or node in boundary:
+            continue
+        if node in forbidden:
+            return None
+        seen.add(node)
+        pending.extend(node.all_input_nodes)
+    return seen
+
+
+def brute_force_optimum(graph: fx.Graph, taint: dict[fx.Node, Taint], prices: Prices) -> int:
+    """The least cost of any valid boundary, by enumerating candidate sets.
+
+    A set of storable nodes is a valid boundary when :func:`stage2_walk` finds one; its cost is
+    :func:`plan_cost` of the boundary and that walk. Only storable nodes that lie between
+    something stage 2 cannot run for free (an input, frozen work, a reader of a priced weight)
+    and a required node can matter, so only those are enumerated.
     """
     nodes = [node for node in graph.nodes if node.op != "output"]
-    output = next(node for node in graph.nodes if node.op == "output")
-    required = set(output.all_input_nodes) | set(taint)
-    forbidden = {n for n in nodes if n.op == "placeholder" or is_banned(n, taint)}
-    upstream = _closure(required, lambda node: node.all_input_nodes)
-    downstream = _closure(forbidden, lambda node: node.users)
+    free = {n for n in nodes if n.op == "placeholder" or is_banned(n, taint)}
+    free |= {n for readers in prices.readers.values() for n in readers}
+    upstream = _closure(_required(graph, taint), lambda node: node.all_input_nodes)
+    downstream = _closure(free, lambda node: node.users)
     candidates = [
         node
         for node in nodes
         if is_storable(node, taint) and node in upstream and node in downstream
     ]
     assume(len(candidates) <= MAX_CANDIDATES)
-
-    def valid(boundary: set[fx.Node]) -> bool:
-        seen: set[fx.Node] = set()
-        pending = list(required)
-        while pending:
-            node = pending.pop()
-            if node in seen or node in boundary:
-                continue
-            if node in forbidden:
-                return False
-            seen.add(node)
-            pending.extend(node.all_input_nodes)
-        return True
-
     best = None
     for size in range(len(candidates) + 1):
         for subset in itertools.combinations(candidates, size):
-            cost = sum(storage_cost(node) for node in subset)
-            if (best is None or cost < best) and valid(set(subset)):
-                best = cost
+            stage2 = stage2_walk(graph, taint, prices, set(subset))
+            if stage2 is not None:
+                cost = plan_cost(subset, stage2, prices)
+                best = cost if best is None else min(best, cost)
     assert best is not None, "no valid boundary: the inputs themselves always are one"
     return best
+
+
+def chosen_cost(graph: fx.Graph, cut, prices: Prices) -> int:
+    """The chosen plan's cost, counted as :func:`brute_force_optimum` counts every plan."""
+    stage2 = stage2_walk(graph, cut.taint, prices, set(cut.boundary))
+    assert stage2 is not None, "the chosen boundary makes stage 2 run forbidden work"
+    assert set(cut.stage2) <= stage2  # stage 2 may skip dead tainted work; never more
+    return plan_cost(cut.boundary, stage2, prices)
+
+
+def prices_for(split: graphsplit.Split, model: nn.Module, costs: CostModel) -> Prices:
+    sizes = {name: p.numel() * p.element_size() for name, p in model.named_parameters()}
+    return price(split.graph, split.cut.taint, sizes, costs)
 
 
 # -- properties ------------------------------------------------------------------------------
@@ -279,13 +349,36 @@ def test_each_stage_owns_what_it_must(spec):
     # Dead pure values may be dropped; a dead random draw may not (it moves the RNG stream).
     must_run = [node for node in taint if node in needed or facts(node).random_ops]
     assert not [node.name for node in must_run if node not in split.cut.stage2]
-    assert not [node.name for node in split.cut.stage2 if is_banned(node, taint)]
+    redoable = candidates(split.graph, taint) if spec.recompute == "auto" else frozenset()
+    redone = [node for node in split.cut.stage2 if is_banned(node, taint)]
+    assert not [node.name for node in redone if node not in redoable]
+    trade = split.cut.recomputation
+    assert (trade.nodes if trade else ()) == tuple(n for n in split.graph.nodes if n in redone)
 
 
 @PROPERTY_SETTINGS
 @given(step_specs())
-def test_boundary_bytes_are_optimal(spec):
-    _, _, split = split_spec(spec)
-    chosen = sum(storage_cost(node) for node in split.cut.boundary)
+def test_plan_cost_is_optimal(spec):
+    model, _, split = split_spec(spec)
     assert all(is_storable(node, split.cut.taint) for node in split.cut.boundary)
-    assert chosen == brute_force_optimum(split.graph, split.cut.taint)
+    auto = spec.recompute == "auto"
+    prices = prices_for(split, model, CostModel()) if auto else NO_PRICES
+    chosen = chosen_cost(split.graph, split.cut, prices)
+    assert chosen == brute_force_optimum(split.graph, split.cut.taint, prices)
+
+
+EXCHANGE_RATES = st.builds(
+    CostModel,
+    flops_per_byte=st.sampled_from((1, 8, 64, 4096)),
+    weight_samples=st.sampled_from((1, 16, 256, 65536)),
+)
+
+
+@PROPERTY_SETTINGS
+@given(step_specs(), EXCHANGE_RATES)
+def test_plan_cost_is_optimal_at_any_exchange_rate(spec, costs):
+    model, _, split = split_spec(spec)
+    cut = choose_boundary(split.graph, split.trainable, recompute="auto", model=model, costs=costs)
+    prices = prices_for(split, model, costs)
+    optimum = brute_force_optimum(split.graph, cut.taint, prices)
+    assert chosen_cost(split.graph, cut, prices) == optimum
