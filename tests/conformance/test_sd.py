@@ -22,7 +22,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 from diffusers.training_utils import compute_snr  # noqa: E402
 
-from tests.zoo import build_sd_lora_step, tokenize  # noqa: E402
+from tests.zoo import build_frozen_sd, build_sd_lora_step, tokenize  # noqa: E402
 
 
 class TextToImageLoRAStep(nn.Module):
@@ -249,3 +249,66 @@ def test_sdxl_lora_caches_both_text_encoders_and_the_vae(size):
 def test_sdxl_lora_with_time_ids_computed_in_the_step():
     torch.manual_seed(0)
     split_and_verify(SDXLLoRAStep(), _sdxl_batch(2))
+
+
+class ControlNetStep(nn.Module):
+    """The loop body of ``train_controlnet.py``: only the ControlNet trains.
+
+    The frozen UNet consumes the ControlNet's residuals, so it must run in stage 2; the VAE
+    and text encoder see only the batch and are cached.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.vae, self.text_encoder, self.unet, self.noise_scheduler = build_frozen_sd()
+        self.controlnet = diffusers.ControlNetModel.from_unet(
+            self.unet, conditioning_embedding_out_channels=(16, 32)
+        ).requires_grad_(True)
+        self.controlnet.train()
+
+    def forward(self, pixel_values, input_ids, conditioning_pixel_values):
+        weight_dtype = torch.float32
+        latents = self.vae.encode(pixel_values.to(dtype=weight_dtype)).latent_dist.sample()
+        latents = latents * self.vae.config.scaling_factor
+        noise = torch.randn_like(latents)
+        bsz = latents.shape[0]
+        timesteps = torch.randint(
+            0, self.noise_scheduler.config.num_train_timesteps, (bsz,), device=latents.device
+        )
+        timesteps = timesteps.long()
+        noisy_latents = self.noise_scheduler.add_noise(latents.float(), noise.float(), timesteps)
+        noisy_latents = noisy_latents.to(dtype=weight_dtype)
+        encoder_hidden_states = self.text_encoder(input_ids, return_dict=False)[0]
+        controlnet_image = conditioning_pixel_values.to(dtype=weight_dtype)
+        down_block_res_samples, mid_block_res_sample = self.controlnet(
+            noisy_latents,
+            timesteps,
+            encoder_hidden_states=encoder_hidden_states,
+            controlnet_cond=controlnet_image,
+            return_dict=False,
+        )
+        model_pred = self.unet(
+            noisy_latents,
+            timesteps,
+            encoder_hidden_states=encoder_hidden_states,
+            down_block_additional_residuals=[
+                sample.to(dtype=weight_dtype) for sample in down_block_res_samples
+            ],
+            mid_block_additional_residual=mid_block_res_sample.to(dtype=weight_dtype),
+            return_dict=False,
+        )[0]
+        if self.noise_scheduler.config.prediction_type == "epsilon":
+            target = noise
+        elif self.noise_scheduler.config.prediction_type == "v_prediction":
+            target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
+        return F.mse_loss(model_pred.float(), target.float(), reduction="mean")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [2, 3])
+def test_controlnet_caches_vae_and_text_encoder_but_runs_the_frozen_unet(size):
+    torch.manual_seed(0)
+    batch = (torch.randn(size, 3, 32, 32), _captions(size), torch.rand(size, 3, 32, 32))
+    split = split_and_verify(ControlNetStep(), batch)
+    # The UNet is frozen but consumes the ControlNet's (trainable) residuals.
+    assert stage2_modules(split) == {"controlnet", "unet"}
