@@ -56,7 +56,9 @@ class TextToImageLoRAStep(nn.Module):
             target = noise
         elif self.noise_scheduler.config.prediction_type == "v_prediction":
             target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
-        model_pred = self.unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[0]
+        model_pred = self.unet(noisy_latents, timesteps, encoder_hidden_states, return_dict=False)[
+            0
+        ]
         snr = compute_snr(self.noise_scheduler, timesteps)
         mse_loss_weights = torch.stack(
             [snr, self.snr_gamma * torch.ones_like(timesteps)], dim=1
