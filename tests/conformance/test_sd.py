@@ -149,7 +149,8 @@ class SDXLLoRAStep(nn.Module):
 
     ``original_sizes`` / ``crop_top_lefts`` are what the script's ``collate_fn`` yields: lists
     of ``(h, w)`` tuples. With ``time_ids_in_collate`` the batch carries the finished
-    ``add_time_ids`` tensor instead (``compute_time_ids`` moved into the data pipeline).
+    ``add_time_ids`` tensor instead (``compute_time_ids`` moved into the data pipeline: the
+    one change from the script, until list-of-tuples inputs trace).
     """
 
     def __init__(self, resolution: int = 32, time_ids_in_collate: bool = False) -> None:
@@ -184,7 +185,15 @@ class SDXLLoRAStep(nn.Module):
         add_time_ids = add_time_ids.to(self.unet.device, dtype=torch.float32)
         return add_time_ids
 
-    def forward(self, pixel_values, input_ids_one, input_ids_two, original_sizes, crop_top_lefts):
+    def forward(
+        self,
+        pixel_values,
+        input_ids_one,
+        input_ids_two,
+        original_sizes=None,
+        crop_top_lefts=None,
+        add_time_ids=None,
+    ):
         model_input = self.vae.encode(pixel_values).latent_dist.sample()
         model_input = model_input * self.vae.config.scaling_factor
         noise = torch.randn_like(model_input)
@@ -197,9 +206,7 @@ class SDXLLoRAStep(nn.Module):
         )
         timesteps = timesteps.long()
         noisy_model_input = self.noise_scheduler.add_noise(model_input, noise, timesteps)
-        if self.time_ids_in_collate:
-            add_time_ids = original_sizes
-        else:
+        if not self.time_ids_in_collate:
             add_time_ids = torch.cat(
                 [self.compute_time_ids(s, c) for s, c in zip(original_sizes, crop_top_lefts)]
             )
@@ -236,7 +243,7 @@ def test_sdxl_lora_caches_both_text_encoders_and_the_vae(size):
     step = SDXLLoRAStep(time_ids_in_collate=True)
     pixels, ids_one, ids_two, original_sizes, crops = _sdxl_batch(size)
     time_ids = torch.cat([step.compute_time_ids(s, c) for s, c in zip(original_sizes, crops)])
-    split = split_and_verify(step, (pixels, ids_one, ids_two, time_ids, None))
+    split = split_and_verify(step, (pixels, ids_one, ids_two), {"add_time_ids": time_ids})
     assert stage2_modules(split) == {"unet"}
 
 
