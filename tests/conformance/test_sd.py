@@ -252,7 +252,7 @@ def test_sdxl_lora_caches_both_text_encoders_and_the_vae(size):
     raises=TypeError,
     reason="issue 11 item 1: ints of a list-of-tuples batch input are traced; len() of "
     "`original_size + crops_coords_top_left + target_size` raises a raw TypeError "
-    "(compute_time_ids, test_sd.py:180). Once traced, a split made on one batch must not bake "
+    "(compute_time_ids, test_sd.py:183). Once traced, a split made on one batch must not bake "
     "that batch's sizes in as constants.",
 )
 def test_sdxl_lora_with_time_ids_computed_in_the_step():
