@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 from graphsplit.planning.memo import OpMemo
@@ -52,13 +52,31 @@ def to_meta(value: Any) -> Any:
 
 
 class _StrayTensorsToMeta(TorchFunctionMode):
-    """Moves real tensors that meet meta tensors in one op onto ``meta``."""
+    """Moves real tensors that meet meta tensors in one op onto ``meta``; lets checks hold.
+
+    ``torch._check_tensor_all_with(cond)`` (transformers' ``torch_compilable_check`` outside
+    dynamo, e.g. LLaVA's "image tokens match image features") asserts a tensor condition by
+    reading ``cond._is_all_true().item()``. An assertion states what must hold for the step to
+    run at all, so the analysis assumes it holds, as torch.export does with ``torch._check``:
+    a constant ``True`` answers it. The real check still runs on real data in either stage.
+    """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _IS_ALL_TRUE and _is_analysis_tensor(args[0]):
+            return torch.tensor(True, device="cpu")  # a fake constant: .item() is True
         if _has_meta_tensor((args, kwargs)):
             args, kwargs = to_meta((args, kwargs))
         return func(*args, **kwargs)
+
+
+_IS_ALL_TRUE = torch.Tensor._is_all_true
+
+
+def _is_analysis_tensor(value: Any) -> bool:
+    return isinstance(value, FakeTensor) or (
+        isinstance(value, torch.Tensor) and value.device.type == "meta"
+    )
 
 
 def _has_meta_tensor(tree: Any) -> bool:
@@ -125,13 +143,17 @@ def analysis_view(model: nn.Module) -> Iterator[None]:
 
     Parameters keep their ``requires_grad`` and tied parameters stay tied (one meta tensor per
     original object). Helper objects' attributes and attributes added to any module (torch.fx
-    stores traced constants on the root) are restored too.
+    stores traced constants on the root) are restored too, and so are the modules' hook tables:
+    code that installs hooks on first call and marks itself done (transformers'
+    ``maybe_install_capturing_hooks``) must find both undone, or the next call would install
+    its hooks a second time.
     """
     replaced: list[tuple[dict[str, Any], str, Any]] = []
     meta_of: dict[int, torch.Tensor] = {}
     module_dicts = {id(module): dict(vars(module)) for module in model.modules()}
     helpers = _helper_objects(model)
     helper_dicts = {id(obj): dict(vars(obj)) for obj in helpers}
+    hook_tables = _hook_tables(model)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     _FAKE_MODES.append((mode, OpMemo(mode)))
     try:
@@ -151,6 +173,22 @@ def analysis_view(model: nn.Module) -> Iterator[None]:
             _restore_dict(module, module_dicts.get(id(module)))
         for obj in helpers:
             _restore_dict(obj, helper_dicts[id(obj)])
+        for table, saved in hook_tables:
+            table.clear()
+            table.update(saved)
+
+
+def _hook_tables(model: nn.Module) -> list[tuple[dict[Any, Any], dict[Any, Any]]]:
+    """``(table, copy)`` for every hook dict of every module (``_forward_hooks`` and kin).
+
+    Restored in place: a hook's ``RemovableHandle`` refers to the table object itself.
+    """
+    return [
+        (table, dict(table))
+        for module in model.modules()
+        for name, table in vars(module).items()
+        if "hooks" in name and isinstance(table, dict)
+    ]
 
 
 def _meta_twin(tensor: torch.Tensor, meta_of: dict[int, torch.Tensor]) -> torch.Tensor:

@@ -32,6 +32,7 @@ __all__ = [
     "SDLoRAStep",
     "SDSize",
     "TextualInversionStep",
+    "build_frozen_sd",
     "build_partial_encoder_lora_step",
     "build_sd_lora_step",
     "build_textual_inversion_step",
@@ -265,6 +266,21 @@ def build_sd_lora_step(
     if gradient_checkpointing:
         unet.enable_gradient_checkpointing()
     return SDLoRAStep(vae, text_encoder, unet, _build_scheduler())
+
+
+def build_frozen_sd(
+    *, seed: int = 0, size: str = "tiny"
+) -> tuple[AutoencoderKL, CLIPTextModel, UNet2DConditionModel, DDPMScheduler]:
+    """``(vae, text_encoder, unet, scheduler)``, all frozen and in eval mode (no adapter).
+
+    For steps that train something next to the UNet (a ControlNet, an adapter) rather than
+    inside it; the same seeds as :func:`build_sd_lora_step`, so the weights match.
+    """
+    spec = _size(size)
+    vae = _build_vae(spec, seed, on_meta=False)
+    text_encoder = _build_text_encoder(spec.text, seed, on_meta=False)
+    unet = _build_unet(spec, seed, on_meta=False)
+    return vae, text_encoder, unet, _build_scheduler()
 
 
 class CLIPPartialLoRAStep(nn.Module):

@@ -19,6 +19,7 @@ from torch.utils.data import default_collate
 from tests.zoo import (
     SD_SIZES,
     CaptionedImages,
+    build_frozen_sd,
     build_partial_encoder_lora_step,
     build_sd_lora_step,
     build_textual_inversion_step,
@@ -119,6 +120,17 @@ def test_builders_are_deterministic_and_keep_caller_rng() -> None:
     assert torch.equal(state, torch.random.get_rng_state())
     assert _same_weights(a, b)
     assert not _same_weights(a.unet, build_sd_lora_step(seed=2).unet)
+
+
+def test_frozen_sd_is_frozen_in_eval_with_the_lora_steps_weights() -> None:
+    vae, text_encoder, unet, scheduler = build_frozen_sd(seed=1)
+    for module in (vae, text_encoder, unet):
+        assert not module.training
+        assert not any(p.requires_grad for p in module.parameters())
+    assert not any("lora_" in name for name, _ in unet.named_parameters())
+    step = build_sd_lora_step(seed=1)
+    assert _same_weights(vae, step.vae) and _same_weights(text_encoder, step.text_encoder)
+    assert scheduler.config.num_train_timesteps == 1000
 
 
 def test_frozen_on_meta_keeps_unet_weights() -> None:
