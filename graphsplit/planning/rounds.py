@@ -34,7 +34,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from graphsplit.artifacts import BatchLayout, ExampleInputs, Traced
+from graphsplit.artifacts import BatchLayout, ExampleInputs, TaintKind, Traced
 from graphsplit.errors import SplitError, TraceError
 from graphsplit.planning.analyze import analyze, resolve_params
 from graphsplit.planning.codecs import insert_codecs
@@ -54,25 +54,56 @@ MAX_ROUNDS = 8
 def trace_and_analyze(
     model: nn.Module, examples: ExampleInputs, trainable: frozenset[str]
 ) -> Traced:
-    """Trace and analyse in rounds; a batch-1 step that runs at no other size, one sample per batch.
+    """Trace and analyse in rounds; a batch-1 step that needs it is planned one sample per batch.
 
-    A step that fails at the probe sizes fails with its own error, unless the example holds one
-    sample: then it is analysed at batch 1 and, if that succeeds, planned one sample per batch.
-    If batch 1 fails too, that error is raised (it is the size the user gave).
+    Given a batch-1 example, the step is planned one sample per batch when the probe sizes
+    cannot plan it well: it fails there (code that runs only at batch 1), or frozen work looks
+    like it mixes samples there (a loop over the batch, ``reshape(1, ...)``) and would run
+    every step. If batch 1 fails too, that error is raised: it is the size the user gave.
     """
+    one_sample = example_batch_size(examples) == 1 and examples.batch_sizes != ONE_SAMPLE
     try:
-        return _rounds(model, examples, trainable)
+        traced = _rounds(model, examples, trainable)
     except Exception as at_probe_sizes:
-        if examples.batch_sizes == ONE_SAMPLE or example_batch_size(examples) != 1:
+        if not one_sample:
             raise
-        traced = _rounds(model, one_sample_examples(examples), trainable)
-        why = (str(at_probe_sizes).strip().splitlines() or [""])[0]
-        note = (
-            f"one sample per batch: the step fails at batch {examples.batch_sizes[0]} "
-            f"({type(at_probe_sizes).__name__}: {why}), so it was analysed at batch 1; each "
-            "batch is one sample, cached per sample, and stage 1 refuses a bigger batch"
-        )
-        return replace(traced, notes=(*traced.notes, note))
+        first_line = (str(at_probe_sizes).strip().splitlines() or [""])[0]
+        error = f"{type(at_probe_sizes).__name__}: {first_line}"
+        why = f"fails at batch {examples.batch_sizes[0]} ({error})"
+        return _one_sample_per_batch(model, examples, trainable, why)
+    mixing = _frozen_work_judged_mixing(traced, trainable) if one_sample else []
+    if not mixing:
+        return traced
+    why = (
+        f"at batch {examples.batch_sizes[0]}, frozen {', '.join(mixing)} looked like mixing "
+        "samples and would have run every step"
+    )
+    try:
+        return _one_sample_per_batch(model, examples, trainable, why)
+    except Exception:  # batch 1 is no better: keep the plan for every batch size
+        return traced
+
+
+def _one_sample_per_batch(
+    model: nn.Module, examples: ExampleInputs, trainable: frozenset[str], why: str
+) -> Traced:
+    traced = _rounds(model, one_sample_examples(examples), trainable)
+    note = (
+        f"one sample per batch: the step {why}, so it was planned at batch 1: each batch is one "
+        "sample, cached per sample, and stage 1 refuses a bigger batch (pass an example of 2 "
+        "samples for a plan for every batch size)"
+    )
+    return replace(traced, notes=(*traced.notes, note))
+
+
+def _frozen_work_judged_mixing(traced: Traced, trainable: frozenset[str]) -> list[str]:
+    """Nodes doing real work (FLOPs) kept in stage 2 only because they looked like mixing."""
+    taint = compute_taint(traced.graph, trainable)
+    return [
+        node.name
+        for node, why in taint.items()
+        if why.kind is TaintKind.MIXING and why.origin is node and facts(node).flops > 0
+    ]
 
 
 def _rounds(model: nn.Module, examples: ExampleInputs, trainable: frozenset[str]) -> Traced:

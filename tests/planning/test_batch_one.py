@@ -173,3 +173,42 @@ def test_a_batch_one_cache_trains_stage2_exactly(tmp_path):
         from_cache = split.stage2(**cached)
         torch.manual_seed(index)
         assert torch.equal(from_cache, step(x, target))
+
+
+class PerSampleEncoder(nn.Module):
+    """Encodes one sample at a time, like DiffSynth's ``WanVideoVAE.encode``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 6)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([self.linear(row) for row in x])
+
+
+class LoopsOverTheBatch(nn.Module):
+    """Frozen work that loops over the batch inside a module's method.
+
+    It runs at every batch size, but the probe runs see different ops at batch 2 and 4, so the
+    general plan keeps the encoder in stage 2; at batch 1 it is cached.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = frozen(PerSampleEncoder())
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder.encode(x)).mean()
+
+
+def test_frozen_work_judged_mixing_at_the_probe_sizes_is_cached_one_sample_per_batch():
+    step = LoopsOverTheBatch()
+    split = split_and_verify(step, (torch.randn(1, 8),))
+    note = next(note for note in split.notes if note.startswith("one sample per batch"))
+    assert "looked like mixing samples and would have run every step" in note
+    assert "pass an example of 2 samples for a plan for every batch size" in note
+    assert [spec.shape for spec in split.boundary.values()] == [(1, 6)]  # the encoder's output
+    general = split_and_verify(step, (torch.randn(2, 8),))  # 2 samples: the general plan
+    assert not any("one sample per batch" in note for note in general.notes)
+    assert list(general.boundary) == ["x"]
