@@ -19,9 +19,12 @@ What differs from DiffSynth's script, and why (graphsplit traces tensors):
   (:class:`Pretokenized` stands in the pipeline's ``tokenizer`` slot and hands them on).
 - Weights are float32 on the CPU, so that the split can be checked bit for bit.
 
-    wan_t2v_lora_step() -> (step, batch)   # Wan 2.1 text-to-video
-    qwen_image_lora_step() -> (step, batch)
-    flux_lora_step() -> (step, batch)
+    wan_t2v_lora_step() -> (step, batch)        # Wan 2.1 text-to-video, tiny, runs
+    flux_lora_step_on_meta() -> (step, batch)   # FLUX.1: full widths on meta, plans only
+
+Qwen-Image is not here: ``QwenImageDiT`` fixes its width (3072, text 3584) and its prompt unit
+formats the prompt *string* into a chat template before tokenizing, so there is neither a tiny
+model nor a tensor path for the prompt.
 """
 
 from __future__ import annotations
@@ -154,3 +157,96 @@ def wan_batch(seed: int) -> dict[str, torch.Tensor]:
         "prompt_ids": torch.randint(1, 64, (1, 8), generator=generator) * mask,
         "prompt_mask": mask,
     }
+
+
+# -- FLUX.1 ---------------------------------------------------------------------------------------
+class PretokenizedPair:
+    """FLUX's two tokenizer slots (CLIP, T5) for a prompt the dataset tokenized for both.
+
+    DiffSynth calls ``tokenizer(prompt, return_tensors="pt", ...).input_ids``; ``prompt`` is
+    ``(clip_ids, t5_ids)`` here, and slot ``index`` hands on its half.
+    """
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __call__(self, prompt: Any, **_: Any) -> Any:
+        return types.SimpleNamespace(input_ids=prompt[self.index])
+
+
+class FluxTrainingModule(DiffusionTrainingModule):
+    """``examples/flux/model_training/train.py``'s ``FluxTrainingModule``, task "sft", on meta.
+
+    DiffSynth's FLUX classes fix their widths (``FluxDiT``: 3072 wide, 38 single blocks;
+    ``FluxTextEncoderT5``: T5-XXL), so there is no tiny FLUX: the models are built on ``meta``
+    (10.7 B parameters, no memory) with the fewest joint blocks (1), which is enough to plan
+    the split but not to run it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        from diffsynth.models.flux_dit import FluxDiT
+        from diffsynth.models.flux_text_encoder_clip import FluxTextEncoderClip
+        from diffsynth.models.flux_text_encoder_t5 import FluxTextEncoderT5
+        from diffsynth.models.flux_vae import FluxVAEEncoder
+        from diffsynth.pipelines.flux_image import FluxImagePipeline
+
+        pipe = FluxImagePipeline(device="cpu", torch_dtype=torch.float32)
+        with torch.device("meta"):
+            pipe.text_encoder_1 = FluxTextEncoderClip()
+            pipe.text_encoder_2 = FluxTextEncoderT5()
+            pipe.dit = FluxDiT(num_blocks=1)
+            pipe.vae_encoder = FluxVAEEncoder()
+        pipe.tokenizer_1, pipe.tokenizer_2 = PretokenizedPair(0), PretokenizedPair(1)
+        pipe.preprocess_image = types.MethodType(_preprocessed, pipe)
+        self.pipe = _train_mode(self, pipe, ["a_to_qkv", "b_to_qkv", "to_qkv_mlp"])
+        self.use_gradient_checkpointing = False
+        self.use_gradient_checkpointing_offload = False
+        self.extra_inputs: list[str] = []
+        self.task = "sft"
+        self.task_to_loss = {
+            "sft": lambda pipe, inputs_shared, inputs_posi, inputs_nega: FlowMatchSFTLoss(
+                pipe, **inputs_shared, **inputs_posi
+            ),
+        }
+
+    def get_pipeline_inputs(self, data: dict[str, Any]) -> tuple[dict, dict, dict]:
+        """train.py's, with sizes read off the pixel tensor ``(1, C, H, W)``."""
+        inputs_posi = {"prompt": data["prompt"]}
+        inputs_nega = {"negative_prompt": ""}
+        inputs_shared = {
+            "input_image": data["image"],
+            "height": data["image"].shape[2],
+            "width": data["image"].shape[3],
+            "cfg_scale": 1,
+            "embedded_guidance": 1,
+            "t5_sequence_length": 512,
+            "tiled": False,
+            "rand_device": self.pipe.device,
+            "use_gradient_checkpointing": self.use_gradient_checkpointing,
+            "use_gradient_checkpointing_offload": self.use_gradient_checkpointing_offload,
+        }
+        return inputs_shared, inputs_posi, inputs_nega
+
+    def forward(
+        self, image: torch.Tensor, clip_ids: torch.Tensor, t5_ids: torch.Tensor
+    ) -> torch.Tensor:
+        data = {"image": image, "prompt": (clip_ids, t5_ids)}
+        # From here on: train.py's forward(data), verbatim.
+        inputs = self.get_pipeline_inputs(data)
+        inputs = self.transfer_data_to_device(inputs, self.pipe.device, self.pipe.torch_dtype)
+        for unit in self.pipe.units:
+            inputs = self.pipe.unit_runner(unit, self.pipe, *inputs)
+        loss = self.task_to_loss[self.task](self.pipe, *inputs)
+        return loss
+
+
+def flux_lora_step_on_meta() -> tuple[FluxTrainingModule, dict[str, torch.Tensor]]:
+    """The FLUX step on meta weights and one batch: a 32x32 image, 77 CLIP and 512 T5 tokens."""
+    generator = torch.Generator().manual_seed(0)
+    batch = {
+        "image": torch.rand(1, 3, 32, 32, generator=generator) * 2 - 1,
+        "clip_ids": torch.randint(0, 1000, (1, 77), generator=generator),
+        "t5_ids": torch.randint(0, 1000, (1, 512), generator=generator),
+    }
+    return FluxTrainingModule(), batch

@@ -9,13 +9,21 @@ pandas``); where it cannot import, the module is skipped with the reason printed
 What stops each step on this version, in the order it is hit (each found by rewriting the one
 before it in a scratch copy, never in the tested code):
 
-Wan 2.1 text-to-video LoRA:
+Wan 2.1 text-to-video LoRA (tiny, real weights: split + verify):
   1. ``prompt_emb[:, v:] = 0`` in a loop over ``seq_lens`` (wan_video.py, PromptEmbedder):
      frozen value-dependent code (issue 11 item 2). Today: a TraceError naming the line.
   2. ``self.sigmas[timestep_id]``, a 0-dim tensor index (flow_match.py, add_noise)  } issue 11
   3. ``rearrange`` on traced values in ``model_fn_wan_video`` (einops)               } item 1
   4. ``dit.freqs[0][:f]``, a traced size as a slice bound (model_fn_wan_video)       }
   With those four rewritten it splits, one sample per batch, and verifies bit for bit.
+
+FLUX.1 LoRA (DiffSynth's classes fix their widths: built on meta, planned, not run):
+  1. ``torch.Tensor([embedded_guidance] * latents.shape[0])`` (flux_image.py, guidance unit):
+     a traced size as a list repeat count; today a raw RuntimeError (issue 11 item 1).
+  2. the same 0-dim index and einops as Wan. With those rewritten it plans one sample per batch.
+
+Qwen-Image: not built (``QwenImageDiT`` fixes its width; its prompt unit formats the prompt
+string into a template before tokenizing, so no tensor path exists for the prompt).
 """
 
 from __future__ import annotations
@@ -92,3 +100,23 @@ def test_wan_t2v_lora_splits_and_verifies_exactly_one_sample_per_batch(wan):
     assert torch.equal(split.stage2(**split.stage1(**other)), expected)
     with pytest.raises(graphsplit.SplitError, match="this plan runs one sample per batch"):
         split.stage1(**{name: torch.cat([value, value]) for name, value in batch.items()})
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 11 item 1: the traced size latents.shape[0] as a list repeat count, "
+    "torch.Tensor([embedded_guidance] * latents.shape[0]), diffsynth/pipelines/flux_image.py:438 "
+    "(today a raw RuntimeError: not a storage '_Proxy'); then the 0-dim index "
+    "self.sigmas[timestep_id], diffsynth/diffusion/flow_match.py:461, and einops rearrange",
+)
+def test_flux_lora_plans_one_sample_per_batch_on_meta_weights():
+    from examples.diffsynth.steps import flux_lora_step_on_meta
+
+    step, batch = flux_lora_step_on_meta()
+    split = graphsplit.split(step, kwargs=batch)
+    assert any(note.startswith("one sample per batch") for note in split.notes)
+    held = {name for name, _ in split.stage2.named_parameters()}
+    assert not any(name.startswith("pipe.text_encoder_2.") for name in held)  # no T5-XXL
+    assert not any(name.startswith("pipe.vae_encoder.") for name in held)
+    sources = " ".join(spec.source for spec in split.boundary.values())
+    assert "flux_image.py" in sources
