@@ -212,3 +212,19 @@ def test_frozen_work_judged_mixing_at_the_probe_sizes_is_cached_one_sample_per_b
     general = split_and_verify(step, (torch.randn(2, 8),))  # 2 samples: the general plan
     assert not any("one sample per batch" in note for note in general.notes)
     assert list(general.boundary) == ["x"]
+
+
+def test_saved_stage1_code_keeps_the_one_sample_check(tmp_path):
+    import importlib.util
+
+    split = graphsplit.split(BatchOneOnly(), one_sample())
+    folder = split.save_code(tmp_path / "code")
+    spec = importlib.util.spec_from_file_location("saved_stage1", folder / "stage1.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    stage1 = module.Stage1(split.stage1)
+    x, target = one_sample()
+    saved, live = stage1(x, target), split.stage1(x, target)
+    assert saved.keys() == live.keys() and all(torch.equal(saved[k], live[k]) for k in live)
+    with pytest.raises(graphsplit.SplitError, match="this plan runs one sample per batch"):
+        stage1(torch.randn(2, 8), torch.randn(2, 6))
