@@ -47,7 +47,7 @@ def diffsynth_bytes(seed: int) -> int:
     return buffer.getbuffer().nbytes
 
 
-def graphsplit_bytes() -> tuple[int | None, str]:
+def graphsplit_bytes(samples: int = SAMPLES) -> tuple[int | None, str]:
     """Bytes per sample of graphsplit's cache of the same samples, or why there is none."""
     from examples.diffsynth.steps import wan_batch, wan_t2v_lora_step
 
@@ -56,23 +56,23 @@ def graphsplit_bytes() -> tuple[int | None, str]:
         split = graphsplit.split(step, kwargs=batch)
     except graphsplit.GraphsplitError as exc:
         return None, str(exc).splitlines()[0] + " " + _source_line(str(exc))
-    loader = [dict(wan_batch(seed), key=[f"sample{seed}"]) for seed in range(SAMPLES)]
+    loader = [dict(wan_batch(seed), key=[f"sample{seed}"]) for seed in range(samples)]
     with tempfile.TemporaryDirectory() as folder:
         graphsplit.cache(split, loader, Path(folder) / "cache", progress=False)
         total = sum(path.stat().st_size for path in Path(folder).rglob("*") if path.is_file())
-    return total // SAMPLES, ", ".join(split.boundary)
+    return total // samples, ", ".join(split.boundary)
 
 
 def _source_line(message: str) -> str:
     return next((line.strip() for line in message.splitlines() if "source:" in line), "")
 
 
-def measure() -> dict:
-    diffsynth = [diffsynth_bytes(seed) for seed in range(SAMPLES)]
-    ours, detail = graphsplit_bytes()
+def measure(samples: int = SAMPLES) -> dict:
+    diffsynth = [diffsynth_bytes(seed) for seed in range(samples)]
+    ours, detail = graphsplit_bytes(samples)
     return {
         "step": "Wan 2.1 T2V LoRA (tiny: 5x32x32 video, 8 tokens)",
-        "diffsynth_bytes_per_sample": sum(diffsynth) // SAMPLES,
+        "diffsynth_bytes_per_sample": sum(diffsynth) // samples,
         "graphsplit_bytes_per_sample": ours,
         "graphsplit_detail": detail,
     }
@@ -94,13 +94,14 @@ def to_markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     command = parser("bench_diffsynth_bytes", __doc__)
+    command.add_argument("--quick", action="store_true", help="one sample instead of four")
     args = command.parse_args(argv)
     from examples.diffsynth.steps import DIFFSYNTH, WHY_NOT
 
     if not DIFFSYNTH:
         print(f"bench_diffsynth_bytes skipped: {WHY_NOT}")
         return 0
-    result = measure()
+    result = measure(1 if args.quick else SAMPLES)
     write_results(args.out, "diffsynth_bytes", result, to_markdown(result))
     return 0
 
