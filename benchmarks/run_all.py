@@ -21,6 +21,7 @@ bench_cache_io = "benchmarks.bench_cache_io"
 bench_cache_bytes = "benchmarks.bench_cache_bytes"
 bench_split_scale = "benchmarks.bench_split_scale"
 bench_plan_scale = "benchmarks.bench_plan_scale"
+bench_diffsynth_bytes = "benchmarks.bench_diffsynth_bytes"
 
 
 def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
@@ -35,6 +36,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
             ("planning, synthetic", bench_split_scale, ["--full", "--rounds", "3", *target]),
             ("planning, full size", bench_plan_scale,
              ["--cases", "sdxl", "flux", "flux_diffusers_ids", "--rounds", "3", *target]),
+            ("DiffSynth cache bytes", bench_diffsynth_bytes, [*target]),
         ]  # fmt: skip
     return [
         ("step time", bench_step_time, ["--quick", *target]),
@@ -43,6 +45,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
         ("cache bytes", bench_cache_bytes, ["--cases", "tiny", *target]),
         ("planning, synthetic", bench_split_scale, ["--quick", *target]),
         ("planning, full size", bench_plan_scale, ["--quick", *target]),
+        ("DiffSynth cache bytes", bench_diffsynth_bytes, ["--quick", *target]),
     ]
 
 

@@ -10,10 +10,18 @@ Glossary:
         at batch 3), which would look like batch mixing.
     home device: where the step really runs: the inputs' device, else the first real
         parameter's (code that read ``.device`` while tracing saw ``meta``).
+    one sample per batch: a step whose code only runs at batch size 1 (DiffSynth-Studio's
+        ``rearrange(..., B=1)``, noise of shape ``(1, ...)``; it trains with
+        ``collate_fn=lambda x: x[0]``). Given a batch-1 example it is analysed at batch 1 only
+        (probe sizes :data:`ONE_SAMPLE`): each batch is one sample, so every tensor computed
+        from the data is that sample's and no batch dim has to be inferred. Its stage 1 checks
+        at run time that a batch holds one sample (:func:`check_one_sample`).
 
 In: the model and the example batch. Out: :class:`~graphsplit.artifacts.ExampleInputs`:
 
     bind_examples(model, args, kwargs) -> ExampleInputs
+    one_sample_examples(examples) -> ExampleInputs      # the same batch, analysed at batch 1
+    check_one_sample(value, name) -> value               # stage 1's run-time check
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ from graphsplit.artifacts import ExampleInputs
 from graphsplit.errors import SplitError
 from graphsplit.planning.meta import META, to_meta
 
+ONE_SAMPLE = (1, 1)
+"""The probe sizes of a step analysed one sample per batch."""
+
 
 def bind_examples(model: nn.Module, args: Any, kwargs: dict[str, Any]) -> ExampleInputs:
     """The example batch by parameter name, its probe sizes, meta twins and home device."""
@@ -39,6 +50,45 @@ def bind_examples(model: nn.Module, args: Any, kwargs: dict[str, Any]) -> Exampl
         _example_values(inputs, example_batch, batch_sizes[1]),
     )
     return ExampleInputs(inputs, batch_sizes, values, _home_device(model, inputs))
+
+
+def one_sample_examples(examples: ExampleInputs) -> ExampleInputs:
+    """The same batch-1 example, analysed at batch 1 only: one sample per batch.
+
+    Both probe runs see the example's own shapes; the analysis then takes every tensor computed
+    from the data as the one sample's (see ``rounds``), instead of comparing two batch sizes.
+    """
+    if example_batch_size(examples) != 1:
+        raise SplitError(
+            f"One sample per batch needs a batch-1 example; this one has "
+            f"{example_batch_size(examples)} rows.\n"
+            "  fix:    pass an example batch of one sample"
+        )
+    values = {name: to_meta(value) for name, value in examples.inputs.items()}
+    return ExampleInputs(examples.inputs, ONE_SAMPLE, (values, values), examples.device)
+
+
+def example_batch_size(examples: ExampleInputs) -> int:
+    """The batch size of the example the user passed (not of the probes)."""
+    return _example_batch_size(examples.inputs)
+
+
+def check_one_sample(value: torch.Tensor, name: str) -> torch.Tensor:
+    """``value``, after checking it holds one sample: stage 1 of a one-sample-per-batch plan.
+
+    Such a step was analysed at batch 1 because its code runs at no other size; a bigger batch
+    would fail deep inside the user's code, or silently compute something else.
+    """
+    if value.dim() > 0 and value.shape[0] != 1:
+        raise SplitError(
+            f"The input {name!r} holds {value.shape[0]} samples (shape {tuple(value.shape)}), "
+            "but this plan runs one sample per batch: the step only ran at batch size 1 when "
+            "it was split.\n"
+            "  fix:    feed one sample per batch (DataLoader(batch_size=1), or DiffSynth's "
+            "collate_fn=lambda x: x[0] with a batch dim of 1), or make the step run at "
+            "batch 2 and split it again"
+        )
+    return value
 
 
 def _bind_inputs(model: nn.Module, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -13,6 +13,12 @@ Glossary:
         fails (any error: library code may not be traceable) or the finer graph has no valid
         cut, the module stays whole and ``Traced.notes`` says why: a coarser split is never
         traded for an error.
+    one sample per batch: a step given a batch-1 example that fails at the probe sizes (code
+        that only runs at batch 1) is analysed again at batch 1
+        (:func:`~graphsplit.planning.inputs.one_sample_examples`): a tensor computed from the
+        data is the one sample's (cached per sample along a dim of size 1), a tensor that is
+        not is a per-dataset constant, nothing can mix samples, and each batched input passes
+        stage 1's run-time check (:func:`~graphsplit.planning.inputs.check_one_sample`).
 
 In: the model, :class:`~graphsplit.artifacts.ExampleInputs`, the trainable parameter names.
 Out: :class:`~graphsplit.artifacts.Traced` whose nodes carry ``meta["facts"]``:
@@ -24,14 +30,21 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
 import torch.fx as fx
 from torch import nn
 
-from graphsplit.artifacts import ExampleInputs, Traced
+from graphsplit.artifacts import BatchLayout, ExampleInputs, TaintKind, Traced
 from graphsplit.errors import SplitError, TraceError
 from graphsplit.planning.analyze import analyze, resolve_params
 from graphsplit.planning.codecs import insert_codecs
 from graphsplit.planning.cut import choose_boundary, compute_taint, facts, module_owner
+from graphsplit.planning.inputs import (
+    ONE_SAMPLE,
+    check_one_sample,
+    example_batch_size,
+    one_sample_examples,
+)
 from graphsplit.planning.meta import analysis_view
 from graphsplit.planning.trace import trace_step
 
@@ -41,6 +54,59 @@ MAX_ROUNDS = 8
 def trace_and_analyze(
     model: nn.Module, examples: ExampleInputs, trainable: frozenset[str]
 ) -> Traced:
+    """Trace and analyse in rounds; a batch-1 step that needs it is planned one sample per batch.
+
+    Given a batch-1 example, the step is planned one sample per batch when the probe sizes
+    cannot plan it well: it fails there (code that runs only at batch 1), or frozen work looks
+    like it mixes samples there (a loop over the batch, ``reshape(1, ...)``) and would run
+    every step. If batch 1 fails too, that error is raised: it is the size the user gave.
+    """
+    one_sample = example_batch_size(examples) == 1 and examples.batch_sizes != ONE_SAMPLE
+    try:
+        traced = _rounds(model, examples, trainable)
+    except Exception as at_probe_sizes:
+        if not one_sample:
+            raise
+        first_line = (str(at_probe_sizes).strip().splitlines() or [""])[0]
+        error = f"{type(at_probe_sizes).__name__}: {first_line}"
+        why = f"fails at batch {examples.batch_sizes[0]} ({error})"
+        return _one_sample_per_batch(model, examples, trainable, why)
+    mixing = _frozen_work_judged_mixing(traced, trainable) if one_sample else []
+    if not mixing:
+        return traced
+    why = (
+        f"at batch {examples.batch_sizes[0]}, frozen {', '.join(mixing)} looked like mixing "
+        "samples and would have run every step"
+    )
+    try:
+        return _one_sample_per_batch(model, examples, trainable, why)
+    except Exception:  # batch 1 is no better: keep the plan for every batch size
+        return traced
+
+
+def _one_sample_per_batch(
+    model: nn.Module, examples: ExampleInputs, trainable: frozenset[str], why: str
+) -> Traced:
+    traced = _rounds(model, one_sample_examples(examples), trainable)
+    note = (
+        f"one sample per batch: the step {why}, so it was planned at batch 1: each batch is one "
+        "sample, cached per sample, and stage 1 refuses a bigger batch (pass an example of 2 "
+        "samples for a plan for every batch size)"
+    )
+    return replace(traced, notes=(*traced.notes, note))
+
+
+def _frozen_work_judged_mixing(traced: Traced, trainable: frozenset[str]) -> list[str]:
+    """Nodes doing real work (FLOPs) kept in stage 2 only because they looked like mixing."""
+    taint = compute_taint(traced.graph, trainable)
+    return [
+        node.name
+        for node, why in taint.items()
+        if why.kind is TaintKind.MIXING and why.origin is node and facts(node).flops > 0
+    ]
+
+
+def _rounds(model: nn.Module, examples: ExampleInputs, trainable: frozenset[str]) -> Traced:
     """Trace, analyse, and trace into mixed modules whose inputs are all cacheable; repeat."""
     param_names = {id(param): name for name, param in model.named_parameters()}
     leaves = _initial_leaves(model)
@@ -89,10 +155,65 @@ def _trace_once(
 
         traced = trace_step(model, examples.values[0], leaves, record=recorded)
         insert_codecs(traced.graph)
+        if examples.batch_sizes == ONE_SAMPLE:
+            _check_one_sample_inputs(traced.graph, examples)
         calls = frozenset(n for n in traced.graph.nodes if _is_trainable_call(n, model, trainable))
         analyze(traced, model, examples, trainable_calls=calls)
+    if examples.batch_sizes == ONE_SAMPLE:
+        _one_sample_facts(traced.graph)
     resolve_params(traced, model, param_names)
     return traced
+
+
+def _check_one_sample_inputs(graph: fx.Graph, examples: ExampleInputs) -> None:
+    """Route each batched input through :func:`check_one_sample`, under the input's own name.
+
+    The placeholder is renamed ``<name>_batch`` and the check takes its name, so a cached raw
+    input keeps its key and the generated code reads ``x = check_one_sample(x_batch, 'x')``.
+    """
+    for node in [n for n in graph.nodes if n.op == "placeholder"]:
+        value = examples.inputs.get(node.target)
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != 1:
+            continue
+        name = node.name
+        node._rename(f"{name}_batch")
+        with graph.inserting_after(_last_placeholder(graph)):
+            check = graph.call_function(check_one_sample, (node, node.target))
+        node.replace_all_uses_with(check, delete_user_cb=lambda user, c=check: user is not c)
+        # fx never frees a name; without this the check would be ``x_1`` (a worse cache key).
+        getattr(graph._graph_namespace, "_used_names", set()).discard(name)
+        check._rename(name)
+        check.meta = {key: value for key, value in node.meta.items() if key != "facts"}
+
+
+def _last_placeholder(graph: fx.Graph) -> fx.Node:
+    return [n for n in graph.nodes if n.op == "placeholder"][-1]
+
+
+def _one_sample_facts(graph: fx.Graph) -> None:
+    """Facts of a batch-1 analysis: what was computed from the data is the one sample's.
+
+    Both probe runs were at batch 1, so the analysis saw every tensor as constant and every
+    data tensor as mixing the batch. With one sample per batch nothing can mix samples; a
+    data tensor is cached per sample along its first dim of size 1 (any such dim splits and
+    restacks exactly at batch 1), and one with no such dim is left uncacheable. Ints are not
+    batch sizes: at batch 1 every ``1`` would look like one.
+    """
+    for node in graph.nodes:
+        old = node.meta.get("facts")
+        if old is None:
+            continue
+        new = replace(old, mixing=None, is_batch_size=False)
+        if old.is_tensor and old.depends_on_data:
+            dim = next((d for d, size in enumerate(old.shape) if size == 1), None)
+            layout = BatchLayout.UNKNOWN if dim is None else BatchLayout.PER_SAMPLE
+            new = replace(
+                new,
+                batch_layout=layout,
+                batch_dim=dim,
+                bytes_per_sample=0 if dim is None else old.total_bytes,
+            )
+        node.meta["facts"] = new
 
 
 def _is_trainable_call(node: fx.Node, model: nn.Module, trainable: frozenset[str]) -> bool:

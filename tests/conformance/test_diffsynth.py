@@ -1,0 +1,122 @@
+"""DiffSynth-Studio's own training steps, unmodified, against graphsplit (issue 11 item 7).
+
+The steps (``examples/diffsynth/steps.py``) are DiffSynth's ``WanTrainingModule.forward`` on
+DiffSynth's pipeline, units, ``FlowMatchSFTLoss`` and model classes, tiny, random weights, one
+sample per batch (DiffSynth's ``collate_fn=lambda x: x[0]``). Needs ``diffsynth==2.1.12``
+(``pip install --no-deps diffsynth==2.1.12 einops ftfy sentencepiece imageio modelscope
+pandas``); where it cannot import, the module is skipped with the reason printed.
+
+What stops each step on this version, in the order it is hit (each found by rewriting the one
+before it in a scratch copy, never in the tested code):
+
+Wan 2.1 text-to-video LoRA (tiny, real weights: split + verify):
+  1. ``prompt_emb[:, v:] = 0`` in a loop over ``seq_lens`` (wan_video.py, PromptEmbedder):
+     frozen value-dependent code (issue 11 item 2). Today: a TraceError naming the line.
+  2. ``self.sigmas[timestep_id]``, a 0-dim tensor index (flow_match.py, add_noise)  } issue 11
+  3. ``rearrange`` on traced values in ``model_fn_wan_video`` (einops)               } item 1
+  4. ``dit.freqs[0][:f]``, a traced size as a slice bound (model_fn_wan_video)       }
+  With those four rewritten it splits, one sample per batch, and verifies bit for bit.
+
+FLUX.1 LoRA (DiffSynth's classes fix their widths: built on meta, planned, not run):
+  1. ``torch.Tensor([embedded_guidance] * latents.shape[0])`` (flux_image.py, guidance unit):
+     a traced size as a list repeat count; today a raw RuntimeError (issue 11 item 1).
+  2. the same 0-dim index and einops as Wan. With those rewritten it plans one sample per batch.
+
+Qwen-Image: not built (``QwenImageDiT`` fixes its width; its prompt unit formats the prompt
+string into a template before tokenizing, so no tensor path exists for the prompt).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from examples.diffsynth.steps import DIFFSYNTH, WHY_NOT
+
+if not DIFFSYNTH:
+    print(f"tests/conformance/test_diffsynth.py skipped: {WHY_NOT}", file=sys.stderr)
+    pytest.skip(WHY_NOT, allow_module_level=True)
+
+import graphsplit
+from examples.diffsynth.steps import wan_batch, wan_t2v_lora_step
+from tests.helpers import line_of, split_and_verify
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def wan():
+    return wan_t2v_lora_step(seed=0)
+
+
+def test_the_wan_step_is_diffsynths_own_and_trains_at_batch_one(wan):
+    step, batch = wan
+    from diffsynth.pipelines.wan_video import WanVideoPipeline, model_fn_wan_video
+
+    assert type(step.pipe) is WanVideoPipeline
+    assert step.pipe.model_fn is model_fn_wan_video
+    trainable = [name for name, p in step.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name and name.startswith("pipe.dit.") for name in trainable)
+    torch.manual_seed(0)
+    loss = step(**batch)
+    loss.backward()
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    assert all(step.get_parameter(name).grad is not None for name in trainable)
+    step.zero_grad(set_to_none=True)
+
+
+def test_wan_stops_at_the_per_sample_prompt_loop_naming_the_diffsynth_line_and_the_fix(wan):
+    from diffsynth.pipelines.wan_video import WanVideoUnit_PromptEmbedder
+
+    step, batch = wan
+    with pytest.raises(graphsplit.TraceError) as caught:
+        graphsplit.split(step, kwargs=batch)
+    message = str(caught.value)
+    assert line_of(WanVideoUnit_PromptEmbedder.encode_prompt, "prompt_emb[:, v:] = 0") in message
+    assert "prompt_emb[:, v:] = 0" in message
+    assert "reads the value of a tensor" in message
+    assert "fix:" in message and "tensor ops (torch.where, masking)" in message
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 11 item 2: prompt_emb[:, v:] = 0 in a loop over seq_lens, "
+    "diffsynth/pipelines/wan_video.py:469 (frozen value-dependent code); then item 1: the 0-dim "
+    "index self.sigmas[timestep_id], diffsynth/diffusion/flow_match.py:461; einops rearrange, "
+    "wan_video.py:1611; the slice bound dit.freqs[0][:f], wan_video.py:1622",
+)
+def test_wan_t2v_lora_splits_and_verifies_exactly_one_sample_per_batch(wan):
+    step, batch = wan
+    split = split_and_verify(step, (), batch)
+    assert any(note.startswith("one sample per batch") for note in split.notes)
+    boundary_sources = " ".join(spec.source for spec in split.boundary.values())
+    assert "wan_video.py" in boundary_sources  # the VAE latents and the text embedding
+    other = wan_batch(seed=1)  # another sample through the same plan
+    torch.manual_seed(1)
+    expected = step(**other)
+    torch.manual_seed(1)
+    assert torch.equal(split.stage2(**split.stage1(**other)), expected)
+    with pytest.raises(graphsplit.SplitError, match="this plan runs one sample per batch"):
+        split.stage1(**{name: torch.cat([value, value]) for name, value in batch.items()})
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 11 item 1: the traced size latents.shape[0] as a list repeat count, "
+    "torch.Tensor([embedded_guidance] * latents.shape[0]), diffsynth/pipelines/flux_image.py:438 "
+    "(today a raw RuntimeError: not a storage '_Proxy'); then the 0-dim index "
+    "self.sigmas[timestep_id], diffsynth/diffusion/flow_match.py:461, and einops rearrange",
+)
+def test_flux_lora_plans_one_sample_per_batch_on_meta_weights():
+    from examples.diffsynth.steps import flux_lora_step_on_meta
+
+    step, batch = flux_lora_step_on_meta()
+    split = graphsplit.split(step, kwargs=batch)
+    assert any(note.startswith("one sample per batch") for note in split.notes)
+    held = {name for name, _ in split.stage2.named_parameters()}
+    assert not any(name.startswith("pipe.text_encoder_2.") for name in held)  # no T5-XXL
+    assert not any(name.startswith("pipe.vae_encoder.") for name in held)
+    sources = " ".join(spec.source for spec in split.boundary.values())
+    assert "flux_image.py" in sources
