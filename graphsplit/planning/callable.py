@@ -84,6 +84,20 @@ class FunctionStep(nn.Module):
     step_callable: Any
 
 
+def _takes_a_dict_batch(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether ``module(*args, **kwargs)`` passes a dict holding tensors to ``forward``."""
+    try:
+        bound = inspect.signature(module.forward).bind(
+            *(args if isinstance(args, tuple) else (args,)), **kwargs
+        )
+    except TypeError:
+        return False  # bind_examples names the mismatch
+    return any(
+        isinstance(value, dict) and any(isinstance(v, torch.Tensor) for v in value.values())
+        for value in bound.arguments.values()
+    )
+
+
 def as_step_module(step: Any, args: Any, kwargs: dict[str, Any]) -> StepCall:
     """``step`` as a module whose ``forward`` takes the batch; ``step`` itself if a module.
 
@@ -92,7 +106,11 @@ def as_step_module(step: Any, args: Any, kwargs: dict[str, Any]) -> StepCall:
             generator, a ``functools.partial``), or it reaches no ``nn.Module``.
     """
     if isinstance(step, nn.Module):
-        return StepCall(step, args, kwargs)
+        if not _takes_a_dict_batch(step, args, kwargs):
+            return StepCall(step, args, kwargs)
+        # ``forward(self, batch)`` with a dict of tensors: its fields must be inputs of their
+        # own (each batched along dim 0), so the bound method is split, which spreads them.
+        step = step.forward
     function, owner = _python_function(step)
     if not isinstance(args, tuple):
         args = (args,)

@@ -178,6 +178,29 @@ def test_a_dict_batch_is_spread_into_stage1_inputs():
     assert torch.equal(loss, training_step({"x": X, "y": Y}))
 
 
+def test_a_module_taking_a_dict_batch_gets_its_fields_batched():
+    # Before: a dict's tensors were frozen into the plan as per-dataset constants (one y for
+    # every batch), silently; the fields are now inputs of their own, batched along dim 0.
+    encoder, head = _models(12)
+
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder, self.head = encoder, head
+
+        def forward(self, batch, scale: torch.Tensor):
+            return F.mse_loss(self.head(self.encoder(batch["x"])), batch["y"]) * scale
+
+    step, scale = Step(), torch.tensor(2.0)
+    split = split_and_verify(step, ({"x": X, "y": Y}, scale))
+    assert split.input_names == ("x", "y", "scale")
+    assert split.boundary["y"].batch_dim == 0 and split.boundary["encoder"].batch_dim == 0
+    assert set(split.stage2.state_dict()) == {"head.weight", "head.bias"}
+    other_x, other_y = batch(5, *X.shape[1:], seed=3), batch(5, *Y.shape[1:], seed=4)
+    loss = split.stage2(**split.stage1(x=other_x, y=other_y, scale=scale))
+    assert torch.equal(loss, step({"x": other_x, "y": other_y}, scale))
+
+
 @pytest.mark.parametrize("keys", [("x", "weight"), ("x", "not a name")])
 def test_a_dict_batch_whose_keys_cannot_be_parameters_is_refused(keys):
     encoder, head = _models(11)
