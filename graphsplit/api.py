@@ -158,7 +158,7 @@ def split(
         trainable=trainable,
         graph=traced.graph,
         cut=cut,
-        batch_sizes=examples.batch_sizes,
+        batch_sizes=traced.batch_sizes or examples.batch_sizes,
         model_name=type(model).__name__,
         notes=list(traced.notes),
         _model=model,

@@ -121,6 +121,9 @@ class Traced:
     guards: tuple[Guard, ...]
     input_names: tuple[str, ...]
     notes: tuple[str, ...] = ()
+    # The batch sizes the plan was analysed at, when not the example's probe sizes: (1, 1) for
+    # a plan that runs one sample per batch (see graphsplit.planning.inputs.ONE_SAMPLE).
+    batch_sizes: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

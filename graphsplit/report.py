@@ -148,11 +148,14 @@ def trap_hint(node: fx.Node, taint: Taint, trainable: frozenset[str]) -> str:
 
 def render_report(split: Split) -> str:
     model = split._model
-    lines = [
-        f"graphsplit plan for {split.model_name} (traced at batch {split.batch_sizes[0]},"
-        f" batch dims checked at batch {split.batch_sizes[1]})",
-        "",
-    ]
+    if split.batch_sizes == (1, 1):
+        traced_at = "traced at batch 1: one sample per batch"
+    else:
+        traced_at = (
+            f"traced at batch {split.batch_sizes[0]}, batch dims checked at batch "
+            f"{split.batch_sizes[1]}"
+        )
+    lines = [f"graphsplit plan for {split.model_name} ({traced_at})", ""]
     per_sample = sum(spec.bytes_per_sample for spec in split.boundary.values())
     lines.append(f"Boundary: {len(split.boundary)} tensors, {human_bytes(per_sample)} per sample")
     lines.append(f"  {'name':<40} {'shape':<22} {'dtype':<9} {'batch':<6} {'/sample':<10} source")

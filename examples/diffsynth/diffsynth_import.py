@@ -38,6 +38,8 @@ class _Placeholder:
         self._name = name
 
     def __getattr__(self, attr: str) -> _Placeholder:
+        if attr.startswith("__"):  # protocols (copy, pickle, inspect) must see a plain object
+            raise AttributeError(attr)
         return _Placeholder(f"{self._name}.{attr}")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -51,6 +53,21 @@ class _Placeholder:
         return (object,)
 
 
+def _module_attribute(module_name: str) -> Any:
+    """A module ``__getattr__``: placeholders for names, AttributeError for dunders.
+
+    Tools that scan ``sys.modules`` (hypothesis, inspect, pytest) read ``__file__`` and
+    friends; they must find them missing, not get a placeholder.
+    """
+
+    def attribute(attr: str) -> _Placeholder:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Placeholder(f"{module_name}.{attr}")
+
+    return attribute
+
+
 class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds ``torchvision`` and every ``torchvision.*`` as a module of placeholders."""
 
@@ -62,7 +79,7 @@ class _StandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         module = types.ModuleType(spec.name)
         module.__path__ = []  # a package: submodules import through this finder too
-        module.__getattr__ = lambda attr: _Placeholder(f"{spec.name}.{attr}")  # type: ignore[method-assign]
+        module.__getattr__ = _module_attribute(spec.name)  # type: ignore[method-assign]
         module.__graphsplit_stand_in__ = True
         # transformers reads the version to pick image backends: an old one makes it pick none.
         module.__version__ = "0.0.0"

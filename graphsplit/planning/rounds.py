@@ -93,7 +93,7 @@ def _one_sample_per_batch(
         "sample, cached per sample, and stage 1 refuses a bigger batch (pass an example of 2 "
         "samples for a plan for every batch size)"
     )
-    return replace(traced, notes=(*traced.notes, note))
+    return replace(traced, notes=(*traced.notes, note), batch_sizes=ONE_SAMPLE)
 
 
 def _frozen_work_judged_mixing(traced: Traced, trainable: frozenset[str]) -> list[str]:

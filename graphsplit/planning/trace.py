@@ -29,6 +29,7 @@ Out: :class:`~graphsplit.artifacts.Traced` — the graph, the constants it refer
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import inspect
 import math
@@ -79,18 +80,13 @@ _OWN_ATTRIBUTES = frozenset({"node", "_node", "root", "attr", "tracer"})
 class _Proxy(fx.Proxy):
     """A proxy that answers Python's questions the way its meta value would.
 
-    - ``isinstance(x, torch.Tensor)`` is true when the value is a tensor (``__class__``):
-      library code that branches on it (DiffSynth's ``transfer_data_to_device`` casts only
-      tensors; einops picks its torch backend) must run the program eager runs;
+    - ``isinstance(x, torch.Tensor)`` is true when the value is a tensor (see
+      :func:`_tensor_isinstance`): library code that branches on it (DiffSynth's
+      ``transfer_data_to_device`` casts only tensors; einops picks its torch backend) must run
+      the program eager runs;
     - ``len``, ``bool``, ``int``, ``float`` and ``__index__`` (a slice bound, ``[0] * n``) read
       the meta value and record a guard (see :meth:`_Tracer.concrete`).
     """
-
-    @property  # type: ignore[misc]
-    def __class__(self) -> type:
-        if isinstance(self.node.meta.get("val"), torch.Tensor):
-            return torch.Tensor
-        return type(self)
 
     def __getattr__(self, name: str) -> Any:
         if name in _OWN_ATTRIBUTES:  # not set yet (during construction): never a graph node
@@ -168,13 +164,6 @@ class _Attribute(_Proxy):
             ).node
         return self._node
 
-    @property  # type: ignore[misc]
-    def __class__(self) -> type:
-        if self._node is None:  # answered without a node: torch's argument parser asks too
-            value = getattr(self.root.node.meta.get("val"), self.attr, None)
-            return torch.Tensor if isinstance(value, torch.Tensor) else type(self)
-        return _Proxy.__class__.fget(self)  # type: ignore[attr-defined]
-
     def __call__(self, *args: Any, **kwargs: Any) -> _Proxy:
         return self.tracer.create_proxy("call_method", self.attr, (self.root, *args), kwargs)
 
@@ -204,7 +193,7 @@ class _Tracer(fx.Tracer):
         return _Proxy(node, self)
 
     def create_arg(self, a: Any) -> Any:
-        # A proxy first: it claims to be a torch.Tensor (see _Proxy.__class__), and fx would
+        # A proxy first: it claims to be a torch.Tensor (see _tensor_isinstance), and fx would
         # otherwise store it away as a tensor constant.
         if isinstance(a, fx.Proxy):
             return a.node
@@ -473,10 +462,45 @@ def _trace_graph(
         traced_torch_calls(tracer),
         checkpoints_recorded(tracer),
         einops_calls_recorded(tracer),
+        _tensor_isinstance(),
     ):
         graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
     tracer.keep_pending_guards()
     return tracer, graph
+
+
+_builtin_isinstance = builtins.isinstance
+
+
+def _proxy_isinstance(obj: Any, classinfo: Any) -> bool:
+    """``isinstance`` as Python code sees it while tracing: a traced tensor is a torch.Tensor."""
+    if type(obj) is _Proxy or type(obj) is _Attribute:
+        if _builtin_isinstance(obj, classinfo):
+            return True
+        node = obj.node if type(obj) is _Proxy or obj._node is not None else None
+        value = (
+            node.meta.get("val")
+            if node is not None
+            else getattr(obj.root.node.meta.get("val"), obj.attr, None)
+        )
+        return _builtin_isinstance(value, torch.Tensor) and issubclass(torch.Tensor, classinfo)
+    return _builtin_isinstance(obj, classinfo)
+
+
+@contextlib.contextmanager
+def _tensor_isinstance() -> Iterator[None]:
+    """Traced tensors pass ``isinstance(x, torch.Tensor)`` in Python code, not in torch's C++.
+
+    Python code that branches on it must take eager's path. The answer is given by replacing
+    ``builtins.isinstance`` for the trace, which only Python code looks up: torch's argument
+    parser asks the C API (``PyObject_IsInstance``), and a proxy it took for a real tensor would
+    be unpacked as one (a crash; seen with ``torch.pow(x, 2)`` when ``__class__`` was faked).
+    """
+    previous, builtins.isinstance = builtins.isinstance, _proxy_isinstance
+    try:
+        yield
+    finally:
+        builtins.isinstance = previous
 
 
 def _definition_of(function: Any) -> tuple[str, str]:

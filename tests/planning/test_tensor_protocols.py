@@ -57,6 +57,38 @@ def test_isinstance_tensor_holds_for_traced_values_so_the_cast_eager_does_is_tra
     assert torch.float64 in {arg for node in casts for arg in node.args}
 
 
+class ScalarOverloads(nn.Module):
+    """CLIP's ``_get_vector_norm``: torch functions with Tensor/Scalar overloads on traced values.
+
+    While ``isinstance`` was answered through a faked ``__class__``, torch's argument parser
+    took the proxy in ``torch.pow(x, 2)`` for a real tensor and the process crashed.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = frozen(nn.Linear(4, 4))
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x):
+        features = self.head(self.encoder(x))
+        norm = torch.pow(torch.sum(torch.pow(features, 2), dim=-1, keepdim=True), 0.5)
+        scaled = torch.pow(2.0, features) + torch.xlogy(2.0, features.abs() + 1)
+        return (features / norm).sum() + scaled.mean()
+
+
+def test_torch_functions_with_scalar_overloads_take_traced_values():
+    split = split_and_verify(ScalarOverloads(), (batch(3, 4),))
+    assert param_names(split.stage2, split._model) == {"head.weight", "head.bias"}
+
+
+def test_isinstance_is_answered_for_python_code_only_and_only_while_tracing():
+    import builtins
+
+    before = builtins.isinstance
+    split_and_verify(CastsTensorsOnly(), (batch(3, 4),))
+    assert builtins.isinstance is before
+
+
 class Einops(nn.Module):
     """Wan's ``patchify`` / ``unpatchify`` spelled with einops, around a trainable block."""
 
