@@ -126,9 +126,22 @@ def _example_values(inputs: dict[str, Any], batch: int, new_batch: int) -> dict[
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
             shape = (new_batch, *value.shape[1:])
             examples[name] = torch.empty(shape, dtype=value.dtype, device=META)
+        elif _is_per_sample_list(value, batch):
+            # One item per sample (prompt strings, SDXL's original sizes): it grows with the
+            # batch like a tensor does. Left at the example's length, what the step builds from
+            # it would look like a per-dataset constant and be stored once for every batch.
+            examples[name] = type(value)(value[i % batch] for i in range(new_batch))
         else:
             examples[name] = to_meta(value)
     return examples
+
+
+def _is_per_sample_list(value: Any, batch: int) -> bool:
+    """A plain list or tuple of Python values (no tensors) with one item per sample."""
+    if type(value) not in (list, tuple) or batch < 2 or len(value) != batch:
+        return False
+    leaves = torch.utils._pytree.tree_leaves(list(value))
+    return not any(isinstance(leaf, torch.Tensor) for leaf in leaves)
 
 
 def _home_device(model: nn.Module, inputs: dict[str, Any]) -> torch.device:

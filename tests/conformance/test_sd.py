@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import graphsplit
 from tests.conformance.matrix import stage2_modules
-from tests.helpers import split_and_verify
+from tests.helpers import line_of, split_and_verify
 
 diffusers = pytest.importorskip("diffusers")
 peft = pytest.importorskip("peft")
@@ -247,17 +248,18 @@ def test_sdxl_lora_caches_both_text_encoders_and_the_vae(size):
     assert stage2_modules(split) == {"unet"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="issue 11 item 1: ints of a list-of-tuples batch input are traced; len() of "
-    "`original_size + crops_coords_top_left + target_size` raises a raw TypeError "
-    "(compute_time_ids, test_sd.py:183). Once traced, a split made on one batch must not bake "
-    "that batch's sizes in as constants.",
-)
-def test_sdxl_lora_with_time_ids_computed_in_the_step():
+def test_sdxl_time_ids_built_by_a_python_loop_over_the_batch_are_refused_at_the_loop():
+    # train_text_to_image_lora_sdxl.py builds the time ids with a Python loop over the batch's
+    # list of sizes. The list grows with the batch, so the loop is batch-size control flow:
+    # refused naming the line (before, the list kept its example length while the step was
+    # analysed, and the time ids were silently stored once for the whole dataset).
     torch.manual_seed(0)
-    split_and_verify(SDXLLoRAStep(), _sdxl_batch(2))
+    with pytest.raises(graphsplit.TraceError) as caught:
+        graphsplit.split(SDXLLoRAStep(), _sdxl_batch(2))
+    message = str(caught.value)
+    assert "depends on the batch size" in message
+    assert line_of(SDXLLoRAStep, "for s, c in zip(original_sizes, crop_top_lefts)") in message
+    assert "fix:" in message
 
 
 class ControlNetStep(nn.Module):
