@@ -9,7 +9,7 @@ Glossary:
     commit: fsync a finished temporary file, then rename it over its final name, so a reader
         sees the old file or the whole new one, never a part. The checksum of a file graphsplit
         wrote (:mod:`graphsplit.caching.checksums`) is computed from the bytes in memory while
-        they are written, on a second thread (zlib and ``os.write`` both release the GIL), so
+        they are written, on a second thread (the hash and ``os.write`` both release the GIL), so
         nothing is read back.
     durable: fsync'd, file and folder, so it survives a power cut. Every file is fsync'd before
         anything relies on it; the folder once before the manifest names its files.
@@ -28,7 +28,7 @@ In and out::
     regular_size(path) -> int | None                  # None: missing; UnsafeFileError
     pinned(path) -> name                              # for libraries that open by name
     pinned_map(path) -> (name, mmap)                  # the same, and a private memory map
-    checksum_file(path, algorithm="crc32") -> str     file_matches(path, *, size, checksum)
+    checksum_file(path, algorithm="xxh3") -> str      file_matches(path, *, size, checksum)
     real_folder(path, *, create) -> bool              # no symlinked folders either
     free_bytes(folder) -> int | None    no_room(folder, name, needed)   # -> DiskFullError
     exists(path)    list_files(folder) -> names    remove(path)

@@ -329,7 +329,7 @@ def test_flipped_bytes_are_the_checksums_job(path):
     data[-1] ^= 0xFF  # inside the last tensor's data: headers, sizes and keys still agree
     shard.write_bytes(bytes(data))
     CachedDataset(path, verify=False)[2]  # documented: verify=False does not hash
-    with pytest.raises(CorruptCacheError, match="crc32 checksum differs"):
+    with pytest.raises(CorruptCacheError, match="xxh3 checksum differs"):
         CachedDataset(path)[2]
 
 
