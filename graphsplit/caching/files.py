@@ -21,7 +21,7 @@ Glossary:
 
 In and out::
 
-    write_atomically(path, data)                      # durable, atomic, no room -> DiskFullError
+    write_atomically(path, data, *, durable=True)     # atomic, no room -> DiskFullError
     save_tensors(tensors, path, metadata) -> checksum # safetensors, to path's temporary file
     commit_file(temporary, path, *, checksum=None) -> (bytes, checksum)   # None: read the file
     read_regular(path, *, limit) -> bytes             # UnsafeFileError, FileNotFoundError
@@ -110,12 +110,19 @@ def temporary_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
-@or_remote(remote.put_bytes)
-def write_atomically(path: Path, data: bytes) -> None:
+def _put_remote(path: RemotePath, data: bytes, *, durable: bool = True) -> None:
+    remote.put_bytes(path, data)  # an object store's put is atomic and durable either way
+
+
+@or_remote(_put_remote)
+def write_atomically(path: Path, data: bytes, *, durable: bool = True) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
 
     The bytes go to a temporary name in the same folder, are fsync'd and renamed over
-    ``path``; the folder is fsync'd after, so both survive a power cut.
+    ``path``; the folder is fsync'd after, so both survive a power cut. ``durable=False``
+    skips both fsyncs, for files that are only hints checked before use (progress records:
+    after a power cut one may be missing or empty, which means redoing its shard); each
+    fsync there forced a journal commit that stalled the shard being written meanwhile.
 
     Raises:
         DiskFullError: no room (nothing is left behind); UnsafeFileError: a folder on the way
@@ -127,11 +134,13 @@ def write_atomically(path: Path, data: bytes) -> None:
         try:
             with _removed_on_error(temporary):
                 _write_all(descriptor, data)
-                os.fsync(descriptor)
+                if durable:
+                    os.fsync(descriptor)
         finally:
             os.close(descriptor)
         os.replace(temporary, path)
-    fsync_folder(path.parent)
+    if durable:
+        fsync_folder(path.parent)
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> str:

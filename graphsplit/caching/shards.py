@@ -35,6 +35,8 @@ from graphsplit.caching import files
 from graphsplit.caching.fingerprint import batch_input_digests
 from graphsplit.caching.format import (
     CONSTANTS_FILE,
+    CONSTANTS_PROGRESS_FILE,
+    PARTIAL_DIR,
     CacheHeader,
     ConstantsProgress,
     ConstantsRecord,
@@ -42,11 +44,11 @@ from graphsplit.caching.format import (
     ShardRecord,
     shard_file_name,
     tensor_name,
-    write_progress,
 )
 from graphsplit.caching.memory_order import Order, memory_order
 from graphsplit.caching.processes import Processes
 from graphsplit.caching.sources import BatchSource, as_mapping, batch_keys
+from graphsplit.caching.validate import to_json
 from graphsplit.errors import CacheError
 from graphsplit.units import human_bytes
 
@@ -193,7 +195,7 @@ class ShardWriter:
             positions=tuple(shard.positions),
             max_abs_error=shard.max_abs_error,
         )
-        write_progress(self.folder, progress)
+        _note_progress(self.folder, progress)
         return progress
 
     def _collect_saving(self) -> None:
@@ -310,7 +312,26 @@ def _write_constants(
     size, checksum = files.commit_file(files.temporary_path(path), path, checksum=checksum)
     record = ConstantsRecord(file=CONSTANTS_FILE, checksum=checksum, bytes=size, dim_orders=orders)
     errors = {name: error for name, error in errors.items() if name in constants}
-    write_progress(folder, ConstantsProgress(constants=record, max_abs_error=errors))
+    _note_progress(folder, ConstantsProgress(constants=record, max_abs_error=errors))
+
+
+def _note_progress(folder: Path, progress: ShardProgress | ConstantsProgress) -> None:
+    """Record a finished shard or constants file in ``.partial/`` (after its file's rename),
+    as :func:`~graphsplit.caching.format.write_progress` does but without fsyncs.
+
+    A record is a hint, never trusted: resuming reads it back and checks the file it names
+    (size and checksum) first, and a missing or damaged record only means redoing that file.
+    So a power cut may lose it, and the writer does not pay a journal commit per shard. The
+    cache itself stays durable: each file is fsync'd before its rename, the folder before the
+    manifest, and the manifest is written durably.
+    """
+    if isinstance(progress, ShardProgress):
+        name = Path(progress.shard.file).with_suffix(".json").name
+    else:
+        name = CONSTANTS_PROGRESS_FILE
+    files.real_folder(folder / PARTIAL_DIR, create=True)
+    data = json.dumps(to_json(progress)).encode()
+    files.write_atomically(folder / PARTIAL_DIR / name, data, durable=False)
 
 
 def _add_rows(

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
+from graphsplit.caching import files
 from graphsplit.caching.dataset import CachedDataset, collate
 from graphsplit.caching.format import read_manifest
 from graphsplit.caching.run import cache
 from graphsplit.errors import CacheError
-from tests.caching.fixtures import Pictures, loader, make_split
+from tests.caching.fixtures import Interrupt, Pictures, interrupt_after, loader, make_split
 
 # ------------------------------------------------------------------------------ rows and shards
 
@@ -124,3 +127,39 @@ def test_duplicate_keys_are_refused(split, tmp_path):
     batches[1]["key"] = batches[0]["key"]
     with pytest.raises(CacheError, match=r"(?s)sample key 'pic000' twice.*unique 'key'"):
         cache(split, batches, tmp_path, progress=False)
+
+
+# ------------------------------------------------------------------------ durability and cost
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names descriptors via /proc")
+def test_files_are_fsynced_before_publishing_and_progress_records_are_not(split, tmp_path):
+    synced: list[str] = []
+    original = os.fsync
+
+    def fsync(descriptor):
+        synced.append(os.readlink(f"/proc/self/fd/{descriptor}"))
+        original(descriptor)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(files.os, "fsync", fsync)
+        cache(split, loader(batch_size=2), tmp_path, shard_bytes=4 * 448 + 10, progress=False)
+    names = [Path(name).name for name in synced]
+    shards = [f".shard-0000{index}.safetensors.tmp" for index in range(3)]
+    assert set(shards) <= set(names) and ".manifest.json.tmp" in names
+    assert names.index(".manifest.json.tmp") > max(names.index(shard) for shard in shards)
+    assert str(tmp_path) in synced  # the folder, once the renames are in it
+    assert not [name for name in names if name.startswith(".shard-") and ".json" in name]
+
+
+def test_an_empty_progress_record_means_its_shard_is_redone(split, tmp_path, monkeypatch):
+    """What a power cut can leave of a record written without fsync: resuming redoes it."""
+    with monkeypatch.context() as patch:
+        interrupt_after(patch, 2)
+        with pytest.raises(Interrupt):
+            cache(split, loader(batch_size=2), tmp_path, shard_bytes=4 * 448 + 10, progress=False)
+    (tmp_path / ".partial" / "shard-00001.json").write_bytes(b"")
+    info = cache(split, loader(batch_size=2), tmp_path, shard_bytes=4 * 448 + 10, progress=False)
+    assert (info.reused_shards, info.written_shards) == (1, 2)
+    assert not (tmp_path / ".partial").exists()
+    assert len(CachedDataset(tmp_path)) == 12
