@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import types
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 
 from graphsplit.caching import files
 from graphsplit.caching.dataset import CachedDataset, collate
+from graphsplit.caching.fingerprint import batch_input_digests
 from graphsplit.caching.format import read_manifest
 from graphsplit.caching.run import cache
 from graphsplit.errors import CacheError
@@ -163,3 +165,58 @@ def test_an_empty_progress_record_means_its_shard_is_redone(split, tmp_path, mon
     assert (info.reused_shards, info.written_shards) == (1, 2)
     assert not (tmp_path / ".partial").exists()
     assert len(CachedDataset(tmp_path)) == 12
+
+
+class RefillingLoader:
+    """A re-iterable that refills one buffer per input for every batch, as a loader with a
+    preallocated (pinned) buffer may: a batch's tensors change once the next is asked for."""
+
+    def __init__(self, dataset: Pictures, batch_size: int) -> None:
+        self.dataset, self.batch_size = dataset, batch_size
+        self.refilled: list[threading.Event] = []  # [k]: batch k's buffers hold batch k + 1
+
+    def __iter__(self):
+        buffers = None
+        for number, start in enumerate(range(0, len(self.dataset), self.batch_size)):
+            batch = torch.utils.data.default_collate(
+                [self.dataset[i] for i in range(start, start + self.batch_size)]
+            )
+            if buffers is None:
+                buffers = {name: value.clone() for name, value in batch.items() if name != "key"}
+            for name, buffer in buffers.items():
+                buffer.copy_(batch[name])
+            if number:
+                self.refilled[number - 1].set()
+            self.refilled.append(threading.Event())
+            yield {**buffers, "key": batch["key"]}
+        self.refilled[-1].set()
+
+
+def test_input_digests_are_those_of_each_batch_as_yielded(split, tmp_path, monkeypatch):
+    """The digests run on another thread; the batch they hash is a copy, so a loader that
+    refills its buffers meanwhile changes nothing (hashing waits here until it has)."""
+    dataset = Pictures(12)
+    refilling = RefillingLoader(dataset, 2)
+    calls = []
+
+    def digests_once_refilled(batch, names, size):
+        calls.append(threading.current_thread().name)
+        assert refilling.refilled[len(calls) - 1].wait(timeout=60)
+        return batch_input_digests(batch, names, size)
+
+    monkeypatch.setattr("graphsplit.caching.shards.batch_input_digests", digests_once_refilled)
+    info = cache(split, refilling, tmp_path, progress=False)
+    names = split.input_names
+    expected = [d for batch in loader(dataset) for d in batch_input_digests(batch, names, 2)]
+    assert [d for shard in read_manifest(info.path).shards for d in shard.input_sha256] == expected
+    assert len(set(expected)) == 12 and set(calls) == {"graphsplit-digest_0"}
+
+
+def test_a_failing_input_digest_stops_the_run_with_its_error(split, tmp_path, monkeypatch):
+    def failing(*args):
+        raise CacheError("cannot digest this input")
+
+    monkeypatch.setattr("graphsplit.caching.shards.batch_input_digests", failing)
+    with pytest.raises(CacheError, match="cannot digest this input"):
+        cache(split, loader(), tmp_path, progress=False)
+    assert not (tmp_path / "manifest.json").exists()
