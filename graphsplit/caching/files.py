@@ -9,7 +9,7 @@ Glossary:
     commit: fsync a finished temporary file, then rename it over its final name, so a reader
         sees the old file or the whole new one, never a part. The checksum of a file graphsplit
         wrote (:mod:`graphsplit.caching.checksums`) is computed from the bytes in memory while
-        they are written, on a second thread (zlib and ``os.write`` both release the GIL), so
+        they are written, on a second thread (the hash and ``os.write`` both release the GIL), so
         nothing is read back.
     durable: fsync'd, file and folder, so it survives a power cut. Every file is fsync'd before
         anything relies on it; the folder once before the manifest names its files.
@@ -21,14 +21,14 @@ Glossary:
 
 In and out::
 
-    write_atomically(path, data)                      # durable, atomic, no room -> DiskFullError
+    write_atomically(path, data, *, durable=True)     # atomic, no room -> DiskFullError
     save_tensors(tensors, path, metadata) -> checksum # safetensors, to path's temporary file
     commit_file(temporary, path, *, checksum=None) -> (bytes, checksum)   # None: read the file
     read_regular(path, *, limit) -> bytes             # UnsafeFileError, FileNotFoundError
     regular_size(path) -> int | None                  # None: missing; UnsafeFileError
     pinned(path) -> name                              # for libraries that open by name
     pinned_map(path) -> (name, mmap)                  # the same, and a private memory map
-    checksum_file(path, algorithm="crc32") -> str     file_matches(path, *, size, checksum)
+    checksum_file(path, algorithm="xxh3") -> str      file_matches(path, *, size, checksum)
     real_folder(path, *, create) -> bool              # no symlinked folders either
     free_bytes(folder) -> int | None    no_room(folder, name, needed)   # -> DiskFullError
     exists(path)    list_files(folder) -> names    remove(path)
@@ -110,12 +110,19 @@ def temporary_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
-@or_remote(remote.put_bytes)
-def write_atomically(path: Path, data: bytes) -> None:
+def _put_remote(path: RemotePath, data: bytes, *, durable: bool = True) -> None:
+    remote.put_bytes(path, data)  # an object store's put is atomic and durable either way
+
+
+@or_remote(_put_remote)
+def write_atomically(path: Path, data: bytes, *, durable: bool = True) -> None:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
 
     The bytes go to a temporary name in the same folder, are fsync'd and renamed over
-    ``path``; the folder is fsync'd after, so both survive a power cut.
+    ``path``; the folder is fsync'd after, so both survive a power cut. ``durable=False``
+    skips both fsyncs, for files that are only hints checked before use (progress records:
+    after a power cut one may be missing or empty, which means redoing its shard); each
+    fsync there forced a journal commit that stalled the shard being written meanwhile.
 
     Raises:
         DiskFullError: no room (nothing is left behind); UnsafeFileError: a folder on the way
@@ -127,11 +134,13 @@ def write_atomically(path: Path, data: bytes) -> None:
         try:
             with _removed_on_error(temporary):
                 _write_all(descriptor, data)
-                os.fsync(descriptor)
+                if durable:
+                    os.fsync(descriptor)
         finally:
             os.close(descriptor)
         os.replace(temporary, path)
-    fsync_folder(path.parent)
+    if durable:
+        fsync_folder(path.parent)
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> str:

@@ -23,8 +23,12 @@ def test_quick_run_reports_same_round_ratios_on_both_clocks(tmp_path):
                 b / o for b, o in zip(seconds[baseline]["seconds"], seconds[ours]["seconds"])
             )
             assert result[clock][key]["median"] == pytest.approx(expected) and expected > 0
+    large = result["large"]  # the realistic size, here shrunk to 8 MiB in 4 MiB shards
+    assert large["samples"] == 28 and large["num_shards"] >= 2 and large["rounds"] == 1
+    assert set(large["wall"]) == set(result["wall"]) and large["cpu"]["write_ratio"]["median"] > 0
     markdown = (tmp_path / "cache_io.md").read_text()
-    assert "| write (vs save_file) |" in markdown and "| shuffled read" in markdown
+    assert markdown.count("| write (vs save_file) |") == 2 and "| shuffled read" in markdown
+    assert "28 samples" in markdown
 
 
 def test_cache_io_benchmark_help(capsys):
@@ -32,5 +36,5 @@ def test_cache_io_benchmark_help(capsys):
         bench_cache_io.main(["--help"])
     assert caught.value.code == 0
     text = capsys.readouterr().out
-    for option in ("--samples", "--threads", "--rounds", "--quick"):
+    for option in ("--samples", "--threads", "--rounds", "--quick", "--large-mb"):
         assert option in text

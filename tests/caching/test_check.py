@@ -18,7 +18,7 @@ def test_corrupt_shard_is_reported_and_other_shards_read(path):
     report = check_cache(path)
     assert not report.ok
     assert report.damaged_keys == ["pic004", "pic005"]
-    assert "shard-00002.safetensors: its crc32 checksum differs" in str(report)
+    assert "shard-00002.safetensors: its xxh3 checksum differs" in str(report)
     cached = CachedDataset(path)
     with pytest.raises(
         CorruptCacheError, match=r"(?s)shard-00002.safetensors.*'pic004', 'pic005'.*check_cache"

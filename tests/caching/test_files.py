@@ -5,10 +5,10 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import zlib
 
 import pytest
 import torch
+import xxhash
 from safetensors import safe_open
 
 from graphsplit.caching import files
@@ -28,7 +28,7 @@ def test_commit_file_renames_and_reports_size_and_checksum(tmp_path):
     assert temporary.name == ".shard.bin.tmp"
     temporary.write_bytes(b"rows")
     size, sha = files.commit_file(temporary, tmp_path / "shard.bin")
-    assert (size, sha) == (4, f"crc32:{zlib.crc32(b'rows'):08x}")
+    assert (size, sha) == (4, f"xxh3:{xxhash.xxh3_64_hexdigest(b'rows')}")
     assert not temporary.exists()
     assert files.file_matches(tmp_path / "shard.bin", size=4, checksum=sha)
     assert not files.file_matches(tmp_path / "shard.bin", size=5, checksum=sha)
@@ -89,7 +89,7 @@ def test_save_tensors_writes_what_safetensors_reads(tmp_path):
         for name, value in tensors.items():
             assert torch.equal(handle.get_tensor(name), value)
     assert size == path.stat().st_size and sha == computed == files.checksum_file(path)
-    assert sha == f"crc32:{zlib.crc32(path.read_bytes()):08x}"  # from memory, as on disk
+    assert sha == f"xxh3:{xxhash.xxh3_64_hexdigest(path.read_bytes())}"  # from memory, as on disk
 
 
 def test_a_dtype_safetensors_lacks_is_named(tmp_path):

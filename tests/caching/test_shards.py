@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import types
+from pathlib import Path
 
 import pytest
 import torch
 
+from graphsplit.caching import files
 from graphsplit.caching.dataset import CachedDataset, collate
+from graphsplit.caching.fingerprint import batch_input_digests
 from graphsplit.caching.format import read_manifest
 from graphsplit.caching.run import cache
 from graphsplit.errors import CacheError
-from tests.caching.fixtures import Pictures, loader, make_split
+from tests.caching.fixtures import Interrupt, Pictures, interrupt_after, loader, make_split
 
 # ------------------------------------------------------------------------------ rows and shards
 
@@ -124,3 +129,94 @@ def test_duplicate_keys_are_refused(split, tmp_path):
     batches[1]["key"] = batches[0]["key"]
     with pytest.raises(CacheError, match=r"(?s)sample key 'pic000' twice.*unique 'key'"):
         cache(split, batches, tmp_path, progress=False)
+
+
+# ------------------------------------------------------------------------ durability and cost
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names descriptors via /proc")
+def test_files_are_fsynced_before_publishing_and_progress_records_are_not(split, tmp_path):
+    synced: list[str] = []
+    original = os.fsync
+
+    def fsync(descriptor):
+        synced.append(os.readlink(f"/proc/self/fd/{descriptor}"))
+        original(descriptor)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(files.os, "fsync", fsync)
+        cache(split, loader(batch_size=2), tmp_path, shard_bytes=4 * 448 + 10, progress=False)
+    names = [Path(name).name for name in synced]
+    shards = [f".shard-0000{index}.safetensors.tmp" for index in range(3)]
+    assert set(shards) <= set(names) and ".manifest.json.tmp" in names
+    assert names.index(".manifest.json.tmp") > max(names.index(shard) for shard in shards)
+    assert str(tmp_path) in synced  # the folder, once the renames are in it
+    assert not [name for name in names if name.startswith(".shard-") and ".json" in name]
+
+
+def test_an_empty_progress_record_means_its_shard_is_redone(split, tmp_path, monkeypatch):
+    """What a power cut can leave of a record written without fsync: resuming redoes it."""
+    with monkeypatch.context() as patch:
+        interrupt_after(patch, 2)
+        with pytest.raises(Interrupt):
+            cache(split, loader(batch_size=2), tmp_path, shard_bytes=4 * 448 + 10, progress=False)
+    (tmp_path / ".partial" / "shard-00001.json").write_bytes(b"")
+    info = cache(split, loader(batch_size=2), tmp_path, shard_bytes=4 * 448 + 10, progress=False)
+    assert (info.reused_shards, info.written_shards) == (1, 2)
+    assert not (tmp_path / ".partial").exists()
+    assert len(CachedDataset(tmp_path)) == 12
+
+
+class RefillingLoader:
+    """A re-iterable that refills one buffer per input for every batch, as a loader with a
+    preallocated (pinned) buffer may: a batch's tensors change once the next is asked for."""
+
+    def __init__(self, dataset: Pictures, batch_size: int) -> None:
+        self.dataset, self.batch_size = dataset, batch_size
+        self.refilled: list[threading.Event] = []  # [k]: batch k's buffers hold batch k + 1
+
+    def __iter__(self):
+        buffers = None
+        for number, start in enumerate(range(0, len(self.dataset), self.batch_size)):
+            batch = torch.utils.data.default_collate(
+                [self.dataset[i] for i in range(start, start + self.batch_size)]
+            )
+            if buffers is None:
+                buffers = {name: value.clone() for name, value in batch.items() if name != "key"}
+            for name, buffer in buffers.items():
+                buffer.copy_(batch[name])
+            if number:
+                self.refilled[number - 1].set()
+            self.refilled.append(threading.Event())
+            yield {**buffers, "key": batch["key"]}
+        self.refilled[-1].set()
+
+
+def test_input_digests_are_those_of_each_batch_as_yielded(split, tmp_path, monkeypatch):
+    """The digests run on another thread; the batch they hash is a copy, so a loader that
+    refills its buffers meanwhile changes nothing (hashing waits here until it has)."""
+    dataset = Pictures(12)
+    refilling = RefillingLoader(dataset, 2)
+    calls = []
+
+    def digests_once_refilled(batch, names, size):
+        calls.append(threading.current_thread().name)
+        assert refilling.refilled[len(calls) - 1].wait(timeout=60)
+        return batch_input_digests(batch, names, size)
+
+    monkeypatch.setattr("graphsplit.caching.shards.batch_input_digests", digests_once_refilled)
+    info = cache(split, refilling, tmp_path, progress=False)
+    names = split.input_names
+    expected = [d for batch in loader(dataset) for d in batch_input_digests(batch, names, 2)]
+    assert [d for shard in read_manifest(info.path).shards for d in shard.input_sha256] == expected
+    assert len(set(expected)) == 12 and set(calls) == {"graphsplit-digest_0"}
+
+
+def test_a_failing_input_digest_stops_the_run_with_its_error(split, tmp_path, monkeypatch):
+    def failing(*args):
+        raise CacheError("cannot digest this input")
+
+    monkeypatch.setattr("graphsplit.caching.shards.batch_input_digests", failing)
+    with pytest.raises(CacheError, match="cannot digest this input"):
+        cache(split, loader(), tmp_path, progress=False)
+    assert not (tmp_path / "manifest.json").exists()
