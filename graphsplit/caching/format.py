@@ -27,7 +27,7 @@ Glossary:
         finished: its record, plus the loader positions and storage errors that resuming and
         finishing need and the manifest does not keep.
     stamp: ``format`` and ``format_version``, the first two fields of the manifest and the
-        resume header. Format 2 records each file's ``checksum`` (``"crc32:…"``, see
+        resume header. Format 2 records each file's ``checksum`` (``"xxh3:…"``, see
         :mod:`graphsplit.caching.checksums`); format 1 (graphsplit 0.1) recorded its
         ``sha256`` (hex). Format-1 manifests and progress records are still read, their
         ``sha256`` taken as the checksum ``"sha256:…"``, so caches written before still open.
