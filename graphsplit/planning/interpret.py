@@ -23,14 +23,21 @@ Two interpreters, both ``torch.fx.Interpreter``:
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch._C import (
+    _get_function_stack_at,
+    _len_torch_function_stack,
+    _pop_torch_function_stack,
+    _push_on_torch_function_stack,
+)
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -43,6 +50,7 @@ from graphsplit.errors import GraphsplitError, TraceError, user_error
 from graphsplit.planning.eager_protocols import eager_protocols_on_meta
 from graphsplit.planning.meta import meta_execution, to_meta
 from graphsplit.planning.mixing import ALONG_DIM_OPS, BATCH_NORM_TRAINING
+from graphsplit.planning.patches import TracedTorchCalls
 
 # Where the tracer leaves a node's op record for the analysis's first probe run.
 OP_RECORD = "op_record"
@@ -150,11 +158,15 @@ class _OpRecorder(TorchDispatchMode):
         self.ops: list[AtenOp] = []
         self.flops = 0
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as OpMemo's: no torch._disable_dynamo frame around every op
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _SIZE_QUERIES:  # FlopCounterMode leaves these alone too
             return func(*args, **kwargs)
-        if func is not _DEVICE:
+        if func is not _DEVICE and _decomposes(func):
             with self:
                 decomposed = func.decompose(*args, **kwargs)
             if decomposed is not NotImplemented:
@@ -199,6 +211,27 @@ _SIZE_QUERIES = frozenset(
 )
 
 
+def _decomposes(func: Any) -> bool:
+    """Whether ``func.decompose`` may run a decomposition (else it returns NotImplemented).
+
+    That depends on the overload only (``OpOverload.decompose`` looks for a
+    CompositeImplicitAutograd kernel), so it is decided once per overload: entering the
+    recorder around a call that can only answer NotImplemented costs a mode push per op.
+    """
+    known = _DECOMPOSES.get(func)
+    if known is None:
+        key = torch._C.DispatchKey.CompositeImplicitAutograd
+        known = not isinstance(func, torch._ops.OpOverload) or (
+            key in func.py_kernels
+            or torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key)
+        )
+        _DECOMPOSES[func] = known
+    return known
+
+
+_DECOMPOSES: dict[Any, bool] = {}
+
+
 def _recorded(run: Callable[[], Any]) -> tuple[Any, OpRecord]:
     recorder = _OpRecorder()
     with recorder:
@@ -235,7 +268,7 @@ class _MetaInterpreter(fx.Interpreter):
     def run_on_meta(self, node: fx.Node, *, record: bool) -> tuple[Any, OpRecord | None]:
         """Run one node on meta (recording its ops if asked); failures become TraceErrors."""
         try:
-            with meta_execution(), eager_protocols_on_meta():
+            with _tracer_modes_set_aside(), meta_execution(), eager_protocols_on_meta():
                 if record:
                     return _recorded(lambda: super(_MetaInterpreter, self).run_node(node))
                 return super().run_node(node), None
@@ -243,6 +276,32 @@ class _MetaInterpreter(fx.Interpreter):
             raise
         except Exception as exc:
             raise meta_failure(node, exc) from exc
+
+
+@contextlib.contextmanager
+def _tracer_modes_set_aside() -> Iterator[None]:
+    """Take the tracer's torch-function modes off the stack while a node runs on meta.
+
+    The tracer's :func:`~graphsplit.planning.patches.traced_torch_calls` mode lets every call
+    through unchanged while the tracer computes a node's value (``tracer.computing_meta``), but
+    as a Python mode it still costs a call into Python for each of the thousands of torch calls
+    a large module makes. Only such modes on top of the stack are set aside (what is under
+    them, a user's mode, stays), and they are put back in order on exit.
+    """
+    aside = []
+    while (
+        _len_torch_function_stack() > 0
+        and type(_get_function_stack_at(_len_torch_function_stack() - 1)) in _IDLE_ON_META
+    ):
+        aside.append(_pop_torch_function_stack())
+    try:
+        yield
+    finally:
+        for mode in reversed(aside):
+            _push_on_torch_function_stack(mode)
+
+
+_IDLE_ON_META = frozenset({TracedTorchCalls})
 
 
 class TracingInterpreter(_MetaInterpreter):

@@ -125,9 +125,21 @@ class OpMemo(TorchDispatchMode):
         self.hits = 0
         self.misses = 0
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # TorchDispatchMode otherwise wraps __torch_dispatch__ in torch._disable_dynamo, a
+        # Python frame and four eval-frame switches on every op. The analysis never runs
+        # under torch.compile, so there is nothing for it to disable.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _DEVICE:
+            # What the fake mode answers (its ``_device_handler``), without its dispatch: C++
+            # asks every fake tensor for its device several times per op.
+            tensor = args[0] if len(args) == 1 and not kwargs else None
+            if type(tensor) is FakeTensor:
+                return _META if tensor.fake_mode.in_kernel_invocation else tensor.fake_device
             return func(*args, **kwargs)
         if func in _VIEWS_IN_DISGUISE or _memoisable_view(func):
             return self._view(func, args, kwargs)
@@ -175,6 +187,18 @@ class OpMemo(TorchDispatchMode):
     def _view(self, func: Any, args: tuple, kwargs: dict) -> Any:
         """A view op: the answer is a new fake tensor on its first argument's storage."""
         base = args[0] if args else None
+        if (
+            isinstance(base, torch.Tensor)
+            and not isinstance(base, FakeTensor)
+            and base.device.type == "meta"
+            and base.layout is torch.strided
+            and type(base) in (torch.Tensor, torch.nn.Parameter)
+        ):
+            # A meta parameter (``weight.t()`` in every ``linear``): the fake mode would convert
+            # it to its fake twin first (memoised per tensor by its converter); doing the same
+            # here lets the memo answer the view on that twin.
+            base = self.fake_mode.fake_tensor_converter.from_real_tensor(self.fake_mode, base)
+            args = (base, *args[1:])
         if type(base) is not FakeTensor or base.fake_mode is not self.fake_mode:
             return func(*args, **kwargs)
 

@@ -69,11 +69,12 @@ def leaf_methods_recorded(
     """
     patched = []
     methods_of: dict[type, tuple[str, ...]] = {}  # a big model has thousands of leaves, few types
+    flags_of: dict[int, frozenset[bool]] = {}  # one walk of the tree for every leaf's flags
     for qualified_name in sorted(leaf_names):
         module = model.get_submodule(qualified_name)
         if type(module) not in methods_of:
             methods_of[type(module)] = _public_methods(type(module))
-        inline = _is_mixed(module)
+        inline = _requires_grad_flags(module, flags_of) == {True, False}
         for method_name in methods_of[type(module)]:
             original = getattr(module, method_name)
             recorded = _recording(tracer, qualified_name, method_name, original, inline=inline)
@@ -91,10 +92,23 @@ def leaf_methods_recorded(
                 vars(module).pop(method_name, None)
 
 
-def _is_mixed(module: nn.Module) -> bool:
-    """Whether ``module`` holds both frozen and trainable parameters (a LoRA'd DiT)."""
-    flags = {parameter.requires_grad for parameter in module.parameters()}
-    return flags == {True, False}
+def _requires_grad_flags(
+    module: nn.Module, flags_of: dict[int, frozenset[bool]]
+) -> frozenset[bool]:
+    """The ``requires_grad`` values of ``module``'s parameters: ``{True, False}`` when it mixes
+    frozen and trainable ones (a LoRA'd DiT).
+
+    ``flags_of`` memoises them per module (by id), so nested leaves share one walk instead of
+    each walking its whole subtree (``module.parameters()`` per leaf was quadratic in depth).
+    """
+    known = flags_of.get(id(module))
+    if known is None:
+        flags = {param.requires_grad for param in module._parameters.values() if param is not None}
+        for child in module._modules.values():
+            if child is not None:
+                flags |= _requires_grad_flags(child, flags_of)
+        known = flags_of[id(module)] = frozenset(flags)
+    return known
 
 
 def _recording(
@@ -169,7 +183,7 @@ RANDOM_FILLS = frozenset(
 _INDEXING = {torch.Tensor.__getitem__: operator.getitem, torch.Tensor.__setitem__: operator.setitem}
 
 
-class _TracedTorchCalls(TorchFunctionMode):
+class TracedTorchCalls(TorchFunctionMode):
     """Records, as graph nodes, torch calls that hold no traced value but must not run now.
 
     - random draws (:data:`RANDOM_FUNCTIONS`, :data:`RANDOM_FILLS`): one node each, in order,
@@ -222,7 +236,7 @@ def _slice_holds_proxy(index: Any) -> bool:
 @contextlib.contextmanager
 def traced_torch_calls(tracer: Any) -> Iterator[None]:
     """Record random draws and real-tensor indexing with traced indices (see above)."""
-    with _TracedTorchCalls(tracer):
+    with TracedTorchCalls(tracer):
         yield
 
 
