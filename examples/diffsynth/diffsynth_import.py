@@ -31,26 +31,34 @@ class TorchvisionUnavailable(RuntimeError):
     """DiffSynth code reached for torchvision, which cannot load beside this torch build."""
 
 
-class _Placeholder:
-    """Stands for any torchvision attribute; refuses to be used."""
+class _PlaceholderType(type):
+    """The metaclass of torchvision placeholders: attributes are placeholders, calls refuse.
 
-    def __init__(self, name: str) -> None:
-        self._name = name
+    Placeholders are classes, so library code may use them where a type is expected:
+    ``isinstance(value, torchvision.io.VideoReader)`` (``datasets`` asks this of every value it
+    formats once torchvision is in ``sys.modules``) is False, and ``class X(torchvision.Foo)``
+    defines an ordinary class.
+    """
 
-    def __getattr__(self, attr: str) -> _Placeholder:
-        if attr.startswith("__"):  # protocols (copy, pickle, inspect) must see a plain object
+    def __getattr__(cls, attr: str) -> type:
+        if attr.startswith("__") or not cls.__dict__.get("_graphsplit_placeholder"):
             raise AttributeError(attr)
-        return _Placeholder(f"{self._name}.{attr}")
+        return _placeholder(f"{cls.__qualname__}.{attr}")
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if not cls.__dict__.get("_graphsplit_placeholder"):
+            return super().__call__(*args, **kwargs)  # a class DiffSynth derived from one
         raise TorchvisionUnavailable(
-            f"{self._name} was called, but torchvision cannot be imported beside this torch "
-            "build (see examples/diffsynth/diffsynth_import.py); the graphsplit DiffSynth steps "
-            "never need it"
+            f"{cls.__qualname__} was called, but torchvision cannot be imported beside this "
+            "torch build (see examples/diffsynth/diffsynth_import.py); the graphsplit DiffSynth "
+            "steps never need it"
         )
 
-    def __mro_entries__(self, bases: tuple) -> tuple:  # `class X(torchvision.Foo)` at import
-        return (object,)
+
+def _placeholder(name: str) -> type:
+    """A stand-in for the torchvision attribute ``name``."""
+    namespace = {"__qualname__": name, "__module__": "torchvision", "_graphsplit_placeholder": True}
+    return _PlaceholderType(name.rsplit(".", 1)[-1], (), namespace)
 
 
 def _module_attribute(module_name: str) -> Any:
@@ -60,10 +68,10 @@ def _module_attribute(module_name: str) -> Any:
     friends; they must find them missing, not get a placeholder.
     """
 
-    def attribute(attr: str) -> _Placeholder:
+    def attribute(attr: str) -> type:
         if attr.startswith("__"):
             raise AttributeError(attr)
-        return _Placeholder(f"{module_name}.{attr}")
+        return _placeholder(f"{module_name}.{attr}")
 
     return attribute
 
