@@ -59,7 +59,7 @@ from graphsplit.caching import remote
 from graphsplit.caching.checksums import ALGORITHM, Running, algorithm_of
 from graphsplit.caching.remote import RemotePath, nothing, or_remote
 from graphsplit.caching.tensor_file import SAFETENSORS_DTYPES, safetensors_dtype, serialise
-from graphsplit.errors import DiskFullError, UnsafeFileError
+from graphsplit.errors import DiskFullError, Remedy, UnsafeFileError
 from graphsplit.units import human_bytes
 
 __all__ = [
@@ -375,8 +375,8 @@ def read_regular(path: Path, *, limit: int) -> bytes:
             raise UnsafeFileError(
                 f"{path} holds {human_bytes(size)}, more than the {human_bytes(limit)} a "
                 "graphsplit cache file of its kind can hold.\n  fix: the file is damaged or not "
-                "graphsplit's; rebuild the cache with graphsplit.cache(split, loader, path, "
-                "overwrite=True)"
+                "graphsplit's; rebuild the cache (run cache again with {remedy})",
+                remedy=Remedy.OVERWRITE,
             )
         with os.fdopen(os.dup(descriptor), "rb") as handle:
             return handle.read(limit + 1)[:limit]

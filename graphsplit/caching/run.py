@@ -55,7 +55,7 @@ from graphsplit.caching.remote import RemotePath, location, make_folder
 from graphsplit.caching.remote_lock import RemoteLock
 from graphsplit.caching.shards import write_shards
 from graphsplit.caching.sources import BatchSource, source_for
-from graphsplit.errors import CacheError
+from graphsplit.errors import CacheError, Remedy
 from graphsplit.units import human_bytes
 
 if TYPE_CHECKING:
@@ -332,7 +332,8 @@ def _check_unique_keys(folder: Path, shards: Sequence[ShardRecord]) -> None:
         raise CacheError(
             f"the loader gave {len(repeated)} sample key(s) more than once: "
             f"{', '.join(repeated[:5])}.\n  fix: give every sample a unique 'key' and rerun "
-            f"with overwrite=True (the partial cache in {folder} is kept until then)"
+            f"with {{remedy}} (the partial cache in {folder} is kept until then)",
+            remedy=Remedy.OVERWRITE,
         )
 
 

@@ -50,7 +50,7 @@ from graphsplit.caching.memory_order import Order, memory_order
 from graphsplit.caching.processes import Processes
 from graphsplit.caching.sources import BatchSource, as_mapping, batch_keys
 from graphsplit.caching.validate import to_json
-from graphsplit.errors import CacheError
+from graphsplit.errors import CacheError, Remedy
 from graphsplit.units import human_bytes
 
 __all__ = ["PendingShard", "ShardWriter", "write_shards"]
@@ -283,7 +283,8 @@ def _cast(value: torch.Tensor, dtype: torch.dtype, name: str) -> tuple[torch.Ten
         largest = float(value[finite].abs().max())
         raise CacheError(
             f"{name!r} holds values up to {largest:.4g}, beyond the range of {dtype}.\n"
-            "  fix: use storage_dtype=torch.bfloat16 (same range as float32) or None (lossless)"
+            "  fix: use {remedy} (same range as float32), or store losslessly",
+            remedy=Remedy.STORE_BFLOAT16,
         )
     if value.numel() == 0:
         return stored, 0.0
@@ -395,7 +396,8 @@ def _check_new_keys(keys: Sequence[str], positions: Sequence[int], seen: dict[st
             raise CacheError(
                 f"the loader gave the sample key {key!r} twice (positions {seen[key]} and "
                 f"{position}).\n  fix: give every sample a unique 'key' and rerun with "
-                "overwrite=True"
+                "{remedy}",
+                remedy=Remedy.OVERWRITE,
             )
         seen[key] = position
 

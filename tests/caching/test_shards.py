@@ -120,8 +120,16 @@ def test_a_constant_that_changes_between_batches_is_refused(split, tmp_path):
 
 def test_float16_overflow_is_refused(tmp_path):
     split = make_split(scale=1e6)  # the constant table exceeds float16's range
-    with pytest.raises(CacheError, match=r"(?s)'table' holds values up to .*beyond the range"):
+    with pytest.raises(
+        CacheError, match=r"(?s)'table' holds values up to .*beyond the range"
+    ) as caught:
         cache(split, loader(), tmp_path, storage_dtype=torch.float16, progress=False)
+    from graphsplit.errors import Remedy, Wording, speaking
+
+    assert caught.value.remedy is Remedy.STORE_BFLOAT16  # decided by type, never by text
+    assert "fix: use storage_dtype=torch.bfloat16" in str(caught.value)
+    with speaking(Wording.CLI):
+        assert "fix: use --storage-dtype bfloat16" in str(caught.value)
 
 
 def test_duplicate_keys_are_refused(split, tmp_path):
