@@ -72,3 +72,12 @@ def frozen(module: nn.Module) -> nn.Module:
 
 def node_named(split: graphsplit.Split, name: str) -> torch.fx.Node:
     return next(node for node in split.graph.nodes if node.name == name)
+
+
+def free_port() -> int:
+    """A TCP port the OS says is free now (a fixed one collides with a second suite beside us)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -11,8 +11,7 @@ keys written inside it are checked separately, and nothing graphsplit reads is t
 safe because of its checksum (it never unpickles). For that job a 64-bit non-cryptographic
 hash with full avalanche (XXH3 passes SMHasher) misses a random change with probability
 2^-64, far below CRC-32's 2^-32; it gives up CRC-32's certainty for short bursts, which no
-storage failure needs once the probability is that small. What decided it is speed: XXH3
-hashes 8-10 GB/s on one core, CRC-32 (zlib 1.2) 0.6-0.8 GB/s and sha256 0.4-1 GB/s. Measured
+storage failure needs once the probability is that small. What decided it is speed, measured
 on bench_cache_io (256 samples x 302 KB, 2 loaded cores, six interleaved pairs in one
 session), the writer went from 0.69x to 0.75x of ``save_file`` + fsync and the first
 verified read from 0.48x to 0.73x of raw safetensors when CRC-32 was replaced by XXH3.

@@ -41,6 +41,7 @@ from tests.caching.fixtures import (
     worker_environment,
 )
 from tests.caching.s3_server import remote_names
+from tests.helpers import free_port
 
 LOCAL_FILES = {
     "manifest.json",
@@ -305,12 +306,6 @@ def test_shards_and_manifest_share_one_mode_that_honours_the_umask(tmp_path, uma
     assert set(modes.values()) == {0o666 & ~umask}, modes
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_accelerate_processes_write_one_s3_cache_and_train_from_it(
     s3, bucket, local_twin, tmp_path
@@ -321,7 +316,7 @@ def test_two_accelerate_processes_write_one_s3_cache_and_train_from_it(
     command = [
         *(sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu"),
         *("--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"),
-        *("--dynamo_backend", "no", "--main_process_port", str(_free_port())),
+        *("--dynamo_backend", "no", "--main_process_port", str(free_port())),
         *(str(WORKER), url, "--accelerate", "--train-steps", "2", "--report", str(report)),
     ]
     finished = subprocess.run(command, env=worker_environment(), capture_output=True, timeout=180)

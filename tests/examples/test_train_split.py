@@ -24,6 +24,7 @@ from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
 
 import graphsplit
+from tests.helpers import free_port
 from tests.zoo.sd import build_sd_lora_step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +57,7 @@ def test_cache_then_train_reproduces_full_and_saves_a_loadable_lora(tmp_path):
     # (no CUDA here) makes it a two-process CPU (gloo) run, as in test_cache_multiprocess.py.
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu"]
     launch += ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
-    launch += ["--dynamo_backend", "no", "--main_process_port", str(29500 + os.getpid() % 1000)]
+    launch += ["--dynamo_backend", "no", "--main_process_port", str(free_port())]
     out = run(
         [*launch, str(SCRIPT), "--task", "cache", "--cache-dir", str(cache), "--shard-bytes",
          "50000", *COMMON],

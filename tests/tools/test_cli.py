@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from graphsplit.tools.cli import main
+from tests.helpers import free_port
 from tests.tools.specs import BAD_SPECS, TINY_STEP
 
 
@@ -122,15 +123,6 @@ def test_cache_command_on_a_bad_spec_exits_2(tmp_path, capsys):
     assert "has no function" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    """A port the OS says is free now (a fixed one collides with a second suite beside this)."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_cache_command_under_accelerate_launch_with_two_processes(tmp_path):
     pytest.importorskip("accelerate")
     import os
@@ -138,7 +130,7 @@ def test_cache_command_under_accelerate_launch_with_two_processes(tmp_path):
     out = tmp_path / "cache"
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu"]
     launch += ["--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"]
-    launch += ["--dynamo_backend", "no", "--main_process_port", str(_free_port())]
+    launch += ["--dynamo_backend", "no", "--main_process_port", str(free_port())]
     command = [*launch, "-m", "graphsplit", "cache", f"{TINY_STEP}:step", "--out", str(out)]
     command += ["--batch-size", "2", "--shard-bytes", "60"]
     root = Path(__file__).resolve().parents[2]
