@@ -13,13 +13,13 @@ The steps, each refusing with a message that names the fix in command-line words
    tqdm bar on a terminal and a periodic one-line log otherwise
    (:mod:`graphsplit.tools.progress`).
 
-Library errors keep their text; for the kinds whose fix is the library's ``overwrite=True`` the
-command line adds the flag that does it (:func:`cli_fix`), chosen by the error's type.
+Library errors keep their text; a fix that is one option (a typed
+:class:`~graphsplit.errors.Remedy`) is spelled as its flag, because the command runs inside
+``speaking(Wording.CLI)``.
 
 In and out::
 
     run_cache(args: argparse.Namespace) -> int     the exit code
-    cli_fix(error: GraphsplitError) -> str | None  the fix in command-line words, by type
 """
 
 from __future__ import annotations
@@ -39,10 +39,7 @@ from graphsplit.api import Split, split
 from graphsplit.caching import cache
 from graphsplit.caching.remote import location
 from graphsplit.errors import (
-    CorruptCacheError,
     GraphsplitError,
-    ManifestError,
-    StaleCacheError,
     UnsupportedStorageError,
 )
 from graphsplit.tools.launch import LaunchError, launched_accelerator, world_size
@@ -50,14 +47,11 @@ from graphsplit.tools.progress import line_log
 from graphsplit.tools.spec import SpecError, StepSpec, load_spec
 from graphsplit.verify import verify
 
-__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "cli_fix", "fail", "run_cache"]
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "fail", "run_cache"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "none": None}
-
-# The error kinds whose library fix is ``overwrite=True`` when they come out of cache().
-_OVERWRITE_FIXES = (StaleCacheError, ManifestError, CorruptCacheError)
 
 
 def fail(message: str, code: int) -> int:
@@ -66,24 +60,8 @@ def fail(message: str, code: int) -> int:
     return code
 
 
-def cli_fix(error: GraphsplitError) -> str | None:
-    """The fix of a cache() error in command-line words, chosen by the error's type.
-
-    Errors that carry a typed :class:`~graphsplit.errors.Remedy` already name it in the
-    caller's words; this covers the older messages that still spell ``overwrite=True``.
-    """
-    if error.remedy is None and isinstance(error, _OVERWRITE_FIXES):
-        return (
-            "on the command line: rerun with --overwrite to replace the cache (its fix above "
-            "says overwrite=True, the library's name for the same thing), or pass another --out"
-        )
-    return None
-
-
 def _fail_with(error: GraphsplitError) -> int:
-    message = f"{type(error).__name__}: {error}"
-    extra = cli_fix(error)
-    return fail(message if extra is None else f"{message}\n  {extra}", EXIT_FAILED)
+    return fail(f"{type(error).__name__}: {error}", EXIT_FAILED)
 
 
 def split_spec(spec: StepSpec) -> Split:

@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from graphsplit.errors import StaleCacheError
-from graphsplit.tools.cache_command import cli_fix
 from graphsplit.tools.cli import main
 from graphsplit.tools.launch import LaunchError, check_launch
 from graphsplit.tools.progress import LineLog
@@ -130,17 +128,6 @@ def test_a_stale_cache_error_names_the_overwrite_flag(tmp_path, capsys):
     assert "overwrite=True" not in error  # the typed remedy speaks the command line's words
     argv = ["cache", f"{DATA_SPECS}:other_weights", "--out", str(out), "--overwrite"]
     assert main(argv) == 0
-
-
-def test_cli_fix_is_chosen_by_type_not_text():
-    from graphsplit.errors import Remedy
-
-    assert "--overwrite" in cli_fix(StaleCacheError("anything"))
-    from graphsplit.errors import CacheLockedError
-
-    assert cli_fix(CacheLockedError("pass overwrite=True")) is None
-    # An error with a typed remedy already names it in the caller's words.
-    assert cli_fix(StaleCacheError("pass {remedy}", remedy=Remedy.OVERWRITE)) is None
 
 
 class _SingleProcess:
