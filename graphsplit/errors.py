@@ -40,6 +40,7 @@ __all__ = [
     "Remedy",
     "SplitError",
     "StaleCacheError",
+    "TensorValueError",
     "TornFileError",
     "TraceError",
     "UnsafeFileError",
@@ -120,6 +121,12 @@ class GraphsplitError(Exception):
 
 class TraceError(GraphsplitError):
     """The training step cannot be traced into a graph that is valid for every batch."""
+
+
+class TensorValueError(TraceError):
+    """The step reads a tensor's value while it is traced (``.item()``, ``.tolist()``, control
+    flow, a data-dependent shape). A typed reason: the planning retries frozen code that does
+    this as one opaque stage-1 step (:mod:`graphsplit.planning.opaque`)."""
 
 
 class SplitError(GraphsplitError):

@@ -76,9 +76,14 @@ def analyze(
             return NodeMode.SKIP
         return NodeMode.RUN if node in trainable_calls else NodeMode.RECORD
 
-    first = _probe(traced, model, examples.values[0], first_mode)
+    first = _probe(traced, model, examples.values[0], first_mode, batch_sizes[0])
     second = ProbeInterpreter(
-        model, traced.constants, traced.graph, examples.values[1], second_mode
+        model,
+        traced.constants,
+        traced.graph,
+        examples.values[1],
+        second_mode,
+        batch_size=batch_sizes[1],
     )
     try:
         second.run(enable_io_processing=False)
@@ -148,8 +153,11 @@ def _probe(
     model: nn.Module,
     inputs: Mapping[str, Any],
     mode_of: Callable[[fx.Node], NodeMode],
+    batch_size: int,
 ) -> ProbeInterpreter:
-    probe = ProbeInterpreter(model, traced.constants, traced.graph, inputs, mode_of)
+    probe = ProbeInterpreter(
+        model, traced.constants, traced.graph, inputs, mode_of, batch_size=batch_size
+    )
     probe.run(enable_io_processing=False)
     return probe
 

@@ -46,10 +46,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from graphsplit.artifacts import AtenOp, OpRecord
-from graphsplit.errors import GraphsplitError, TraceError, user_error
+from graphsplit.errors import GraphsplitError, TensorValueError, TraceError, user_error
 from graphsplit.planning.eager_protocols import eager_protocols_on_meta
 from graphsplit.planning.meta import meta_execution, to_meta
 from graphsplit.planning.mixing import ALONG_DIM_OPS, BATCH_NORM_TRAINING
+from graphsplit.planning.opaque_call import is_opaque, probe_value
 from graphsplit.planning.patches import TracedTorchCalls
 
 # Where the tracer leaves a node's op record for the analysis's first probe run.
@@ -73,7 +74,7 @@ def meta_failure(node: fx.Node, exc: Exception) -> TraceError:
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, _DATA_DEPENDENT) or _is_data_dependent(message):
         return user_error(
-            TraceError,
+            TensorValueError,
             f"The step reads the value of a tensor ({message}); graphsplit decides the split "
             "without real data, so values cannot steer the step.",
             node=node,
@@ -336,6 +337,8 @@ class TracingInterpreter(_MetaInterpreter):
         """
         if node.op == "placeholder":
             return self.inputs.get(node.target)
+        if is_opaque(node):  # run for real on the example batch (planning/opaque.py)
+            return node.target.planning.example_value(node)
         record = self.record is not None and self.record(node)
         versions = _versions(node)
         value, op_record = self.run_on_meta(node, record=record)
@@ -367,7 +370,11 @@ class NodeMode(enum.Enum):
 
 
 class ProbeInterpreter(_MetaInterpreter):
-    """One run of the whole graph at one batch size, each node treated as ``mode_of`` says."""
+    """One run of the whole graph at one batch size, each node treated as ``mode_of`` says.
+
+    An opaque call is not run: its value at ``batch_size`` is the example run's, resized along
+    each output's batch dim (:func:`~graphsplit.planning.opaque_call.probe_value`).
+    """
 
     def __init__(
         self,
@@ -376,14 +383,20 @@ class ProbeInterpreter(_MetaInterpreter):
         graph: fx.Graph,
         inputs: Mapping[str, Any],
         mode_of: Callable[[fx.Node], NodeMode],
+        *,
+        batch_size: int = 0,
     ) -> None:
         super().__init__(model, graph, inputs, constants)
         self.mode_of = mode_of
+        self.batch_size = batch_size
         self.records: dict[fx.Node, OpRecord] = {}
 
     def run_node(self, node: fx.Node) -> Any:
         if node.op in ("placeholder", "output"):
             return super().run_node(node)
+        if is_opaque(node):
+            self.records[node] = node.meta[OP_RECORD]
+            return probe_value(node, self.batch_size)
         mode = self.mode_of(node)
         if mode is NodeMode.SKIP:
             return None

@@ -44,6 +44,7 @@ import torch.fx as fx
 
 from graphsplit.artifacts import Taint
 from graphsplit.errors import SplitError
+from graphsplit.planning.opaque_call import is_opaque
 from graphsplit.planning.taint import facts, is_banned, module_owner
 
 Recompute = Literal["auto", "never"]
@@ -122,6 +123,7 @@ def candidates(graph: fx.Graph, taint: Mapping[fx.Node, Taint]) -> frozenset[fx.
         for node in graph.nodes
         if "facts" in node.meta
         and is_banned(node, taint)
+        and not is_opaque(node)  # value-dependent code runs in stage 1 only
         and is_one_layer(node)
         and all(
             producer.op == "placeholder" or producer in read_anyway

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import torch
@@ -38,7 +38,7 @@ import torch.fx as fx
 from torch import nn
 
 from graphsplit.artifacts import BatchLayout, ExampleInputs, TaintKind, Traced
-from graphsplit.errors import SplitError, TraceError
+from graphsplit.errors import SplitError, TensorValueError, TraceError
 from graphsplit.planning.analyze import analyze, resolve_params
 from graphsplit.planning.codecs import insert_codecs
 from graphsplit.planning.cut import choose_boundary, compute_taint, facts, module_owner
@@ -49,9 +49,18 @@ from graphsplit.planning.inputs import (
     one_sample_examples,
 )
 from graphsplit.planning.meta import analysis_view
+from graphsplit.planning.opaque import (
+    ExampleRun,
+    OpaqueSite,
+    check_opaque_nodes,
+    opaque_calls_recorded,
+    site_of_failure,
+)
+from graphsplit.planning.opaque_call import OPAQUE, is_opaque
 from graphsplit.planning.trace import trace_step
 
 MAX_ROUNDS = 8
+MAX_OPAQUE_SITES = 16
 
 
 def trace_and_analyze(
@@ -65,15 +74,16 @@ def trace_and_analyze(
     every step. If batch 1 fails too, that error is raised: it is the size the user gave.
     """
     one_sample = example_batch_size(examples) == 1 and examples.batch_sizes != ONE_SAMPLE
+    sites: list[OpaqueSite] = []  # found once, kept for every later trace
     try:
-        traced = _rounds(model, examples, trainable)
+        traced = _rounds(model, examples, trainable, sites)
     except Exception as at_probe_sizes:
         if not one_sample:
             raise
         first_line = (str(at_probe_sizes).strip().splitlines() or [""])[0]
         error = f"{type(at_probe_sizes).__name__}: {first_line}"
         why = f"fails at batch {examples.batch_sizes[0]} ({error})"
-        return _one_sample_per_batch(model, examples, trainable, why)
+        return _one_sample_per_batch(model, examples, trainable, why, sites)
     mixing = _frozen_work_judged_mixing(traced, trainable) if one_sample else []
     if not mixing:
         return traced
@@ -82,15 +92,19 @@ def trace_and_analyze(
         "samples and would have run every step"
     )
     try:
-        return _one_sample_per_batch(model, examples, trainable, why)
+        return _one_sample_per_batch(model, examples, trainable, why, sites)
     except Exception:  # batch 1 is no better: keep the plan for every batch size
         return traced
 
 
 def _one_sample_per_batch(
-    model: nn.Module, examples: ExampleInputs, trainable: frozenset[str], why: str
+    model: nn.Module,
+    examples: ExampleInputs,
+    trainable: frozenset[str],
+    why: str,
+    sites: list[OpaqueSite],
 ) -> Traced:
-    traced = _rounds(model, one_sample_examples(examples), trainable)
+    traced = _rounds(model, one_sample_examples(examples), trainable, sites)
     note = (
         f"one sample per batch: the step {why}, so it was planned at batch 1: each batch is one "
         "sample, cached per sample, and stage 1 refuses a bigger batch (pass an example of 2 "
@@ -109,10 +123,15 @@ def _frozen_work_judged_mixing(traced: Traced, trainable: frozenset[str]) -> lis
     ]
 
 
-def _rounds(model: nn.Module, examples: ExampleInputs, trainable: frozenset[str]) -> Traced:
+def _rounds(
+    model: nn.Module,
+    examples: ExampleInputs,
+    trainable: frozenset[str],
+    sites: list[OpaqueSite],
+) -> Traced:
     """Trace, analyse, and trace into mixed modules whose inputs are all cacheable; repeat."""
     with _cyclic_gc_paused():
-        return _trace_and_analyze(model, examples, trainable)
+        return _trace_and_analyze(model, examples, trainable, sites)
 
 
 @contextlib.contextmanager
@@ -135,18 +154,21 @@ def _cyclic_gc_paused() -> Iterator[None]:
 
 
 def _trace_and_analyze(
-    model: nn.Module, examples: ExampleInputs, trainable: frozenset[str]
+    model: nn.Module,
+    examples: ExampleInputs,
+    trainable: frozenset[str],
+    sites: list[OpaqueSite],
 ) -> Traced:
     param_names = {id(param): name for name, param in model.named_parameters()}
     leaves = _initial_leaves(model)
     notes: list[str] = []
-    traced = _trace_once(model, examples, param_names, leaves, trainable)
+    traced = _trace_once(model, examples, param_names, leaves, trainable, sites)
     for _ in range(MAX_ROUNDS):
         expand = _mixed_calls_worth_tracing(traced, trainable) & leaves
         if not expand:
             break
         try:
-            finer = _trace_once(model, examples, param_names, leaves - expand, trainable)
+            finer = _trace_once(model, examples, param_names, leaves - expand, trainable, sites)
             choose_boundary(finer.graph, trainable)  # a finer trace must still have a cut
         except Exception as exc:  # any failure inside library code: keep the module whole
             notes.append(f"kept {', '.join(sorted(expand))} whole: {_why(exc)}")
@@ -176,13 +198,20 @@ def _trace_once(
     param_names: dict[int, str],
     leaves: frozenset[str],
     trainable: frozenset[str],
+    sites: list[OpaqueSite],
 ) -> Traced:
+    def reads_trainable(node: fx.Node) -> bool:
+        return _is_trainable_call(node, model, trainable) or (
+            node.op == "get_attr" and node.target in trainable
+        )
+
+    run = ExampleRun(model, examples, trainable, reads_trainable)  # real weights: before the view
     with analysis_view(model):
 
         def recorded(node: fx.Node) -> bool:
             return not _is_trainable_call(node, model, trainable)
 
-        traced = trace_step(model, examples.values[0], leaves, record=recorded)
+        traced = _trace_with_opaque_calls(model, examples, leaves, recorded, run, sites)
         insert_codecs(traced.graph)
         if examples.batch_sizes == ONE_SAMPLE:
             _check_one_sample_inputs(traced.graph, examples)
@@ -191,7 +220,43 @@ def _trace_once(
     if examples.batch_sizes == ONE_SAMPLE:
         _one_sample_facts(traced.graph)
     resolve_params(traced, model, param_names)
+    check_opaque_nodes(traced.graph, trainable)
+    return replace(traced, notes=traced.notes + _opaque_notes(traced.graph))
+
+
+def _trace_with_opaque_calls(
+    model: nn.Module,
+    examples: ExampleInputs,
+    leaves: frozenset[str],
+    recorded: Callable[[fx.Node], bool],
+    run: ExampleRun,
+    sites: list[OpaqueSite],
+) -> Traced:
+    """Trace; where frozen code reads a tensor value, record its function as one opaque node
+    and trace again (:mod:`graphsplit.planning.opaque`), outward until the trace succeeds."""
+    while True:
+        try:
+            with opaque_calls_recorded(sites, run):
+                traced = trace_step(model, examples.values[0], leaves, record=recorded)
+            break
+        except TensorValueError as exc:
+            site = site_of_failure(exc, sites, model)
+            if site is None or len(sites) >= MAX_OPAQUE_SITES:
+                raise
+            sites.append(site)
+    for node in traced.graph.nodes:
+        if is_opaque(node):
+            node.target.planning = None  # the example batch and real values are not kept
     return traced
+
+
+def _opaque_notes(graph: fx.Graph) -> tuple[str, ...]:
+    return tuple(
+        f"{node.name}: {node.meta[OPAQUE].label} runs eagerly in stage 1 (it reads tensor "
+        f"values at {node.meta[OPAQUE].read_at}); stage 2 never runs it"
+        for node in graph.nodes
+        if is_opaque(node)
+    )
 
 
 def _check_one_sample_inputs(graph: fx.Graph, examples: ExampleInputs) -> None:

@@ -43,7 +43,7 @@ import torch.fx as fx
 from torch import nn
 
 from graphsplit.artifacts import Guard, Traced
-from graphsplit.errors import TraceError, user_error
+from graphsplit.errors import TensorValueError, TraceError, user_error
 from graphsplit.planning.checkpoint import CHECKPOINT, CheckpointRegion
 from graphsplit.planning.guards import GUARDS
 from graphsplit.planning.inplace import functionalize_inplace
@@ -312,7 +312,7 @@ class _Tracer(fx.Tracer):
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor) and convert is not len:  # len() reads the shape
             raise user_error(
-                TraceError,
+                TensorValueError,
                 "Python control flow depends on the value of a tensor, which differs per "
                 "batch and cannot be decided while tracing.",
                 node=node,

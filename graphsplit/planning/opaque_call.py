@@ -1,0 +1,112 @@
+"""The callable behind an opaque node: one call of frozen, value-dependent code, run eagerly.
+
+Glossary:
+    opaque call: a call of a user or library function that reads tensor values (a loop over
+        ``.tolist()``, a boolean-mask gather, a slice bound read from a tensor), recorded as one
+        ``call_function`` node whose target is an :class:`OpaqueCall`. Stage 1 runs it on the
+        real batch (one generated line: ``encode_prompt = wan_video_encode_prompt(ids, mask)``);
+        stage 2 never contains it (see :mod:`graphsplit.planning.opaque`).
+    traced arguments: the arguments of the call that are traced values, in pytree order: the
+        node's ``args``. Everything else the function was called with (``self``, a pipeline
+        object, ints, strings) is held by the :class:`OpaqueCall` as constants.
+    opaque facts: what the example run found (:class:`OpaqueFacts`, ``node.meta["opaque"]``):
+        the batch dim of each output tensor, the FLOPs, where the tensor value was read.
+
+In: the function, its arguments with the traced values taken out. Out: a callable for fx:
+
+    OpaqueCall(function, name, spec, constants, traced_positions)(*traced) -> the output
+    is_opaque(node) -> bool
+    probe_value(node, batch_size) -> the node's meta value at another batch size
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+# node.meta key of an opaque node's OpaqueFacts.
+OPAQUE = "opaque"
+
+
+@dataclass(frozen=True)
+class OpaqueFacts:
+    """What running an opaque call on the example batch found.
+
+    ``batch_dims``: per output tensor (pytree order), the dim that holds one row per sample, or
+    None for a tensor that is the same for every sample (or for a batch of one sample).
+    ``label``: ``Class.method`` or ``module.function``; ``read_at``: the ``file:line  code`` that
+    read a tensor value, the reason the call is opaque.
+    """
+
+    batch_dims: tuple[int | None, ...]
+    flops: int
+    label: str
+    read_at: str
+
+
+class OpaqueCall:
+    """Call ``function`` with the constants it was traced with and the traced values given.
+
+    fx names the generated global after ``__module__`` and ``__name__`` (the function's), so
+    stage 1 reads ``encode_prompt = diffsynth_pipelines_wan_video_encode_prompt(ids, mask)``.
+    ``planning`` is the example run while the step is traced (None afterwards).
+    """
+
+    def __init__(
+        self,
+        function: Callable[..., Any],
+        name: str,
+        spec: pytree.TreeSpec,
+        constants: list[Any],
+        traced_positions: tuple[int, ...],
+    ) -> None:
+        self.function = function
+        self.__name__ = name
+        self.__qualname__ = name
+        self.__module__ = getattr(function, "__module__", None) or "opaque"
+        self.spec = spec
+        self.constants = constants
+        self.traced_positions = traced_positions
+        self.planning: Any = None
+
+    def __call__(self, *traced: Any) -> Any:
+        leaves = list(self.constants)
+        for position, value in zip(self.traced_positions, traced, strict=True):
+            leaves[position] = value
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return self.function(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<opaque call {self.__module__}.{self.__name__}>"
+
+
+def is_opaque(node: fx.Node) -> bool:
+    """Whether ``node`` is an opaque call (run eagerly by stage 1, never in stage 2)."""
+    return node.op == "call_function" and isinstance(node.target, OpaqueCall)
+
+
+def probe_value(node: fx.Node, batch_size: int) -> Any:
+    """The opaque node's meta value with each per-sample output resized to ``batch_size``.
+
+    The example run checked that each output holds one row per sample along its batch dim
+    (running the call on the whole batch equals running it per sample and stacking), so at
+    another batch size only that dim changes.
+    """
+    value = node.meta["val"]
+    leaves, spec = pytree.tree_flatten(value)
+    dims = iter(node.meta[OPAQUE].batch_dims)
+    resized = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            dim = next(dims)
+            if dim is not None and leaf.shape[dim] != batch_size:
+                shape = list(leaf.shape)
+                shape[dim] = batch_size
+                leaf = torch.empty(shape, dtype=leaf.dtype, device="meta")
+        resized.append(leaf)
+    return pytree.tree_unflatten(resized, spec)
