@@ -1,0 +1,252 @@
+"""Frozen code that reads tensor values runs as one opaque stage-1 step (issue 11 item 2).
+
+Each model is a tiny inline step: a frozen embedding whose states are trimmed to each prompt's
+length by Python code that reads the mask (``.tolist()``, a tensor slice bound, a boolean-mask
+gather), then a trainable head. The trimming function is recorded as one node that stage 1 runs
+eagerly on the real batch; stage 2 never contains it; split + verify is bit-exact. Every
+refusal (value-dependent code on the trainable side, random draws inside it, frozen weights on
+meta, samples mixed at batch > 1) checks its message: the function, the user's line, the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphsplit
+from graphsplit.planning.opaque_call import OPAQUE, is_opaque
+from tests.helpers import frozen, line_of, split_and_verify
+
+VOCAB, TOKENS, WIDTH = 16, 6, 4
+
+
+def prompts(size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, a padding mask of a different length per sample, a regression target."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (size, TOKENS), generator=generator)
+    mask = torch.ones(size, TOKENS, dtype=torch.long)
+    for row in range(size):
+        mask[row, 2 + (row + seed) % (TOKENS - 2) :] = 0
+    return ids, mask, torch.randn(size, TOKENS, generator=generator)
+
+
+def opaque_nodes(split: graphsplit.Split) -> list[torch.fx.Node]:
+    return [node for node in split.graph.nodes if is_opaque(node)]
+
+
+class TrimsWithToList(nn.Module):
+    """``for i, length in enumerate(mask.sum(1).tolist()): states[i, length:] = 0``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = frozen(nn.Embedding(VOCAB, WIDTH))
+        self.head = nn.Linear(WIDTH, 1)
+
+    def encode(self, ids, mask):
+        states = self.embed(ids)
+        for i, length in enumerate(mask.sum(dim=1).tolist()):
+            states[i, length:] = 0
+        return states
+
+    def forward(self, ids, mask, target):
+        states = self.encode(ids, mask)
+        return F.mse_loss(self.head(states).squeeze(-1), target)
+
+
+def test_a_tolist_loop_in_frozen_code_runs_in_stage_1_and_splits_exactly():
+    torch.manual_seed(0)
+    step = TrimsWithToList()
+    split = split_and_verify(step, prompts(3))
+    (node,) = opaque_nodes(split)
+    assert node in split.cut.stage1 and node not in split.cut.stage2
+    assert node.meta[OPAQUE].label == "TrimsWithToList.encode"
+    assert line_of(TrimsWithToList.encode, ".tolist()") in node.meta[OPAQUE].read_at
+    assert node.meta[OPAQUE].batch_dims == (0,)
+    # One readable line in stage 1; stage 2 starts from its cached output.
+    calls = [line for line in split.stage1.code.splitlines() if "encode(ids, mask)" in line]
+    assert len(calls) == 1 and calls[0].strip().startswith("encode = ")
+    assert "encode" in split.boundary and "encode(" not in split.stage2.code
+    assert any("TrimsWithToList.encode runs eagerly in stage 1" in note for note in split.notes)
+    # Another batch, of another size, through the same plan: the same loss and gradients.
+    other = prompts(2, seed=5)
+    expected = step(*other)
+    assert torch.equal(split.stage2(**split.stage1(*other)), expected)
+
+
+def _frozen_trim(states, mask):
+    """A module-level function (looked up as a global) with a tensor value as a slice bound."""
+    states = states.clone()
+    for row, length in zip(states, mask.sum(dim=1)):
+        row[length:] = 0
+    return states
+
+
+class TrimsInAGlobalFunction(TrimsWithToList):
+    def forward(self, ids, mask, target):
+        states = _frozen_trim(self.embed(ids), mask)
+        return F.mse_loss(self.head(states).squeeze(-1), target)
+
+
+class GathersInAStaticMethod(TrimsWithToList):
+    """``states[mask.bool()]``, a boolean-mask gather, in a static method, restacked per row."""
+
+    @staticmethod
+    def masked_mean(states, mask):
+        rows = [row[keep.bool()].mean(dim=0) for row, keep in zip(states, mask)]
+        return torch.stack(rows)
+
+    def forward(self, ids, mask, target):
+        pooled = self.masked_mean(self.embed(ids), mask)
+        return F.mse_loss(self.head(pooled).squeeze(-1), target[:, 0])
+
+
+@pytest.mark.parametrize("step_type", [TrimsInAGlobalFunction, GathersInAStaticMethod])
+def test_module_functions_and_static_methods_are_patched_where_they_are_looked_up(step_type):
+    torch.manual_seed(0)
+    split = split_and_verify(step_type(), prompts(3))
+    (node,) = opaque_nodes(split)
+    assert node in split.cut.stage1 and node not in split.cut.stage2
+
+
+class ReturnsLengths(TrimsWithToList):
+    """The innermost function returns Python ints: its caller becomes the opaque step."""
+
+    def lengths(self, mask):
+        return mask.sum(dim=1).tolist()
+
+    def encode(self, ids, mask):
+        states = self.embed(ids)
+        for i, length in enumerate(self.lengths(mask)):
+            states[i, length:] = 0
+        return states
+
+
+def test_a_function_returning_values_read_from_tensors_makes_its_caller_opaque():
+    torch.manual_seed(0)
+    split = split_and_verify(ReturnsLengths(), prompts(3))
+    (node,) = opaque_nodes(split)
+    assert node.meta[OPAQUE].label == "ReturnsLengths.encode"
+
+
+def test_at_batch_one_the_opaque_output_is_the_one_samples():
+    torch.manual_seed(0)
+    step = TrimsWithToList()
+    ids, mask, target = prompts(1)
+    split = split_and_verify(step, (ids, mask, target))
+    assert split.batch_sizes == (1, 1)
+    assert any(note.startswith("one sample per batch") for note in split.notes)
+    (node,) = opaque_nodes(split)
+    assert node in split.cut.stage1
+    other = prompts(1, seed=3)
+    assert torch.equal(split.stage2(**split.stage1(*other)), step(*other))
+
+
+# -- refusals -------------------------------------------------------------------------------------
+class TrimsTrainableStates(TrimsWithToList):
+    """The same loop, on the trainable head's output: value-dependent code, trainable side."""
+
+    def trim(self, scores, mask):
+        for i, length in enumerate(mask.sum(dim=1).tolist()):
+            scores[i, length:] = 0
+        return scores
+
+    def forward(self, ids, mask, target):
+        scores = self.head(self.embed(ids)).squeeze(-1)
+        return F.mse_loss(self.trim(scores, mask), target)
+
+
+def test_value_dependent_code_on_a_trainable_value_is_refused_naming_the_line_and_fix():
+    with pytest.raises(graphsplit.TraceError) as caught:
+        graphsplit.split(TrimsTrainableStates(), prompts(3))
+    message = str(caught.value)
+    assert "TrimsTrainableStates.trim reads tensor values" in message
+    assert "depend on a trainable parameter" in message
+    assert "never allowed on the trainable side" in message
+    assert "node:   trim" in message
+    assert line_of(TrimsTrainableStates.trim, ".tolist()") in message
+    assert "fix:    replace .item()/.tolist()" in message
+
+
+class ReadsTheHeadInside(TrimsWithToList):
+    """Frozen inputs, but the function itself calls the trainable head."""
+
+    def encode(self, ids, mask):
+        states = self.head(self.embed(ids))
+        for i, length in enumerate(mask.sum(dim=1).tolist()):
+            states[i, length:] = 0
+        return states
+
+    def forward(self, ids, mask, target):
+        return F.mse_loss(self.encode(ids, mask).squeeze(-1), target)
+
+
+def test_an_opaque_function_reading_a_trainable_parameter_is_refused():
+    with pytest.raises(graphsplit.TraceError) as caught:
+        graphsplit.split(ReadsTheHeadInside(), prompts(3))
+    message = str(caught.value)
+    assert "reads the trainable parameter head.weight" in message
+    assert line_of(ReadsTheHeadInside.encode, ".tolist()") in message
+    assert "fix:" in message
+
+
+class DrawsInside(TrimsWithToList):
+    def encode(self, ids, mask):
+        states = self.embed(ids) + 0.1 * torch.randn(ids.shape[0], TOKENS, WIDTH)
+        for i, length in enumerate(mask.sum(dim=1).tolist()):
+            states[i, length:] = 0
+        return states
+
+
+def test_an_opaque_function_drawing_random_numbers_is_refused_and_the_rng_does_not_move():
+    torch.manual_seed(0)
+    step, batch = DrawsInside(), prompts(3)
+    before = torch.get_rng_state()
+    with pytest.raises(graphsplit.TraceError) as caught:
+        graphsplit.split(step, batch)
+    assert torch.equal(torch.get_rng_state(), before)
+    message = str(caught.value)
+    assert "DrawsInside.encode reads tensor values" in message
+    assert "draws random numbers (torch generator)" in message
+    assert line_of(DrawsInside.encode, ".tolist()") in message
+    assert "fix:    draw the random numbers outside this function" in message
+
+
+def test_an_opaque_function_whose_frozen_weights_are_on_meta_is_refused_with_what_to_do():
+    step = TrimsWithToList()
+    with torch.device("meta"):
+        step.embed = frozen(nn.Embedding(VOCAB, WIDTH))
+    with pytest.raises(graphsplit.TraceError) as caught:
+        graphsplit.split(step, prompts(3))
+    message = str(caught.value)
+    assert "the frozen tensor embed.weight is on the meta device" in message
+    assert "runs it once on the example batch" in message
+    assert line_of(TrimsWithToList.encode, ".tolist()") in message
+    assert "fix:    load the frozen weights this function uses" in message
+
+
+class PadsToTheLongest(TrimsWithToList):
+    """The pipelines' trim-and-pad: each prompt cut to its length, padded to the batch's longest."""
+
+    def encode(self, ids, mask):
+        states = self.embed(ids)
+        trimmed = [row[:length] for row, length in zip(states, mask.sum(dim=1).tolist())]
+        longest = max(row.shape[0] for row in trimmed)
+        return torch.stack([F.pad(row, (0, 0, 0, longest - row.shape[0])) for row in trimmed])
+
+    def forward(self, ids, mask, target):
+        states = self.encode(ids, mask)
+        return F.mse_loss(self.head(states).squeeze(-1).sum(1), target[:, 0])
+
+
+def test_batch_mixing_opaque_code_is_refused_at_batch_two_and_splits_at_batch_one():
+    with pytest.raises(graphsplit.TraceError) as caught:
+        graphsplit.split(PadsToTheLongest(), prompts(3))
+    message = str(caught.value)
+    assert "PadsToTheLongest.encode reads tensor values and mixes the samples" in message
+    assert line_of(PadsToTheLongest.encode, ".tolist()") in message
+    assert "fix:    plan at batch 1: pass an example batch of one sample" in message
+    torch.manual_seed(0)
+    split = split_and_verify(PadsToTheLongest(), prompts(1))
+    assert split.batch_sizes == (1, 1)
