@@ -10,8 +10,10 @@ transformer's attention; text encoder and VAE frozen (eval, as ``from_pretrained
 
 Two constructs of the original cannot be traced as they stand:
 - the pipeline's ``_extract_masked_hidden`` splits by ``valid_lengths.tolist()`` and pads to
-  the longest prompt of the batch (frozen value-dependent code with a data-dependent shape;
-  issue 11 item 2 runs it eagerly in stage 1): xfail below;
+  the longest prompt of the batch (frozen value-dependent code with a data-dependent shape).
+  It runs as one opaque stage-1 step (issue 11 item 2); padding to the batch's longest prompt
+  makes a sample's states depend on its batch-mates, so at batch 2 it is refused with the fix,
+  and planned one sample per batch it splits and verifies (each prompt keeps its own length);
 - the script's ``get_sigmas`` loops over the drawn timesteps with ``.nonzero().item()`` on the
   trainable side (the Flux case checks its error); here ``sigmas`` is indexed by the drawn
   ``indices`` (the same numbers) in every test.
@@ -26,7 +28,7 @@ import torch
 from torch import nn
 
 from tests.conformance.matrix import ids_and_mask, stage2_modules
-from tests.helpers import split_and_verify
+from tests.helpers import line_of, split_and_verify
 
 diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
@@ -38,6 +40,7 @@ from diffusers.training_utils import (  # noqa: E402
 )
 
 import graphsplit  # noqa: E402
+from graphsplit.planning.opaque_call import OPAQUE, is_opaque  # noqa: E402
 
 VOCAB = 256
 TOKENS = 10
@@ -230,18 +233,32 @@ def _batch(size: int) -> tuple[torch.Tensor, ...]:
     return torch.rand(size, 3, RESOLUTION, RESOLUTION) * 2 - 1, ids, mask
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=graphsplit.TraceError,
-    reason="issue 11 item 2: QwenImagePipeline's prompt split, torch.split(selected, "
-    "valid_lengths.tolist()) and padding to the batch's longest prompt (test_qwen_image.py, "
-    "_extract_masked_hidden / _get_qwen_prompt_embeds), is frozen value-dependent code; it "
-    "should run eagerly in stage 1",
-)
-def test_qwen_image_with_the_pipeline_prompt_split():
+def test_qwen_image_with_the_pipeline_prompt_split_is_refused_at_batch_two_naming_the_fix():
     torch.manual_seed(0)
-    split = split_and_verify(QwenImageLoRAStep(), _batch(2))
+    with pytest.raises(graphsplit.TraceError) as caught:
+        graphsplit.split(QwenImageLoRAStep(), _batch(2))
+    message = str(caught.value)
+    assert "QwenImageLoRAStep._get_qwen_prompt_embeds reads tensor values and mixes" in message
+    assert line_of(QwenImageLoRAStep, "self._extract_masked_hidden(hidden_states") in message
+    assert "fix:    plan at batch 1: pass an example batch of one sample" in message
+
+
+def test_qwen_image_with_the_pipeline_prompt_split_plans_one_sample_per_batch():
+    torch.manual_seed(0)
+    step = QwenImageLoRAStep()
+    pixels, ids, mask = _batch(2)
+    split = split_and_verify(step, (pixels[:1], ids[:1], mask[:1]))
+    assert split.batch_sizes == (1, 1)
     assert stage2_modules(split) == {"transformer"}
+    (node,) = [node for node in split.graph.nodes if is_opaque(node)]
+    assert node.meta[OPAQUE].label == "QwenImageLoRAStep._extract_masked_hidden"
+    assert node in split.cut.stage1 and node not in split.cut.stage2
+    # The second sample's prompt has another length: the same plan, bit for bit.
+    other = (pixels[1:], ids[1:], mask[1:])
+    torch.manual_seed(1)
+    expected = step(*other)
+    torch.manual_seed(1)
+    assert torch.equal(split.stage2(**split.stage1(*other)), expected)
 
 
 @pytest.mark.slow

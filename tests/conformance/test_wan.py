@@ -8,10 +8,11 @@ sampling, ``sigmas`` indexed by the drawn indices). LoRA on the transformer's at
 and the VAE are frozen, as ``from_pretrained`` returns them (eval mode).
 
 The pipeline's trim-and-pad loop, ``[u[:v] for u, v in zip(prompt_embeds, seq_lens)]``, is a
-Python loop over the samples with a tensor value as a slice bound: frozen, value-dependent code
-(issue 11 item 2 runs such code eagerly in stage 1); it is xfail until then. The passing test
-replaces it with its tensor form, ``torch.where(mask, prompt_embeds, 0)`` (the same numbers:
-the tokenizer already pads to ``max_sequence_length``).
+Python loop over the samples with a tensor value as a slice bound: frozen, value-dependent code.
+``_get_t5_prompt_embeds`` runs as one opaque stage-1 step (issue 11 item 2); it pads to the
+fixed ``max_sequence_length``, so each sample's output is its own and the plan holds for every
+batch size. The other tests use its tensor form, ``torch.where(mask, prompt_embeds, 0)`` (the
+same numbers: the tokenizer already pads to ``max_sequence_length``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 from diffusers.training_utils import compute_density_for_timestep_sampling  # noqa: E402
 
-import graphsplit  # noqa: E402
+from graphsplit.planning.opaque_call import OPAQUE, is_opaque  # noqa: E402
 
 VOCAB = 64
 MAX_SEQUENCE_LENGTH = 8
@@ -145,17 +146,14 @@ def _batch(size: int) -> tuple[torch.Tensor, ...]:
     return video, ids, mask
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=graphsplit.TraceError,
-    reason="issue 11 item 2: WanPipeline's per-sample trim loop "
-    "[u[:v] for u, v in zip(prompt_embeds, seq_lens)] (test_wan.py, _get_t5_prompt_embeds) is "
-    "frozen value-dependent code; it should run eagerly in stage 1",
-)
 def test_wan_with_the_pipeline_trim_loop():
     torch.manual_seed(0)
     split = split_and_verify(WanTextToVideoLoRAStep(), _batch(2))
     assert stage2_modules(split) == {"transformer"}
+    (node,) = [node for node in split.graph.nodes if is_opaque(node)]
+    assert node.meta[OPAQUE].label == "WanTextToVideoLoRAStep._get_t5_prompt_embeds"
+    assert node.meta[OPAQUE].batch_dims == (0,)  # padded to a fixed length: one row per sample
+    assert node in split.cut.stage1 and node not in split.cut.stage2
 
 
 @pytest.mark.slow

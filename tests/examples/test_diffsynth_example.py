@@ -35,13 +35,6 @@ def test_the_commands_refuse_missing_folders_with_a_usage_message(capsys):
     assert "--task train needs --output-path" in capsys.readouterr().err
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11 item 2: prompt_emb[:, v:] = 0 in a loop over seq_lens, "
-    "diffsynth/pipelines/wan_video.py:469 (frozen value-dependent code); then item 1: the 0-dim "
-    "index self.sigmas[timestep_id], diffsynth/diffusion/flow_match.py:461; einops rearrange, "
-    "wan_video.py:1611; the slice bound dit.freqs[0][:f], wan_video.py:1622",
-)
 def test_cache_then_train_reproduces_the_unsplit_training_bit_for_bit(tmp_path):
     common = ["--samples", "3", "--epochs", "2"]
     cache = ["--cache-dir", str(tmp_path / "cache")]
