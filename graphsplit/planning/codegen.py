@@ -24,6 +24,7 @@ from torch import nn
 from graphsplit.artifacts import Cut
 from graphsplit.errors import MetaParameterError, SplitError
 from graphsplit.planning.interpret import fetch
+from graphsplit.planning.opaque_call import OPAQUE, is_opaque
 from graphsplit.planning.stage2_passes import finish_stage2
 
 
@@ -54,6 +55,7 @@ def _module(
     )
     root = {target: fetch(model, constants, target) for target in targets}
     stage = fx.GraphModule(root, graph, class_name=name)
+    _hold_opaque_reads(stage, graph, model)
     for target, value in constants.items():
         if target in root and isinstance(value, torch.Tensor):
             # A traced constant is not the model's state: kept out of the state dict, so the
@@ -63,6 +65,35 @@ def _module(
     _follow_model_order(stage, model)
     stage.register_forward_pre_hook(_refuse_meta_tensors)
     return stage
+
+
+def _hold_opaque_reads(stage: nn.Module, graph: fx.Graph, model: nn.Module) -> None:
+    """Register the frozen tensors opaque calls read on ``stage``, at the model's own paths.
+
+    An opaque call runs the user's function on the objects it was called with, so nothing in
+    the graph names the weights it uses; held by the stage, they are in its state dict and its
+    weights fingerprint (a changed text encoder invalidates the cache), move with ``.to()``,
+    and the stage refuses to run while one is on ``meta``.
+    """
+    for node in graph.nodes:
+        if not is_opaque(node):
+            continue
+        for target in node.meta[OPAQUE].reads:
+            *path, attribute = target.split(".")
+            owner, holder = model, stage
+            for part in path:
+                owner = getattr(owner, part)
+                if part not in holder._modules:
+                    holder.add_module(part, nn.Module())
+                holder = holder._modules[part]
+            if attribute in holder._parameters or attribute in holder._buffers:
+                continue
+            tensor = getattr(owner, attribute)
+            if isinstance(tensor, nn.Parameter):
+                holder.register_parameter(attribute, tensor)
+            else:
+                persistent = attribute not in owner._non_persistent_buffers_set
+                holder.register_buffer(attribute, tensor, persistent=persistent)
 
 
 def name_constants(graph: fx.Graph, model: nn.Module, constants: dict[str, Any]) -> dict[str, Any]:

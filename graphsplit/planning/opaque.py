@@ -202,6 +202,9 @@ class ExampleRun:
     # Real values of traced nodes, per run: None (the whole batch) or a sample's index.
     values: dict[int | None, dict[fx.Node, Any]] = field(default_factory=dict)
     sites: dict[int, OpaqueSite] = field(default_factory=dict)
+    # Qualified name of each real frozen tensor, and those each opaque node's run read.
+    real_names: dict[int, str] = field(default_factory=dict)
+    reads: dict[fx.Node, set[str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for prefix, module in self.model.named_modules(remove_duplicate=False):
@@ -210,9 +213,11 @@ class ExampleRun:
                 frozen = dotted + name not in self.trainable
                 if tensor is not None and not tensor.is_meta and frozen:
                     self.real[(id(module), "p" + name)] = tensor
+                    self.real_names.setdefault(id(tensor), dotted + name)
             for name, tensor in module._buffers.items():
                 if tensor is not None and not tensor.is_meta:
                     self.real[(id(module), "b" + name)] = tensor
+                    self.real_names.setdefault(id(tensor), dotted + name)
 
     def record(
         self, site: OpaqueSite, function: Callable[..., Any], tracer: Any, args: tuple, kwargs: dict
@@ -246,9 +251,11 @@ class ExampleRun:
                 fix=_FIX,
             )
         dims = self._batch_dims(node, site, outputs)
-        node.meta[OPAQUE] = OpaqueFacts(dims, flops.get_total_flops(), site.label, site.read_at)
+        reads = tuple(sorted(self.reads.get(node, ())))
+        total = flops.get_total_flops()
+        node.meta[OPAQUE] = OpaqueFacts(dims, total, site.label, site.read_at, reads)
         # FLOPs > 0 makes it frozen work the cut never moves to stage 2 (taint.is_banned).
-        node.meta[OP_RECORD] = OpRecord((), max(flops.get_total_flops(), 1))
+        node.meta[OP_RECORD] = OpRecord((), max(total, 1))
         return to_meta(full)
 
     # -- refusals before anything runs ------------------------------------------------------
@@ -348,7 +355,9 @@ class ExampleRun:
         states = generator_states()
         swapped = self._swap_in_real()
         try:
-            with torch.no_grad(), _MetaRefused(names, self.trainable, node, site):
+            read = self.reads.setdefault(node, set())
+            watch = _Watched(names, self.trainable, node, site, self.real_names, read)
+            with torch.no_grad(), watch:
                 yield
         finally:
             for table, name, twin in swapped:
@@ -464,21 +473,34 @@ def _draws_random(node: fx.Node) -> bool:
     )
 
 
-class _MetaRefused(TorchFunctionMode):
-    """Refuse the example run's first op on a meta tensor: a trainable parameter (kept on meta
-    for the run, so it is never read) or a frozen weight or input that has no real value."""
+class _Watched(TorchFunctionMode):
+    """The example run's torch calls: the model's frozen tensors each reads are noted in
+    ``read``; the first on a meta tensor is refused: a trainable parameter (kept on meta for
+    the run, so it is never read) or a frozen weight or input that has no real value."""
 
     def __init__(
-        self, names: Mapping[int, str], trainable: frozenset[str], node: fx.Node, site: OpaqueSite
+        self,
+        names: Mapping[int, str],
+        trainable: frozenset[str],
+        node: fx.Node,
+        site: OpaqueSite,
+        real_names: Mapping[int, str],
+        read: set[str],
     ) -> None:
         super().__init__()
         self.names, self.trainable, self.node, self.site = names, trainable, node, site
+        self.real_names, self.read = real_names, read
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for leaf in pytree.tree_leaves((args, kwargs)):
-            if isinstance(leaf, torch.Tensor) and leaf.is_meta:
+            if not isinstance(leaf, torch.Tensor):
+                continue
+            if leaf.is_meta:
                 raise self._error(self.names.get(id(leaf)))
+            name = self.real_names.get(id(leaf))
+            if name is not None:
+                self.read.add(name)
         return func(*args, **kwargs)
 
     def _error(self, name: str | None) -> TraceError:

@@ -17,6 +17,7 @@ In: the function, its arguments with the traced values taken out. Out: a callabl
     OpaqueCall(function, name, spec, constants, traced_positions)(*traced) -> the output
     is_opaque(node) -> bool
     probe_value(node, batch_size) -> the node's meta value at another batch size
+    recheck_shapes(graph, guarded_nodes) -> None   # output sizes read as numbers: checked
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from graphsplit.errors import SplitError
+
 # node.meta key of an opaque node's OpaqueFacts.
 OPAQUE = "opaque"
 
@@ -40,13 +43,16 @@ class OpaqueFacts:
     ``batch_dims``: per output tensor (pytree order), the dim that holds one row per sample, or
     None for a tensor that is the same for every sample (or for a batch of one sample).
     ``label``: ``Class.method`` or ``module.function``; ``read_at``: the ``file:line  code`` that
-    read a tensor value, the reason the call is opaque.
+    read a tensor value, the reason the call is opaque; ``reads``: see below.
     """
 
     batch_dims: tuple[int | None, ...]
     flops: int
     label: str
     read_at: str
+    # The model's frozen parameters and buffers the run read (qualified names): stage 1 holds
+    # them, so its weights fingerprint, device moves and meta check cover the opaque call.
+    reads: tuple[str, ...] = ()
 
 
 class OpaqueCall:
@@ -73,13 +79,35 @@ class OpaqueCall:
         self.constants = constants
         self.traced_positions = traced_positions
         self.planning: Any = None
+        # Set when code after the call read one of its output sizes as a Python number (see
+        # recheck_shapes): the shapes the plan was made for, with None at the batch dim.
+        self.shapes: tuple[tuple[int | None, ...], ...] | None = None
 
     def __call__(self, *traced: Any) -> Any:
         leaves = list(self.constants)
         for position, value in zip(self.traced_positions, traced, strict=True):
             leaves[position] = value
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
-        return self.function(*args, **kwargs)
+        output = self.function(*args, **kwargs)
+        if self.shapes is not None:
+            self._check_shapes(output)
+        return output
+
+    def _check_shapes(self, output: Any) -> None:
+        tensors = [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
+        for tensor, planned in zip(tensors, self.shapes, strict=False):
+            shape = tuple(tensor.shape)
+            if len(shape) != len(planned) or any(
+                want is not None and want != got for want, got in zip(planned, shape)
+            ):
+                raise SplitError(
+                    f"{self.__name__} (run eagerly by stage 1: it reads tensor values) returned "
+                    f"a tensor of shape {shape}, but this plan was made for "
+                    f"{tuple('B' if size is None else size for size in planned)}: the step read "
+                    "that size as a Python number after the call, so the plan holds for it only.\n"
+                    "  fix:    keep the output's size fixed (pad to a fixed length), or split "
+                    "again for each size (bucket the dataset by size)"
+                )
 
     def __repr__(self) -> str:
         return f"<opaque call {self.__module__}.{self.__name__}>"
@@ -88,6 +116,38 @@ class OpaqueCall:
 def is_opaque(node: fx.Node) -> bool:
     """Whether ``node`` is an opaque call (run eagerly by stage 1, never in stage 2)."""
     return node.op == "call_function" and isinstance(node.target, OpaqueCall)
+
+
+def recheck_shapes(graph: fx.Graph, guarded: set[fx.Node]) -> None:
+    """Make each opaque call whose output sizes reached a guard check its shapes at run time.
+
+    A guard is a Python number the trace read (``range(x.shape[1])``) and baked into the plan.
+    An opaque output's shape can change with the data (a prompt trimmed to its length), and
+    stage 1 does not recheck its own guards, so the call itself refuses another shape.
+    """
+    for node in graph.nodes:
+        if not is_opaque(node) or not _descendants(node) & guarded:
+            continue
+        tensors = [leaf for leaf in pytree.tree_leaves(node.meta["val"]) if _is_tensor(leaf)]
+        node.target.shapes = tuple(
+            tuple(None if d == dim else size for d, size in enumerate(tensor.shape))
+            for tensor, dim in zip(tensors, node.meta[OPAQUE].batch_dims, strict=True)
+        )
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    found: set[fx.Node] = set()
+    pending = list(node.users)
+    while pending:
+        user = pending.pop()
+        if user not in found:
+            found.add(user)
+            pending.extend(user.users)
+    return found
 
 
 def probe_value(node: fx.Node, batch_size: int) -> Any:

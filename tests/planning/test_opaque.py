@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphsplit
+from graphsplit.caching.fingerprint import differences, fingerprint
 from graphsplit.planning.opaque_call import OPAQUE, is_opaque
 from tests.helpers import frozen, line_of, split_and_verify
 
@@ -73,6 +74,18 @@ def test_a_tolist_loop_in_frozen_code_runs_in_stage_1_and_splits_exactly():
     other = prompts(2, seed=5)
     expected = step(*other)
     assert torch.equal(split.stage2(**split.stage1(*other)), expected)
+
+
+def test_stage_1_holds_the_frozen_weights_an_opaque_call_reads():
+    torch.manual_seed(0)
+    step = TrimsWithToList()
+    split = graphsplit.split(step, prompts(3))
+    assert split.stage1.get_parameter("embed.weight") is step.embed.weight
+    assert [name for name, _ in split.stage2.named_parameters()] == ["head.weight", "head.bias"]
+    before = fingerprint(split)
+    with torch.no_grad():
+        step.embed.weight.add_(1.0)  # another text encoder: the cache is stale
+    assert differences(before, fingerprint(split)) == ("weights",)
 
 
 def _frozen_trim(states, mask):
@@ -250,3 +263,31 @@ def test_batch_mixing_opaque_code_is_refused_at_batch_two_and_splits_at_batch_on
     torch.manual_seed(0)
     split = split_and_verify(PadsToTheLongest(), prompts(1))
     assert split.batch_sizes == (1, 1)
+
+
+class LoopsOverTrimmedTokens(TrimsWithToList):
+    """Code after the opaque call reads its output's length as a Python number."""
+
+    def encode(self, ids, mask):
+        return self.embed(ids)[:, : int(mask.sum())]
+
+    def forward(self, ids, mask, target):
+        states = self.encode(ids, mask)
+        total = sum(states[:, position] for position in range(states.shape[1]))
+        return F.mse_loss(self.head(total).squeeze(-1), target[:, 0])
+
+
+def test_an_opaque_output_size_read_as_a_number_is_rechecked_when_stage_1_runs():
+    torch.manual_seed(0)
+    step = LoopsOverTrimmedTokens()
+    split = split_and_verify(step, prompts(1))  # a prompt of 2 tokens: a loop of 2
+    (node,) = opaque_nodes(split)
+    assert node.target.shapes == ((1, 2, WIDTH),)
+    same_length = prompts(1, seed=4)  # 2 tokens again
+    assert torch.equal(split.stage2(**split.stage1(*same_length)), step(*same_length))
+    with pytest.raises(graphsplit.SplitError) as caught:
+        split.stage1(*prompts(1, seed=1))  # 3 tokens
+    message = str(caught.value)
+    assert "returned a tensor of shape (1, 3, 4)" in message
+    assert "this plan was made for (1, 2, 4)" in message
+    assert "fix:    keep the output's size fixed" in message
