@@ -24,7 +24,7 @@ from torch import nn
 from graphsplit.artifacts import Cut
 from graphsplit.errors import MetaParameterError, SplitError
 from graphsplit.planning.interpret import fetch
-from graphsplit.planning.opaque_call import OPAQUE, is_opaque
+from graphsplit.planning.opaque_call import OPAQUE, OpaqueCall, is_opaque
 from graphsplit.planning.stage2_passes import finish_stage2
 
 
@@ -244,11 +244,15 @@ def standalone_source(stage: fx.GraphModule, class_name: str, header: str) -> st
     lines = [header.rstrip("\n"), "from __future__ import annotations", ""]
     lines += ["import importlib", "import math", "from typing import Any", "", "import torch"]
     lines += [_LOADER.rstrip("\n"), ""]
+    opaque = sorted(name for name, value in code.globals.items() if isinstance(value, OpaqueCall))
     lines += [
         f"{name} = {_global_expression(value)}"
         for name, value in sorted(code.globals.items())
-        if name != "torch"  # imported above
+        if name != "torch" and name not in opaque  # torch: imported above
     ]
+    # An opaque call holds the live objects it was traced with (self, the pipeline): bound from
+    # the stage given to __init__, whose generated forward names it the same.
+    lines += [f"{name} = None  # an opaque call, bound by __init__ from root" for name in opaque]
     source = code.src.strip("\n").splitlines()
     body = "\n".join("    " + line if line.strip() else "" for line in source)
     lines += [
@@ -256,11 +260,14 @@ def standalone_source(stage: fx.GraphModule, class_name: str, header: str) -> st
         "",
         f"class {class_name}(torch.nn.Module):",
         f"    TARGETS = {tuple(targets)!r}",
+        f"    OPAQUE_CALLS = {tuple(opaque)!r}",
         "",
         "    def __init__(self, root: torch.nn.Module) -> None:",
         "        super().__init__()",
         "        for target in self.TARGETS:",
         "            _bind(self, root, target)",
+        "        for name in self.OPAQUE_CALLS:",
+        "            globals()[name] = root.forward.__globals__[name]",
         "",
         body.rstrip(),
         "",

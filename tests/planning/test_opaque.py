@@ -88,6 +88,20 @@ def test_stage_1_holds_the_frozen_weights_an_opaque_call_reads():
     assert differences(before, fingerprint(split)) == ("weights",)
 
 
+def test_saved_stage_1_code_binds_the_opaque_call_from_the_live_stage(tmp_path):
+    torch.manual_seed(0)
+    split = graphsplit.split(TrimsWithToList(), prompts(3))
+    folder = split.save_code(tmp_path / "code")
+    namespace: dict = {}
+    exec(compile((folder / "stage1.py").read_text(), "stage1.py", "exec"), namespace)
+    assert namespace["Stage1"].OPAQUE_CALLS == ("tests_planning_test_opaque_encode",)
+    saved = namespace["Stage1"](split.stage1)
+    batch = prompts(2, seed=7)
+    expected, got = split.stage1(*batch), saved(*batch)
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(expected[key], got[key]) for key in expected)
+
+
 def _frozen_trim(states, mask):
     """A module-level function (looked up as a global) with a tensor value as a slice bound."""
     states = states.clone()
