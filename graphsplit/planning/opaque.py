@@ -305,7 +305,8 @@ class ExampleRun:
         values = self.values.setdefault(sample, {})
         if node in values:
             return values[node]
-        pending = [n for n in node.graph.nodes if n in _ancestors(node) and n not in values]
+        ancestors = _ancestors(node)
+        pending = [n for n in node.graph.nodes if n in ancestors and n not in values]
         with self._real_run(node, site):
             for ancestor in pending:
                 values[ancestor] = self._run_node(ancestor, values, sample)

@@ -112,6 +112,11 @@ class OpaqueCall:
     def __repr__(self) -> str:
         return f"<opaque call {self.__module__}.{self.__name__}>"
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> OpaqueCall:
+        # Like a function target: a copied stage calls the same user objects, not copies of
+        # the whole model the call's constants reach.
+        return self
+
 
 def is_opaque(node: fx.Node) -> bool:
     """Whether ``node`` is an opaque call (run eagerly by stage 1, never in stage 2)."""
