@@ -394,9 +394,7 @@ def tensor_checks_assumed() -> Iterator[None]:
     leaf modules still run their own checks on real data in the stages. Checks on real values
     run as usual.
     """
-    originals = {
-        name: getattr(torch, name) for name in ("_check_with", "_check_tensor_all_with")
-    }
+    originals = {name: getattr(torch, name) for name in ("_check_with", "_check_tensor_all_with")}
 
     def assumed(original: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(original)

@@ -134,7 +134,7 @@ class _ListType(type):
 def _list_type(traced: frozenset[type]) -> type:
     """``list``, except that ``list(x)`` of a traced tensor with a dim is one graph node."""
 
-    class list(_list, metaclass=_ListType):  # noqa: A001 (it stands in for the builtin)
+    class list(_list, metaclass=_ListType):  # the name error messages and reprs show
         def __new__(cls, *args: Any, **kwargs: Any) -> Any:
             if (
                 _len(args) == 1
@@ -154,4 +154,3 @@ def _length_can_follow_the_batch(value: Any) -> bool:
     if _isinstance(value, torch.Tensor):
         return value.dim() > 0
     return _isinstance(value, (list, tuple)) and not _isinstance(value, torch.Size)
-

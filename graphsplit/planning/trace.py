@@ -453,13 +453,17 @@ def trace_step(
     """
     states = generator_states()
     before = set(vars(model))
-    with module_state_restored(model):
-        tracer, graph = _trace_graph(model, example_values, leaf_names, record)
-        constants = {
-            name: vars(model)[name]
-            for name in set(vars(model)) - before
-            if isinstance(vars(model)[name], (torch.Tensor, torch.Generator))
-        }
+    try:
+        with module_state_restored(model):
+            tracer, graph = _trace_graph(model, example_values, leaf_names, record)
+            constants = {
+                name: vars(model)[name]
+                for name in set(vars(model)) - before
+                if isinstance(vars(model)[name], (torch.Tensor, torch.Generator))
+            }
+    except BaseException:
+        set_generator_states(states)  # a failed trace must not move the user's generators
+        raise
     changed = changed_generators(states, generator_states())
     if changed:
         set_generator_states(states)  # the user's generators must not move because we traced
