@@ -11,6 +11,11 @@ Glossary:
         random draw, and a real tensor indexed by a traced value (:func:`traced_torch_calls`).
     einops call: ``rearrange`` / ``repeat`` on traced values, one node each
         (:func:`einops_calls_recorded`).
+    assumed check: ``torch._check(cond)`` / ``torch._check_tensor_all_with(error, cond,
+        message)`` on a traced condition, taken to hold (:func:`tensor_checks_assumed`).
+    legacy constructor: ``torch.Tensor(data)`` / ``torch.Tensor(*sizes)``, which torch runs
+        without consulting ``__torch_function__``; with a traced argument it is one node
+        (:func:`legacy_constructor_recorded`).
     checkpoint region: the nodes traced inside one ``torch.utils.checkpoint.checkpoint(fn,
         ...)`` call, tagged ``node.meta["checkpoint"]`` (:func:`checkpoints_recorded`), so
         stage 2 can checkpoint them again (:mod:`graphsplit.planning.checkpoint`).
@@ -345,6 +350,68 @@ def checkpoints_recorded(tracer: Any) -> Iterator[None]:
         yield
     finally:
         module.checkpoint = original
+
+
+# -- torch.Tensor(...) ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def legacy_constructor_recorded(tracer: Any) -> Iterator[None]:
+    """``torch.Tensor([guidance] * latents.shape[0])`` with a traced argument: one node.
+
+    The legacy constructor is ``Tensor.__new__``, which torch's C++ runs without asking any
+    ``__torch_function__`` handler, so a traced list (or size) reached it as an object it
+    cannot read ("not a storage"). Replaced for the trace, it records the call as
+    ``torch.Tensor(...)`` (stage code runs it as written, eager's dtype and device rules
+    included); without traced arguments, and for subclasses, it is torch's own.
+    """
+    original = torch.Tensor.__new__
+    own = vars(torch.Tensor).get("__new__")  # None: inherited from torch._C.TensorBase
+
+    def legacy_constructor(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if cls is torch.Tensor and not tracer.computing_meta and _contains_proxy((args, kwargs)):
+            return tracer.create_proxy("call_function", torch.Tensor, args, kwargs)
+        return original(cls, *args, **kwargs)
+
+    torch.Tensor.__new__ = staticmethod(legacy_constructor)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own is None:
+            del torch.Tensor.__new__
+        else:
+            torch.Tensor.__new__ = own  # type: ignore[method-assign]
+
+
+# -- torch._check(...) ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def tensor_checks_assumed() -> Iterator[None]:
+    """torch's run-time checks on traced conditions are assumed to hold, as torch.export does.
+
+    transformers' ``torch_compilable_check`` (LLaVA's "image features and image tokens do not
+    match") ends in ``torch._check_tensor_all_with(error, cond, message)``, which reads
+    ``cond._is_all_true().item()``, or in ``torch._check_with``, which insists on a real
+    ``bool``: a traced condition has no value yet. A check states what must hold for the step
+    to run at all; it changes no value, so the plan is the same whether it holds or not, and
+    leaf modules still run their own checks on real data in the stages. Checks on real values
+    run as usual.
+    """
+    originals = {name: getattr(torch, name) for name in ("_check_with", "_check_tensor_all_with")}
+
+    def assumed(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def check(error_type: Any, cond: Any, message: Any = None) -> None:
+            if isinstance(cond, fx.Proxy):
+                return None
+            return original(error_type, cond, message)
+
+        return check
+
+    for name, original in originals.items():
+        setattr(torch, name, assumed(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch, name, original)
 
 
 # -- einops ---------------------------------------------------------------------------------------

@@ -9,8 +9,12 @@ trace is done.
 
 Glossary:
     state: an object's ``__dict__`` (attributes added, rebound or deleted are undone) and the
-        contents of the plain ``dict`` / ``list`` values in it (``self.cache[key] = ...``,
-        ``self._buffers``), one level deep.
+        contents of the plain ``dict`` / ``OrderedDict`` / ``list`` values in it
+        (``self.cache[key] = ...``, ``self._buffers``, the hook tables ``self._forward_hooks``),
+        one level deep. Hook tables matter: transformers installs output-capturing hooks on
+        first call and marks the module with a flag; undoing the flag but not the hooks would
+        install them a second time on the next call, and LLaVA's selected vision layer
+        (``output_hidden_states=-2``) would come back as ``None``.
 
 In: the model. Out: a context manager:
 
@@ -20,6 +24,7 @@ In: the model. Out: a context manager:
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,7 +67,7 @@ def _snapshot(obj: Any) -> _Saved:
     contents = {
         name: (dict(value) if isinstance(value, dict) else list(value))
         for name, value in attributes.items()
-        if type(value) in (dict, list)
+        if type(value) in _CONTAINERS
     }
     return obj, attributes, contents
 
@@ -84,3 +89,4 @@ def _restore(obj: Any, attributes: dict[str, Any], contents: dict[str, Any]) -> 
 
 
 _MISSING = object()
+_CONTAINERS = (dict, OrderedDict, list)

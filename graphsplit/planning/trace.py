@@ -16,8 +16,9 @@ Glossary:
         ``__index__``), kept so the analysis can check it does not change with the batch size;
         also listed in ``node.meta["guards"]``, where stage 2 finds the sizes to recheck
         (:mod:`graphsplit.planning.guards`).
-    traced value: a proxy that passes ``isinstance(x, torch.Tensor)`` when its meta value is a
-        tensor, so library code runs the branch eager runs (see :class:`_Proxy`).
+    traced value: a proxy that answers ``isinstance``, ``callable`` and ``len`` as its meta
+        value would, so library code runs the branch eager runs
+        (:mod:`graphsplit.planning.python_builtins`).
     checkpoint region: nodes traced inside ``torch.utils.checkpoint.checkpoint``, tagged
         ``node.meta["checkpoint"]`` (:mod:`graphsplit.planning.checkpoint`).
 
@@ -52,10 +53,13 @@ from graphsplit.planning.patches import (
     checkpoints_recorded,
     einops_calls_recorded,
     leaf_methods_recorded,
+    legacy_constructor_recorded,
+    tensor_checks_assumed,
     traced_factories,
     traced_range,
     traced_torch_calls,
 )
+from graphsplit.planning.python_builtins import python_builtins_as_eager
 from graphsplit.planning.rewrites import restore_input_names
 from graphsplit.planning.rng import (
     changed_generators,
@@ -72,6 +76,7 @@ from graphsplit.planning.user_code import (
     user_frame,
 )
 
+_len = builtins.len  # the real one: ``len`` is replaced while tracing (python_builtins)
 _MAX_NAME = 48
 _STATIC_TENSOR_ATTRIBUTES = frozenset({"dtype", "is_floating_point", "is_complex"})
 _OWN_ATTRIBUTES = frozenset({"node", "_node", "root", "attr", "tracer"})
@@ -80,10 +85,11 @@ _OWN_ATTRIBUTES = frozenset({"node", "_node", "root", "attr", "tracer"})
 class _Proxy(fx.Proxy):
     """A proxy that answers Python's questions the way its meta value would.
 
-    - ``isinstance(x, torch.Tensor)`` is true when the value is a tensor (see
-      :func:`_tensor_isinstance`): library code that branches on it (DiffSynth's
-      ``transfer_data_to_device`` casts only tensors; einops picks its torch backend) must run
-      the program eager runs;
+    - ``isinstance``, ``callable`` and ``len`` answer from :meth:`eager_value` (see
+      :mod:`graphsplit.planning.python_builtins`): library code that branches on them
+      (DiffSynth's ``transfer_data_to_device`` casts only tensors; einops picks its torch
+      backend; transformers calls a check's condition if it is callable) must run the
+      program eager runs;
     - ``len``, ``bool``, ``int``, ``float`` and ``__index__`` (a slice bound, ``[0] * n``) read
       the meta value and record a guard (see :meth:`_Tracer.concrete`).
     """
@@ -103,8 +109,12 @@ class _Proxy(fx.Proxy):
                 raise AttributeError(name)
         return _Attribute(self, name)
 
+    def eager_value(self) -> Any:
+        """The value eager would hold here: the node's meta value."""
+        return self.node.meta.get("val")
+
     def __len__(self) -> int:
-        return self.tracer.concrete(self, len)
+        return self.tracer.concrete(self, _len)
 
     def __int__(self) -> int:
         return self.tracer.concrete(self, int)
@@ -167,6 +177,12 @@ class _Attribute(_Proxy):
     def __call__(self, *args: Any, **kwargs: Any) -> _Proxy:
         return self.tracer.create_proxy("call_method", self.attr, (self.root, *args), kwargs)
 
+    def eager_value(self) -> Any:
+        """The attribute of the root's meta value, without creating a node for it."""
+        if self._node is not None:
+            return self._node.meta.get("val")
+        return getattr(self.root.eager_value(), self.attr, None)
+
 
 class _Tracer(fx.Tracer):
     """fx tracer whose proxies carry meta values and whose leaves include method calls."""
@@ -193,7 +209,7 @@ class _Tracer(fx.Tracer):
         return _Proxy(node, self)
 
     def create_arg(self, a: Any) -> Any:
-        # A proxy first: it claims to be a torch.Tensor (see _tensor_isinstance), and fx would
+        # A proxy first: it claims to be a torch.Tensor (see python_builtins), and fx would
         # otherwise store it away as a tensor constant.
         if isinstance(a, fx.Proxy):
             return a.node
@@ -220,7 +236,31 @@ class _Tracer(fx.Tracer):
     def call_module(self, module, forward, args, kwargs):
         if self.computing_meta:
             return forward(*args, **kwargs)
+        if self.submodule_paths is not None and module not in self.submodule_paths:
+            return self._call_foreign_module(module, forward, args, kwargs)
         return super().call_module(module, forward, args, kwargs)
+
+    def _call_foreign_module(self, module, forward, args, kwargs):
+        """A module the step holds nowhere in its tree (``loss_fct = CrossEntropyLoss()``
+        created inside ``forward``): traced through, so the graph holds what it computes.
+
+        A ``call_module`` node needs a path in the model, and stage code would have no module
+        to call. Without parameters, tracing through its forward is exact (its buffers, if any,
+        become constants of the graph); with parameters, its weights would be frozen into the
+        plan as constants and never trained, so that is refused.
+        """
+        for name, _ in module.named_parameters():
+            raise user_error(
+                TraceError,
+                f"The step calls a {type(module).__name__} that is not a submodule of the "
+                f"model, and it holds parameters ({name}, ...): graphsplit would freeze them "
+                "into the plan as constants, and stage 2 could not train them.",
+                source=current_line(),
+                fix="create it once, as an attribute of the model (self.name = "
+                f"{type(module).__name__}(...) in __init__), so it is a submodule graphsplit "
+                "can place in a stage",
+            )
+        return forward(*args, **kwargs)
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
         if self.computing_meta:
@@ -310,7 +350,7 @@ class _Tracer(fx.Tracer):
         """
         node = proxy.node
         value = node.meta.get("val")
-        if isinstance(value, torch.Tensor) and convert is not len:  # len() reads the shape
+        if isinstance(value, torch.Tensor) and convert is not _len:  # len() reads the shape
             raise user_error(
                 TensorValueError,
                 "Python control flow depends on the value of a tensor, which differs per "
@@ -355,7 +395,7 @@ class _Tracer(fx.Tracer):
         value = obj.node.meta.get("val")
         if isinstance(value, dict):
             return iter(list(value.keys()))
-        length = self.concrete(obj, len)
+        length = self.concrete(obj, _len)
         return iter([obj[index] for index in range(length)])
 
     def keys(self, obj: _Proxy) -> Any:
@@ -413,13 +453,17 @@ def trace_step(
     """
     states = generator_states()
     before = set(vars(model))
-    with module_state_restored(model):
-        tracer, graph = _trace_graph(model, example_values, leaf_names, record)
-        constants = {
-            name: vars(model)[name]
-            for name in set(vars(model)) - before
-            if isinstance(vars(model)[name], (torch.Tensor, torch.Generator))
-        }
+    try:
+        with module_state_restored(model):
+            tracer, graph = _trace_graph(model, example_values, leaf_names, record)
+            constants = {
+                name: vars(model)[name]
+                for name in set(vars(model)) - before
+                if isinstance(vars(model)[name], (torch.Tensor, torch.Generator))
+            }
+    except BaseException:
+        set_generator_states(states)  # a failed trace must not move the user's generators
+        raise
     changed = changed_generators(states, generator_states())
     if changed:
         set_generator_states(states)  # the user's generators must not move because we traced
@@ -462,45 +506,13 @@ def _trace_graph(
         traced_torch_calls(tracer),
         checkpoints_recorded(tracer),
         einops_calls_recorded(tracer),
-        _tensor_isinstance(),
+        legacy_constructor_recorded(tracer),
+        tensor_checks_assumed(),
+        python_builtins_as_eager((_Proxy, _Attribute)),
     ):
         graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
     tracer.keep_pending_guards()
     return tracer, graph
-
-
-_builtin_isinstance = builtins.isinstance
-
-
-def _proxy_isinstance(obj: Any, classinfo: Any) -> bool:
-    """``isinstance`` as Python code sees it while tracing: a traced tensor is a torch.Tensor."""
-    if type(obj) is _Proxy or type(obj) is _Attribute:
-        if _builtin_isinstance(obj, classinfo):
-            return True
-        node = obj.node if type(obj) is _Proxy or obj._node is not None else None
-        value = (
-            node.meta.get("val")
-            if node is not None
-            else getattr(obj.root.node.meta.get("val"), obj.attr, None)
-        )
-        return _builtin_isinstance(value, torch.Tensor) and issubclass(torch.Tensor, classinfo)
-    return _builtin_isinstance(obj, classinfo)
-
-
-@contextlib.contextmanager
-def _tensor_isinstance() -> Iterator[None]:
-    """Traced tensors pass ``isinstance(x, torch.Tensor)`` in Python code, not in torch's C++.
-
-    Python code that branches on it must take eager's path. The answer is given by replacing
-    ``builtins.isinstance`` for the trace, which only Python code looks up: torch's argument
-    parser asks the C API (``PyObject_IsInstance``), and a proxy it took for a real tensor would
-    be unpacked as one (a crash; seen with ``torch.pow(x, 2)`` when ``__class__`` was faked).
-    """
-    previous, builtins.isinstance = builtins.isinstance, _proxy_isinstance
-    try:
-        yield
-    finally:
-        builtins.isinstance = previous
 
 
 def _definition_of(function: Any) -> tuple[str, str]:

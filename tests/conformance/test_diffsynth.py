@@ -100,13 +100,6 @@ def test_wan_t2v_lora_splits_and_verifies_exactly_one_sample_per_batch(wan):
         split.stage1(**{name: torch.cat([value, value]) for name, value in batch.items()})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 11 item 1: the traced size latents.shape[0] as a list repeat count, "
-    "torch.Tensor([embedded_guidance] * latents.shape[0]), diffsynth/pipelines/flux_image.py:438 "
-    "(today a raw RuntimeError: not a storage '_Proxy'); then the 0-dim index "
-    "self.sigmas[timestep_id], diffsynth/diffusion/flow_match.py:461, and einops rearrange",
-)
 def test_flux_lora_plans_one_sample_per_batch_on_meta_weights():
     from examples.diffsynth.steps import flux_lora_step_on_meta
 

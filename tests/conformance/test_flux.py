@@ -11,10 +11,10 @@ The first test checks the error names that line and the fix; the others apply th
 (index ``sigmas`` with the drawn ``indices``, the same numbers).
 
 The script passes the batch's list of prompt strings to ``encode_prompt``, whose helpers take
-the batch size from ``len(prompt)``. graphsplit probes a second batch size by resizing the
-tensors of the example batch, not a list of strings, so the two disagree (xfail below). The
-one change the passing test makes: without ``prompts`` (left at ``None``) the helpers take
-the batch size from the token ids instead.
+the batch size from ``len(prompt)``: a traced length, which follows the batch like
+``x.shape[0]`` (the probe batches grow the list with the tensors). The full fine-tune tests
+also run without ``prompts`` (left at ``None``), where the helpers take the batch size from
+the token ids instead.
 """
 
 from __future__ import annotations
@@ -279,17 +279,15 @@ def test_flux_get_sigmas_loop_over_timesteps_is_refused_at_its_line():
     assert "fix:" in message and "replace .item()/.tolist()" in message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=graphsplit.TraceError,
-    reason="issue 10: the batch-size probe resizes the example's tensors but not its list of "
-    "per-sample prompt strings, so len(prompt) in _encode_prompt_with_clip (test_flux.py) "
-    "disagrees with the tensors at the probe size and the transformer's meta run fails with a "
-    "misleading shape error (graphsplit/planning/inputs.py builds the probe batch)",
-)
-def test_flux_with_the_batch_prompt_list():
+@pytest.mark.parametrize("size", [2, 3])
+def test_flux_with_the_batch_prompt_list(size):
     torch.manual_seed(0)
-    split_and_verify(FluxFineTuneStep(sigmas_by_index=True), _batch(2))
+    split = split_and_verify(FluxFineTuneStep(sigmas_by_index=True), _batch(size))
+    assert stage2_modules(split) == {"transformer"}
+    # batch_size = len(prompt) is read off the batch's prompt list by stage 1, not fixed at
+    # the probe size; the strings themselves are not cached.
+    assert "len(prompts)" in split.stage1.code
+    assert "prompts" not in split.boundary
 
 
 @pytest.mark.slow
