@@ -221,11 +221,39 @@ def current_versions() -> dict[str, str]:
 
 
 def batch_input_digests(batch: Mapping[str, Any], names: Sequence[str], size: int) -> list[str]:
-    """The input digest of each of the ``size`` samples of a collated batch."""
-    return [
-        _digest_values((name, _row(batch[name], index, size)) for name in names)
-        for index in range(size)
-    ]
+    """The input digest of each of the ``size`` samples of a collated batch.
+
+    Equal to digesting each row on its own (:func:`item_input_digest`'s bytes), but a tensor
+    batched along dim 0 is made contiguous once and its rows are hashed as slices of that one
+    buffer: per sample this costs a few hash updates, not a dozen torch calls.
+    """
+    digests = [hashlib.sha256() for _ in range(size)]
+    for name in names if size else ():
+        label = f"{name}=".encode()
+        value = batch[name]
+        rows = _tensor_rows(value, size)
+        for index, digest in enumerate(digests):
+            digest.update(label)
+            if rows is None:
+                _update_with_value(digest, _row(value, index, size))
+            else:
+                header, data, step = rows
+                digest.update(header)
+                digest.update(data[index * step : (index + 1) * step])
+                digest.update(b";")
+    return [digest.hexdigest() for digest in digests]
+
+
+def _tensor_rows(value: Any, size: int) -> tuple[bytes, memoryview, int] | None:
+    """For a tensor batched along dim 0: the bytes :func:`_update_with_value` feeds before
+    each row's data, the batch's bytes in row order, and the bytes per row; else None."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != size:
+        return None
+    row_shape = tuple(value.shape[1:])
+    header = f"T{str(value.dtype).removeprefix('torch.')}{row_shape}|".encode()
+    flat = value.detach().to("cpu").contiguous().reshape(-1)
+    data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return header, data, len(data) // size
 
 
 def item_input_digest(item: Mapping[str, Any], names: Sequence[str]) -> str:

@@ -10,7 +10,13 @@ import torch
 
 from graphsplit.artifacts import BoundarySpec
 from graphsplit.caching.dataset import CachedDataset
-from graphsplit.caching.fingerprint import _digest_tensors, differences, fingerprint
+from graphsplit.caching.fingerprint import (
+    _digest_tensors,
+    batch_input_digests,
+    differences,
+    fingerprint,
+    item_input_digest,
+)
 from graphsplit.caching.run import cache
 from graphsplit.errors import CacheError, StaleCacheError
 from tests.caching.fixtures import (
@@ -92,3 +98,52 @@ def test_a_cache_with_sha256_weights_of_graphsplit_0_2_still_matches(path, split
         CachedDataset(path, split)
     with pytest.raises(StaleCacheError, match="frozen weights differ"):
         cache(split, loader(Pictures(12)), path, shard_bytes=SMALL, progress=False)
+
+
+# ------------------------------------------------------------------ input digests
+
+
+def _row_by_row(batch, names, size):
+    """The digests as graphsplit <= 0.2 computed them: each row cut out and hashed alone."""
+    from graphsplit.caching.fingerprint import _digest_values, _row
+
+    return [
+        _digest_values((name, _row(batch[name], index, size)) for name in names)
+        for index in range(size)
+    ]
+
+
+def test_batch_input_digests_equal_those_of_each_row_alone():
+    generator = torch.Generator().manual_seed(0)
+    pixels = torch.randn(3, 3, 4, 5, generator=generator)
+    batch = {
+        "pixels": pixels,
+        "channels_last": pixels.to(memory_format=torch.channels_last),
+        "half": pixels.to(torch.bfloat16),
+        "ids": torch.arange(3),  # rows are 0-dim
+        "mask": torch.tensor([True, False, True]),
+        "empty": torch.zeros(3, 0),
+        "shared": torch.ones(2, 2),  # not batched: the same in every row
+        "nested": {"a": pixels[:, 0], "captions": ["x", "y", "z"]},
+        "captions": ["a cat", "a dog", "a cow"],
+        "size": 7,
+    }
+    names = list(batch)
+    digests = batch_input_digests(batch, names, 3)
+    assert digests == _row_by_row(batch, names, 3)
+    assert len(set(digests)) == 3
+    collated = [name for name in names if name not in ("shared", "size")]  # default_collate's
+    item = {name: _item(batch[name], 1) for name in collated}
+    assert batch_input_digests(batch, collated, 3)[1] == item_input_digest(item, collated)
+    assert batch_input_digests({}, [], 0) == []
+
+
+def _item(value, index):
+    """Item ``index`` of a default-collated batch value, as a dataset would return it."""
+    if isinstance(value, torch.Tensor):
+        return value[index] if value.dim() and value.shape[0] == 3 else value
+    if isinstance(value, dict):
+        return {key: _item(item, index) for key, item in value.items()}
+    if isinstance(value, list):
+        return value[index]
+    return value
