@@ -5,11 +5,12 @@ Glossary:
         ``code``     sha256 of stage 1's generated source (comment and blank lines dropped);
         ``weights``  digest of the content of every frozen parameter, buffer and tensor
                      constant that stage 1 holds (names, dtypes, shapes and bytes):
-                     ``crc32:`` + the sha256 of the names, dtypes, shapes and the CRC-32 of
-                     each 1 MiB of their bytes (about 3 GB/s on one core; see
-                     :func:`fingerprint` for why this suffices). Caches of graphsplit 0.1
-                     hold ``sha256:`` + the sha256 of the bytes themselves (about 1 GB/s); they
-                     are compared in their own terms (:func:`in_terms_of`).
+                     ``xxh3:`` + the sha256 of the names, dtypes, shapes and the XXH3-128 of
+                     each tensor's bytes, remembered per tensor storage within a process
+                     (:class:`WeightHashes`; see :func:`fingerprint` for why this suffices).
+                     Older caches hold ``crc32:`` (a CRC-32 per MiB instead of the XXH3) or,
+                     from graphsplit 0.1, ``sha256:`` (the sha256 of the bytes themselves);
+                     they are compared in their own terms (:func:`in_terms_of`).
         ``boundary`` sha256 of the boundary's names, dtypes, batch dims and ranks (not the trace-
                      time sizes: the batch size and the bucket sizes may differ between runs);
         ``versions`` graphsplit, torch and safetensors versions (informational: a difference
@@ -26,6 +27,8 @@ In and out::
     warn_about_versions(cached, current, folder, *, stacklevel)                  # only warns
     batch_input_digests(batch: Mapping, names, size) -> list[str]                # one per row
     item_input_digest(item: Mapping, names) -> str                               # one dataset item
+    WEIGHT_HASHES.content_hash(tensor) -> bytes   # XXH3-128 of its bytes, remembered per storage
+    WEIGHT_HASHES.forget()                        # hash every weight afresh next time
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ import dataclasses
 import hashlib
 import json
 import re
+import threading
 import warnings
+import weakref
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,9 +53,16 @@ from graphsplit.errors import CacheError
 from graphsplit.runtime import LEGACY_NAMES
 from graphsplit.version import __version__
 
+try:
+    import xxhash
+except ImportError:  # pragma: no cover - xxhash ships with graphsplit's dependencies
+    xxhash = None
+
 __all__ = [
     "PARTS",
+    "WEIGHT_HASHES",
     "Fingerprint",
+    "WeightHashes",
     "batch_input_digests",
     "describe_differences",
     "differences",
@@ -65,10 +77,11 @@ PARTS = ("weights", "code", "boundary", "versions")
 BINDING_PARTS = ("weights", "code", "boundary")
 _CHUNK_BYTES = 64 << 20
 _CRC_BYTES = 1 << 20  # one CRC-32 per MiB of a tensor's bytes
-WEIGHTS_ALGORITHM = "crc32"
-_WEIGHTS_ALGORITHMS = ("crc32", "sha256")  # sha256: graphsplit <= 0.2
-_WEIGHTS = re.compile(r"(?:crc32|sha256):[0-9a-f]{64}")
-_WEIGHTS_MEANING = "'crc32:' or 'sha256:' + 64 hex digits"
+WEIGHTS_ALGORITHM = "crc32" if xxhash is None else "xxh3"
+# xxh3: now; crc32: earlier 0.2 caches (and where xxhash is missing); sha256: graphsplit 0.1.
+_WEIGHTS_ALGORITHMS = ("xxh3", "crc32", "sha256")
+_WEIGHTS = re.compile(r"(?:xxh3|crc32|sha256):[0-9a-f]{64}")
+_WEIGHTS_MEANING = "'xxh3:', 'crc32:' or 'sha256:' + 64 hex digits"
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
 _DIGEST_MEANING = "'sha256:' + 64 hex digits"
 
@@ -105,16 +118,20 @@ def fingerprint(
 ) -> Fingerprint:
     """Fingerprint ``split.stage1``: its code, the frozen tensors it holds and its boundary.
 
-    Hashing reads every frozen weight once: a CRC-32 per MiB, at about 3 GB/s on one CPU core
-    (``weights_algorithm="sha256"``: graphsplit 0.1's digest of the bytes, about 1 GB/s). The
-    CRCs are not cryptographic, and need not be: the weights digest tells a changed model from
-    the one a cache was made with, it does not stand between a cache and someone forging one.
-    A change confined to 32 consecutive bits of a MiB, or to one or two bits, always changes
-    that MiB's CRC; any other change passes unseen with probability 2^-32 per changed MiB,
-    independently, so another checkpoint (every MiB differs) goes unnoticed with probability
-    2^-(32 x MiBs), and the worst case, one changed MiB, 2^-32 (about 2e-10). With
-    ``allow_meta``, a split whose frozen tensors are on ``meta`` (a training process that never
-    loads them) gets :data:`UNKNOWN_WEIGHTS`: its code and boundary can still be checked.
+    Hashing reads every frozen weight once per process: the XXH3-128 of each tensor's bytes
+    (``benchmarks/bench_fingerprint.py`` measures its GB/s per core beside CRC-32 and sha256;
+    see docs/benchmarks.md), remembered per storage, so the next ``cache()`` or
+    ``CachedDataset(path, split)`` of the same weights in the same process hashes nothing
+    (:class:`WeightHashes` says which in-place writes it sees). XXH3 is not cryptographic,
+    and need not be: the weights digest tells a changed model from the one a cache was made
+    with, it does not stand between a cache and someone forging one (who could as well
+    rewrite the manifest). For a change nobody crafted against the hash, a changed tensor
+    keeps its XXH3-128 with probability about 2^-128 (XXH3 passes SMHasher's avalanche and
+    collision tests), so even a one-bit change in one tensor goes unseen with probability
+    about 3e-39 (CRC-32 per MiB, the previous digest: 2^-32, about 2e-10, for a change within
+    one MiB). ``weights_algorithm="crc32"`` or ``"sha256"`` gives the digests of older caches.
+    With ``allow_meta``, a split whose frozen tensors are on ``meta`` (a training process that
+    never loads them) gets :data:`UNKNOWN_WEIGHTS`: its code and boundary can still be checked.
 
     Example:
         >>> import torch
@@ -143,7 +160,7 @@ def fingerprint(
 
 def in_terms_of(current: Fingerprint, cached: Fingerprint, split: Any) -> Fingerprint:
     """``current``, with ``split``'s weights digested the way ``cached``'s were where the two
-    differ (a cache written by graphsplit <= 0.2 holds a sha256 of the bytes), so that the two
+    differ (an older cache holds CRC-32s or a sha256 of the bytes), so that the two
     fingerprints compare like for like. Costs a second pass over the weights only then."""
     algorithm = cached.weights.partition(":")[0]
     if (
@@ -221,11 +238,39 @@ def current_versions() -> dict[str, str]:
 
 
 def batch_input_digests(batch: Mapping[str, Any], names: Sequence[str], size: int) -> list[str]:
-    """The input digest of each of the ``size`` samples of a collated batch."""
-    return [
-        _digest_values((name, _row(batch[name], index, size)) for name in names)
-        for index in range(size)
-    ]
+    """The input digest of each of the ``size`` samples of a collated batch.
+
+    Equal to digesting each row on its own (:func:`item_input_digest`'s bytes), but a tensor
+    batched along dim 0 is made contiguous once and its rows are hashed as slices of that one
+    buffer: per sample this costs a few hash updates, not a dozen torch calls.
+    """
+    digests = [hashlib.sha256() for _ in range(size)]
+    for name in names if size else ():
+        label = f"{name}=".encode()
+        value = batch[name]
+        rows = _tensor_rows(value, size)
+        for index, digest in enumerate(digests):
+            digest.update(label)
+            if rows is None:
+                _update_with_value(digest, _row(value, index, size))
+            else:
+                header, data, step = rows
+                digest.update(header)
+                digest.update(data[index * step : (index + 1) * step])
+                digest.update(b";")
+    return [digest.hexdigest() for digest in digests]
+
+
+def _tensor_rows(value: Any, size: int) -> tuple[bytes, memoryview, int] | None:
+    """For a tensor batched along dim 0: the bytes :func:`_update_with_value` feeds before
+    each row's data, the batch's bytes in row order, and the bytes per row; else None."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != size:
+        return None
+    row_shape = tuple(value.shape[1:])
+    header = f"T{str(value.dtype).removeprefix('torch.')}{row_shape}|".encode()
+    flat = value.detach().to("cpu").contiguous().reshape(-1)
+    data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return header, data, len(data) // size
 
 
 def item_input_digest(item: Mapping[str, Any], names: Sequence[str]) -> str:
@@ -299,6 +344,7 @@ def _resolve(module: torch.nn.Module, target: str) -> Any:
 
 
 def _digest_tensors(tensors: Iterable[tuple[str, torch.Tensor]], algorithm: str) -> str:
+    _need_xxhash(algorithm)
     digest = hashlib.sha256()
     for name, tensor in tensors:
         if tensor.device.type == "meta":
@@ -310,32 +356,116 @@ def _digest_tensors(tensors: Iterable[tuple[str, torch.Tensor]], algorithm: str)
         digest.update(f"{name}|".encode())
         if algorithm == "sha256":
             _update_with_tensor(digest, tensor)
-        else:
+        elif algorithm == "crc32":
             _update_with_crcs(digest, tensor)
+        else:
+            digest.update(_identity(tensor))
+            digest.update(WEIGHT_HASHES.content_hash(tensor))
     return f"{algorithm}:" + digest.hexdigest()
 
 
-def _update_with_tensor(digest: Any, tensor: torch.Tensor) -> None:
-    digest.update(f"{str(tensor.dtype).removeprefix('torch.')}{tuple(tensor.shape)}|".encode())
+def _need_xxhash(algorithm: str) -> None:
+    if algorithm == "xxh3" and xxhash is None:
+        raise CacheError(
+            "this cache's weights fingerprint is an XXH3 digest, and the xxhash package that "
+            "computes it is not installed.\n  fix: pip install xxhash (graphsplit depends on it)"
+        )
+
+
+def _identity(tensor: torch.Tensor) -> bytes:
+    return f"{str(tensor.dtype).removeprefix('torch.')}{tuple(tensor.shape)}|".encode()
+
+
+def _chunks(tensor: torch.Tensor) -> Iterator[Any]:
+    """The tensor's bytes in logical (row-major) order, as buffers of at most 64 MiB: the
+    memory itself for a contiguous CPU tensor, else CPU copies of one chunk at a time."""
     flat = tensor.detach().reshape(-1)
+    if flat.device.type == "cpu" and flat.is_contiguous() and flat.numel():
+        yield flat.view(torch.uint8).numpy().data
+        return
     step = max(1, _CHUNK_BYTES // max(1, flat.element_size()))
     for start in range(0, flat.numel(), step):
-        chunk = flat[start : start + step].to("cpu").contiguous()
-        digest.update(chunk.view(torch.uint8).numpy())
+        yield flat[start : start + step].to("cpu").contiguous().view(torch.uint8).numpy().data
+
+
+def _update_with_tensor(digest: Any, tensor: torch.Tensor) -> None:
+    digest.update(_identity(tensor))
+    for chunk in _chunks(tensor):
+        digest.update(chunk)
 
 
 def _update_with_crcs(digest: Any, tensor: torch.Tensor) -> None:
     """Feed ``digest`` the tensor's dtype and shape, then the CRC-32 of each MiB of its bytes
-    (zlib releases the GIL and runs at about 3 GB/s; sha256 then hashes 4 bytes per MiB)."""
-    digest.update(f"{str(tensor.dtype).removeprefix('torch.')}{tuple(tensor.shape)}|".encode())
-    flat = tensor.detach().reshape(-1)
-    step = max(1, _CHUNK_BYTES // max(1, flat.element_size()))
+    (the weights digest of earlier 0.2 caches)."""
+    digest.update(_identity(tensor))
     crcs = bytearray()
-    for start in range(0, flat.numel(), step):
-        chunk = flat[start : start + step].to("cpu").contiguous().view(torch.uint8).numpy().data
+    for chunk in _chunks(tensor):
         for offset in range(0, len(chunk), _CRC_BYTES):
             crcs += zlib.crc32(chunk[offset : offset + _CRC_BYTES]).to_bytes(4, "little")
     digest.update(bytes(crcs))
+
+
+class WeightHashes:
+    """The XXH3-128 of each frozen tensor's bytes, remembered per storage within a process.
+
+    A tensor's entry is found by its storage (held weakly: a freed storage drops its entries,
+    so a new one at the same address is never mistaken for it) and its view of it (offset,
+    shape, strides, dtype), and is used only while the storage's address and size and the
+    tensor's version counter are what they were when it was hashed. Every in-place change
+    through torch (``add_``, ``copy_``, ``load_state_dict``, an optimizer step) bumps the
+    version counter, so it is seen; writes that bypass it (through ``param.data``, a numpy
+    or DLPack view, or a file mapped into the tensor and changed on disk) are not, within
+    this process. :meth:`forget` drops everything; a new process always hashes afresh.
+    """
+
+    def __init__(self) -> None:
+        self._known: weakref.WeakKeyDictionary[Any, dict[tuple, tuple[tuple, bytes]]]
+        self._known = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self.hashed_bytes = 0  # bytes read to hash (not remembered), for tests and benchmarks
+
+    def content_hash(self, tensor: torch.Tensor) -> bytes:
+        """The 16-byte XXH3-128 digest of ``tensor``'s bytes in logical order."""
+        place = _place(tensor)
+        if place is not None:
+            storage, view, state = place
+            with self._lock:
+                found = self._known.get(storage, {}).get(view)
+            if found is not None and found[0] == state:
+                return found[1]
+        running = xxhash.xxh3_128()
+        for chunk in _chunks(tensor):
+            running.update(chunk)
+        value = running.digest()
+        with self._lock:
+            self.hashed_bytes += tensor.numel() * tensor.element_size()
+            if place is not None:
+                self._known.setdefault(storage, {})[view] = (state, value)
+        return value
+
+    def forget(self) -> None:
+        """Drop every remembered hash (the next fingerprint reads every weight again)."""
+        with self._lock:
+            self._known = weakref.WeakKeyDictionary()
+
+
+def _place(tensor: torch.Tensor) -> tuple[Any, tuple, tuple] | None:
+    """``(storage, view, state)`` that :class:`WeightHashes` remembers ``tensor`` by, or None
+    for a tensor it must always hash (no version counter: made under inference mode; no
+    storage: sparse, or a tensor subclass)."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.layout != torch.strided:
+        return None
+    try:
+        version = tensor._version
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    view = (tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+    return storage, view, (storage.data_ptr(), storage.nbytes(), version)
+
+
+# The one per process: cache(), CachedDataset and check_cache share what was hashed.
+WEIGHT_HASHES = WeightHashes()
 
 
 def _row(value: Any, index: int, size: int) -> Any:

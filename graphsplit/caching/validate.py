@@ -116,6 +116,9 @@ def json_names(cls: type) -> tuple[str, ...]:
     return tuple(names)
 
 
+_PLAIN = frozenset({int, str, float, bool, type(None)})
+
+
 def to_json(value: Any) -> Any:
     """``value`` as JSON-ready data: dataclasses by their fields, tuples as lists, dtypes by name.
 
@@ -127,6 +130,11 @@ def to_json(value: Any) -> Any:
         >>> to_json(Row((2, 3), torch.bfloat16))
         {'shape': [2, 3], 'dtype': 'bfloat16'}
     """
+    kind = type(value)
+    if kind in _PLAIN:  # most values of a manifest: checked first, by exact type
+        return value
+    if kind is tuple or kind is list:
+        return [to_json(item) for item in value]
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         document: dict[str, Any] = {}
         for name, _, rule in _fields(type(value)):
