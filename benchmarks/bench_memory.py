@@ -25,6 +25,11 @@ Every child runs on ``--threads`` torch threads (default 1): each intra-op threa
 allocator arenas and scratch buffers, so the thread count is part of what a peak RSS measures
 and is kept the same for every variant.
 
+Peak RSS moves a little from one process to the next (allocator arenas, import order,
+lazily loaded kernels), so each variant runs ``--repeats`` times (default 3), the repeats
+interleaved (all variants once, then all again); the table gives medians, the ratios are
+medians of same-repeat ratios, and the JSON keeps every reading with its IQR.
+
 Writes ``memory.json`` and ``memory.md`` to ``--out`` (default ``benchmarks/results/``).
 """
 
@@ -47,6 +52,7 @@ from benchmarks.common import (
     reply_to_parent,
     report,
     run_child,
+    spread,
     write_results,
 )
 from benchmarks.hand_written import build_unet, denoising_loss, example_batch, frozen_outputs
@@ -191,33 +197,55 @@ def run_variant(
         raise RuntimeError(f"{variant} ({size}) {failure}") from None
 
 
-def measure(size: str, steps: int, jobs: int = 2, threads: int = 1) -> dict[str, Any]:
-    """Peak RSS of each variant in a fresh process, and the ratios.
+def measure(
+    size: str, steps: int, jobs: int = 2, threads: int = 1, repeats: int = 1
+) -> dict[str, Any]:
+    """Peak RSS of each variant in ``repeats`` fresh processes each, and the ratios.
 
     Peak RSS is per process, so running ``jobs`` children at once does not change it.
     """
+    readings: list[dict[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="graphsplit-bench-memory-") as folder:
         data = Path(folder)
         prepared = run_variant(PREPARE, size, steps, data)
         result: dict[str, Any] = {"size": size, "steps": steps, "torch_threads": threads}
         result.update(prepared)
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            futures = {v: pool.submit(run_variant, v, size, steps, data, threads) for v in VARIANTS}
-            rows = {variant: future.result() for variant, future in futures.items()}
-    rss = {variant: row["max_rss_mib"] for variant, row in rows.items()}
-    base = rss["baseline"]
-    above = {variant: value - base for variant, value in rss.items() if variant != "baseline"}
+            for _ in range(max(1, repeats)):
+                futures = {
+                    v: pool.submit(run_variant, v, size, steps, data, threads) for v in VARIANTS
+                }
+                readings.append({variant: future.result() for variant, future in futures.items()})
+    rows = readings[0]
+    each = {v: [reading[v]["max_rss_mib"] for reading in readings] for v in VARIANTS}
+    above_each = {
+        v: [r - b for r, b in zip(each[v], each["baseline"])] for v in VARIANTS if v != "baseline"
+    }
+    rss = {variant: spread(values).median for variant, values in each.items()}
+    above = {variant: spread(values).median for variant, values in above_each.items()}
+
+    def same_repeat(a: list[float], b: list[float]) -> dict[str, float]:
+        return spread([_ratio(x, y) for x, y in zip(a, b)]).to_json()
+
+    ratios = {
+        "stage2_over_hand_written": same_repeat(each["graphsplit_stage2"], each["hand_written"]),
+        "stage2_over_unsplit": same_repeat(each["graphsplit_stage2"], each["unsplit"]),
+        "above_baseline_stage2_over_hand_written": same_repeat(
+            above_each["graphsplit_stage2"], above_each["hand_written"]
+        ),
+        "above_baseline_stage2_over_unsplit": same_repeat(
+            above_each["graphsplit_stage2"], above_each["unsplit"]
+        ),
+    }
     result.update(
+        repeats=len(readings),
         max_rss_mib=rss,
+        max_rss_all_mib={v: {**spread(x).to_json(), "values": x} for v, x in each.items()},
         above_baseline_mib=above,
         real_param_mib={v: rows[v]["real_param_mib"] for v in VARIANTS if v != "baseline"},
         meta_param_mib={v: rows[v]["meta_param_mib"] for v in VARIANTS if v != "baseline"},
-        stage2_over_hand_written=rss["graphsplit_stage2"] / rss["hand_written"],
-        stage2_over_unsplit=rss["graphsplit_stage2"] / rss["unsplit"],
-        above_baseline_stage2_over_hand_written=_ratio(
-            above["graphsplit_stage2"], above["hand_written"]
-        ),
-        above_baseline_stage2_over_unsplit=_ratio(above["graphsplit_stage2"], above["unsplit"]),
+        ratios=ratios,
+        **{key: value["median"] for key, value in ratios.items()},
     )
     return result
 
@@ -233,17 +261,25 @@ def to_markdown(results: list[dict[str, Any]]) -> str:
               "above imports: stage2 / unsplit"]  # fmt: skip
     rows = []
     for r in results:
-        m, a = r["max_rss_mib"], r["above_baseline_mib"]
+        m, a, q = r["max_rss_mib"], r["above_baseline_mib"], r["ratios"]
         rows.append([
             r["size"], f"{r['batch_size']} × {r['resolution']}", r["steps"],
             f"{m['baseline']:.0f}", f"{m['unsplit']:.0f}", f"{m['graphsplit_stage2']:.0f}",
-            f"{m['hand_written']:.0f}", f"{r['stage2_over_hand_written']:.3f}",
-            f"{r['stage2_over_unsplit']:.3f}",
+            f"{m['hand_written']:.0f}", _cell(q["stage2_over_hand_written"]),
+            _cell(q["stage2_over_unsplit"]),
             f"{a['unsplit']:.0f} / {a['graphsplit_stage2']:.0f} / {a['hand_written']:.0f}",
-            f"{r['above_baseline_stage2_over_hand_written']:.3f}",
-            f"{r['above_baseline_stage2_over_unsplit']:.3f}",
+            _cell(q["above_baseline_stage2_over_hand_written"]),
+            _cell(q["above_baseline_stage2_over_unsplit"]),
         ])  # fmt: skip
-    return markdown_table(header, rows, "llrrrrrrrlrr")
+    repeats = results[0]["repeats"] if results else 0
+    return (
+        f"Medians of {repeats} fresh processes per variant; ratios: median (IQR) of same-repeat "
+        "ratios.\n\n" + markdown_table(header, rows, "llrrrrrrrlrr")
+    )
+
+
+def _cell(value: dict[str, float]) -> str:
+    return f"{value['median']:.3f} ({value['q1']:.3f}–{value['q3']:.3f})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,7 +306,13 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads in every variant's process; 0 keeps torch's default (default: 1)",
     )
     command.add_argument(
-        "--quick", action="store_true", help="the tiny size, one step: for smoke tests"
+        "--repeats",
+        type=int,
+        default=3,
+        help="fresh processes per variant; the table shows medians (default 3)",
+    )
+    command.add_argument(
+        "--quick", action="store_true", help="the tiny size, one step, once: for smoke tests"
     )
     command.add_argument("--child", choices=(*VARIANTS, PREPARE), help=argparse.SUPPRESS)
     command.add_argument("--data", type=Path, help=argparse.SUPPRESS)
@@ -286,10 +328,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     if options.quick:
-        options.sizes, options.steps = ["tiny"], 1
+        options.sizes, options.steps, options.repeats = ["tiny"], 1, 1
     results = []
     for size in options.sizes:
-        result = measure(size, options.steps, options.jobs, options.threads)
+        result = measure(size, options.steps, options.jobs, options.threads, options.repeats)
         results.append(result)
         print(f"{size}: {json.dumps(result['max_rss_mib'])}", flush=True)
     payload = report("memory", results, environment("torch", "diffusers"))

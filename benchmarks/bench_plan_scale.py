@@ -22,6 +22,14 @@ inside graphsplit is recorded with its error text (``status: "failed: ..."``); t
     python -m benchmarks.bench_plan_scale                   # sdxl and flux
     python -m benchmarks.bench_plan_scale --cases tiny --out /tmp/results
     python -m benchmarks.bench_plan_scale --quick --out /tmp/results  # smoke test: tiny, once
+    python -m benchmarks.bench_plan_scale --baseline HEAD~3 --rounds 4   # before/after ratios
+
+With ``--baseline`` (a git revision or a folder holding a ``graphsplit`` package,
+:func:`benchmarks.common.baseline_code`), each case also runs ``--rounds`` pairs of children,
+one with this checkout's graphsplit and one with the baseline's, alternating which goes first;
+the table gains the median (IQR) of the same-round ratios current / baseline of ``split()``'s
+CPU and wall time, and whether the two plans are identical (the digest of every node's facts,
+both stages' code and the boundary, :func:`plan_digest`).
 
 Writes ``plan_scale.json`` and ``plan_scale.md`` to ``--out`` (default ``benchmarks/results/``).
 """
@@ -29,9 +37,13 @@ Writes ``plan_scale.json`` and ``plan_scale.md`` to ``--out`` (default ``benchma
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +52,7 @@ from torch import nn
 
 from benchmarks.common import (
     ChildFailed,
+    baseline_code,
     current_rss_bytes,
     environment,
     interleaved,
@@ -53,6 +66,7 @@ from benchmarks.common import (
     run_child,
     timing_options,
     torch_threads,
+    versus_baseline,
     write_results,
 )
 
@@ -300,8 +314,48 @@ def _component_params(model: nn.Module) -> dict[str, float]:
     }
 
 
-def measure_case(case: str, batch: int | None = None, rounds: int = 1) -> dict[str, Any]:
-    """Build ``case`` on meta and split it ``rounds`` times; everything a row of the table needs."""
+def plan_digest(split: Any) -> str:
+    """sha256 of what a plan decides: every node's facts, both stages' code and the boundary.
+
+    Two versions of graphsplit that make the same plan give the same digest, so a speed-up
+    that changed a shape, a FLOP count, a layout or the cut shows up as a different digest.
+    """
+    parts = [
+        repr((node.name, node.op, _canonical(node.target), _canonical(node.meta.get("facts"))))
+        for node in split.graph.nodes
+    ]
+    parts += [split.stage1.code, split.stage2.code, repr(_canonical(dict(split.boundary)))]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def _canonical(value: Any) -> Any:
+    """``value`` in a form whose repr is the same in every process: sets sorted, functions by
+    qualified name (their repr holds an address), dataclasses field by field."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = dataclasses.fields(value)
+        return (
+            type(value).__name__,
+            *((f.name, _canonical(getattr(value, f.name))) for f in fields),
+        )
+    if isinstance(value, (set, frozenset)):
+        return tuple(sorted(repr(_canonical(item)) for item in value))
+    if isinstance(value, (tuple, list)):
+        return tuple(_canonical(item) for item in value)
+    if isinstance(value, dict):
+        return tuple((key, _canonical(item)) for key, item in value.items())
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', None)}.{value.__qualname__}"
+    return repr(value)
+
+
+def measure_case(
+    case: str, batch: int | None = None, rounds: int = 1, *, heap: bool = True
+) -> dict[str, Any]:
+    """Build ``case`` on meta and split it ``rounds`` times; everything a row of the table needs.
+
+    ``heap=False`` skips the extra ``split()`` under tracemalloc (the baseline comparison's
+    children only need the timings and the digest).
+    """
     import graphsplit
 
     batch = batch or (2 if case == "tiny" else 1)
@@ -339,6 +393,7 @@ def measure_case(case: str, batch: int | None = None, rounds: int = 1) -> dict[s
         row["split_cpu_seconds"] = timings.spread("split", "cpu").to_json()
         row["rss_after_split_mib"] = mib(current_rss_bytes())
         row["graph_nodes"] = len(split.graph.nodes)
+        row["plan_digest"] = plan_digest(split)
         row["stage2_nodes"] = len(split.cut.stage2)
         row["boundary"] = {
             key: {"shape": list(spec.shape), "bytes_per_sample": spec.bytes_per_sample}
@@ -355,8 +410,9 @@ def measure_case(case: str, batch: int | None = None, rounds: int = 1) -> dict[s
         ]
         row["notes"] = list(split.notes)
         del split
-        peak = python_heap_peak_bytes(lambda: graphsplit.split(model, args))
-        row["peak_python_mib"] = mib(peak)
+        if heap:
+            peak = python_heap_peak_bytes(lambda: graphsplit.split(model, args))
+            row["peak_python_mib"] = mib(peak)
     except Exception as exc:  # a failing case is a result, not a crash of the benchmark
         text = str(exc).strip() or repr(exc)
         row["status"] = f"failed: {type(exc).__name__}: {text}"
@@ -366,17 +422,58 @@ def measure_case(case: str, batch: int | None = None, rounds: int = 1) -> dict[s
 
 # -- orchestration (parent process) -----------------------------------------------------------
 def run_case(
-    case: str, timeout: float, batch: int | None = None, *, rounds: int = 1, threads: int = 1
+    case: str,
+    timeout: float,
+    batch: int | None = None,
+    *,
+    rounds: int = 1,
+    threads: int = 1,
+    code: Path | None = None,
+    heap: bool = True,
 ) -> dict[str, Any]:
-    """Run ``--child case`` in a fresh interpreter; a crash becomes a failed row."""
+    """Run ``--child case`` in a fresh interpreter; a crash becomes a failed row.
+
+    ``code`` is the folder whose graphsplit the child imports (None: this checkout's).
+    """
     argv = ["--child", case, "--rounds", str(rounds), "--threads", str(threads)]
     argv += ["--batch", str(batch)] if batch else []
+    argv += [] if heap else ["--no-heap"]
     try:
-        return run_child("benchmarks.bench_plan_scale", argv, timeout=timeout)
+        return run_child("benchmarks.bench_plan_scale", argv, timeout=timeout, cwd=code)
     except subprocess.TimeoutExpired:
         return {"case": case, "status": f"failed: timed out after {timeout:.0f} s"}
     except ChildFailed as failure:
         return {"case": case, "status": f"failed: exit {failure.returncode}: {failure.tail}"}
+
+
+def compare_case(
+    case: str, baseline: Path, *, rounds: int, timeout: float, batch: int | None, threads: int
+) -> dict[str, Any]:
+    """Alternating children of this graphsplit and the baseline's: same-round ratios of split().
+
+    Each child splits once after the warm-up; ``rounds`` pairs give the spread.
+    """
+    digests: dict[str, set[str]] = {"current": set(), "baseline": set()}
+    failures: list[str] = []
+
+    def measure(code: Path | None) -> tuple[float, float]:
+        row = run_case(case, timeout, batch, threads=threads, code=code, heap=False)
+        if row["status"] != "ok":
+            failures.append(f"{'baseline' if code else 'current'}: {row['status']}")
+            return float("nan"), float("nan")
+        digests["baseline" if code else "current"].add(row.get("plan_digest", "?"))
+        return row["split_wall_seconds"]["median"], row["split_cpu_seconds"]["median"]
+
+    timings = versus_baseline(measure, baseline, rounds=rounds)
+    return {
+        "rounds": rounds,
+        "timings": timings.to_json(),
+        "cpu_ratio": timings.ratio("current", "baseline", "cpu").to_json(),
+        "wall_ratio": timings.ratio("current", "baseline", "wall").to_json(),
+        "same_plan": len(digests["current"] | digests["baseline"]) == 1,
+        "digests": {name: sorted(values) for name, values in digests.items()},
+        "failures": failures,
+    }
 
 
 def _fmt(row: dict[str, Any], key: str, spec: str) -> str:
@@ -392,6 +489,33 @@ def _spread(row: dict[str, Any], key: str) -> str:
 
 
 def to_markdown(results: list[dict[str, Any]]) -> str:
+    table = _main_table(results)
+    compared = [row for row in results if "versus_baseline" in row]
+    if not compared:
+        return table
+    header = ["case", "pairs", "baseline CPU s", "current CPU s", "current / baseline, CPU",
+              "current / baseline, wall", "same plan"]  # fmt: skip
+    rows = []
+    for row in compared:
+        versus = row["versus_baseline"]
+        cpu = versus["timings"]["cpu"]
+        rows.append([
+            row["case"], versus["rounds"], f"{cpu['baseline']['median']:.2f}",
+            f"{cpu['current']['median']:.2f}", _ratio(versus["cpu_ratio"]),
+            _ratio(versus["wall_ratio"]), "yes" if versus["same_plan"] else "**no**",
+        ])  # fmt: skip
+    baseline = compared[0]["versus_baseline"].get("baseline", "")
+    return (
+        f"{table}\nAgainst the baseline {baseline}: median (IQR) of same-round ratios of "
+        "alternating child processes\n\n" + markdown_table(header, rows, "lrrrrrl")
+    )
+
+
+def _ratio(value: dict[str, float]) -> str:
+    return f"{value['median']:.3f} ({value['q1']:.3f}–{value['q3']:.3f})"
+
+
+def _main_table(results: list[dict[str, Any]]) -> str:
     header = ["case", "batch", "params (B)", "weights if real (GiB)", "build on meta s",
               "split() wall s", "split() CPU s", "graph nodes", "boundary", "boundary bytes/sample",
               "peak Python MiB", "RSS before → after split MiB", "max RSS MiB",
@@ -435,30 +559,56 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="example batch size (default: 1 for sdxl and flux, as at 1024 px; 2 for tiny)",
     )
+    command.add_argument(
+        "--baseline",
+        metavar="REVISION_OR_FOLDER",
+        help="also time another graphsplit (a git revision, or a folder holding a graphsplit "
+        "package) in --rounds alternating pairs of children, and compare the plans",
+    )
     command.add_argument("--child", choices=ALL_CASES, help=argparse.SUPPRESS)
+    command.add_argument("--no-heap", action="store_true", help=argparse.SUPPRESS)
     options = command.parse_args(argv)
     if options.child:
         with torch_threads(options.threads):
-            reply_to_parent(measure_case(options.child, options.batch, options.rounds))
+            row = measure_case(
+                options.child, options.batch, options.rounds, heap=not options.no_heap
+            )
+            reply_to_parent(row)
         return 0
     if options.quick:
         options.cases, options.rounds = ["tiny"], 1
-    results = []
-    for case in options.cases:
-        row = run_case(
-            case, options.timeout, options.batch, rounds=options.rounds, threads=options.threads
-        )
-        results.append(row)
-        print(
-            f"{case}: {row['status'].splitlines()[0]}; split {_fmt(row, 'split_seconds', '.2f')} s,"
-            f" max RSS {_fmt(row, 'max_rss_mib', '.0f')} MiB",
-            flush=True,
-        )
+    with tempfile.TemporaryDirectory(prefix="graphsplit-baseline-") as folder:
+        baseline = baseline_code(options.baseline, Path(folder)) if options.baseline else None
+        results = [_run(case, options, baseline) for case in options.cases]
     where = environment("graphsplit", "torch", "diffusers", "transformers")
     write_results(
         options.out, "plan_scale", report("plan_scale", results, where), to_markdown(results)
     )
     return 0
+
+
+def _run(case: str, options: argparse.Namespace, baseline: Path | None) -> dict[str, Any]:
+    """One case's row; with a baseline, its alternating comparison too."""
+    row = run_case(
+        case, options.timeout, options.batch, rounds=options.rounds, threads=options.threads
+    )
+    print(
+        f"{case}: {row['status'].splitlines()[0]}; split {_fmt(row, 'split_seconds', '.2f')} s,"
+        f" max RSS {_fmt(row, 'max_rss_mib', '.0f')} MiB",
+        flush=True,
+    )
+    if baseline is not None and row["status"] == "ok":
+        versus = compare_case(
+            case, baseline, rounds=options.rounds, timeout=options.timeout,
+            batch=options.batch, threads=options.threads,
+        )  # fmt: skip
+        row["versus_baseline"] = {"baseline": options.baseline, **versus}
+        print(
+            f"{case}: current / baseline CPU {_ratio(versus['cpu_ratio'])}, "
+            f"same plan: {versus['same_plan']}",
+            flush=True,
+        )
+    return row
 
 
 if __name__ == "__main__":

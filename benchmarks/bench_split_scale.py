@@ -13,12 +13,22 @@ maximum resident set size so far.
     python -m benchmarks.bench_split_scale --full           # ... and 10000
     python -m benchmarks.bench_split_scale --sizes 50 500 --out /tmp/results
     python -m benchmarks.bench_split_scale --quick --out /tmp/results   # smoke test
+    python -m benchmarks.bench_split_scale --sizes 10000 --baseline HEAD~3 --rounds 4
+
+With ``--baseline`` (a git revision or a folder holding a ``graphsplit`` package), each size
+also runs ``--rounds`` pairs of fresh processes, one importing this checkout's graphsplit and
+one the baseline's, alternating which goes first; each splits once after a warm-up, and the
+table gains the median (IQR) of the same-round ratios current / baseline and whether both made
+the same plan (:func:`benchmarks.bench_plan_scale.plan_digest`).
 
 Writes ``bench_split_scale.json`` and ``bench_split_scale.md`` (a table) to ``--out``.
 """
 
 from __future__ import annotations
 
+import argparse
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +36,7 @@ from torch import nn
 
 import graphsplit
 from benchmarks.common import (
+    baseline_code,
     environment,
     interleaved,
     markdown_table,
@@ -33,9 +44,12 @@ from benchmarks.common import (
     parser,
     peak_rss_bytes,
     python_heap_peak_bytes,
+    reply_to_parent,
     report,
+    run_child,
     timing_options,
     torch_threads,
+    versus_baseline,
     write_results,
 )
 
@@ -92,6 +106,43 @@ def measure(nodes: int, *, rounds: int = 1) -> dict[str, Any]:
     }
 
 
+def measure_once(nodes: int) -> dict[str, Any]:
+    """One timed ``split()`` after a warm-up, and its plan's digest (a baseline child's row)."""
+    from benchmarks.bench_plan_scale import plan_digest
+
+    graphsplit.split(*build_step(10))  # warm-up: first-call costs of torch and fx
+    model, args = build_step(nodes)
+    holder: list[Any] = []
+    timings = interleaved({"split": lambda: holder.append(graphsplit.split(model, args))},
+                          rounds=1, warmup=0)  # fmt: skip
+    return {
+        "nodes": nodes,
+        "wall": timings.seconds("split")[0],
+        "cpu": timings.seconds("split", "cpu")[0],
+        "plan_digest": plan_digest(holder[0]),
+    }
+
+
+def compare(nodes: int, baseline: Path, *, rounds: int, threads: int) -> dict[str, Any]:
+    """Alternating children of this graphsplit and the baseline's on one graph size."""
+    digests: dict[str, set[str]] = {"current": set(), "baseline": set()}
+    argv = ["--child", str(nodes), "--threads", str(threads)]
+
+    def measure_child(code: Path | None) -> tuple[float, float]:
+        row = run_child("benchmarks.bench_split_scale", argv, cwd=code)
+        digests["baseline" if code else "current"].add(row["plan_digest"])
+        return row["wall"], row["cpu"]
+
+    timings = versus_baseline(measure_child, baseline, rounds=rounds)
+    return {
+        "rounds": rounds,
+        "timings": timings.to_json(),
+        "cpu_ratio": timings.ratio("current", "baseline", "cpu").to_json(),
+        "wall_ratio": timings.ratio("current", "baseline", "wall").to_json(),
+        "same_plan": len(digests["current"] | digests["baseline"]) == 1,
+    }
+
+
 def _spread(value: dict[str, float]) -> str:
     return f"{value['median']:.3f} ({value['q1']:.3f}–{value['q3']:.3f})"
 
@@ -107,11 +158,30 @@ def to_markdown(results: list[dict[str, Any]], where: dict[str, Any]) -> str:
         for row in results
     ]  # fmt: skip
     rounds = results[0]["wall_seconds"]["count"] if results else 0
-    return (
+    page = (
         "# graphsplit.split() on chain-with-skips graphs\n\n"
         f"torch {where['torch']}, Python {where['python']}, {where['cpus']} CPUs, "
         f"{where['torch_threads']} torch thread(s); median (IQR) of {rounds} calls\n\n"
         + markdown_table(header, rows, "rrrrrrrr")
+    )
+    compared = [row for row in results if "versus_baseline" in row]
+    if not compared:
+        return page
+    header = ["nodes", "pairs", "baseline CPU s", "current CPU s", "current / baseline, CPU",
+              "current / baseline, wall", "same plan"]  # fmt: skip
+    rows = []
+    for row in compared:
+        versus = row["versus_baseline"]
+        cpu = versus["timings"]["cpu"]
+        rows.append([
+            row["nodes"], versus["rounds"], f"{cpu['baseline']['median']:.2f}",
+            f"{cpu['current']['median']:.2f}", _spread(versus["cpu_ratio"]),
+            _spread(versus["wall_ratio"]), "yes" if versus["same_plan"] else "**no**",
+        ])  # fmt: skip
+    return (
+        f"{page}\nAgainst the baseline {compared[0]['versus_baseline']['baseline']}: median "
+        "(IQR) of same-round ratios of alternating child processes\n\n"
+        + markdown_table(header, rows, "rrrrrrl")
     )
 
 
@@ -127,10 +197,27 @@ def main(argv: list[str] | None = None) -> int:
     command.add_argument(
         "--full", action="store_true", help="also run 10000 nodes (ignored with --sizes)"
     )
+    command.add_argument(
+        "--baseline",
+        metavar="REVISION_OR_FOLDER",
+        help="also time another graphsplit (a git revision, or a folder holding a graphsplit "
+        "package) in --rounds alternating pairs of child processes per size",
+    )
+    command.add_argument("--child", type=int, help=argparse.SUPPRESS)
     options = command.parse_args(argv)
+    if options.child:
+        with torch_threads(options.threads):
+            reply_to_parent(measure_once(options.child))
+        return 0
     sizes = options.sizes or (FULL_SIZES if options.full else DEFAULT_SIZES)
     if options.quick:
         sizes, options.rounds = (10, 40), 1
+    with tempfile.TemporaryDirectory(prefix="graphsplit-baseline-") as folder:
+        baseline = baseline_code(options.baseline, Path(folder)) if options.baseline else None
+        return _measure_all(sizes, options, baseline)
+
+
+def _measure_all(sizes, options: argparse.Namespace, baseline: Path | None) -> int:
     with torch_threads(options.threads):
         graphsplit.split(*build_step(10))  # warm-up: first-call costs of torch and fx
         results = []
@@ -144,6 +231,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['peak_python_mib']:.1f} MiB",
                 flush=True,
             )
+            if baseline is not None:
+                versus = compare(nodes, baseline, rounds=options.rounds, threads=options.threads)
+                row["versus_baseline"] = {"baseline": options.baseline, **versus}
+                print(
+                    f"{nodes:>6} nodes: current / baseline CPU {_spread(versus['cpu_ratio'])}, "
+                    f"same plan: {versus['same_plan']}",
+                    flush=True,
+                )
         where = environment("graphsplit", "torch", torch_threads=True)
     payload = report("split_scale", results, where)
     write_results(options.out, "bench_split_scale", payload, to_markdown(results, where))

@@ -22,7 +22,14 @@ Glossary:
         list of measurements; every figure in docs/benchmarks.md states one.
     wall and CPU time: ``time.perf_counter`` and ``time.process_time`` around each call. CPU
         time (all threads of this process) leaves out the time another job had the core, so it
-        is the cross-check when the wall-clock figures move.
+        is the cross-check when the wall-clock figures move. It is not immune to load: a busy
+        neighbour sharing the caches and memory bus slows each instruction, so CPU seconds
+        taken at different loads differ too -- which is why a comparison of two versions of
+        graphsplit alternates them (:func:`versus_baseline`) instead of quoting old figures.
+    baseline: another version of graphsplit to compare against: a git revision of this
+        repository (exported with ``git archive``) or a folder holding a ``graphsplit``
+        package. Its children run with this checkout's ``benchmarks`` and ``tests`` (the same
+        models and the same measuring code) and only ``graphsplit`` swapped.
 
 In and out:
     parser(module, description) -> ArgumentParser          with --out (Path) already added
@@ -39,6 +46,8 @@ In and out:
     interleaved(variants, rounds=, warmup=) -> Timings      wall and CPU seconds per round
     Timings.ratio(a, b, clock) -> Spread ; Timings.spread(name, clock) -> Spread
     spread(values) -> Spread                                median and IQR
+    baseline_code(spec, folder) -> Path                     a checkout whose graphsplit is spec's
+    versus_baseline(measure, baseline, rounds=) -> Timings  "current" and "baseline", alternating
 
 This module imports neither torch nor graphsplit: the memory benchmark's parent process must
 stay small (see :func:`peak_rss_bytes`), and the demo reads its own peak RSS from here.
@@ -226,8 +235,13 @@ class ChildFailed(RuntimeError):
         self.tail = tail
 
 
-def run_child(module: str, argv: Sequence[str], *, timeout: float | None = None) -> dict:
+def run_child(
+    module: str, argv: Sequence[str], *, timeout: float | None = None, cwd: Path | None = None
+) -> dict:
     """Run ``python -m module *argv`` in a fresh interpreter; the last JSON line it printed.
+
+    ``cwd`` (default: this checkout) is the folder the child imports ``graphsplit`` from:
+    ``python -m`` puts it first on ``sys.path`` (see :func:`baseline_code`).
 
     Raises:
         ChildFailed: it printed no JSON line (it crashed).
@@ -235,7 +249,12 @@ def run_child(module: str, argv: Sequence[str], *, timeout: float | None = None)
     """
     command = [sys.executable, "-m", module, *argv]
     done = subprocess.run(
-        command, cwd=REPOSITORY, capture_output=True, text=True, timeout=timeout, check=False
+        command,
+        cwd=cwd or REPOSITORY,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
@@ -395,4 +414,67 @@ def interleaved(
             if index >= warmup:
                 timings.wall[name].append(wall)
                 timings.cpu[name].append(cpu)
+    return timings
+
+
+# -- comparing two versions of graphsplit -----------------------------------------------------
+def baseline_code(spec: str, folder: Path) -> Path:
+    """A folder to run children in whose ``graphsplit`` is the baseline's; the rest is ours.
+
+    Args:
+        spec: a folder holding a ``graphsplit`` package (or the package folder itself), or a
+            git revision of this repository (``HEAD~3``, a commit), exported with ``git
+            archive`` into ``folder``.
+        folder: an empty folder that outlives the children (a temporary directory).
+
+    Returns:
+        ``folder``, holding ``graphsplit`` (the baseline's) and links to this checkout's
+        ``benchmarks`` and ``tests``, so both versions run the same builders and measurements.
+    """
+    given = Path(spec).expanduser()
+    package = given / "graphsplit" if (given / "graphsplit").is_dir() else given
+    if (package / "__init__.py").is_file() and package.name == "graphsplit":
+        (folder / "graphsplit").symlink_to(package.resolve(), target_is_directory=True)
+    else:
+        archive = subprocess.run(
+            ["git", "-C", str(REPOSITORY), "archive", "--format=tar", spec, "graphsplit"],
+            capture_output=True,
+            check=False,
+        )
+        if archive.returncode != 0:
+            raise ValueError(
+                f"baseline {spec!r} is neither a folder holding a graphsplit package nor a git "
+                f"revision of {REPOSITORY}: {archive.stderr.decode().strip()}"
+            )
+        subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
+    for name in ("benchmarks", "tests"):
+        (folder / name).symlink_to(REPOSITORY / name, target_is_directory=True)
+    return folder
+
+
+def versus_baseline(
+    measure: Callable[[Path | None], tuple[float, float]],
+    baseline: Path,
+    *,
+    rounds: int,
+) -> Timings:
+    """Time the current graphsplit and the baseline in alternating child processes.
+
+    Args:
+        measure: ``measure(cwd)`` runs one child in ``cwd`` (None: this checkout) and returns
+            the ``(wall, cpu)`` seconds the child measured for the work being compared.
+        baseline: the folder from :func:`baseline_code`.
+        rounds: pairs of children; the order alternates (current first, then baseline first).
+
+    Returns:
+        Timings with the variants ``"current"`` and ``"baseline"``: ``ratio("current",
+        "baseline")`` is the same-round ratio (below 1: the current code is faster).
+    """
+    where = {"current": None, "baseline": baseline}
+    timings = Timings({name: [] for name in where}, {name: [] for name in where})
+    for index in range(rounds):
+        for name in list(where) if index % 2 == 0 else list(where)[::-1]:
+            wall, cpu = measure(where[name])
+            timings.wall[name].append(wall)
+            timings.cpu[name].append(cpu)
     return timings

@@ -10,6 +10,17 @@ Glossary:
         version counters the analysis reads), no random op, no op whose output shape or value
         depends on data, no constant-carrying output (a fake tensor that remembers its value).
 
+    fake twin: the fake tensor the fake mode substitutes for a meta parameter or buffer when
+        an op first reads it (once per tensor and analysis: the fake mode's converter memoises
+        it). :meth:`OpMemo.fake_twin` makes the common case (a leaf tensor that is the only
+        view of its own storage) directly and records it in the converter's memos, exactly
+        where the converter would; anything else goes through the converter.
+    quick construction: a fake tensor made by ``Tensor._make_subclass`` plus the attribute
+        dictionary every new ``FakeTensor`` gets, instead of ``FakeTensor.__new__``'s argument
+        checking (most of the cost of a memo hit). :class:`OpMemo` checks once, on a probe,
+        that both give the same tensor (type, dispatch keys, attributes) and otherwise uses
+        the constructor: a torch release that adds a field only makes it slower.
+
 Why not torch's own cache: ``FakeTensorMode`` does cache dispatch results (and it is on), but
 its hit path rebuilds a hash key through pytree for every argument and re-validates the entry;
 the analysis spends most of its time there. This mode sits just above the analysis's fake mode
@@ -95,12 +106,21 @@ _MEMOISABLE_VIEW: dict[Any, bool] = {}
 
 
 def _key_of(value: Any) -> Any:
-    """A hashable description of one argument, or raise ``TypeError`` if there is none."""
+    """A hashable description of one argument, or raise ``TypeError`` if there is none.
+
+    Runs for every argument of every memoisable op, so the common types are tested by exact
+    type first (a set lookup) and tensors read only what identifies their metadata.
+    """
+    kind = type(value)
+    if kind in _SCALAR_TYPES:
+        return (kind, value)
+    if kind is tuple or kind is list:
+        return (kind, tuple([_key_of(item) for item in value]))
     if isinstance(value, torch.Tensor):
         if value.layout is not torch.strided or value.dtype.is_complex:
             raise TypeError("not a strided real tensor")  # (complex: conj/neg bits)
         return (
-            type(value),
+            kind,
             value.dtype,
             value.device,
             value.shape,
@@ -108,10 +128,13 @@ def _key_of(value: Any) -> Any:
             value.storage_offset(),
         )
     if isinstance(value, _SCALARS):
-        return (type(value), value)
+        return (kind, value)
     if isinstance(value, (list, tuple)):
-        return (type(value), tuple(_key_of(item) for item in value))
-    raise TypeError(f"no key for {type(value).__name__}")
+        return (kind, tuple(_key_of(item) for item in value))
+    raise TypeError(f"no key for {kind.__name__}")
+
+
+_SCALAR_TYPES = frozenset(_SCALARS)
 
 
 class OpMemo(TorchDispatchMode):
@@ -124,6 +147,69 @@ class OpMemo(TorchDispatchMode):
         self.results: dict[Any, tuple | None] = {}
         self.hits = 0
         self.misses = 0
+        self._attributes: dict[str, Any] | None = None  # a new FakeTensor's, once checked
+        self._attributes = _checked_attributes(self, fake_mode)
+
+    def new_fake(self, elem: torch.Tensor, device: torch.device) -> FakeTensor:
+        """``FakeTensor(self.fake_mode, elem, device)`` for a meta ``elem``, made quickly.
+
+        Call it with dispatch disabled (as the memo's replays do): ``elem`` is the tensor's
+        inside, and no mode must see it.
+        """
+        attributes = self._attributes
+        if attributes is None or device.type != "meta":
+            return FakeTensor(self.fake_mode, elem, device)
+        made = torch.Tensor._make_subclass(
+            FakeTensor, elem, elem.requires_grad, dispatch_device=True,
+            device_for_backend_keys=device,
+        )  # fmt: skip
+        if self.fake_mode._allow_unsafe_data_ptr_access:
+            torch._C._set_warn_deprecated_on_mutable_data_ptr(made)
+        else:
+            torch._C._set_throw_on_mutable_data_ptr(made)
+        made.__dict__.update(attributes)
+        return made
+
+    def fake_twin(self, tensor: torch.Tensor) -> FakeTensor:
+        """The fake mode's fake tensor for the meta tensor ``tensor`` (see the glossary).
+
+        The quick path makes what the converter's ordinary case makes (a fresh fake storage of
+        the same size, the same metadata, ``requires_grad``, ``_is_param``) and records it in
+        the converter's tensor and storage memos, so a later conversion of a tensor sharing
+        that storage (or of ``tensor`` again) finds it, as it would have found the
+        converter's own.
+        """
+        converter = self.fake_mode.fake_tensor_converter
+        known = converter._get_memo(tensor)
+        if known is not None:
+            return known
+        storage = tensor.untyped_storage()
+        meta_converter = converter.meta_converter
+        storage_id = meta_converter.describer.get_storage_id(storage)
+        if (
+            self._attributes is None
+            or storage_id in meta_converter.storage_memo
+            or tensor.storage_offset() != 0
+            or not tensor.is_leaf
+            or tensor.is_conj()
+            or tensor.is_neg()
+            or tensor.grad_dtype != tensor.dtype
+        ):
+            return converter.from_real_tensor(self.fake_mode, tensor)
+        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+            elem = torch.empty_strided(
+                tensor.shape, tensor.stride(), dtype=tensor.dtype, device=_META
+            )
+            if elem.untyped_storage().nbytes() != storage.nbytes():  # a view of a bigger one
+                return converter.from_real_tensor(self.fake_mode, tensor)
+            twin = self.new_fake(elem, _META)
+            if tensor.requires_grad:
+                twin.requires_grad_(True)
+        if isinstance(tensor, torch.nn.Parameter):
+            twin._is_param = True
+        meta_converter.storage_memo[storage_id] = twin.untyped_storage()
+        converter.set_tensor_memo(tensor, twin)
+        return twin
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -175,11 +261,7 @@ class OpMemo(TorchDispatchMode):
         # The fake mode below must not see these allocations: they are its tensors' insides.
         with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
             made = [
-                FakeTensor(
-                    self.fake_mode,
-                    torch.empty_strided(shape, stride, dtype=dtype, device=_META),
-                    device,
-                )
+                self.new_fake(torch.empty_strided(shape, stride, dtype=dtype, device=_META), device)
                 for shape, stride, dtype, device in outputs
             ]
         return made[0] if single else tuple(made)
@@ -197,7 +279,7 @@ class OpMemo(TorchDispatchMode):
             # A meta parameter (``weight.t()`` in every ``linear``): the fake mode would convert
             # it to its fake twin first (memoised per tensor by its converter); doing the same
             # here lets the memo answer the view on that twin.
-            base = self.fake_mode.fake_tensor_converter.from_real_tensor(self.fake_mode, base)
+            base = self.fake_twin(base)
             args = (base, *args[1:])
         if type(base) is not FakeTensor or base.fake_mode is not self.fake_mode:
             return func(*args, **kwargs)
@@ -207,7 +289,7 @@ class OpMemo(TorchDispatchMode):
             with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
                 elem = torch.empty_strided(shape, stride, dtype=dtype, device=_META)
                 elem.set_(base.untyped_storage(), offset, shape, stride)
-                return FakeTensor(self.fake_mode, elem, device)
+                return self.new_fake(elem, device)
 
         return self._lookup(func, args, kwargs, lambda out: self._view_entry(out, base), replay)
 
@@ -253,3 +335,22 @@ class OpMemo(TorchDispatchMode):
 
 
 _MISSING = object()
+
+
+def _checked_attributes(memo: OpMemo, fake_mode: FakeTensorMode) -> dict[str, Any] | None:
+    """A new FakeTensor's attribute dictionary, if quick construction reproduces the
+    constructor's tensor on a probe; None (use the constructor) if anything differs."""
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        made = FakeTensor(fake_mode, torch.empty_strided((2, 3), (3, 1), device=_META), _META)
+        attributes = dict(vars(made))
+        memo._attributes = attributes
+        quick = memo.new_fake(torch.empty_strided((2, 3), (3, 1), device=_META), _META)
+        memo._attributes = None
+        same = (
+            type(quick) is type(made)
+            and vars(quick) == attributes
+            and torch._C._dispatch_keys(quick) == torch._C._dispatch_keys(made)
+            and quick.device == made.device
+            and quick.requires_grad == made.requires_grad
+        )
+    return attributes if same else None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -89,3 +91,39 @@ def test_timing_options_default_to_one_thread_and_quick_off():
     with common.torch_threads(1) as count:
         assert count == torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
+
+
+def test_baseline_code_swaps_only_graphsplit(tmp_path):
+    package = tmp_path / "old" / "graphsplit"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("WHICH = 'old'\n")
+    view = tmp_path / "view"
+    view.mkdir()
+    assert common.baseline_code(str(tmp_path / "old"), view) == view
+    assert (view / "graphsplit").resolve() == package.resolve()
+    for name in ("benchmarks", "tests"):
+        assert (view / name).resolve() == common.REPOSITORY / name
+    # A child started there imports the baseline's graphsplit and this checkout's benchmarks.
+    probe = "import graphsplit, benchmarks.common as c; print(graphsplit.WHICH, c.REPOSITORY)"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=view, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.split() == ["old", str(common.REPOSITORY)]
+
+
+def test_baseline_code_names_what_it_could_not_use(tmp_path):
+    with pytest.raises(ValueError, match="neither a folder holding a graphsplit package nor"):
+        common.baseline_code("no-such-revision-xyz", tmp_path)
+
+
+def test_versus_baseline_alternates_and_pairs_rounds(tmp_path):
+    calls = []
+
+    def measure(code):
+        calls.append("b" if code else "c")
+        return (2.0, 1.0) if code else (1.0, 1.0)  # the current code is twice as fast
+
+    timings = common.versus_baseline(measure, tmp_path, rounds=3)
+    assert "".join(calls) == "cbbccb"
+    assert timings.ratio("current", "baseline") == common.Spread(0.5, 0.5, 0.5, 3)
+    assert timings.ratio("current", "baseline", "cpu").median == 1.0

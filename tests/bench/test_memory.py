@@ -28,6 +28,12 @@ def test_tiny_run_writes_json_and_markdown(tmp_path):
         "above_baseline_stage2_over_unsplit",
     ):
         assert isinstance(result[key], float)
+        # The ratio is the median of same-repeat ratios, with its spread beside it.
+        ratio = result["ratios"][key]
+        assert ratio["median"] == result[key] and ratio["q1"] <= ratio["median"] <= ratio["q3"]
+    assert result["repeats"] == 1  # --quick runs each variant once
+    readings = result["max_rss_all_mib"]
+    assert all(len(readings[variant]["values"]) == 1 for variant in bench_memory.VARIANTS)
     # Stage 2 holds no real frozen weight: its real parameters are the UNet's, as by hand.
     real = result["real_param_mib"]
     assert real["graphsplit_stage2"] == pytest.approx(real["hand_written"])

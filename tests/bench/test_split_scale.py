@@ -7,6 +7,7 @@ import json
 import pytest
 
 from benchmarks import bench_split_scale
+from benchmarks.common import REPOSITORY
 
 
 def test_help_describes_the_options(capsys):
@@ -55,3 +56,16 @@ def test_quick_run_is_two_small_graphs_once(tmp_path):
     report = json.loads((tmp_path / "bench_split_scale.json").read_text())
     assert [row["nodes"] for row in report["results"]] == [10, 40]
     assert all(row["wall_seconds"]["count"] == 1 for row in report["results"])
+
+
+def test_baseline_run_compares_alternating_children_and_their_plans(tmp_path):
+    # The baseline is this checkout itself (a folder holding graphsplit): the same plan.
+    argv = ["--sizes", "10", "--rounds", "1", "--baseline", str(REPOSITORY)]
+    assert bench_split_scale.main([*argv, "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "bench_split_scale.json").read_text())["results"]
+    versus = row["versus_baseline"]
+    assert versus["same_plan"] is True and versus["rounds"] == 1
+    for clock in ("cpu", "wall"):
+        assert set(versus["timings"][clock]) == {"current", "baseline"}
+        assert versus[f"{clock}_ratio"]["count"] == 1 and versus[f"{clock}_ratio"]["median"] > 0
+    assert "Against the baseline" in (tmp_path / "bench_split_scale.md").read_text()

@@ -110,3 +110,63 @@ def test_each_analysis_has_its_own_memo():
     with analysis_view(nn.Module()):
         second = meta._fake_mode_and_memo()
         assert second[1] is not first[1] and not second[1].results
+
+
+def _fake_description(tensor: torch.Tensor) -> tuple:
+    attributes = {key: value for key, value in vars(tensor).items() if key != "fake_mode"}
+    return (
+        type(tensor),
+        _metadata(tensor),
+        tensor.device,
+        tensor.requires_grad,
+        tensor.is_leaf,
+        tensor.untyped_storage().nbytes(),
+        torch._C._dispatch_keys(tensor),
+        sorted(attributes.items(), key=lambda item: item[0]),
+    )
+
+
+def test_quick_construction_makes_the_constructors_fake_tensor():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphsplit.planning.memo import OpMemo
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo = OpMemo(mode)
+    assert memo._attributes is not None  # the probe agreed: the quick path is in use
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        quick = memo.new_fake(torch.empty_strided((4, 5), (1, 4), device=META), META)
+        made = FakeTensor(mode, torch.empty_strided((4, 5), (1, 4), device=META), META)
+    assert _fake_description(quick) == _fake_description(made)
+    assert quick.fake_mode is made.fake_mode is mode
+
+
+def test_fake_twins_equal_the_converters_and_share_storages_as_it_does():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from graphsplit.planning.memo import OpMemo
+
+    with META:
+        tensors = [
+            nn.Parameter(torch.empty(6, 4)),  # trainable
+            nn.Parameter(torch.empty(6, 4), requires_grad=False),  # frozen
+            torch.empty(3, 2, 5).transpose(0, 2),  # a buffer with its own strides
+        ]
+        base = nn.Parameter(torch.empty(8, 3), requires_grad=False)
+    # A tensor sharing base's storage (tied weights held as two views).
+    sharing = base.detach()[2:]
+    reference = FakeTensorMode(allow_non_fake_inputs=True)
+    converter = reference.fake_tensor_converter
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo = OpMemo(mode)
+    for tensor in tensors:
+        twin = memo.fake_twin(tensor)
+        assert _fake_description(twin) == _fake_description(
+            converter.from_real_tensor(reference, tensor)
+        )
+        assert memo.fake_twin(tensor) is twin  # recorded in the converter's memo
+        assert mode.fake_tensor_converter.from_real_tensor(mode, tensor) is twin
+    twin = memo.fake_twin(base)
+    shared = memo.fake_twin(sharing)  # not the quick case: the storage is known already
+    assert shared.untyped_storage()._cdata == twin.untyped_storage()._cdata
+    assert _metadata(shared) == _metadata(sharing)
