@@ -145,9 +145,9 @@ def build_stage1(
     for node in graph.nodes:
         if node.op == "placeholder" or node in cut.stage1:
             env[node] = stage.node_copy(node, env.__getitem__)
-    finish_stage1(stage, graph, cut, env)  # checks of sizes and numbers only stage 1 can read
+    held = finish_stage1(stage, graph, cut, env)  # checks of sizes only stage 1 can read
     stage.output({key: env[node] for key, node in zip(keys, cut.boundary)})
-    return _module(stage, model, constants, "Stage1")
+    return _module(stage, model, {**constants, **held}, "Stage1")
 
 
 def build_stage2(

@@ -25,7 +25,7 @@ right after each recomputable size guard's value:
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -71,15 +71,45 @@ def is_size_guard(guard: Guard) -> bool:
     return guard.convert in (int, operator.index) and isinstance(value, int)
 
 
+class CheckSources:
+    """The user's lines that stage-1 checks name, held beside stage 1's code, not in it.
+
+    Stage 1's code is part of the cache fingerprint, and a ``file:line`` in it would make a
+    cache stale when the script moves or gains a line above. Each check reads its line from
+    the stage's attribute :attr:`ATTRIBUTE` instead; :meth:`held` is that attribute's value.
+    """
+
+    ATTRIBUTE = "graphsplit_check_sources"
+
+    def __init__(self, stage: fx.Graph) -> None:
+        self.stage = stage
+        self.lines: list[str] = []
+        self.table: fx.Node | None = None
+
+    def node_for(self, where: str, after: fx.Node) -> fx.Node:
+        """A node, inserted after ``after``, whose value is ``where``."""
+        if self.table is None:
+            with self.stage.inserting_after(_after_placeholders(self.stage, None)):
+                self.table = self.stage.get_attr(self.ATTRIBUTE)
+        after = self.table if after.op == "placeholder" else after
+        self.lines.append(where)
+        with self.stage.inserting_after(after):
+            return self.stage.call_function(operator.getitem, (self.table, len(self.lines) - 1))
+
+    def held(self) -> dict[str, tuple[str, ...]]:
+        """The attribute stage 1 must hold (nothing when no check was inserted)."""
+        return {self.ATTRIBUTE: tuple(self.lines)} if self.lines else {}
+
+
 def recheck_size_guards(
     stage: fx.Graph, graph: fx.Graph, cut: Cut, env: dict[fx.Node, Any]
 ) -> None:
     """Insert a check after each size guard stage 2 can recompute (see the module docstring)."""
-    _insert_checks(stage, graph, env, lambda: _nodes_in(env))
+    _insert_checks(stage, graph, env)
 
 
 def recheck_size_guards_in_stage1(
-    stage: fx.Graph, graph: fx.Graph, cut: Cut, env: dict[fx.Node, fx.Node]
+    stage: fx.Graph, graph: fx.Graph, cut: Cut, env: dict[fx.Node, fx.Node], sources: CheckSources
 ) -> None:
     """Check in stage 1 each size guard stage 2 cannot recompute, where stage 1 can.
 
@@ -94,7 +124,7 @@ def recheck_size_guards_in_stage1(
         if any(is_size_guard(guard) for guard in node.meta.get(GUARDS, ()))
         and _recomputation(node, in_stage2) is not None
     }
-    _insert_checks(stage, graph, env, lambda: _nodes_in(env), skip=skip)
+    _insert_checks(stage, graph, env, skip=skip, sources=sources)
 
 
 def _nodes_in(env: dict[fx.Node, Any]) -> set[fx.Node]:
@@ -106,9 +136,9 @@ def _insert_checks(
     stage: fx.Graph,
     graph: fx.Graph,
     env: dict[fx.Node, Any],
-    available: Callable[[], set[fx.Node]],
     *,
     skip: Collection[fx.Node] = (),
+    sources: CheckSources | None = None,
 ) -> None:
     checked: set[fx.Node] = set(skip)
     cursor: fx.Node | None = None  # the last node inserted: checks keep the step's order
@@ -116,16 +146,38 @@ def _insert_checks(
         for guard in node.meta.get(GUARDS, ()):
             if node in checked or not is_size_guard(guard):
                 continue
-            chain = _recomputation(node, available())
+            chain = _recomputation(node, _nodes_in(env))
             if chain is None:
                 continue
             checked.add(node)
             for needed in chain:
                 with stage.inserting_after(_insertion_point(stage, needed, env, cursor)):
                     env[needed] = cursor = stage.node_copy(needed, env.__getitem__)
-            with stage.inserting_after(_insertion_point(stage, node, env, cursor, itself=True)):
-                arguments = (env[node], guard.value, expression(node), _where(node, guard))
-                cursor = stage.call_function(check_size, arguments, {})
+            point = _insertion_point(stage, node, env, cursor, itself=True)
+            cursor = insert_check(
+                stage,
+                point,
+                (env[node], guard.value, expression(node)),
+                _where(node, guard),
+                sources,
+            )
+
+
+def insert_check(
+    stage: fx.Graph,
+    after: fx.Node,
+    arguments: tuple[Any, Any, str],
+    where: str,
+    sources: CheckSources | None,
+) -> fx.Node:
+    """Insert ``check_size(*arguments, where)`` after ``after``; ``where`` read from
+    ``sources`` when given (stage 1), else written into the code (stage 2)."""
+    after = _after_placeholders(stage, after)
+    located: Any = where
+    if sources is not None:
+        located = after = sources.node_for(where, after)
+    with stage.inserting_after(after):
+        return stage.call_function(check_size, (*arguments, located), {})
 
 
 def _recomputation(node: fx.Node, available: Collection[fx.Node]) -> list[fx.Node] | None:

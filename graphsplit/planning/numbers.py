@@ -34,8 +34,7 @@ import torch
 import torch.fx as fx
 
 from graphsplit.artifacts import Cut, Taint
-from graphsplit.planning.guards import expression, where_read
-from graphsplit.runtime import check_size
+from graphsplit.planning.guards import CheckSources, expression, insert_check, where_read
 
 
 def _as_number(value: Any) -> int | tuple[int, ...] | None:
@@ -81,8 +80,10 @@ def bake_numbers(stage: fx.Graph, cut: Cut, env: dict[fx.Node, Any]) -> None:
             env[node] = value
 
 
-def check_numbers(stage: fx.Graph, graph: fx.Graph, cut: Cut, env: dict[fx.Node, fx.Node]) -> None:
-    """Append to stage 1 a check of each baked number (the cut put what it reads in stage 1).
+def check_numbers(
+    stage: fx.Graph, graph: fx.Graph, cut: Cut, env: dict[fx.Node, fx.Node], sources: CheckSources
+) -> None:
+    """Insert into stage 1 a check of each baked number (the cut put what it reads in stage 1).
 
     Stage 1 is the only stage that still has the tensor the number was read from, so a batch
     at another resolution stops here, before anything is cached, naming the user's line.
@@ -91,5 +92,5 @@ def check_numbers(stage: fx.Graph, graph: fx.Graph, cut: Cut, env: dict[fx.Node,
         if node in cut.baked:
             expected = cut.baked[node]
             expected = tuple(expected) if isinstance(expected, tuple) else expected
-            arguments = (env[node], expected, expression(node), where_read(node))
-            stage.call_function(check_size, arguments, {})
+            arguments = (env[node], expected, expression(node))
+            insert_check(stage, env[node], arguments, where_read(node), sources)

@@ -19,24 +19,35 @@ output, which checks what only stage 1 can read:
 In: the stage graph being built, the traced graph, the cut, the node map. Out: the same
 stage graph, changed in place:
 
-    finish_stage1(stage, graph, cut, env) -> None
+    finish_stage1(stage, graph, cut, env) -> {attribute: value}   # for the stage module
     finish_stage2(stage, graph, cut, env) -> None
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.fx as fx
 
 from graphsplit.artifacts import Cut
 from graphsplit.planning.checkpoint import recheckpoint
-from graphsplit.planning.guards import recheck_size_guards, recheck_size_guards_in_stage1
+from graphsplit.planning.guards import (
+    CheckSources,
+    recheck_size_guards,
+    recheck_size_guards_in_stage1,
+)
 from graphsplit.planning.numbers import check_numbers
 
 
-def finish_stage1(stage: fx.Graph, graph: fx.Graph, cut: Cut, env: dict[fx.Node, fx.Node]) -> None:
-    """Apply the stage-1 passes listed in the module docstring."""
-    check_numbers(stage, graph, cut, env)
-    recheck_size_guards_in_stage1(stage, graph, cut, env)
+def finish_stage1(
+    stage: fx.Graph, graph: fx.Graph, cut: Cut, env: dict[fx.Node, fx.Node]
+) -> dict[str, Any]:
+    """Apply the stage-1 passes listed in the module docstring; returns the attributes the
+    checks read (the user's lines they name, kept out of the fingerprinted code)."""
+    sources = CheckSources(stage)
+    check_numbers(stage, graph, cut, env, sources)
+    recheck_size_guards_in_stage1(stage, graph, cut, env, sources)
+    return sources.held()
 
 
 def finish_stage2(stage: fx.Graph, graph: fx.Graph, cut: Cut, env: dict[fx.Node, fx.Node]) -> None:

@@ -172,3 +172,30 @@ def test_check_size_compares_tuples():
     assert check_size(torch.Size([4, 4]), (4, 4), "x.shape[2:]", "step.py:3") == (4, 4)
     with pytest.raises(SplitError, match=r"made for x.shape\[2:\] = \(4, 4\), got \(4, 2\)"):
         check_size(torch.Size([4, 2]), (4, 4), "x.shape[2:]", "step.py:3")
+
+
+def test_stage_1_code_names_no_file_the_checks_read_their_lines_beside_it(pixel_step):
+    _, split = pixel_step
+    # Stage 1's code is fingerprinted: a path or line number in it would make a cache stale
+    # when the script moves or gains a line.
+    assert "test_numbers.py" not in split.stage1.code
+    assert "graphsplit_check_sources[0]" in split.stage1.code
+    height, width = split.stage1.graphsplit_check_sources
+    assert line_of(PixelShapedNoiseStep.forward, "height = pixel_values.shape[2]") in height
+    assert line_of(PixelShapedNoiseStep.forward, "width = pixel_values.shape[3]") in width
+
+
+def test_saved_stage_1_code_checks_the_baked_numbers(pixel_step, tmp_path):
+    import importlib.util
+
+    _, split = pixel_step
+    folder = split.save_code(tmp_path / "code")
+    spec = importlib.util.spec_from_file_location("saved_numbers_stage1", folder / "stage1.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    stage1 = module.Stage1(split.stage1)
+    example = sd_batch(2)
+    saved, live = stage1(*example), split.stage1(*example)
+    assert saved.keys() == live.keys() and all(torch.equal(saved[k], live[k]) for k in live)
+    with pytest.raises(SplitError, match=r"made for pixel_values.shape\[2\] // 2 = 16, got 32"):
+        stage1(*sd_batch(2, resolution=64))
