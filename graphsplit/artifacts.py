@@ -199,6 +199,9 @@ class NodeFacts:
     mixing: Mixing | None = None  # why the node mixes samples, or None
     params: frozenset[str] = frozenset()  # parameters the node reads directly (qualified names)
     is_batch_size: bool = False  # a Python int equal to the batch size in both runs
+    # A Python int (or tuple / torch.Size of ints) equal in both runs: a resolution, a frame
+    # count, never the batch size; None for anything else (see graphsplit.planning.numbers).
+    number: int | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         assert (self.batch_dim is not None) == (self.batch_layout is BatchLayout.PER_SAMPLE), (
@@ -280,6 +283,9 @@ class Cut:
     # the tensor they came from is not in stage 2.
     reanchored: frozenset[fx.Node] = frozenset()
     anchor: fx.Node | None = None
+    # Numbers stage 2 needs from frozen-only data, baked into stage 2 as the literal value
+    # (node -> value) and rechecked in stage 1, which still has what they were read from.
+    baked: Mapping[fx.Node, Any] = field(default_factory=dict)
     # Frozen work stage 2 redoes instead of reading it from the cache (``recompute="auto"``),
     # and the trade that bought it; None when stage 2 redoes no frozen work.
     recomputation: Recomputation | None = None

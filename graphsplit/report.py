@@ -18,8 +18,9 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from graphsplit.artifacts import MixingCause, Recomputation, Taint, TaintKind
+from graphsplit.artifacts import Cut, MixingCause, Recomputation, Taint, TaintKind
 from graphsplit.planning.cut import facts, is_banned, module_owner
+from graphsplit.planning.guards import expression
 from graphsplit.units import human_bytes, human_flops
 
 if TYPE_CHECKING:
@@ -166,6 +167,7 @@ def render_report(split: Split) -> str:
             f"  {spec.name:<40} {spec.shape!s:<22} {dtype:<9} {batch:<6} "
             f"{human_bytes(spec.bytes_per_sample):<10} {spec.source}"
         )
+    lines += baked_lines(split.cut)
     if model is not None:
         stage1 = _qualified(split.stage1, model)
         stage2 = _qualified(split.stage2, model)
@@ -208,6 +210,19 @@ def render_report(split: Split) -> str:
     return "\n".join(lines)
 
 
+def baked_lines(cut: Cut) -> list[str]:
+    """The numbers stage 2 holds as literals instead of caching what they were read from."""
+    if not cut.baked:
+        return []
+    lines = ["", "Numbers baked into stage 2 (not cached; stage 1 checks them on every batch):"]
+    for node, value in cut.baked.items():
+        lines.append(
+            f"  {node.name:<40} {expression(node) + ' = ' + str(value):<34} "
+            f"{node.meta.get('source', '')}"
+        )
+    return lines
+
+
 def plan_json(split: Split) -> dict[str, Any]:
     return {
         "model": split.model_name,
@@ -218,6 +233,15 @@ def plan_json(split: Split) -> dict[str, Any]:
         "stage2_nodes": [n.name for n in split.graph.nodes if n in split.cut.stage2],
         "moved_flops_per_sample": moved_flops(split),
         "recomputed": recomputation_json(split.cut.recomputation),
+        "baked_numbers": [
+            {
+                "node": node.name,
+                "expression": expression(node),
+                "value": list(value) if isinstance(value, tuple) else value,
+                "source": node.meta.get("source"),
+            }
+            for node, value in split.cut.baked.items()
+        ],
         "random": [
             {"node": n.name, "ops": list(facts(n).random_ops), "source": n.meta.get("source")}
             for n in random_nodes(split)

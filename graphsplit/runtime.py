@@ -52,13 +52,19 @@ def functional_inplace(
     return result
 
 
-def check_size(value: Any, expected: int, what: str, where: str) -> Any:
+def check_size(value: Any, expected: int | tuple[int, ...], what: str, where: str) -> Any:
     """Stop stage code run at a size its plan was not made for; else return ``value``.
 
     ``value`` is an int the traced step turned into a Python number (a resolution, a frame
-    count) or a tensor whose ``len`` it read; ``what`` names it, ``where`` is the user's line.
+    count), a tensor whose ``len`` it read, or a tuple of ints (a ``torch.Size``) the plan
+    holds as a literal; ``what`` names it, ``where`` is the user's line.
     """
-    actual = len(value) if isinstance(value, torch.Tensor) else int(value)
+    if isinstance(value, torch.Tensor):
+        actual: Any = len(value)
+    elif isinstance(value, tuple):
+        actual = tuple(int(size) for size in value)
+    else:
+        actual = int(value)
     if actual != expected:
         raise SplitError(
             f"this plan was made for {what} = {expected}, got {actual}; split again for this "

@@ -44,6 +44,7 @@ from graphsplit.artifacts import (
 from graphsplit.errors import GraphsplitError, TraceError, user_error
 from graphsplit.planning.interpret import OP_RECORD, NodeMode, ProbeInterpreter
 from graphsplit.planning.mixing import mixing_of
+from graphsplit.planning.numbers import fixed_number
 
 _NOTHING_RECORDED = OpRecord(ops=(), flops=0)
 
@@ -273,6 +274,7 @@ def _value_facts(
             is_batch_size=(
                 type(value_a) is int and type(value_b) is int and (value_a, value_b) == batch_sizes
             ),
+            number=fixed_number(value_a, value_b),
         )
     layout, batch_dim = batch_layout_of(tuple(value_a.shape), tuple(value_b.shape), batch_sizes)
     total = value_a.numel() * value_a.element_size()

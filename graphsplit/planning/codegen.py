@@ -24,8 +24,9 @@ from torch import nn
 from graphsplit.artifacts import Cut
 from graphsplit.errors import MetaParameterError, SplitError
 from graphsplit.planning.interpret import fetch
+from graphsplit.planning.numbers import bake_numbers
 from graphsplit.planning.opaque_call import OPAQUE, OpaqueCall, is_opaque
-from graphsplit.planning.stage2_passes import finish_stage2
+from graphsplit.planning.stage2_passes import finish_stage1, finish_stage2
 
 
 def _refuse_meta_tensors(stage: nn.Module, args: Any) -> None:
@@ -175,8 +176,9 @@ def build_stage1(
     for node in graph.nodes:
         if node.op == "placeholder" or node in cut.stage1:
             env[node] = stage.node_copy(node, env.__getitem__)
+    held = finish_stage1(stage, graph, cut, env)  # checks of sizes only stage 1 can read
     stage.output({key: env[node] for key, node in zip(keys, cut.boundary)})
-    return _module(stage, model, constants, "Stage1")
+    return _module(stage, model, {**constants, **held}, "Stage1")
 
 
 def build_stage2(
@@ -188,6 +190,7 @@ def build_stage2(
     for key, node in zip(keys, cut.boundary):
         env[node] = stage.placeholder(key)
         env[node].meta = dict(node.meta)
+    bake_numbers(stage, cut, env)  # sizes read from frozen-only data: literals, not inputs
     for node in graph.nodes:
         if node in cut.reanchored:
             # The batch size, read off a cached tensor instead of the input it came from.

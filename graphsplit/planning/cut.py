@@ -50,6 +50,7 @@ from torch import nn
 
 from graphsplit.artifacts import BoundarySpec, Cut, Recomputation, Taint
 from graphsplit.errors import SplitError, user_error
+from graphsplit.planning.numbers import is_fixed_number
 from graphsplit.planning.recompute import (
     AUTO,
     CostModel,
@@ -95,12 +96,18 @@ def _flow_network(
 ) -> nx.DiGraph:
     """The node-split network; with ``anchorable``, batch-size values need no inputs."""
     nodes = [node for node in graph.nodes if node.op != "output"]
-    weight = 3 * len(nodes) + 1
+    # Tie-breakers: 1 per node stage 2 recomputes, 2 per boundary tensor (at most 3n together);
+    # a baked number costs more than all of those, so stage 2 computes a size itself when it
+    # has what it is read from; bytes cost more than every baked number together.
+    bake = 3 * len(nodes) + 1
+    weight = bake * (len(nodes) + 1)
     network = nx.DiGraph()
     for node in nodes:
         v_in, v_out = f"{node.name}:in", f"{node.name}:out"
         if is_storable(node, taint):
             network.add_edge(v_in, v_out, capacity=storage_cost(node) * weight + 2)
+        elif is_fixed_number(node, taint):
+            network.add_edge(v_in, v_out, capacity=bake)
         else:
             network.add_edge(v_in, v_out)
         if node in taint:
@@ -156,10 +163,19 @@ def choose_boundary(
 
 
 def _cheapest(graph: fx.Graph, taint: Mapping[fx.Node, Taint], prices: Prices) -> Cut:
-    cut = stages_for(graph, _min_cut(graph, taint, prices, anchorable=True), taint)
+    cut = _stages_for_cut(graph, _min_cut(graph, taint, prices, anchorable=True), taint)
     if cut.reanchored and cut.anchor is None:  # nothing per-sample to read the batch size off
-        cut = stages_for(graph, _min_cut(graph, taint, prices, anchorable=False), taint)
+        cut = _stages_for_cut(graph, _min_cut(graph, taint, prices, anchorable=False), taint)
     return cut
+
+
+def _stages_for_cut(
+    graph: fx.Graph, cut_nodes: tuple[fx.Node, ...], taint: Mapping[fx.Node, Taint]
+) -> Cut:
+    """The cut's values split into cached tensors and numbers baked into stage 2."""
+    numbers = tuple(node for node in cut_nodes if not is_storable(node, taint))
+    boundary = tuple(node for node in cut_nodes if node not in numbers)
+    return stages_for(graph, boundary, taint, baked=numbers)
 
 
 def _trade(
@@ -217,11 +233,20 @@ def _min_cut(
 
 
 def stages_for(
-    graph: fx.Graph, boundary: tuple[fx.Node, ...], taint: Mapping[fx.Node, Taint] | None = None
+    graph: fx.Graph,
+    boundary: tuple[fx.Node, ...],
+    taint: Mapping[fx.Node, Taint] | None = None,
+    *,
+    baked: tuple[fx.Node, ...] = (),
 ) -> Cut:
-    """The nodes each stage runs for a given boundary (any boundary: tests hand-write them)."""
+    """The nodes each stage runs for a given boundary (any boundary: tests hand-write them).
+
+    ``baked``: fixed numbers stage 2 holds as literals (:mod:`graphsplit.planning.numbers`);
+    stage 1 computes them, to check them against the plan.
+    """
     taint = taint if taint is not None else {}
-    boundary_set = set(boundary)
+    assert all(is_fixed_number(node, taint) for node in baked), "only fixed numbers are baked"
+    boundary_set = set(boundary) | set(baked)
     output = next(node for node in graph.nodes if node.op == "output")
     stage2: set[fx.Node] = set()
     # Every random draw runs in stage 2, used or not: skipping one would shift the draws after it.
@@ -250,13 +275,22 @@ def stages_for(
     anchor = next((n for n in boundary if "facts" in n.meta and facts(n).per_sample), None)
     stage2 |= reanchored
     stage1: set[fx.Node] = {node for node in graph.nodes if node.op == "placeholder"}
-    pending = list(boundary)
+    pending = list(boundary_set)
     while pending:
         node = pending.pop()
         if node not in stage1:
             stage1.add(node)
             pending.extend(node.all_input_nodes)
-    return Cut(boundary, frozenset(stage1), frozenset(stage2), taint, frozenset(reanchored), anchor)
+    numbers = {node: facts(node).number for node in graph.nodes if node in set(baked)}
+    return Cut(
+        boundary,
+        frozenset(stage1),
+        frozenset(stage2),
+        taint,
+        frozenset(reanchored),
+        anchor,
+        baked=numbers,
+    )
 
 
 def _size_inputs(node: fx.Node, available: set[fx.Node]) -> set[fx.Node] | None:
@@ -297,7 +331,7 @@ def _unreachable_input(
         if node in seen or node in taint:
             continue
         seen.add(node)
-        if is_storable(node, taint):
+        if is_storable(node, taint) or is_fixed_number(node, taint):
             continue
         if node.op == "placeholder" or is_banned(node, taint):
             return node

@@ -25,6 +25,7 @@ right after each recomputable size guard's value:
 from __future__ import annotations
 
 import operator
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -49,6 +50,13 @@ _INSPECTION_FUNCTIONS = frozenset(
         operator.neg,
     }
 )
+_OPERATORS = {
+    operator.add: "+",
+    operator.sub: "-",
+    operator.mul: "*",
+    operator.floordiv: "//",
+    operator.mod: "%",
+}
 _INSPECTION_METHODS = frozenset({"size", "dim", "numel"})
 _SIZE_ATTRIBUTES = frozenset({"shape", "ndim"})
 
@@ -63,36 +71,122 @@ def is_size_guard(guard: Guard) -> bool:
     return guard.convert in (int, operator.index) and isinstance(value, int)
 
 
+class CheckSources:
+    """The user's lines that stage-1 checks name, held beside stage 1's code, not in it.
+
+    Stage 1's code is part of the cache fingerprint, and a ``file:line`` in it would make a
+    cache stale when the script moves or gains a line above. Each check reads its line from
+    the stage's attribute :attr:`ATTRIBUTE` instead; :meth:`held` is that attribute's value.
+    """
+
+    ATTRIBUTE = "graphsplit_check_sources"
+
+    def __init__(self, stage: fx.Graph) -> None:
+        self.stage = stage
+        self.lines: list[str] = []
+        self.table: fx.Node | None = None
+
+    def node_for(self, where: str, after: fx.Node) -> fx.Node:
+        """A node, inserted after ``after``, whose value is ``where``."""
+        if self.table is None:
+            with self.stage.inserting_after(_after_placeholders(self.stage, None)):
+                self.table = self.stage.get_attr(self.ATTRIBUTE)
+        after = self.table if after.op == "placeholder" else after
+        self.lines.append(where)
+        with self.stage.inserting_after(after):
+            return self.stage.call_function(operator.getitem, (self.table, len(self.lines) - 1))
+
+    def held(self) -> dict[str, tuple[str, ...]]:
+        """The attribute stage 1 must hold (nothing when no check was inserted)."""
+        return {self.ATTRIBUTE: tuple(self.lines)} if self.lines else {}
+
+
 def recheck_size_guards(
-    stage: fx.Graph, graph: fx.Graph, cut: Cut, env: dict[fx.Node, fx.Node]
+    stage: fx.Graph, graph: fx.Graph, cut: Cut, env: dict[fx.Node, Any]
 ) -> None:
     """Insert a check after each size guard stage 2 can recompute (see the module docstring)."""
-    checked: set[fx.Node] = set()
+    _insert_checks(stage, graph, env)
+
+
+def recheck_size_guards_in_stage1(
+    stage: fx.Graph, graph: fx.Graph, cut: Cut, env: dict[fx.Node, fx.Node], sources: CheckSources
+) -> None:
+    """Check in stage 1 each size guard stage 2 cannot recompute, where stage 1 can.
+
+    Such a size was read from a value only stage 1 has: frozen work traced through, or a raw
+    input whose number the cut baked into stage 2 (:mod:`graphsplit.planning.numbers`).
+    Checking it here keeps the promise that a batch at another size stops with a clear error.
+    """
+    in_stage2 = set(cut.stage2) | set(cut.boundary) | set(cut.reanchored)
+    skip = {
+        node
+        for node in graph.nodes
+        if any(is_size_guard(guard) for guard in node.meta.get(GUARDS, ()))
+        and _recomputation(node, in_stage2) is not None
+    }
+    _insert_checks(stage, graph, env, skip=skip, sources=sources)
+
+
+def _nodes_in(env: dict[fx.Node, Any]) -> set[fx.Node]:
+    """What a stage has as nodes: a baked number (a literal in ``env``) is checked elsewhere."""
+    return {node for node, value in env.items() if isinstance(value, fx.Node)}
+
+
+def _insert_checks(
+    stage: fx.Graph,
+    graph: fx.Graph,
+    env: dict[fx.Node, Any],
+    *,
+    skip: Collection[fx.Node] = (),
+    sources: CheckSources | None = None,
+) -> None:
+    checked: set[fx.Node] = set(skip)
     cursor: fx.Node | None = None  # the last node inserted: checks keep the step's order
     for node in graph.nodes:
         for guard in node.meta.get(GUARDS, ()):
             if node in checked or not is_size_guard(guard):
                 continue
-            chain = _recomputation(node, env)
+            chain = _recomputation(node, _nodes_in(env))
             if chain is None:
                 continue
             checked.add(node)
             for needed in chain:
                 with stage.inserting_after(_insertion_point(stage, needed, env, cursor)):
                     env[needed] = cursor = stage.node_copy(needed, env.__getitem__)
-            with stage.inserting_after(_insertion_point(stage, node, env, cursor, itself=True)):
-                where = _where(node, guard)
-                arguments = (env[node], guard.value, _expression(node), where)
-                cursor = stage.call_function(check_size, arguments, {})
+            point = _insertion_point(stage, node, env, cursor, itself=True)
+            cursor = insert_check(
+                stage,
+                point,
+                (env[node], guard.value, expression(node)),
+                _where(node, guard),
+                sources,
+            )
 
 
-def _recomputation(node: fx.Node, env: dict[fx.Node, fx.Node]) -> list[fx.Node] | None:
-    """Nodes stage 2 must add to compute ``node`` (in graph order), or None if it cannot."""
+def insert_check(
+    stage: fx.Graph,
+    after: fx.Node,
+    arguments: tuple[Any, Any, str],
+    where: str,
+    sources: CheckSources | None,
+) -> fx.Node:
+    """Insert ``check_size(*arguments, where)`` after ``after``; ``where`` read from
+    ``sources`` when given (stage 1), else written into the code (stage 2)."""
+    after = _after_placeholders(stage, after)
+    located: Any = where
+    if sources is not None:
+        located = after = sources.node_for(where, after)
+    with stage.inserting_after(after):
+        return stage.call_function(check_size, (*arguments, located), {})
+
+
+def _recomputation(node: fx.Node, available: Collection[fx.Node]) -> list[fx.Node] | None:
+    """Nodes a stage must add to compute ``node`` (in graph order), or None if it cannot."""
     needed: dict[fx.Node, None] = {}
     pending = [node]
     while pending:
         current = pending.pop()
-        if current in env or current in needed:
+        if current in available or current in needed:
             continue
         if not _is_inspection(current):
             return None
@@ -140,19 +234,31 @@ def _where(node: fx.Node, guard: Guard) -> str:
     return f"{guard.source}  {code}" if code else guard.source
 
 
-def _expression(node: Any, depth: int = 0) -> str:
+def where_read(node: fx.Node) -> str:
+    """The user's ``file:line  code`` that computed ``node``."""
+    source, code = node.meta.get("source") or "<unknown>", node.meta.get("source_code")
+    return f"{source}  {code}" if code else source
+
+
+def expression(node: Any, depth: int = 0) -> str:
+    """``node`` as the user would write it: ``pixel_values.shape[2]``, ``len(x)``."""
+    if isinstance(node, slice):
+        return ":".join("" if part is None else str(part) for part in (node.start, node.stop))
     if not isinstance(node, fx.Node):
         return repr(node)
     if depth > 6 or node.op not in ("call_function", "call_method"):
         return node.name
     args = node.args
     if node.target is getattr:
-        return f"{_expression(args[0], depth + 1)}.{args[1]}"
+        return f"{expression(args[0], depth + 1)}.{args[1]}"
     if node.target is operator.getitem:
-        return f"{_expression(args[0], depth + 1)}[{_expression(args[1], depth + 1)}]"
+        return f"{expression(args[0], depth + 1)}[{expression(args[1], depth + 1)}]"
     if node.op == "call_method":
-        rest = ", ".join(_expression(arg, depth + 1) for arg in args[1:])
-        return f"{_expression(args[0], depth + 1)}.{node.target}({rest})"
+        rest = ", ".join(expression(arg, depth + 1) for arg in args[1:])
+        return f"{expression(args[0], depth + 1)}.{node.target}({rest})"
     if node.target is len:
-        return f"len({_expression(args[0], depth + 1)})"
+        return f"len({expression(args[0], depth + 1)})"
+    if node.target in _OPERATORS and len(args) == 2:
+        text = f" {_OPERATORS[node.target]} ".join(expression(arg, depth + 1) for arg in args)
+        return f"({text})" if depth else text
     return node.name

@@ -1,4 +1,4 @@
-"""What the traced step implied for stage 2 beyond its nodes: size checks, checkpointing.
+"""What the traced step implied for the stages beyond their nodes: size checks, checkpointing.
 
 :func:`~graphsplit.planning.codegen.build_stage2` copies the stage-2 nodes out of the traced
 graph, then calls :func:`finish_stage2` once, which applies, in order:
@@ -8,19 +8,46 @@ graph, then calls :func:`finish_stage2` once, which applies, in order:
 - :func:`~graphsplit.planning.checkpoint.recheckpoint`: a module call the step ran under
   ``torch.utils.checkpoint.checkpoint`` is checkpointed in stage 2 too.
 
-In: the stage-2 graph being built, the traced graph, the cut, the node map. Out: the same
-stage-2 graph, changed in place:
+:func:`~graphsplit.planning.codegen.build_stage1` calls :func:`finish_stage1` before its
+output, which checks what only stage 1 can read:
 
+- :func:`~graphsplit.planning.numbers.check_numbers`: the numbers the cut baked into stage 2
+  (sizes read from frozen-only data) are recomputed from the batch and checked;
+- :func:`~graphsplit.planning.guards.recheck_size_guards_in_stage1`: the size guards stage 2
+  cannot recompute (their source is not in stage 2) are rechecked here.
+
+In: the stage graph being built, the traced graph, the cut, the node map. Out: the same
+stage graph, changed in place:
+
+    finish_stage1(stage, graph, cut, env) -> {attribute: value}   # for the stage module
     finish_stage2(stage, graph, cut, env) -> None
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.fx as fx
 
 from graphsplit.artifacts import Cut
 from graphsplit.planning.checkpoint import recheckpoint
-from graphsplit.planning.guards import recheck_size_guards
+from graphsplit.planning.guards import (
+    CheckSources,
+    recheck_size_guards,
+    recheck_size_guards_in_stage1,
+)
+from graphsplit.planning.numbers import check_numbers
+
+
+def finish_stage1(
+    stage: fx.Graph, graph: fx.Graph, cut: Cut, env: dict[fx.Node, fx.Node]
+) -> dict[str, Any]:
+    """Apply the stage-1 passes listed in the module docstring; returns the attributes the
+    checks read (the user's lines they name, kept out of the fingerprinted code)."""
+    sources = CheckSources(stage)
+    check_numbers(stage, graph, cut, env, sources)
+    recheck_size_guards_in_stage1(stage, graph, cut, env, sources)
+    return sources.held()
 
 
 def finish_stage2(stage: fx.Graph, graph: fx.Graph, cut: Cut, env: dict[fx.Node, fx.Node]) -> None:

@@ -14,9 +14,10 @@ Properties:
        (one layer whose inputs are already on the boundary), never random or tainted-input work
        outside stage 2's own needs.
     3. Optimality: the plan's cost equals a brute-force optimum over all sets of storable nodes
-       that form a valid boundary. With ``recompute="never"`` the cost is the boundary's bytes
-       per sample; with ``"auto"`` (and with other exchange rates, drawn) it is those bytes plus
-       the price of every candidate stage 2 redoes and of every priced frozen weight it holds.
+       and fixed numbers (sizes, baked into stage 2 at no bytes) that form a valid boundary.
+       With ``recompute="never"`` the cost is the boundary's bytes per sample; with ``"auto"``
+       (and with other exchange rates, drawn) it is those bytes plus the price of every
+       candidate stage 2 redoes and of every priced frozen weight it holds.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch import nn
 import graphsplit
 from graphsplit.artifacts import Taint
 from graphsplit.planning.cut import choose_boundary, facts, is_banned, is_storable, storage_cost
+from graphsplit.planning.numbers import is_fixed_number
 from graphsplit.planning.recompute import CostModel, Prices, candidates, price
 from tests.helpers import batch, param_names
 
@@ -56,7 +58,11 @@ ARITY = {
     "dropout_train": 1,  # random
     "batch_mean": 1,  # mixes samples: h - h.mean(0)
     "dataset_constant_add": 1,  # h + tanh(c @ m) from parameters only: no batch dim
+    # Reads a size off a second value: stage 2 needs a number, not that value's tensor.
+    "scale_by_width": 2,  # h * (g.shape[1] // 2 + 1), g any earlier value, x included
+    "noise_shaped_by": 2,  # h + a draw of shape (h.shape[0], g.shape[1]), averaged over dim 1
 }
+SIZE_READERS = {"scale_by_width", "noise_shaped_by"}
 HAS_PARAMS = {"frozen_or_trainable_linear", "dataset_constant_add"}  # may be frozen
 FROZEN_FORMS = ("requires_grad", "prefixes", "modules", "predicate")
 
@@ -90,13 +96,21 @@ def _allowed(kind: str, width: int) -> bool:
 def step_specs(draw: st.DrawFn) -> StepSpec:
     widths = [WIDTH]
     ops: list[Op] = []
-    for index in range(1, draw(st.integers(1, 11)) + 1):
-        first = draw(st.integers(0, index - 1))
+    # Half the steps encode the batch with a frozen layer first (where a VAE sits) and read
+    # the raw batch afterwards only for its size: stage 2 then needs a number, not ``x``.
+    if draw(st.booleans()):
+        ops.append(Op("frozen_or_trainable_linear", (0,), draw(st.sampled_from((2, 4, 8))), True))
+        widths.append(ops[0].width)
+    lowest = len(ops)  # the first input an op other than a size reader may read
+    for index in range(len(ops) + 1, len(ops) + draw(st.integers(1, 11)) + 1):
+        first = draw(st.integers(lowest, index - 1))
         width = widths[first]
         kind = draw(st.sampled_from([k for k in ARITY if _allowed(k, width)]))
         inputs: tuple[int, ...] = (first,)
-        if ARITY[kind] == 2:
-            same_width = [j for j in range(index) if widths[j] == width]
+        if kind in SIZE_READERS:
+            inputs = (first, draw(st.integers(0, index - 1)))
+        elif ARITY[kind] == 2:
+            same_width = [j for j in range(lowest, index) if widths[j] == width]
             inputs = (first, draw(st.sampled_from(same_width)))
         if kind == "frozen_or_trainable_linear":
             width = draw(st.sampled_from((2, 4, 8)))
@@ -182,6 +196,10 @@ class GeneratedStep(nn.Module):
         if op.kind == "dataset_constant_add":
             holder = getattr(self, f"node{index}")
             return h + torch.tanh(holder.c @ holder.m)
+        if op.kind == "scale_by_width":
+            return h * (inputs[1].shape[1] // 2 + 1)
+        if op.kind == "noise_shaped_by":
+            return h + torch.randn(h.shape[0], inputs[1].shape[1]).mean(1, keepdim=True)
         raise AssertionError(op.kind)
 
 
@@ -292,7 +310,9 @@ def brute_force_optimum(graph: fx.Graph, taint: dict[fx.Node, Taint], prices: Pr
     candidates = [
         node
         for node in nodes
-        if is_storable(node, taint) and node in upstream and node in downstream
+        if (is_storable(node, taint) or is_fixed_number(node, taint))
+        and node in upstream
+        and node in downstream
     ]
     assume(len(candidates) <= MAX_CANDIDATES)
     best = None
@@ -308,7 +328,7 @@ def brute_force_optimum(graph: fx.Graph, taint: dict[fx.Node, Taint], prices: Pr
 
 def chosen_cost(graph: fx.Graph, cut, prices: Prices) -> int:
     """The chosen plan's cost, counted as :func:`brute_force_optimum` counts every plan."""
-    stage2 = stage2_walk(graph, cut.taint, prices, set(cut.boundary))
+    stage2 = stage2_walk(graph, cut.taint, prices, set(cut.boundary) | set(cut.baked))
     assert stage2 is not None, "the chosen boundary makes stage 2 run forbidden work"
     assert set(cut.stage2) <= stage2  # stage 2 may skip dead tainted work; never more
     return plan_cost(cut.boundary, stage2, prices)
@@ -361,6 +381,7 @@ def test_each_stage_owns_what_it_must(spec):
 def test_plan_cost_is_optimal(spec):
     model, _, split = split_spec(spec)
     assert all(is_storable(node, split.cut.taint) for node in split.cut.boundary)
+    assert all(is_fixed_number(node, split.cut.taint) for node in split.cut.baked)
     auto = spec.recompute == "auto"
     prices = prices_for(split, model, CostModel()) if auto else NO_PRICES
     chosen = chosen_cost(split.graph, split.cut, prices)

@@ -1,0 +1,201 @@
+"""Numbers cross as numbers (issue 11 item 4): a size stage 2 reads from frozen-only data is
+baked into stage 2 and checked in stage 1; the tensor it was read from is not cached."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphsplit
+from graphsplit.errors import SplitError
+from graphsplit.runtime import check_size
+from tests.helpers import batch, frozen, line_of, split_and_verify
+from tests.zoo.sd import build_sd_lora_step
+
+
+class PixelShapedNoiseStep(nn.Module):
+    """An SD LoRA step whose noise is drawn with a shape read from the raw pixels.
+
+    Written as diffusers scripts and pipelines write it: the latent size is the image size over
+    ``vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)``; ``pixel_values`` is
+    otherwise read only by the frozen VAE.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        base = build_sd_lora_step()
+        self.vae, self.text_encoder = base.vae, base.text_encoder
+        self.unet, self.noise_scheduler = base.unet, base.scheduler
+        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        latents = self.vae.encode(pixel_values).latent_dist.sample()
+        latents = latents * self.vae.config.scaling_factor
+        encoder_hidden_states = self.text_encoder(input_ids, return_dict=False)[0]
+        bsz = latents.shape[0]
+        height = pixel_values.shape[2] // self.vae_scale_factor
+        width = pixel_values.shape[3] // self.vae_scale_factor
+        noise = torch.randn(bsz, self.unet.config.in_channels, height, width, device=latents.device)
+        timesteps = torch.randint(
+            0, self.noise_scheduler.config.num_train_timesteps, (bsz,), device=latents.device
+        )
+        noisy_latents = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        model_pred = self.unet(noisy_latents, timesteps, encoder_hidden_states).sample
+        return F.mse_loss(model_pred.float(), noise.float(), reduction="mean")
+
+
+def sd_batch(size: int, resolution: int = 32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.rand(size, 3, resolution, resolution, generator=generator) * 2 - 1
+    return pixels, torch.randint(0, 990, (size, 16), generator=generator)
+
+
+@pytest.fixture(scope="module")
+def pixel_step() -> tuple[PixelShapedNoiseStep, graphsplit.Split]:
+    step = PixelShapedNoiseStep()
+    return step, split_and_verify(step, sd_batch(2))
+
+
+def test_the_raw_pixels_are_not_cached_for_their_shape(pixel_step):
+    _, split = pixel_step
+    assert "pixel_values" not in split.boundary
+    assert {key: spec.bytes_per_sample for key, spec in split.boundary.items()} == {
+        "vae_encode_latent_dist_parameters": 8 * 16 * 16 * 4,
+        "text_encoder_0": 16 * 32 * 4,
+    }
+    baked = {node.name: value for node, value in split.cut.baked.items()}
+    assert baked == {"floordiv": 16, "floordiv_1": 16}
+    assert "torch.randn((mul_shape_0, 4, 16, 16)" in split.stage2.code
+    assert "pixel_values" not in split.stage2.code
+
+
+def test_verify_is_exact_at_another_batch_size(pixel_step):
+    step, split = pixel_step
+    comparisons = graphsplit.verify(step, split, sd_batch(3, seed=1), seed=0)
+    assert comparisons and all(comparison.ok for comparison in comparisons)
+
+
+def test_a_plan_traced_at_batch_3_is_exact_and_caches_no_pixels_either():
+    step = PixelShapedNoiseStep()
+    split = split_and_verify(step, sd_batch(3, seed=2))
+    assert "pixel_values" not in split.boundary
+    assert sorted(node.name for node in split.cut.baked) == ["floordiv", "floordiv_1"]
+
+
+def test_the_report_and_plan_show_the_baked_numbers(pixel_step):
+    _, split = pixel_step
+    report = split.report()
+    assert "Boundary: 2 tensors, 10.0 KiB per sample" in report
+    assert "Numbers baked into stage 2 (not cached; stage 1 checks them on every batch):" in report
+    assert "pixel_values.shape[2] // 2 = 16" in report
+    numbers = split.to_json()["baked_numbers"]
+    assert [(n["node"], n["expression"], n["value"]) for n in numbers] == [
+        ("floordiv", "pixel_values.shape[2] // 2", 16),
+        ("floordiv_1", "pixel_values.shape[3] // 2", 16),
+    ]
+
+
+def test_stage_1_at_another_resolution_names_the_size_the_line_and_the_fix(pixel_step):
+    _, split = pixel_step
+    with pytest.raises(SplitError) as caught:
+        split.stage1(*sd_batch(2, resolution=64))
+    message = str(caught.value)
+    assert (
+        "this plan was made for pixel_values.shape[2] // 2 = 16, got 32; split again for this size"
+        in message
+    )
+    assert line_of(PixelShapedNoiseStep.forward, "height = pixel_values.shape[2]") in message
+    assert "fix:    call graphsplit.split with an example batch of this size" in message
+
+
+# -- small steps: which numbers are baked, and how ------------------------------------------
+class SizedNoise(nn.Module):
+    """A frozen encoder, a trainable head, and noise shaped by ``size_of(pixels, latents)``."""
+
+    def __init__(self, size_of) -> None:
+        super().__init__()
+        self.encoder = frozen(nn.Conv2d(3, 4, 3, padding=1))
+        self.head = nn.Conv2d(4, 4, 1)
+        self.size_of = size_of
+
+    def forward(self, pixels):
+        latents = self.encoder(pixels)
+        noise = torch.randn(*self.size_of(pixels, latents))
+        return F.mse_loss(self.head(latents + noise), noise)
+
+
+def test_a_size_stage_2_can_read_itself_is_not_baked():
+    model = SizedNoise(lambda pixels, latents: latents.shape)
+    split = split_and_verify(model, (batch(2, 3, 8, 8),))
+    assert not split.cut.baked
+    assert "Numbers baked" not in split.report()
+
+
+def test_a_torch_size_is_baked_as_a_torch_size():
+    model = SizedNoise(lambda pixels, latents: latents.shape[:2] + pixels.shape[2:])
+    split = split_and_verify(model, (batch(2, 3, 8, 8),))
+    assert list(split.boundary) == ["encoder"]
+    assert [(node.name, value) for node, value in split.cut.baked.items()] == [
+        ("getitem_1", torch.Size([8, 8]))
+    ]
+    assert "torch.Size([8, 8])" in split.stage2.code
+    with pytest.raises(SplitError, match=r"made for pixels.shape\[2:\] = \(8, 8\), got \(8, 6\)"):
+        split.stage1(batch(2, 3, 8, 6))
+
+
+def test_an_int_the_trace_read_from_a_raw_input_is_rechecked_in_stage_1():
+    class ScaledByWidth(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = frozen(nn.Conv2d(3, 4, 3, padding=1))
+            self.head = nn.Linear(4, 4)
+
+        def forward(self, pixels):
+            latents = self.encoder(pixels).mean((2, 3))
+            return self.head(latents).sum() * int(pixels.shape[3])
+
+    model = ScaledByWidth()
+    split = split_and_verify(model, (batch(2, 3, 8, 8),))
+    assert list(split.boundary) == ["mean"]
+    assert "check_size" in split.stage1.code
+    # Stage 2 holds 8 as a literal: without the stage-1 check, 6-pixel-wide images would be
+    # scaled by 8 silently.
+    with pytest.raises(SplitError) as caught:
+        split.stage1(batch(2, 3, 8, 6))
+    assert "this plan was made for pixels.shape[3] = 8, got 6" in str(caught.value)
+    assert line_of(ScaledByWidth.forward, "int(pixels.shape[3])") in str(caught.value)
+
+
+def test_check_size_compares_tuples():
+    assert check_size(torch.Size([4, 4]), (4, 4), "x.shape[2:]", "step.py:3") == (4, 4)
+    with pytest.raises(SplitError, match=r"made for x.shape\[2:\] = \(4, 4\), got \(4, 2\)"):
+        check_size(torch.Size([4, 2]), (4, 4), "x.shape[2:]", "step.py:3")
+
+
+def test_stage_1_code_names_no_file_the_checks_read_their_lines_beside_it(pixel_step):
+    _, split = pixel_step
+    # Stage 1's code is fingerprinted: a path or line number in it would make a cache stale
+    # when the script moves or gains a line.
+    assert "test_numbers.py" not in split.stage1.code
+    assert "graphsplit_check_sources[0]" in split.stage1.code
+    height, width = split.stage1.graphsplit_check_sources
+    assert line_of(PixelShapedNoiseStep.forward, "height = pixel_values.shape[2]") in height
+    assert line_of(PixelShapedNoiseStep.forward, "width = pixel_values.shape[3]") in width
+
+
+def test_saved_stage_1_code_checks_the_baked_numbers(pixel_step, tmp_path):
+    import importlib.util
+
+    _, split = pixel_step
+    folder = split.save_code(tmp_path / "code")
+    spec = importlib.util.spec_from_file_location("saved_numbers_stage1", folder / "stage1.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    stage1 = module.Stage1(split.stage1)
+    example = sd_batch(2)
+    saved, live = stage1(*example), split.stage1(*example)
+    assert saved.keys() == live.keys() and all(torch.equal(saved[k], live[k]) for k in live)
+    with pytest.raises(SplitError, match=r"made for pixel_values.shape\[2\] // 2 = 16, got 32"):
+        stage1(*sd_batch(2, resolution=64))
