@@ -24,7 +24,7 @@ from torch import nn
 from graphsplit.artifacts import Cut
 from graphsplit.errors import MetaParameterError, SplitError
 from graphsplit.planning.interpret import fetch
-from graphsplit.planning.opaque_call import OPAQUE, OpaqueCall, is_opaque
+from graphsplit.planning.opaque_call import OPAQUE, OpaqueCall, is_opaque, recheck_shapes
 from graphsplit.planning.stage2_passes import finish_stage2
 
 
@@ -176,6 +176,7 @@ def build_stage1(
         if node.op == "placeholder" or node in cut.stage1:
             env[node] = stage.node_copy(node, env.__getitem__)
     stage.output({key: env[node] for key, node in zip(keys, cut.boundary)})
+    recheck_shapes(graph, cut.stage2)  # opaque outputs whose sizes stage 1 baked in
     return _module(stage, model, constants, "Stage1")
 
 

@@ -254,6 +254,7 @@ class ExampleRun:
         reads = tuple(sorted(self.reads.get(node, ())))
         total = flops.get_total_flops()
         node.meta[OPAQUE] = OpaqueFacts(dims, total, site.label, site.read_at, reads)
+        node.target.structure = pytree.tree_structure(full)
         # FLOPs > 0 makes it frozen work the cut never moves to stage 2 (taint.is_banned).
         node.meta[OP_RECORD] = OpRecord((), max(total, 1))
         return to_meta(full)
