@@ -330,3 +330,30 @@ def test_an_opaque_output_of_another_structure_is_refused_when_stage_1_runs():
     message = str(caught.value)
     assert "but this plan was made for its output structure" in message
     assert "fix:    make the function return the same structure" in message
+
+
+class NormalisesInTrainMode(TrimsWithToList):
+    """A frozen BatchNorm left in train mode inside the opaque function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = frozen(nn.BatchNorm1d(WIDTH)).train()
+
+    def encode(self, ids, mask):
+        states = self.norm(self.embed(ids).transpose(1, 2)).transpose(1, 2)
+        for i, length in enumerate(mask.sum(dim=1).tolist()):
+            states[i, length:] = 0
+        return states
+
+
+def test_an_opaque_function_writing_the_models_buffers_is_refused_and_the_write_undone():
+    torch.manual_seed(0)
+    step = NormalisesInTrainMode()
+    before = {name: buffer.clone() for name, buffer in step.norm.named_buffers()}
+    with pytest.raises(graphsplit.TraceError) as caught:
+        graphsplit.split(step, prompts(1))
+    message = str(caught.value)
+    assert "writes into the model's norm.num_batches_tracked, norm.running_mean" in message
+    assert line_of(NormalisesInTrainMode.encode, ".tolist()") in message
+    assert "fix:    put the frozen module in eval mode" in message
+    assert all(torch.equal(buffer, before[name]) for name, buffer in step.norm.named_buffers())
