@@ -25,7 +25,7 @@ from graphsplit.artifacts import Cut
 from graphsplit.errors import MetaParameterError, SplitError
 from graphsplit.planning.interpret import fetch
 from graphsplit.planning.numbers import bake_numbers
-from graphsplit.planning.opaque_call import OPAQUE, OpaqueCall, is_opaque
+from graphsplit.planning.opaque_call import OPAQUE, OpaqueCall, is_opaque, recheck_shapes
 from graphsplit.planning.stage2_passes import finish_stage1, finish_stage2
 
 
@@ -178,6 +178,7 @@ def build_stage1(
             env[node] = stage.node_copy(node, env.__getitem__)
     held = finish_stage1(stage, graph, cut, env)  # checks of sizes only stage 1 can read
     stage.output({key: env[node] for key, node in zip(keys, cut.boundary)})
+    recheck_shapes(graph, cut.stage2)  # opaque outputs whose sizes stage 1 baked in
     return _module(stage, model, {**constants, **held}, "Stage1")
 
 

@@ -17,7 +17,7 @@ In: the function, its arguments with the traced values taken out. Out: a callabl
     OpaqueCall(function, name, spec, constants, traced_positions)(*traced) -> the output
     is_opaque(node) -> bool
     probe_value(node, batch_size) -> the node's meta value at another batch size
-    recheck_shapes(graph, guarded_nodes) -> None   # output sizes read as numbers: checked
+    recheck_shapes(graph, stage2_nodes) -> None   # output sizes read as numbers: checked
 """
 
 from __future__ import annotations
@@ -79,8 +79,10 @@ class OpaqueCall:
         self.constants = constants
         self.traced_positions = traced_positions
         self.planning: Any = None
-        # Set when code after the call read one of its output sizes as a Python number (see
-        # recheck_shapes): the shapes the plan was made for, with None at the batch dim.
+        # The output's structure (tuples, dicts) the graph was traced for: always checked.
+        self.structure: pytree.TreeSpec | None = None
+        # Set when stage-1 code after the call read one of its output sizes as a Python number
+        # (see recheck_shapes): the shapes the plan was made for, None at the batch dim.
         self.shapes: tuple[tuple[int | None, ...], ...] | None = None
 
     def __call__(self, *traced: Any) -> Any:
@@ -89,6 +91,15 @@ class OpaqueCall:
             leaves[position] = value
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         output = self.function(*args, **kwargs)
+        if self.structure is not None and pytree.tree_structure(output) != self.structure:
+            raise SplitError(
+                f"{self.__name__} (run eagerly by stage 1: it reads tensor values) returned "
+                f"{pytree.tree_structure(output)}, but this plan was made for its output "
+                f"structure {self.structure}: the traced code after it reads its items by "
+                "position.\n"
+                "  fix:    make the function return the same structure (one tensor per field, "
+                "not one per token or sample) for every batch, or split again"
+            )
         if self.shapes is not None:
             self._check_shapes(output)
         return output
@@ -123,21 +134,34 @@ def is_opaque(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(node.target, OpaqueCall)
 
 
-def recheck_shapes(graph: fx.Graph, guarded: set[fx.Node]) -> None:
-    """Make each opaque call whose output sizes reached a guard check its shapes at run time.
+def recheck_shapes(graph: fx.Graph, stage2: frozenset[fx.Node]) -> None:
+    """Make each opaque call whose output sizes reached a guard outside stage 2 check them.
 
-    A guard is a Python number the trace read (``range(x.shape[1])``) and baked into the plan.
-    An opaque output's shape can change with the data (a prompt trimmed to its length), and
-    stage 1 does not recheck its own guards, so the call itself refuses another shape.
+    A guard is a Python value the trace read (``range(x.shape[1])``) and baked into the plan.
+    An opaque output's shape can change with the data (a prompt trimmed to its length); stage 2
+    rechecks the sizes its own nodes read, stage 1 does not, so the call itself refuses another
+    shape when any other node read one (its node may be in stage 1, or in neither stage: the
+    int a ``range()`` consumed is no one's input). ``len`` of a container (a tuple of outputs,
+    a ``.shape``) reads its structure or a rank, not a size: the structure is always checked.
     """
+    guarded = {
+        node
+        for node in graph.nodes
+        if node not in stage2
+        and any(not _reads_a_container(guard, node) for guard in node.meta.get("guards", ()))
+    }
     for node in graph.nodes:
-        if not is_opaque(node) or not _descendants(node) & guarded:
+        if not is_opaque(node) or not ({node} | _descendants(node)) & guarded:
             continue
         tensors = [leaf for leaf in pytree.tree_leaves(node.meta["val"]) if _is_tensor(leaf)]
         node.target.shapes = tuple(
             tuple(None if d == dim else size for d, size in enumerate(tensor.shape))
             for tensor, dim in zip(tensors, node.meta[OPAQUE].batch_dims, strict=True)
         )
+
+
+def _reads_a_container(guard: Any, node: fx.Node) -> bool:
+    return guard.convert is len and isinstance(node.meta.get("val"), (tuple, list, dict))
 
 
 def _is_tensor(value: Any) -> bool:

@@ -50,13 +50,13 @@ from graphsplit.planning.inputs import (
 )
 from graphsplit.planning.meta import analysis_view
 from graphsplit.planning.opaque import (
-    ExampleRun,
     OpaqueSite,
     check_opaque_nodes,
     opaque_calls_recorded,
     site_of_failure,
 )
-from graphsplit.planning.opaque_call import OPAQUE, is_opaque, recheck_shapes
+from graphsplit.planning.opaque_call import OPAQUE, is_opaque
+from graphsplit.planning.opaque_run import ExampleRun
 from graphsplit.planning.trace import trace_step
 
 MAX_ROUNDS = 8
@@ -247,7 +247,6 @@ def _trace_with_opaque_calls(
     for node in traced.graph.nodes:
         if is_opaque(node):
             node.target.planning = None  # the example batch and real values are not kept
-    recheck_shapes(traced.graph, {guard.node for guard in traced.guards})
     return traced
 
 

@@ -280,7 +280,11 @@ def test_batch_mixing_opaque_code_is_refused_at_batch_two_and_splits_at_batch_on
 
 
 class LoopsOverTrimmedTokens(TrimsWithToList):
-    """Code after the opaque call reads its output's length as a Python number."""
+    """Stage-1 code after the opaque call reads its output's length as a Python number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project = frozen(nn.Linear(WIDTH, WIDTH))  # frozen work: the loop is in stage 1
 
     def encode(self, ids, mask):
         return self.embed(ids)[:, : int(mask.sum())]
@@ -288,7 +292,7 @@ class LoopsOverTrimmedTokens(TrimsWithToList):
     def forward(self, ids, mask, target):
         states = self.encode(ids, mask)
         total = sum(states[:, position] for position in range(states.shape[1]))
-        return F.mse_loss(self.head(total).squeeze(-1), target[:, 0])
+        return F.mse_loss(self.head(self.project(total)).squeeze(-1), target[:, 0])
 
 
 def test_an_opaque_output_size_read_as_a_number_is_rechecked_when_stage_1_runs():
@@ -305,3 +309,51 @@ def test_an_opaque_output_size_read_as_a_number_is_rechecked_when_stage_1_runs()
     assert "returned a tensor of shape (1, 3, 4)" in message
     assert "this plan was made for (1, 2, 4)" in message
     assert "fix:    keep the output's size fixed" in message
+
+
+class ReturnsOneTensorPerToken(TrimsWithToList):
+    """An opaque output whose structure follows the data: one tensor per kept token."""
+
+    def encode(self, ids, mask):
+        return list(self.embed(ids)[:, : int(mask.sum())].unbind(1))
+
+    def forward(self, ids, mask, target):
+        tokens = torch.stack(self.encode(ids, mask), dim=1)
+        return F.mse_loss(self.head(tokens).squeeze(-1).sum(1), target[:, 0])
+
+
+def test_an_opaque_output_of_another_structure_is_refused_when_stage_1_runs():
+    torch.manual_seed(0)
+    split = split_and_verify(ReturnsOneTensorPerToken(), prompts(1))  # 2 tokens: 2 tensors
+    with pytest.raises(graphsplit.SplitError) as caught:
+        split.stage1(*prompts(1, seed=1))  # 3 tokens
+    message = str(caught.value)
+    assert "but this plan was made for its output structure" in message
+    assert "fix:    make the function return the same structure" in message
+
+
+class NormalisesInTrainMode(TrimsWithToList):
+    """A frozen BatchNorm left in train mode inside the opaque function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = frozen(nn.BatchNorm1d(WIDTH)).train()
+
+    def encode(self, ids, mask):
+        states = self.norm(self.embed(ids).transpose(1, 2)).transpose(1, 2)
+        for i, length in enumerate(mask.sum(dim=1).tolist()):
+            states[i, length:] = 0
+        return states
+
+
+def test_an_opaque_function_writing_the_models_buffers_is_refused_and_the_write_undone():
+    torch.manual_seed(0)
+    step = NormalisesInTrainMode()
+    before = {name: buffer.clone() for name, buffer in step.norm.named_buffers()}
+    with pytest.raises(graphsplit.TraceError) as caught:
+        graphsplit.split(step, prompts(1))
+    message = str(caught.value)
+    assert "writes into the model's norm.num_batches_tracked, norm.running_mean" in message
+    assert line_of(NormalisesInTrainMode.encode, ".tolist()") in message
+    assert "fix:    put the frozen module in eval mode" in message
+    assert all(torch.equal(buffer, before[name]) for name, buffer in step.norm.named_buffers())
