@@ -215,7 +215,7 @@ def test_a_module_with_parameters_created_inside_forward_is_refused_naming_the_l
     assert "Linear that is not a submodule of the model" in message
     assert "holds parameters (weight, ...)" in message
     assert line_of(ProjectionMadeInForward.forward, "projection(self.encoder") in message
-    assert "fix:" in message and "self.name = Linear(...) in __init__" in message
+    assert "fix:" in message and "(self.name = Linear(...) in __init__;" in message
     assert torch.equal(torch.get_rng_state(), state)  # the user's generator did not move
 
 
