@@ -122,20 +122,32 @@ def python_builtins_as_eager(traced_types: tuple[type, ...]) -> Iterator[None]:
 
 
 class _ListType(type):
-    """The metaclass of the stand-in ``list``: every real list is an instance of it."""
+    """The metaclass of the stand-in ``list``: every real list is an instance of it.
+
+    A class that subclasses ``list`` while the stand-in is in place (a module imported lazily
+    during the trace) gets this metaclass too: it answers for itself as any class does.
+    """
 
     def __instancecheck__(cls, instance: Any) -> bool:
-        return _isinstance(instance, _list)
+        if cls.__dict__.get("_stands_in_for_list", False):
+            return _isinstance(instance, _list)
+        return type.__instancecheck__(cls, instance)
 
     def __subclasscheck__(cls, subclass: type) -> bool:
-        return issubclass(subclass, _list)
+        if cls.__dict__.get("_stands_in_for_list", False):
+            return issubclass(subclass, _list)
+        return type.__subclasscheck__(cls, subclass)
 
 
 def _list_type(traced: frozenset[type]) -> type:
     """``list``, except that ``list(x)`` of a traced tensor with a dim is one graph node."""
 
     class list(_list, metaclass=_ListType):  # the name error messages and reprs show
+        _stands_in_for_list = True
+
         def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            if cls.__dict__.get("_stands_in_for_list", False) is not True:
+                return _list.__new__(cls, *args, **kwargs)  # a subclass made meanwhile
             if (
                 _len(args) == 1
                 and type(args[0]) in traced

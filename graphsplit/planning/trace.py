@@ -90,8 +90,9 @@ class _Proxy(fx.Proxy):
       (DiffSynth's ``transfer_data_to_device`` casts only tensors; einops picks its torch
       backend; transformers calls a check's condition if it is callable) must run the
       program eager runs;
-    - ``len``, ``bool``, ``int``, ``float`` and ``__index__`` (a slice bound, ``[0] * n``) read
-      the meta value and record a guard (see :meth:`_Tracer.concrete`).
+    - ``bool``, ``int``, ``float``, ``__index__`` (a slice bound, ``[0] * n``) and ``len``
+      called from C code read the meta value and record a guard (see
+      :meth:`_Tracer.concrete`).
     """
 
     def __getattr__(self, name: str) -> Any:
@@ -249,16 +250,18 @@ class _Tracer(fx.Tracer):
         become constants of the graph); with parameters, its weights would be frozen into the
         plan as constants and never trained, so that is refused.
         """
-        for name, _ in module.named_parameters():
+        owned = next((name for name, _ in module.named_parameters()), None)
+        if owned is not None:
+            kind = type(module).__name__
             raise user_error(
                 TraceError,
-                f"The step calls a {type(module).__name__} that is not a submodule of the "
-                f"model, and it holds parameters ({name}, ...): graphsplit would freeze them "
-                "into the plan as constants, and stage 2 could not train them.",
+                f"The step calls a {kind} that is not a submodule of the model, and it holds "
+                f"parameters ({owned}, ...): graphsplit would freeze them into the plan as "
+                "constants, and stage 2 could not train them.",
                 source=current_line(),
-                fix="create it once, as an attribute of the model (self.name = "
-                f"{type(module).__name__}(...) in __init__), so it is a submodule graphsplit "
-                "can place in a stage",
+                fix=f"create it once, as an attribute of the model (self.name = {kind}(...) in "
+                "__init__; for a function step, a global or an argument of the function), so "
+                "it is a submodule graphsplit can place in a stage",
             )
         return forward(*args, **kwargs)
 

@@ -215,7 +215,7 @@ def test_a_module_with_parameters_created_inside_forward_is_refused_naming_the_l
     assert "Linear that is not a submodule of the model" in message
     assert "holds parameters (weight, ...)" in message
     assert line_of(ProjectionMadeInForward.forward, "projection(self.encoder") in message
-    assert "fix:" in message and "self.name = Linear(...) in __init__" in message
+    assert "fix:" in message and "(self.name = Linear(...) in __init__;" in message
     assert torch.equal(torch.get_rng_state(), state)  # the user's generator did not move
 
 
@@ -266,3 +266,30 @@ def test_hooks_a_module_installs_while_traced_are_undone_with_its_flag():
     assert set(split.boundary) == {"tower"}
     # verify() ran the model once: one hook per layer, installed by that eager call.
     assert [len(layer._forward_hooks) for layer in model.tower.layers] == [1, 1, 1]
+
+
+_MADE_WHILE_TRACED: list[type] = []
+
+
+class MakesAListSubclass(nn.Module):
+    """A list subclass defined while traced (as a module imported lazily by the step would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        class Rows(list):
+            pass
+
+        _MADE_WHILE_TRACED.append(Rows)
+        return self.head(x).mean()
+
+
+def test_a_list_subclass_made_while_traced_behaves_as_a_list_subclass_afterwards():
+    _MADE_WHILE_TRACED.clear()
+    graphsplit.split(MakesAListSubclass(), (batch(3, 4),))
+    rows_type = _MADE_WHILE_TRACED[0]
+    rows = rows_type([1, 2])
+    assert type(rows) is rows_type and rows == [1, 2]
+    assert isinstance(rows, list) and not isinstance([], rows_type)
