@@ -168,6 +168,23 @@ def test_an_int_the_trace_read_from_a_raw_input_is_rechecked_in_stage_1():
     assert line_of(ScaledByWidth.forward, "int(pixels.shape[3])") in str(caught.value)
 
 
+def test_an_int_argument_of_the_step_is_not_baked_it_may_change_every_call():
+    class ScaledByArgument(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = frozen(nn.Linear(4, 4))
+            self.head = nn.Linear(4, 4)
+
+        def forward(self, x, global_step: int):
+            return self.head(self.encoder(x)).sum() * global_step
+
+    with pytest.raises(SplitError) as caught:
+        graphsplit.split(ScaledByArgument(), (batch(2, 4), 3))
+    message = str(caught.value)
+    assert "Stage 2 needs this value, a builtins.int, but it is not a tensor" in message
+    assert "global_step" in message
+
+
 def test_check_size_compares_tuples():
     assert check_size(torch.Size([4, 4]), (4, 4), "x.shape[2:]", "step.py:3") == (4, 4)
     with pytest.raises(SplitError, match=r"made for x.shape\[2:\] = \(4, 4\), got \(4, 2\)"):
