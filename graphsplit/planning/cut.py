@@ -281,7 +281,8 @@ def stages_for(
         if node not in stage1:
             stage1.add(node)
             pending.extend(node.all_input_nodes)
-    numbers = {node: facts(node).number for node in graph.nodes if node in set(baked)}
+    baked_set = set(baked)
+    numbers = {node: facts(node).number for node in graph.nodes if node in baked_set}
     return Cut(
         boundary,
         frozenset(stage1),
