@@ -216,3 +216,29 @@ def test_saved_stage_1_code_checks_the_baked_numbers(pixel_step, tmp_path):
     assert saved.keys() == live.keys() and all(torch.equal(saved[k], live[k]) for k in live)
     with pytest.raises(SplitError, match=r"made for pixel_values.shape\[2\] // 2 = 16, got 32"):
         stage1(*sd_batch(2, resolution=64))
+
+
+def test_the_cache_holds_no_pixels_and_stage_2_trains_from_it_exactly(pixel_step, tmp_path):
+    from torch.utils.data import DataLoader
+
+    step, split = pixel_step
+    batches = [dict(zip(("pixel_values", "input_ids"), sd_batch(2, seed=seed))) for seed in (3, 4)]
+    graphsplit.cache(split, batches, tmp_path / "cache", progress=False)
+    cached = DataLoader(
+        graphsplit.CachedDataset(tmp_path / "cache", split),
+        batch_size=2,
+        collate_fn=graphsplit.collate,
+    )
+    for seed, (batch_, cached_batch) in enumerate(zip(batches, cached, strict=True)):
+        assert "pixel_values" not in cached_batch
+        torch.manual_seed(seed)
+        expected = step(**batch_)
+        torch.manual_seed(seed)
+        assert torch.equal(split.stage2(**cached_batch), expected)
+
+
+def test_caching_a_batch_at_another_resolution_stops_before_writing_it(pixel_step, tmp_path):
+    _, split = pixel_step
+    batches = [dict(zip(("pixel_values", "input_ids"), sd_batch(2, resolution=64)))]
+    with pytest.raises(SplitError, match=r"made for pixel_values.shape\[2\] // 2 = 16, got 32"):
+        graphsplit.cache(split, batches, tmp_path / "cache", progress=False)
