@@ -8,6 +8,9 @@ Glossary (the predicates live in :mod:`graphsplit.planning.taint`, the prices in
     banned (frozen work): untainted work with FLOPs, or a call of a module owning frozen
         parameters. With ``recompute="never"`` stage 2 never redoes it; with ``"auto"`` the
         candidates among it (one layer whose inputs are already on the boundary) have a price.
+    fixed number: an untainted int / ``torch.Size`` read off tensor sizes, the same at both
+        probe batch sizes (:mod:`graphsplit.planning.numbers`). Cutting one bakes it into stage
+        2 as a literal (``Cut.baked``, checked in stage 1): no bytes, nothing cached.
 
 The min-cut (node splitting as in functorch's rematerialisation partitioner): every node ``v``
 becomes ``v_in -> v_out`` whose capacity is the cost of storing ``v`` (infinite if it cannot be
@@ -24,9 +27,11 @@ every node that reads it: stage 2 pays for a weight once, however many of its re
 
 Costs are integers, ordered so that bytes dominate everything else:
 ``bytes_per_sample * W + 2`` per stored value, ``price * W + 1`` per candidate stage 2 redoes,
-``price * W`` per priced weight it holds, and ``1`` per other node stage 2 recomputes, with
-``W`` larger than every tie-breaker together. Among cuts with equal bytes this prefers fewer
-stage-2 operations, then fewer boundary tensors. networkx returns the cut whose sink side is
+``price * W`` per priced weight it holds, ``B`` per baked number, and ``1`` per other node
+stage 2 recomputes, with ``B`` larger than every other tie-breaker together and ``W`` larger
+than every baked number together. Among cuts with equal bytes this bakes the fewest numbers (a
+size stage 2 can read off a tensor it has stays computed), then prefers fewer stage-2
+operations, then fewer boundary tensors. networkx returns the cut whose sink side is
 smallest (nodes that can reach the sink in the residual network); that set is the same for every
 maximum flow, so the plan does not depend on the flow algorithm's internals.
 
@@ -35,7 +40,7 @@ In: a graph whose nodes carry ``meta["facts"]``, the trainable parameter names, 
 Out: :class:`~graphsplit.artifacts.Cut`, and the boundary's public description:
 
     choose_boundary(graph, trainable, recompute=, model=) -> Cut
-    stages_for(graph, boundary, taint) -> Cut      # any boundary: tests hand-write them
+    stages_for(graph, boundary, taint, baked=) -> Cut   # any boundary: tests hand-write them
     boundary_specs(cut) -> dict[str, BoundarySpec]
 """
 
@@ -281,7 +286,8 @@ def stages_for(
         if node not in stage1:
             stage1.add(node)
             pending.extend(node.all_input_nodes)
-    numbers = {node: facts(node).number for node in graph.nodes if node in set(baked)}
+    baked_set = set(baked)
+    numbers = {node: facts(node).number for node in graph.nodes if node in baked_set}
     return Cut(
         boundary,
         frozenset(stage1),

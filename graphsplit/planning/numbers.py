@@ -11,9 +11,10 @@ from, recomputes it on every batch and stops with "this plan was made for ..." w
 
 Glossary:
     fixed number: an untainted Python int (not a bool), or a tuple / ``torch.Size`` of ints,
-        that has the same value at both probe batch sizes (``NodeFacts.number``). Batch-size
-        ints follow the batch and are not fixed numbers: stage 2 re-reads those off a cached
-        tensor (``Cut.reanchored``).
+        that has the same value at both probe batch sizes (``NodeFacts.number``) and is read
+        off tensors' sizes alone. Batch-size ints follow the batch and are not fixed numbers:
+        stage 2 re-reads those off a cached tensor (``Cut.reanchored``). An ``int`` argument of
+        the step is not one either: it may change every call (a global step).
     baked number: a fixed number the cut chose not to compute in stage 2 (``Cut.baked``):
         stage 2's code holds its value; stage 1 computes and checks it.
 
@@ -35,6 +36,7 @@ import torch.fx as fx
 
 from graphsplit.artifacts import Cut, Taint
 from graphsplit.planning.guards import CheckSources, expression, insert_check, where_read
+from graphsplit.planning.taint import facts
 
 
 def _as_number(value: Any) -> int | tuple[int, ...] | None:
@@ -62,8 +64,23 @@ def is_fixed_number(node: fx.Node, taint: Mapping[fx.Node, Taint]) -> bool:
         and node_facts is not None
         and node_facts.number is not None
         and not node_facts.is_batch_size
-        and node.op != "get_attr"
+        and _read_off_tensors(node)
     )
+
+
+def _read_off_tensors(node: fx.Node) -> bool:
+    """Whether ``node`` is computed from tensors' sizes alone: no plain input of the step (an
+    ``int`` argument may change every call, e.g. a global step) and no attribute feeds it."""
+    pending, seen = [node], set()
+    while pending:
+        current = pending.pop()
+        if current in seen or facts(current).is_tensor:
+            continue
+        seen.add(current)
+        if current.op in ("placeholder", "get_attr"):
+            return False
+        pending.extend(current.all_input_nodes)
+    return True
 
 
 def bake_numbers(stage: fx.Graph, cut: Cut, env: dict[fx.Node, Any]) -> None:

@@ -168,6 +168,23 @@ def test_an_int_the_trace_read_from_a_raw_input_is_rechecked_in_stage_1():
     assert line_of(ScaledByWidth.forward, "int(pixels.shape[3])") in str(caught.value)
 
 
+def test_an_int_argument_of_the_step_is_not_baked_it_may_change_every_call():
+    class ScaledByArgument(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = frozen(nn.Linear(4, 4))
+            self.head = nn.Linear(4, 4)
+
+        def forward(self, x, global_step: int):
+            return self.head(self.encoder(x)).sum() * global_step
+
+    with pytest.raises(SplitError) as caught:
+        graphsplit.split(ScaledByArgument(), (batch(2, 4), 3))
+    message = str(caught.value)
+    assert "Stage 2 needs this value, a builtins.int, but it is not a tensor" in message
+    assert "global_step" in message
+
+
 def test_check_size_compares_tuples():
     assert check_size(torch.Size([4, 4]), (4, 4), "x.shape[2:]", "step.py:3") == (4, 4)
     with pytest.raises(SplitError, match=r"made for x.shape\[2:\] = \(4, 4\), got \(4, 2\)"):
@@ -199,3 +216,29 @@ def test_saved_stage_1_code_checks_the_baked_numbers(pixel_step, tmp_path):
     assert saved.keys() == live.keys() and all(torch.equal(saved[k], live[k]) for k in live)
     with pytest.raises(SplitError, match=r"made for pixel_values.shape\[2\] // 2 = 16, got 32"):
         stage1(*sd_batch(2, resolution=64))
+
+
+def test_the_cache_holds_no_pixels_and_stage_2_trains_from_it_exactly(pixel_step, tmp_path):
+    from torch.utils.data import DataLoader
+
+    step, split = pixel_step
+    batches = [dict(zip(("pixel_values", "input_ids"), sd_batch(2, seed=seed))) for seed in (3, 4)]
+    graphsplit.cache(split, batches, tmp_path / "cache", progress=False)
+    cached = DataLoader(
+        graphsplit.CachedDataset(tmp_path / "cache", split),
+        batch_size=2,
+        collate_fn=graphsplit.collate,
+    )
+    for seed, (batch_, cached_batch) in enumerate(zip(batches, cached, strict=True)):
+        assert "pixel_values" not in cached_batch
+        torch.manual_seed(seed)
+        expected = step(**batch_)
+        torch.manual_seed(seed)
+        assert torch.equal(split.stage2(**cached_batch), expected)
+
+
+def test_caching_a_batch_at_another_resolution_stops_before_writing_it(pixel_step, tmp_path):
+    _, split = pixel_step
+    batches = [dict(zip(("pixel_values", "input_ids"), sd_batch(2, resolution=64)))]
+    with pytest.raises(SplitError, match=r"made for pixel_values.shape\[2\] // 2 = 16, got 32"):
+        graphsplit.cache(split, batches, tmp_path / "cache", progress=False)
