@@ -339,8 +339,9 @@ class CachedDataset(torch.utils.data.Dataset):
 def collate(items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
     """Stack :class:`CachedDataset` items into the keyword arguments of ``split.stage2``.
 
-    Each row is stacked along its tensor's batch dim and cast back to the dtype stage 2 takes
-    (a lower ``storage_dtype`` is undone here); the cache's constants are added. Samples in
+    Each row is stacked along its tensor's batch dim, straight from the shard's memory map
+    into the batch in the dtype stage 2 takes (a lower ``storage_dtype`` is undone in the same
+    copy); the cache's constants are added. Samples in
     one batch must have rows of the same shapes: group them with :meth:`CachedDataset.buckets`.
 
     Example:
@@ -370,14 +371,24 @@ def collate(items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
             raise CacheError(_mixed_shapes_message(name, items, rows))
         order = _batch_order(name, column, batch_dim, items)
         if order is None:
-            stacked = torch.stack(rows, dim=batch_dim)
+            batch[name] = _stack(rows, batch_dim, dtype)
         else:  # stack in memory order, then view in logical order: stage 1's strides
             within = row_order(order, batch_dim)
             physical = [row.permute(within) for row in rows]
-            stacked = torch.stack(physical, dim=order.index(batch_dim)).permute(inverse(order))
-        batch[name] = stacked if stacked.dtype == dtype else stacked.to(dtype)
+            stacked = _stack(physical, order.index(batch_dim), dtype)
+            batch[name] = stacked.permute(inverse(order))
     batch.update(collation.constants)
     return {name: batch[name] for name in collation.order}
+
+
+def _stack(rows: Sequence[torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.stack(rows, dim).to(dtype)`` in one pass: rows in a lower storage dtype are
+    widened as they are copied from the shard's map into the batch, not stacked then cast."""
+    if rows[0].dtype == dtype:
+        return torch.stack(rows, dim=dim)
+    shape = list(rows[0].shape)
+    shape.insert(dim, len(rows))
+    return torch.stack(rows, dim=dim, out=torch.empty(shape, dtype=dtype))
 
 
 def _batch_order(

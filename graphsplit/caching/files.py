@@ -8,9 +8,9 @@ Glossary:
         deletes them (:func:`remove_temporary_files`).
     commit: fsync a finished temporary file, then rename it over its final name, so a reader
         sees the old file or the whole new one, never a part. The checksum of a file graphsplit
-        wrote (:mod:`graphsplit.caching.checksums`) is computed from the bytes in memory while
-        they are written, on a second thread (the hash and ``os.write`` both release the GIL), so
-        nothing is read back.
+        wrote (:mod:`graphsplit.caching.checksums`) is computed from the bytes in memory as
+        they are written, each 16 MiB right after the write that read it, so nothing is read
+        back.
     durable: fsync'd, file and folder, so it survives a power cut. Every file is fsync'd before
         anything relies on it; the folder once before the manifest names its files.
     regular: a plain file, not a symlink, FIFO, device or folder. Readers check with ``lstat``
@@ -49,7 +49,6 @@ import re
 import shutil
 import stat
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -150,8 +149,9 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     graphsplit writes the format itself (:mod:`graphsplit.caching.tensor_file`), straight from
     the tensors' memory: no copy, the same write path and errors as every other file, and the
     same bytes on every run, process and safetensors version. The bytes are hashed from memory
-    on a second thread while this one writes them: the file is never read back to be hashed.
-    For a remote ``path`` the temporary file is a local staging file, uploaded by the commit.
+    as they are written, up to 16 MiB at a time right after the write that read them, on the
+    same thread: the file is never read back to be hashed. For a remote ``path`` the temporary
+    file is a local staging file, uploaded by the commit.
 
     Returns:
         The file's checksum (:data:`~graphsplit.caching.checksums.ALGORITHM`).
@@ -164,18 +164,37 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     digest = Running()
     with no_room(temporary.parent, path.name, total):
         descriptor = _create_exclusively(temporary)
-        # A second thread hashes the pieces while this one writes them in a few vectored
-        # writes: each thread takes the GIL back rarely, so neither waits on the other.
-        hasher = ThreadPoolExecutor(1, thread_name_prefix="graphsplit-hash")
         try:
             with _removed_on_error(temporary):
-                hashed = hasher.submit(lambda: [digest.update(piece) for piece in pieces])
-                _write_all(descriptor, pieces)
-                hashed.result()
+                for group in _groups(pieces, _HASHED_TOGETHER):
+                    _write_all(descriptor, group)
+                    for piece in group:
+                        digest.update(piece)
         finally:
-            hasher.shutdown(wait=True)
             os.close(descriptor)
     return digest.checksum()
+
+
+# Bytes written by one system call, then hashed. Large writes let the page cache keep the file
+# in large folios, which later memory-mapped reads walk faster (a shuffled epoch of 78 MB read
+# 13 ms CPU after 16 MiB writes, 17 ms after 1 MiB writes, on Linux 6.18); hashing right
+# after the write still finds part of the bytes in the CPU's caches.
+_HASHED_TOGETHER = 16 << 20
+
+
+def _groups(pieces: list[Any], limit: int) -> Iterator[list[Any]]:
+    """Consecutive runs of ``pieces`` of at most ``limit`` bytes (a larger piece alone)."""
+    group: list[Any] = []
+    size = 0
+    for piece in pieces:
+        length = memoryview(piece).nbytes
+        if group and size + length > limit:
+            yield group
+            group, size = [], 0
+        group.append(piece)
+        size += length
+    if group:
+        yield group
 
 
 def commit_file(temporary: Path, path: Path, *, checksum: str | None = None) -> tuple[int, str]:

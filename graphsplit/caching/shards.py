@@ -117,7 +117,7 @@ def write_shards(
             keys = batch_keys(batch.data, batch.positions)
             _check_new_keys(keys, batch.positions, seen_keys)
             # A copy: the loader may refill its tensors for the next batch while they are hashed.
-            inputs = copy.deepcopy(as_mapping(batch.data, header.inputs))
+            inputs = _snapshot(as_mapping(batch.data, header.inputs))
             pending.digesting.append(
                 digester.submit(batch_input_digests, inputs, header.inputs, len(keys))
             )
@@ -215,6 +215,21 @@ class ShardWriter:
         for commit in self._commits.values():
             if commit.done() and commit.exception() is not None:
                 commit.result()
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy of a batch's inputs for hashing later: tensors cloned (one memcpy each, where
+    ``copy.deepcopy`` costs tens of microseconds more per tensor), containers rebuilt,
+    immutable values shared, anything else deep-copied."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (str, bytes, int, float, bool)) or value is None:
+        return value
+    if type(value) is dict:
+        return {key: _snapshot(item) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(_snapshot(item) for item in value)
+    return copy.deepcopy(value)
 
 
 def _digested(shard: PendingShard) -> PendingShard:
@@ -374,16 +389,15 @@ def _add_rows(
         columns.append((spec.name, physical.movedim(position, 0).contiguous(), row_shape, order))
     orders = tuple(order for _, _, _, order in columns)
     shapes = tuple(row_shape for _, _, row_shape, _ in columns)
-    for offset, key in enumerate(keys):
-        row = len(pending.keys)
-        for name, values, _, _ in columns:
-            value = values[offset]
-            pending.tensors[tensor_name(row, name)] = value
-            pending.nbytes += value.numel() * value.element_size()
-        pending.keys.append(key)
-        pending.shapes.append(shapes)
-        pending.orders.append(orders)
-        pending.positions.append(int(positions[offset]))
+    first = len(pending.keys)
+    for name, values, _, _ in columns:
+        for offset, value in enumerate(values.unbind(0)):  # one call for a batch's row views
+            pending.tensors[tensor_name(first + offset, name)] = value
+        pending.nbytes += values.numel() * values.element_size()
+    pending.keys.extend(keys)
+    pending.shapes.extend([shapes] * len(keys))
+    pending.orders.extend([orders] * len(keys))
+    pending.positions.extend(int(position) for position in positions)
     for spec in header.sample_specs:
         if spec.name in errors:
             error = max(pending.max_abs_error.get(spec.name, 0.0), errors[spec.name])

@@ -83,6 +83,17 @@ class Model(nn.Module):
         return self.head(**self.encoder(pixel_values, input_ids))
 
 
+class ChannelsLastEncoder(torch.nn.Module):
+    """Stage 1 whose output is channels-last, like a VAE on CPU can be."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1).requires_grad_(False)
+
+    def forward(self, pixel_values):
+        return {"latents": self.conv(pixel_values).contiguous(memory_format=torch.channels_last)}
+
+
 def make_split(model: Model | None = None, *, scale: float = 2.0) -> SimpleNamespace:
     """What ``graphsplit.split(model, ...)`` returns, built by hand for ``Model``."""
     model = model or Model()

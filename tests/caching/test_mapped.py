@@ -6,13 +6,18 @@ import gc
 import json
 import mmap
 import struct
+import types
 
+import pytest
 import torch
 from safetensors import safe_open
 
+from graphsplit.artifacts import BoundarySpec
 from graphsplit.caching.dataset import CachedDataset, collate
 from graphsplit.caching.files import checksum_file
 from graphsplit.caching.mapped import MappedShard, _layout
+from graphsplit.caching.run import cache
+from tests.caching.fixtures import ChannelsLastEncoder, Pictures, loader, make_split, trace
 
 
 def test_rows_of_a_shard_are_views_of_one_map_equal_to_safetensors(path):
@@ -83,3 +88,30 @@ def test_a_misaligned_tensor_is_copied_not_refused():
 def test_a_tensor_outside_the_file_is_a_problem():
     header = {"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}
     assert _layout(_mapped(_file(header, b"\x00" * 8, 0))) == "tensor 'x' lies outside the file"
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_collate_widens_stored_rows_in_the_one_copy(tmp_path, layout):
+    """bfloat16 rows become a float32 batch by one stack into a float32 tensor, bit-equal to
+    stacking then casting, with stage 1's strides."""
+    split = make_split()
+    if layout == "channels_last":  # rows stored in memory order, batched back to it
+        latents = BoundarySpec("latents", (2, 4, 8, 8), torch.float32, 0, 1024, "x")
+        split = types.SimpleNamespace(
+            stage1=trace(ChannelsLastEncoder()),
+            boundary={"latents": latents},
+            input_names=("pixel_values",),
+        )
+    cache(split, loader(Pictures(6)), tmp_path, storage_dtype=torch.bfloat16, progress=False)
+    cached = CachedDataset(tmp_path)
+    items = [cached[0], cached[1]]
+    rows = [item["latents"] for item in items]
+    assert rows[0].dtype == torch.bfloat16
+    batch = collate(items)["latents"]
+    expected = torch.stack([row.contiguous() for row in rows]).to(torch.float32)
+    assert batch.dtype == torch.float32 and torch.equal(batch, expected)
+    pictures = Pictures(6)
+    computed = split.stage1(
+        *[torch.stack([pictures[i][name] for i in (0, 1)]) for name in split.input_names]
+    )
+    assert batch.stride() == computed["latents"].stride()

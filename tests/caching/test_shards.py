@@ -16,7 +16,14 @@ from graphsplit.caching.fingerprint import batch_input_digests
 from graphsplit.caching.format import read_manifest
 from graphsplit.caching.run import cache
 from graphsplit.errors import CacheError
-from tests.caching.fixtures import Interrupt, Pictures, interrupt_after, loader, make_split
+from tests.caching.fixtures import (
+    ChannelsLastEncoder,
+    Interrupt,
+    Pictures,
+    interrupt_after,
+    loader,
+    make_split,
+)
 
 # ------------------------------------------------------------------------------ rows and shards
 
@@ -25,17 +32,6 @@ def test_shards_hold_whole_batches_of_about_shard_bytes(split, tmp_path):
     cache(split, loader(batch_size=2), tmp_path, shard_bytes=4 * 448 + 10, progress=False)
     shards = read_manifest(tmp_path).shards
     assert [len(shard.keys) for shard in shards] == [4, 4, 4]
-
-
-class ChannelsLastEncoder(torch.nn.Module):
-    """Stage 1 whose output is channels-last, like a VAE on CPU can be."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1).requires_grad_(False)
-
-    def forward(self, pixel_values):
-        return {"latents": self.conv(pixel_values).contiguous(memory_format=torch.channels_last)}
 
 
 def test_memory_layout_of_stage1_outputs_survives_the_cache(tmp_path):
