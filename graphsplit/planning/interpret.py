@@ -279,6 +279,12 @@ class _MetaInterpreter(fx.Interpreter):
             raise meta_failure(node, exc) from exc
 
 
+def is_meta_run(code: Any) -> bool:
+    """Whether ``code`` is the frame that runs one node on meta: the frames it calls run a
+    module or op for its value, not the traced step (:mod:`graphsplit.planning.opaque`)."""
+    return code is _MetaInterpreter.run_on_meta.__code__
+
+
 @contextlib.contextmanager
 def _tracer_modes_set_aside() -> Iterator[None]:
     """Take the tracer's torch-function modes off the stack while a node runs on meta.

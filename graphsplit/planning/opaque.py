@@ -48,6 +48,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from graphsplit.errors import TraceError, user_error
+from graphsplit.planning.interpret import is_meta_run
 from graphsplit.planning.opaque_call import OPAQUE, is_opaque
 from graphsplit.planning.taint import compute_taint
 from graphsplit.planning.user_code import describe, frame_location_of, is_internal
@@ -91,9 +92,16 @@ def site_of_failure(
 
     Frames come from the exception's traceback, innermost first; sites already opaque are
     passed over (the failure is then in a caller), and the step's own ``forward`` (the
-    outermost user frame) is never opaque: value reads there stay the user's error.
+    outermost user frame) is never opaque: value reads there stay the user's error. Frames
+    under a node's meta run (the inside of a leaf module, run for its value) are not traced
+    code: patching them would change nothing, so they are not candidates.
     """
-    frames = [(frame, line) for frame, line in _frames(exc.__traceback__) if _is_user(frame)]
+    frames = []
+    for frame, line in _frames(exc.__traceback__):
+        if is_meta_run(frame.f_code):  # below: a leaf module run on meta, not traced code
+            break
+        if _is_user(frame):
+            frames.append((frame, line))
     for frame, line in reversed(frames[1:]):
         site = _site_of(frame, line)
         if site is not None and not any(site.same(other) for other in known):

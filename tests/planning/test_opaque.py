@@ -17,6 +17,7 @@ from torch import nn
 
 import graphsplit
 from graphsplit.caching.fingerprint import differences, fingerprint
+from graphsplit.errors import TensorValueError
 from graphsplit.planning.opaque_call import OPAQUE, is_opaque
 from tests.helpers import frozen, line_of, split_and_verify
 
@@ -357,3 +358,80 @@ def test_an_opaque_function_writing_the_models_buffers_is_refused_and_the_write_
     assert line_of(NormalisesInTrainMode.encode, ".tolist()") in message
     assert "fix:    put the frozen module in eval mode" in message
     assert all(torch.equal(buffer, before[name]) for name, buffer in step.norm.named_buffers())
+
+
+class MixesBeforeTheCall(TrimsWithToList):
+    """Frozen work that reads across the batch (numerically a no-op) feeds the opaque call."""
+
+    def forward(self, ids, mask, target):
+        states = self.embed(ids)
+        states = states + 0.0 * states.sum(dim=0, keepdim=True)  # mixes samples, by its ops
+        trimmed = self.trim(states, mask)
+        return F.mse_loss(self.head(trimmed).squeeze(-1), target)
+
+    def trim(self, states, mask):
+        states = states.clone()
+        for i, length in enumerate(mask.sum(dim=1).tolist()):
+            states[i, length:] = 0
+        return states
+
+
+def test_an_opaque_call_the_analysis_finds_tainted_is_refused():
+    with pytest.raises(graphsplit.TraceError) as caught:
+        graphsplit.split(MixesBeforeTheCall(), prompts(3))
+    message = str(caught.value)
+    assert "MixesBeforeTheCall.trim reads tensor values, so it can only run eagerly" in message
+    assert "its value must be computed every step (mixing: mixes samples" in message
+    assert line_of(MixesBeforeTheCall.trim, ".tolist()") in message
+    assert "fix:    replace .item()/.tolist()" in message
+
+
+class ReadsInsideAFrozenLeaf(nn.Module):
+    """A frozen module whose own forward reads a value: it is one node, run on meta."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = frozen(nn.Linear(4, 4))
+
+    def forward(self, x):
+        return self.scale(x) * (2 if x.sum() > 0 else 1)
+
+
+class CallsAFrozenLeafThatReads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = ReadsInsideAFrozenLeaf()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.encoder(x)).mean()
+
+
+def test_a_value_read_inside_a_frozen_leaf_module_is_reported_at_its_call():
+    with pytest.raises(TensorValueError) as caught:
+        graphsplit.split(CallsAFrozenLeafThatReads(), (torch.randn(3, 4),))
+    message = str(caught.value)
+    assert "reads the value of a tensor" in message
+    assert "node:   encoder" in message
+    assert line_of(CallsAFrozenLeafThatReads.forward, "self.encoder(x)") in message
+
+
+class TrimsItsArgumentInPlace(TrimsWithToList):
+    def forward(self, ids, mask, target):
+        states = self.embed(ids)
+        trimmed = self.trim(states, mask)
+        return F.mse_loss(self.head(trimmed + states).squeeze(-1), target)
+
+    def trim(self, states, mask):
+        for i, length in enumerate(mask.sum(dim=1).tolist()):
+            states[i, length:] = 0
+        return states
+
+
+def test_an_opaque_function_writing_into_its_input_is_refused():
+    with pytest.raises(graphsplit.TraceError) as caught:
+        graphsplit.split(TrimsItsArgumentInPlace(), prompts(3))
+    message = str(caught.value)
+    assert "TrimsItsArgumentInPlace.trim reads tensor values and writes into its own" in message
+    assert line_of(TrimsItsArgumentInPlace.trim, ".tolist()") in message
+    assert "fix:    write into a copy (x = x.clone()) inside the function" in message
