@@ -127,6 +127,44 @@ def recheck_size_guards_in_stage1(
     _insert_checks(stage, graph, env, skip=skip, sources=sources)
 
 
+def hoist_checks(stage: fx.Graph) -> None:
+    """Move each check that reads only the stage's inputs' sizes to right after the inputs.
+
+    Stage 1 then stops at a batch of another size before running any frozen work on it (a
+    text encoder or VAE at the wrong resolution costs seconds, only to be refused).
+    """
+    cursor = _after_placeholders(stage, None)
+    hoisted: set[fx.Node] = set()
+    for check in [n for n in stage.nodes if n.op == "call_function" and n.target is check_size]:
+        closure = _inputs_closure(check)
+        if closure is None:
+            continue
+        for node in [n for n in stage.nodes if n in closure] + [check]:
+            if node.op != "placeholder" and node not in hoisted:
+                cursor.append(node)
+                cursor = node
+                hoisted.add(node)
+
+
+def _inputs_closure(check: fx.Node) -> set[fx.Node] | None:
+    """What ``check`` reads, transitively, if that is size inspections of the stage's inputs
+    (and the table of user lines); else None."""
+    closure: set[fx.Node] = set()
+    pending = list(check.all_input_nodes)
+    while pending:
+        node = pending.pop()
+        if node in closure:
+            continue
+        closure.add(node)
+        if node.op == "placeholder":
+            continue
+        is_table = node.op == "get_attr" and node.target == CheckSources.ATTRIBUTE
+        if not (is_table or _is_inspection(node)):
+            return None
+        pending.extend(node.all_input_nodes)
+    return closure
+
+
 def _nodes_in(env: dict[fx.Node, Any]) -> set[fx.Node]:
     """What a stage has as nodes: a baked number (a literal in ``env``) is checked elsewhere."""
     return {node for node, value in env.items() if isinstance(value, fx.Node)}

@@ -14,7 +14,9 @@ output, which checks what only stage 1 can read:
 - :func:`~graphsplit.planning.numbers.check_numbers`: the numbers the cut baked into stage 2
   (sizes read from frozen-only data) are recomputed from the batch and checked;
 - :func:`~graphsplit.planning.guards.recheck_size_guards_in_stage1`: the size guards stage 2
-  cannot recompute (their source is not in stage 2) are rechecked here.
+  cannot recompute (their source is not in stage 2) are rechecked here;
+- :func:`~graphsplit.planning.guards.hoist_checks`: checks that read only the inputs' sizes
+  move before the frozen work, so a batch of another size is refused before it runs.
 
 In: the stage graph being built, the traced graph, the cut, the node map. Out: the same
 stage graph, changed in place:
@@ -33,6 +35,7 @@ from graphsplit.artifacts import Cut
 from graphsplit.planning.checkpoint import recheckpoint
 from graphsplit.planning.guards import (
     CheckSources,
+    hoist_checks,
     recheck_size_guards,
     recheck_size_guards_in_stage1,
 )
@@ -47,6 +50,7 @@ def finish_stage1(
     sources = CheckSources(stage)
     check_numbers(stage, graph, cut, env, sources)
     recheck_size_guards_in_stage1(stage, graph, cut, env, sources)
+    hoist_checks(stage)
     return sources.held()
 
 

@@ -110,6 +110,12 @@ def test_stage_1_at_another_resolution_names_the_size_the_line_and_the_fix(pixel
     assert "fix:    call graphsplit.split with an example batch of this size" in message
 
 
+def test_stage_1_checks_the_sizes_before_it_runs_the_frozen_encoders(pixel_step):
+    _, split = pixel_step
+    code = split.stage1.code
+    assert code.index("graphsplit_runtime_check_size(") < code.index("vae.encode(")
+
+
 # -- small steps: which numbers are baked, and how ------------------------------------------
 class SizedNoise(nn.Module):
     """A frozen encoder, a trainable head, and noise shaped by ``size_of(pixels, latents)``."""
