@@ -274,12 +274,20 @@ def traced_range(to_int: Callable[[fx.Proxy], int]) -> Iterator[None]:
 _SIZE_VARARG_FACTORIES = ("zeros", "ones", "empty", "rand", "randn")
 
 
+def _is_traced_int(arg: Any) -> bool:
+    """A traced value standing for one size; a traced ``torch.Size`` (``torch.randn(h.shape)``)
+    is already the whole size and is passed on as it is."""
+    return isinstance(arg, fx.Proxy) and not isinstance(
+        arg.node.meta.get("val"), (tuple, list, torch.Size)
+    )
+
+
 def _packing_sizes(factory: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.zeros(h, w, 3)`` with traced ``h``/``w``: torch's parser takes them as a tuple."""
 
     def factory_with_traced_sizes(*args: Any, **kwargs: Any) -> Any:
-        if any(isinstance(arg, fx.Proxy) for arg in args) and all(
-            isinstance(arg, (int, fx.Proxy)) for arg in args
+        if any(_is_traced_int(arg) for arg in args) and all(
+            isinstance(arg, int) or _is_traced_int(arg) for arg in args
         ):
             return factory(tuple(args), **kwargs)
         return factory(*args, **kwargs)

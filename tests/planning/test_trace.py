@@ -54,3 +54,29 @@ def test_item_assignment_into_an_indexing_view_writes_through_to_its_base():
     split = split_and_verify(model, (torch.randn(3, 4),))
     other = torch.randn(5, 4)
     assert torch.equal(split.stage2(**split.stage1(other)), model(other))
+
+
+class NoiseShapedLikeFeatures(nn.Module):
+    """``torch.randn(h.shape)``: the traced size is a whole ``torch.Size``, passed as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(8, 8).requires_grad_(False)
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        hidden = self.encoder(x)
+        noise = torch.randn(hidden.shape)
+        return ((self.head(hidden) - noise) ** 2).mean()
+
+
+def test_a_factory_given_a_traced_shape_draws_that_shape_in_stage_2():
+    model = NoiseShapedLikeFeatures()
+    split = split_and_verify(model, (torch.randn(3, 8),))
+    assert list(split.boundary) == ["encoder"]
+    assert "torch.randn" in split.stage2.code and "randn" not in split.stage1.code
+    other = torch.randn(5, 8)
+    torch.manual_seed(1)
+    expected = model(other)
+    torch.manual_seed(1)
+    assert torch.equal(split.stage2(**split.stage1(other)), expected)
