@@ -29,6 +29,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
+import inspect
 import operator
 import sys
 from collections.abc import Callable, Iterator
@@ -333,6 +334,10 @@ def checkpoints_recorded(tracer: Any) -> Iterator[None]:
     use_reentrant=False)``) and diffusers (``self._gradient_checkpointing_func(block, ...)``,
     which calls ``torch.utils.checkpoint.checkpoint(block.__call__, ...)``) look the function
     up on ``torch.utils.checkpoint`` when they call it, so replacing that attribute sees both.
+    Code that took the function earlier (``from torch.utils.checkpoint import checkpoint``;
+    transformers' ``functools.partial(checkpoint, **kwargs)`` made by
+    ``gradient_checkpointing_enable``) still runs torch's own ``checkpoint``, which looks up its
+    two engines when called: those are replaced too (:func:`_checkpoint_engines_recorded`).
     ``tracer.open_checkpoint(options)`` / ``tracer.close_checkpoint(token)`` bracket the
     traced call; regions nested in a region belong to the outer one.
     """
@@ -355,9 +360,76 @@ def checkpoints_recorded(tracer: Any) -> Iterator[None]:
 
     module.checkpoint = checkpoint
     try:
-        yield
+        with _checkpoint_engines_recorded(tracer, original):
+            yield
     finally:
         module.checkpoint = original
+
+
+@contextlib.contextmanager
+def _checkpoint_engines_recorded(tracer: Any, checkpoint: Callable[..., Any]) -> Iterator[None]:
+    """Tag a call of torch's own ``checkpoint`` (reached by an earlier-taken reference).
+
+    ``checkpoint`` runs ``use_reentrant=False`` through the generator
+    ``_checkpoint_without_reentrant_generator(fn, preserve_rng_state, context_fn,
+    determinism_check, debug, early_stop, *args, **kwargs)``, advanced once before and once
+    after ``fn(*args, **kwargs)``, and ``use_reentrant=True`` through
+    ``CheckpointFunction.apply(fn, preserve_rng_state, *args)``; both are module globals it
+    looks up on each call. With traced arguments, the stand-ins open a region instead of
+    saving tensors (the options differing from ``checkpoint``'s defaults are kept); otherwise
+    they are torch's own.
+    """
+    module = torch.utils.checkpoint
+    generator, function_class = (
+        module._checkpoint_without_reentrant_generator,
+        module.CheckpointFunction,
+    )
+    engine = inspect.signature(generator)
+    signature = inspect.signature(inspect.unwrap(checkpoint))
+    defaults = {name: parameter.default for name, parameter in signature.parameters.items()}
+    defaults["preserve_rng_state"] = True
+
+    def options_of(arguments: dict[str, Any], use_reentrant: bool) -> dict[str, Any] | None:
+        if arguments.get("context_fn", module.noop_context_fn) is not module.noop_context_fn:
+            return None  # not representable in stage code: traced through as before
+        changed = {
+            name: arguments[name]
+            for name in CHECKPOINT_OPTIONS
+            if name in arguments and arguments[name] != defaults.get(name)
+        }
+        return {"use_reentrant": use_reentrant, **changed}
+
+    def without_reentrant(*args: Any, **kwargs: Any) -> Iterator[None]:
+        arguments = engine.bind(*args, **kwargs).arguments
+        traced = (arguments.get("args", ()), arguments.get("kwargs", {}))
+        if tracer.computing_meta or not _contains_proxy(traced):
+            yield from generator(*args, **kwargs)
+            return
+        token = tracer.open_checkpoint(options_of(arguments, use_reentrant=False))
+        try:
+            yield
+        finally:
+            tracer.close_checkpoint(token)
+
+    class ReentrantCheckpoint:
+        @staticmethod
+        def apply(function: Any, preserve_rng_state: bool, *args: Any) -> Any:
+            if tracer.computing_meta or not _contains_proxy(args):
+                return function_class.apply(function, preserve_rng_state, *args)
+            arguments = {"preserve_rng_state": preserve_rng_state}
+            token = tracer.open_checkpoint(options_of(arguments, use_reentrant=True))
+            try:
+                return function(*args)
+            finally:
+                tracer.close_checkpoint(token)
+
+    module._checkpoint_without_reentrant_generator = without_reentrant
+    module.CheckpointFunction = ReentrantCheckpoint
+    try:
+        yield
+    finally:
+        module._checkpoint_without_reentrant_generator = generator
+        module.CheckpointFunction = function_class
 
 
 # -- torch.Tensor(...) ----------------------------------------------------------------------------

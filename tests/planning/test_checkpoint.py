@@ -10,10 +10,13 @@ blocks through ``checkpoint`` as the step did: same gradients, same activation m
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
+import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint as checkpoint_taken_early
 
 from tests.helpers import batch, frozen, split_and_verify
 
@@ -190,3 +193,51 @@ def test_checkpoint_options_are_passed_on():
 
     split = split_and_verify(Options(), (batch(2, 8),))
     assert "use_reentrant = False, preserve_rng_state = False" in split.stage2.code
+
+
+class TakenEarly(nn.Module):
+    """``checkpoint`` reached by a reference taken before the trace, as transformers does it.
+
+    ``gradient_checkpointing_enable()`` stores ``functools.partial(checkpoint, **kwargs)`` with
+    ``checkpoint`` from ``from torch.utils.checkpoint import checkpoint``: replacing the
+    attribute ``torch.utils.checkpoint.checkpoint`` during the trace does not reach it.
+    """
+
+    def __init__(self, use_reentrant: bool, checkpointing: bool = True) -> None:
+        super().__init__()
+        self.text_encoder = frozen(nn.Linear(8, 8))
+        self.project = nn.Linear(8, 8)  # reentrant checkpoint needs an input that requires grad
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.checkpointing = checkpointing
+        self._gradient_checkpointing_func = functools.partial(
+            checkpoint_taken_early, use_reentrant=use_reentrant
+        )
+
+    def forward(self, latents, prompt):
+        context = self.text_encoder(prompt)
+        hidden = self.project(latents)
+        for block in self.blocks:
+            if self.checkpointing:
+                hidden = self._gradient_checkpointing_func(block.__call__, hidden, context)
+            else:
+                hidden = block(hidden, context)
+        return hidden.square().mean()
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_a_checkpoint_function_taken_before_the_trace_is_kept(use_reentrant):
+    model = TakenEarly(use_reentrant)
+    args = (batch(2, 5, 8), batch(2, 5, 8, seed=1))
+    split = split_and_verify(model, args)
+    assert split.stage2.code.count("torch.utils.checkpoint.checkpoint(") == 2
+    assert f"use_reentrant = {use_reentrant}" in split.stage2.code
+    boundary = split.stage1(*args)
+    with counted_checkpoints() as calls:
+        split.stage2(**boundary)
+    assert len(calls) == 2
+
+    unsplit = TakenEarly(use_reentrant, checkpointing=False)
+    unsplit.load_state_dict(model.state_dict())
+    eager_saved = saved_tensor_count(lambda: model(*args))
+    stage2_saved = saved_tensor_count(lambda: split.stage2(**boundary))
+    assert stage2_saved == eager_saved < saved_tensor_count(lambda: unsplit(*args))
