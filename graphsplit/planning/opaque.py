@@ -70,6 +70,8 @@ class OpaqueSite:
     owner: type | ModuleType
     attribute: str
     read_at: str  # "file:line  code" where it read a tensor value
+    # A frozen leaf module whose own method read the value: traced as a call, no longer a leaf.
+    leaf: str | None = None
 
     @property
     def raw(self) -> Any:
@@ -86,26 +88,59 @@ class OpaqueSite:
 
 
 def site_of_failure(
-    exc: BaseException, known: list[OpaqueSite], root: nn.Module
+    exc: BaseException, known: list[OpaqueSite], root: nn.Module, trainable: frozenset[str]
 ) -> OpaqueSite | None:
     """The innermost patchable function of user code running when ``exc`` was raised.
 
     Frames come from the exception's traceback, innermost first; sites already opaque are
     passed over (the failure is then in a caller), and the step's own ``forward`` (the
-    outermost user frame) is never opaque: value reads there stay the user's error. Frames
-    under a node's meta run (the inside of a leaf module, run for its value) are not traced
-    code: patching them would change nothing, so they are not candidates.
+    outermost user frame) is never opaque: value reads there stay the user's error. A value
+    read inside a leaf module's meta run (its code is run for its value, not traced) makes
+    that call the candidate, when the module is frozen: its method (``forward``,
+    ``encode``) is patched on its class and the module is traced as a call.
     """
-    frames = []
-    for frame, line in _frames(exc.__traceback__):
-        if is_meta_run(frame.f_code):  # below: a leaf module run on meta, not traced code
-            break
-        if _is_user(frame):
+    frames: list[tuple[FrameType, int]] = []  # user frames of traced code
+    meta_run: FrameType | None = None  # the frame running a leaf node on meta, if any
+    read_at = None  # the innermost user line under it
+    # The meta run re-raises what failed under it (``raise ... from exc``): the frames of the
+    # module's own code are in the cause's traceback.
+    below = exc.__cause__.__traceback__ if exc.__cause__ is not None else None
+    for frame, line in [*_frames(exc.__traceback__), *_frames(below)]:
+        if meta_run is None and is_meta_run(frame.f_code):
+            meta_run = frame
+        elif meta_run is None and _is_user(frame):
             frames.append((frame, line))
-    for frame, line in reversed(frames[1:]):
-        site = _site_of(frame, line)
+        elif meta_run is not None and _is_user(frame):
+            read_at = describe(frame_location_of(frame.f_code.co_filename, line))
+    candidates = [_site_of(frame, line) for frame, line in reversed(frames[1:])]
+    node = meta_run.f_locals.get("node") if meta_run is not None else None
+    if isinstance(node, fx.Node) and read_at is not None:
+        candidates.insert(0, _leaf_site(node, read_at, root, trainable))
+    for site in candidates:
         if site is not None and not any(site.same(other) for other in known):
             return site
+    return None
+
+
+def _leaf_site(
+    node: fx.Node, read_at: str, root: nn.Module, trainable: frozenset[str]
+) -> OpaqueSite | None:
+    """The method of a frozen leaf module a ``call_module`` / leaf ``call_method`` node ran."""
+    if node.op == "call_module":
+        name, method = str(node.target), "forward"
+    elif node.op == "call_method" and node.args and getattr(node.args[0], "op", "") == "get_attr":
+        name, method = str(node.args[0].target), str(node.target)
+    else:
+        return None
+    try:
+        module = root.get_submodule(name)
+    except AttributeError:
+        return None
+    if any(f"{name}.{param}" in trainable for param, _ in module.named_parameters()):
+        return None  # a trainable module runs in stage 2: the value read stays an error
+    for owner in type(module).__mro__:
+        if method in vars(owner) and _code_of(vars(owner)[method]) is not None:
+            return OpaqueSite(owner, method, read_at, leaf=name)
     return None
 
 

@@ -92,10 +92,21 @@ class ExampleRun:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         positions = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, fx.Proxy))
         constants = [None if i in positions else leaf for i, leaf in enumerate(leaves)]
-        call = OpaqueCall(function, site.attribute, spec, constants, positions)
+        call = OpaqueCall(function, self._name(site, args), spec, constants, positions)
         call.planning = self
         self.sites[id(call)] = site
         return tracer.create_proxy("call_function", call, tuple(leaves[i] for i in positions), {})
+
+    def _name(self, site: OpaqueSite, args: tuple) -> str:
+        """``encode_prompt``; for a module's method, the module's name: ``encoder``,
+        ``vae_encode``."""
+        if site.leaf is None or not args or not isinstance(args[0], nn.Module):
+            return site.attribute
+        name = next((n for n, m in self.model.named_modules() if m is args[0]), None)
+        if not name:
+            return site.attribute
+        name = name.replace(".", "_")
+        return name if site.attribute == "forward" else f"{name}_{site.attribute}"
 
     def example_value(self, node: fx.Node) -> Any:
         """Run the call on the example batch (and per sample); its meta value and facts."""

@@ -235,12 +235,15 @@ def _trace_with_opaque_calls(
     """Trace; where frozen code reads a tensor value, record its function as one opaque node
     and trace again (:mod:`graphsplit.planning.opaque`), outward until the trace succeeds."""
     while True:
+        traced_into = {site.leaf for site in sites if site.leaf is not None}
         try:
             with opaque_calls_recorded(sites, run):
-                traced = trace_step(model, examples.values[0], leaves, record=recorded)
+                traced = trace_step(
+                    model, examples.values[0], leaves - traced_into, record=recorded
+                )
             break
         except TensorValueError as exc:
-            site = site_of_failure(exc, sites, model)
+            site = site_of_failure(exc, sites, model, run.trainable)
             if site is None or len(sites) >= MAX_OPAQUE_SITES:
                 raise
             sites.append(site)

@@ -386,34 +386,66 @@ def test_an_opaque_call_the_analysis_finds_tainted_is_refused():
     assert "fix:    replace .item()/.tolist()" in message
 
 
-class ReadsInsideAFrozenLeaf(nn.Module):
-    """A frozen module whose own forward reads a value: it is one node, run on meta."""
+class ScalesEachRow(nn.Module):
+    """A frozen module whose own forward reads values, row by row (so, per sample)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.scale = frozen(nn.Linear(4, 4))
+        self.scale = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.cat([self.scale(row[None]) * (2 if row.sum() > 0 else 1) for row in x])
+
+
+class ScalesTheBatch(ScalesEachRow):
+    """The same, deciding on the whole batch's sum: it mixes samples."""
 
     def forward(self, x):
         return self.scale(x) * (2 if x.sum() > 0 else 1)
 
 
-class CallsAFrozenLeafThatReads(nn.Module):
-    def __init__(self) -> None:
+class CallsAModuleThatReads(nn.Module):
+    def __init__(self, encoder: nn.Module, *, frozen_encoder: bool = True) -> None:
         super().__init__()
-        self.encoder = ReadsInsideAFrozenLeaf()
+        self.encoder = frozen(encoder) if frozen_encoder else encoder
         self.head = nn.Linear(4, 1)
 
     def forward(self, x):
         return self.head(self.encoder(x)).mean()
 
 
-def test_a_value_read_inside_a_frozen_leaf_module_is_reported_at_its_call():
+def test_a_frozen_leaf_module_whose_forward_reads_values_runs_as_one_opaque_call():
+    torch.manual_seed(0)
+    step = CallsAModuleThatReads(ScalesEachRow())
+    split = split_and_verify(step, (torch.randn(3, 4),))
+    (node,) = opaque_nodes(split)
+    assert node.name == "encoder" and node.meta[OPAQUE].label == "ScalesEachRow.forward"
+    assert line_of(ScalesEachRow.forward, "row.sum() > 0") in node.meta[OPAQUE].read_at
+    assert {name for name, _ in split.stage1.named_parameters()} == {
+        "encoder.scale.weight",
+        "encoder.scale.bias",
+    }
+    other = torch.randn(2, 4)
+    assert torch.equal(split.stage2(**split.stage1(other)), step(other))
+
+
+def test_a_frozen_leaf_module_that_mixes_samples_is_refused_at_batch_three():
     with pytest.raises(TensorValueError) as caught:
-        graphsplit.split(CallsAFrozenLeafThatReads(), (torch.randn(3, 4),))
+        graphsplit.split(CallsAModuleThatReads(ScalesTheBatch()), (torch.randn(3, 4),))
+    message = str(caught.value)
+    assert "ScalesTheBatch.forward reads tensor values and mixes the samples" in message
+    assert line_of(ScalesTheBatch.forward, "x.sum() > 0") in message
+    assert "fix:    plan at batch 1" in message
+
+
+def test_a_trainable_leaf_module_reading_values_stays_an_error_at_its_call():
+    step = CallsAModuleThatReads(ScalesTheBatch(), frozen_encoder=False)
+    with pytest.raises(TensorValueError) as caught:
+        graphsplit.split(step, (torch.randn(3, 4),))
     message = str(caught.value)
     assert "reads the value of a tensor" in message
     assert "node:   encoder" in message
-    assert line_of(CallsAFrozenLeafThatReads.forward, "self.encoder(x)") in message
+    assert line_of(CallsAModuleThatReads.forward, "self.encoder(x)") in message
 
 
 class TrimsItsArgumentInPlace(TrimsWithToList):
