@@ -1,0 +1,160 @@
+"""DiffSynth-Studio's FLUX.1 and Qwen-Image LoRA training steps, with real (random) weights.
+
+The steps are DiffSynth's own (Apache-2.0, (c) ModelScope;
+https://github.com/modelscope/DiffSynth-Studio): ``forward`` and ``get_pipeline_inputs`` are
+those of ``examples/*/model_training/train.py`` as :mod:`examples.diffsynth.steps` writes them
+(inherited from there, not copied), on DiffSynth's pipeline, units, ``FlowMatchSFTLoss``,
+``pipe.model_fn`` and model classes, unmodified. The LoRA is DiffSynth's ``add_lora_to_model``
+and the scheduler is set as ``switch_pipe_to_training_mode`` sets it.
+
+Glossary:
+
+- *prefix*: of a repeated-block ``ModuleList`` only the first ``n`` blocks are kept (the
+  module's code iterates over the list, so it runs with fewer blocks unchanged).
+- *materialise*: a model built on ``meta`` gets CPU storage (``to_empty``) and deterministic
+  values from :func:`fill_deterministically` (seeded; no download, no checkpoint).
+
+DiffSynth's FLUX and Qwen-Image classes fix their widths in code (no argument), so no tiny
+config exists. What was made small, and how (everything else is DiffSynth's full model):
+
+FLUX.1 (:func:`flux_lora_step`):
+
+- ``FluxDiT(num_blocks=1)`` (its own argument: one joint block of 19), built on ``meta``, then
+  ``single_blocks`` kept to a prefix of 1 (of 38), materialised: 3072 wide, ~0.47 B parameters.
+- ``FluxTextEncoderT5`` (T5-XXL, no argument) built on ``meta``, ``encoder.block`` kept to a
+  prefix of 1 (of 24), materialised: 4096 wide, ~0.33 B parameters (most in the vocabulary).
+- ``FluxTextEncoderClip(vocab_size=1000, num_encoder_layers=2, encoder_intermediate_size=64)``
+  (its own arguments; the width stays 768, which the DiT's pooled embedder expects; two layers
+  because its ``clip_skip=2`` reads the second-to-last).
+- ``FluxVAEEncoder()``: full size (34 M parameters).
+- The data loader tokenizes the prompt to 77 CLIP tokens (CLIP's fixed length) and 32 T5
+  tokens: train.py pads T5 to ``t5_sequence_length=512``; the pretokenized slot hands on what
+  the dataset made, and 32 keeps the CPU step short (the code path is the same).
+
+Why everything is float32 on the CPU: the split is checked bit for bit. Why ``lora_B`` is drawn
+rather than zero (peft starts it at zero): so that gradients reach ``lora_A`` too and the exact
+comparison covers both halves of every adapter.
+
+    flux_lora_step(seed) -> (step, batch)        # FLUX.1 LoRA, real random weights, batch 1
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import torch
+
+from examples.diffsynth.steps import (
+    DIFFSYNTH,
+    WHY_NOT,
+    FluxTrainingModule,
+    PretokenizedPair,
+    _preprocessed,
+    _train_mode,
+)
+
+__all__ = ["DIFFSYNTH", "WHY_NOT", "fill_deterministically", "flux_batch", "flux_lora_step"]
+
+FLUX_CLIP_VOCABULARY = 1000
+FLUX_T5_TOKENS = 32
+
+
+def keep_prefix(blocks: torch.nn.ModuleList, count: int) -> None:
+    """Keep the first ``count`` blocks of a repeated-block list (in place), before materialising."""
+    del blocks[count:]
+
+
+def fill_deterministically(module: torch.nn.Module, *, seed: int) -> torch.nn.Module:
+    """Give a ``meta`` module CPU storage and seeded values, so a run is reproducible.
+
+    Matrices and embeddings are drawn uniform in ``±1/sqrt(fan_in)`` (the scale of torch's
+    default ``Linear`` init, so activations stay finite through 3072-wide blocks); 1-D
+    ``weight`` tensors (norm scales) are one, other 1-D tensors (biases) small and random.
+    Parameters are filled in name order from one generator, so the same seed gives the same
+    model whatever else ran before.
+    """
+    module.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in sorted(module.state_dict(keep_vars=True).items()):
+            if tensor.dim() >= 2:
+                bound = 1 / math.sqrt(tensor[0].numel())
+                tensor.uniform_(-bound, bound, generator=generator)
+            elif name.endswith("weight"):
+                tensor.fill_(1.0)
+            elif tensor.is_floating_point():
+                tensor.uniform_(-0.02, 0.02, generator=generator)
+            else:
+                tensor.zero_()
+    return module
+
+
+def draw_lora_b(module: torch.nn.Module, *, seed: int) -> None:
+    """Draw every ``lora_B`` (peft starts them at zero, which hides ``lora_A``'s gradient)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in sorted(module.named_parameters()):
+            if "lora_B" in name:
+                parameter.uniform_(-0.02, 0.02, generator=generator)
+
+
+# -- FLUX.1 ---------------------------------------------------------------------------------------
+class FluxLoraTrainingModule(FluxTrainingModule):
+    """``FluxTrainingModule`` (train.py's ``forward``, task "sft") on real, shrunk weights.
+
+    Only ``__init__`` differs from :class:`examples.diffsynth.steps.FluxTrainingModule`
+    (which builds the full models on ``meta``): the models are built as the module docstring
+    says. ``forward`` and ``get_pipeline_inputs`` are inherited unchanged.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        torch.nn.Module.__init__(self)
+        from diffsynth.diffusion import FlowMatchSFTLoss
+        from diffsynth.models.flux_dit import FluxDiT
+        from diffsynth.models.flux_text_encoder_clip import FluxTextEncoderClip
+        from diffsynth.models.flux_text_encoder_t5 import FluxTextEncoderT5
+        from diffsynth.models.flux_vae import FluxVAEEncoder
+        from diffsynth.pipelines.flux_image import FluxImagePipeline
+
+        torch.manual_seed(seed)
+        pipe = FluxImagePipeline(device="cpu", torch_dtype=torch.float32)
+        pipe.text_encoder_1 = FluxTextEncoderClip(
+            vocab_size=FLUX_CLIP_VOCABULARY, num_encoder_layers=2, encoder_intermediate_size=64
+        )
+        pipe.vae_encoder = FluxVAEEncoder()
+        with torch.device("meta"):
+            text_encoder_2 = FluxTextEncoderT5()
+            dit = FluxDiT(num_blocks=1)
+        keep_prefix(text_encoder_2.encoder.block, 1)
+        keep_prefix(dit.single_blocks, 1)
+        pipe.text_encoder_2 = fill_deterministically(text_encoder_2, seed=seed + 1)
+        pipe.dit = fill_deterministically(dit, seed=seed + 2)
+        pipe.tokenizer_1, pipe.tokenizer_2 = PretokenizedPair(0), PretokenizedPair(1)
+        pipe.preprocess_image = types.MethodType(_preprocessed, pipe)
+        self.pipe = _train_mode(self, pipe, ["a_to_qkv", "b_to_qkv", "to_qkv_mlp"])
+        draw_lora_b(self.pipe.dit, seed=seed + 3)
+        self.use_gradient_checkpointing = False
+        self.use_gradient_checkpointing_offload = False
+        self.extra_inputs: list[str] = []
+        self.task = "sft"
+        self.task_to_loss = {
+            "sft": lambda pipe, inputs_shared, inputs_posi, inputs_nega: FlowMatchSFTLoss(
+                pipe, **inputs_shared, **inputs_posi
+            ),
+        }
+
+
+def flux_lora_step(seed: int = 0) -> tuple[FluxLoraTrainingModule, dict[str, torch.Tensor]]:
+    """The FLUX.1 LoRA step on real random weights and one sample (a 32x32 image)."""
+    return FluxLoraTrainingModule(seed), flux_batch(seed)
+
+
+def flux_batch(seed: int) -> dict[str, torch.Tensor]:
+    """One sample as the data loader hands it over: pixels in [-1, 1], CLIP and T5 token ids."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "image": torch.rand(1, 3, 32, 32, generator=generator) * 2 - 1,
+        "clip_ids": torch.randint(0, FLUX_CLIP_VOCABULARY, (1, 77), generator=generator),
+        "t5_ids": torch.randint(0, 32128, (1, FLUX_T5_TOKENS), generator=generator),
+    }
