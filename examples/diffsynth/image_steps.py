@@ -41,13 +41,17 @@ comparison covers both halves of every adapter.
 from __future__ import annotations
 
 import math
+import re
 import types
+import weakref
+from typing import Any
 
 import torch
 
 from examples.diffsynth.steps import (
     DIFFSYNTH,
     WHY_NOT,
+    DiffusionTrainingModule,
     FluxTrainingModule,
     PretokenizedPair,
     _preprocessed,
@@ -58,6 +62,17 @@ __all__ = ["DIFFSYNTH", "WHY_NOT", "fill_deterministically", "flux_batch", "flux
 
 FLUX_CLIP_VOCABULARY = 1000
 FLUX_T5_TOKENS = 32
+QWEN_VAE_BASE_DIM = 16
+QWEN_LORA_TARGETS = [
+    "to_q",
+    "to_k",
+    "to_v",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_out.0",
+    "to_add_out",
+]
 
 
 def keep_prefix(blocks: torch.nn.ModuleList, count: int) -> None:
@@ -88,6 +103,23 @@ def fill_deterministically(module: torch.nn.Module, *, seed: int) -> torch.nn.Mo
             else:
                 tensor.zero_()
     return module
+
+
+def rebuild_computed_buffers(module: torch.nn.Module) -> None:
+    """Rebuild, on the CPU, each submodule whose buffers are computed, not stored (RoPE tables).
+
+    ``to_empty`` leaves non-persistent buffers (``inv_freq``) uninitialised and no state dict
+    holds them, so each such submodule is constructed again from its owner's ``config``, as
+    transformers constructs it. Any other module with such buffers is refused.
+    """
+    for owner_name, owner in list(module.named_modules()):
+        for child_name, child in list(owner.named_children()):
+            if not child._non_persistent_buffers_set:
+                continue
+            config = getattr(owner, "config", None)
+            if config is None:
+                raise TypeError(f"{owner_name}.{child_name}: computed buffers and no config")
+            setattr(owner, child_name, type(child)(config))
 
 
 def draw_lora_b(module: torch.nn.Module, *, seed: int) -> None:
@@ -157,4 +189,142 @@ def flux_batch(seed: int) -> dict[str, torch.Tensor]:
         "image": torch.rand(1, 3, 32, 32, generator=generator) * 2 - 1,
         "clip_ids": torch.randint(0, FLUX_CLIP_VOCABULARY, (1, 77), generator=generator),
         "t5_ids": torch.randint(0, 32128, (1, FLUX_T5_TOKENS), generator=generator),
+    }
+
+
+# -- Qwen-Image -----------------------------------------------------------------------------------
+_PROMPTS_BY_MARKER: weakref.WeakValueDictionary[str, PromptTokens] = weakref.WeakValueDictionary()
+"""Marker text -> the :class:`PromptTokens` that formatted as it (while it lives)."""
+
+
+class PromptTokens:
+    """The prompt as the dataset tokenized it, standing where DiffSynth expects its string.
+
+    ``QwenImageUnit_PromptEmbedder.encode_prompt`` formats the prompt into its chat template
+    (``template.format(prompt)``) and tokenizes the text. A string cannot carry traced token
+    ids, so this object formats as a marker naming itself, and :class:`TemplateTokenizer` puts
+    the ids back where the marker stands.
+    """
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+    def __format__(self, spec: str) -> str:
+        marker = f"<|prompt-{id(self)}|>"
+        _PROMPTS_BY_MARKER[marker] = self
+        return marker
+
+
+class TemplateTokenizer:
+    """The pipeline's ``tokenizer`` slot: DiffSynth's template byte by byte, the prompt as given.
+
+    DiffSynth loads ``Qwen2Tokenizer`` from the hub (``Qwen/Qwen-Image``, ``tokenizer/``); no
+    hub files here, so the template text around the prompt is tokenized one UTF-8 byte per token
+    (ids 0..255) and the prompt's own ids (:class:`PromptTokens`) are spliced in. The output is
+    what ``Qwen2Tokenizer`` returns for one prompt: a ``BatchEncoding`` of ``input_ids`` and an
+    all-ones ``attention_mask``, shape ``(1, tokens)``. Qwen's tokenizer makes 34 tokens of the
+    template's head, which DiffSynth drops (``drop_idx = 34``); byte by byte it is 97 tokens, so
+    63 template tokens stay in the prompt states here (the code path is the same).
+    """
+
+    def __call__(self, texts: list[str], **_: Any) -> Any:
+        from transformers import BatchEncoding
+
+        (text,) = texts  # DiffSynth tokenizes one prompt per batch
+        head, marker, tail = re.split(r"(<\|prompt-\d+\|>)", text)
+        prompt = _PROMPTS_BY_MARKER[marker].ids
+        pieces = [_bytes_as_ids(head, prompt), prompt, _bytes_as_ids(tail, prompt)]
+        input_ids = torch.cat(pieces, dim=1)
+        return BatchEncoding({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)})
+
+
+def _bytes_as_ids(text: str, like: torch.Tensor) -> torch.Tensor:
+    """``text`` as one token per UTF-8 byte, shaped ``(1, bytes)`` like the prompt's ids."""
+    return torch.tensor([list(text.encode())], dtype=like.dtype, device=like.device)
+
+
+class QwenImageLoraTrainingModule(DiffusionTrainingModule):
+    """``examples/qwen_image/model_training/train.py``'s ``QwenImageTrainingModule``, task "sft".
+
+    ``get_pipeline_inputs`` holds the inputs train.py's forward passes (the image, its size,
+    ``cfg_scale=1``, the empty negative prompt, the device, the checkpointing flags); ``forward``
+    is train.py's, with the batch as named tensors as in :mod:`examples.diffsynth.steps`.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        from diffsynth.diffusion import FlowMatchSFTLoss
+        from diffsynth.models.qwen_image_dit import QwenImageDiT
+        from diffsynth.models.qwen_image_text_encoder import QwenImageTextEncoder
+        from diffsynth.models.qwen_image_vae import QwenImageVAE
+        from diffsynth.pipelines.qwen_image import QwenImagePipeline
+
+        torch.manual_seed(seed)
+        pipe = QwenImagePipeline(device="cpu", torch_dtype=torch.float32)
+        pipe.vae = QwenImageVAE(base_dim=QWEN_VAE_BASE_DIM).eval()
+        # Real storage: its RoPE keeps plain tensors (``pos_freqs``) that ``to_empty`` misses.
+        dit = QwenImageDiT(num_layers=1)
+        with torch.device("meta"):
+            text_encoder = QwenImageTextEncoder()
+        keep_prefix(text_encoder.model.language_model.layers, 1)
+        keep_prefix(text_encoder.model.visual.blocks, 1)
+        lm_head = text_encoder.lm_head  # never called: DiffSynth's forward returns hidden states
+        del text_encoder.lm_head
+        pipe.text_encoder = fill_deterministically(text_encoder, seed=seed + 1)
+        rebuild_computed_buffers(text_encoder)
+        text_encoder.lm_head = lm_head
+        pipe.dit = dit
+        pipe.tokenizer = TemplateTokenizer()
+        pipe.preprocess_image = types.MethodType(_preprocessed, pipe)
+        self.pipe = _train_mode(self, pipe, QWEN_LORA_TARGETS)
+        draw_lora_b(self.pipe.dit, seed=seed + 3)
+        self.use_gradient_checkpointing = False
+        self.use_gradient_checkpointing_offload = False
+        self.extra_inputs: list[str] = []
+        self.task = "sft"
+        self.task_to_loss = {
+            "sft": lambda pipe, inputs_shared, inputs_posi, inputs_nega: FlowMatchSFTLoss(
+                pipe, **inputs_shared, **inputs_posi
+            ),
+        }
+
+    def get_pipeline_inputs(self, data: dict[str, Any]) -> tuple[dict, dict, dict]:
+        """train.py's, with sizes read off the pixel tensor ``(1, C, H, W)``."""
+        inputs_posi = {"prompt": data["prompt"]}
+        inputs_nega = {"negative_prompt": ""}
+        inputs_shared = {
+            "input_image": data["image"],
+            "height": data["image"].shape[2],
+            "width": data["image"].shape[3],
+            "cfg_scale": 1,
+            "rand_device": self.pipe.device,
+            "use_gradient_checkpointing": self.use_gradient_checkpointing,
+            "use_gradient_checkpointing_offload": self.use_gradient_checkpointing_offload,
+        }
+        return inputs_shared, inputs_posi, inputs_nega
+
+    def forward(self, image: torch.Tensor, prompt_ids: torch.Tensor) -> torch.Tensor:
+        data = {"image": image, "prompt": PromptTokens(prompt_ids)}
+        # From here on: train.py's forward(data), verbatim.
+        inputs = self.get_pipeline_inputs(data)
+        inputs = self.transfer_data_to_device(inputs, self.pipe.device, self.pipe.torch_dtype)
+        for unit in self.pipe.units:
+            inputs = self.pipe.unit_runner(unit, self.pipe, *inputs)
+        loss = self.task_to_loss[self.task](self.pipe, *inputs)
+        return loss
+
+
+def qwen_image_lora_step(
+    seed: int = 0,
+) -> tuple[QwenImageLoraTrainingModule, dict[str, torch.Tensor]]:
+    """The Qwen-Image LoRA step on real random weights and one sample (a 32x32 image)."""
+    return QwenImageLoraTrainingModule(seed), qwen_image_batch(seed)
+
+
+def qwen_image_batch(seed: int, *, prompt_tokens: int = 8) -> dict[str, torch.Tensor]:
+    """One sample: pixels in [-1, 1] and the prompt's token ids (Qwen's vocabulary)."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "image": torch.rand(1, 3, 32, 32, generator=generator) * 2 - 1,
+        "prompt_ids": torch.randint(256, 152064, (1, prompt_tokens), generator=generator),
     }
