@@ -22,7 +22,8 @@ FLUX.1 (:func:`flux_lora_step`):
 - ``FluxDiT(num_blocks=1)`` (its own argument: one joint block of 19), built on ``meta``, then
   ``single_blocks`` kept to a prefix of 1 (of 38), materialised: 3072 wide, ~0.47 B parameters.
 - ``FluxTextEncoderT5`` (T5-XXL, no argument) built on ``meta``, ``encoder.block`` kept to a
-  prefix of 1 (of 24), materialised: 4096 wide, ~0.33 B parameters (most in the vocabulary).
+  prefix of 1 (of 24), materialised: 4096 wide, ~0.32 B parameters (0.13 B of them its
+  32,128-token vocabulary, tied between ``shared`` and ``encoder.embed_tokens``).
 - ``FluxTextEncoderClip(vocab_size=1000, num_encoder_layers=2, encoder_intermediate_size=64)``
   (its own arguments; the width stays 768, which the DiT's pooled embedder expects; two layers
   because its ``clip_skip=2`` reads the second-to-last).
@@ -31,11 +32,30 @@ FLUX.1 (:func:`flux_lora_step`):
   tokens: train.py pads T5 to ``t5_sequence_length=512``; the pretokenized slot hands on what
   the dataset made, and 32 keeps the CPU step short (the code path is the same).
 
+Qwen-Image (:func:`qwen_image_lora_step`):
+
+- ``QwenImageDiT(num_layers=1)`` (its own argument: one block of 60), built for real on the CPU
+  with torch's default init under the seed (its RoPE keeps plain tensors that ``to_empty``
+  would miss): 3072 wide, text input 3584, ~0.38 B parameters.
+- ``QwenImageTextEncoder`` (Qwen2.5-VL-7B, no argument) built on ``meta``;
+  ``model.language_model.layers`` kept to a prefix of 1 (of 28) and ``model.visual.blocks`` to 1
+  (of 32); materialised (3584 wide, its 152,064-token vocabulary alone 2.2 GB), its RoPE tables
+  rebuilt from its config (:func:`rebuild_computed_buffers`). ``lm_head`` (another 2.2 GB)
+  stays on ``meta``: DiffSynth's ``forward`` returns hidden states and never calls it.
+- ``QwenImageVAE(base_dim=16)`` (its own argument; DiffSynth's is 96; ``z_dim`` stays 16, which
+  the DiT's ``img_in`` expects).
+- The tokenizer: DiffSynth loads ``Qwen2Tokenizer`` from the hub and its prompt unit formats the
+  prompt *string* into a chat template first. :class:`PromptTokens` stands in the prompt's place
+  and :class:`TemplateTokenizer` in the tokenizer's: the template is tokenized byte by byte and
+  the dataset's token ids (8 here) are spliced in where the prompt stands.
+- Resident memory: ~5.4 GB (the vocabulary and the one 3072-wide block dominate).
+
 Why everything is float32 on the CPU: the split is checked bit for bit. Why ``lora_B`` is drawn
 rather than zero (peft starts it at zero): so that gradients reach ``lora_A`` too and the exact
 comparison covers both halves of every adapter.
 
     flux_lora_step(seed) -> (step, batch)        # FLUX.1 LoRA, real random weights, batch 1
+    qwen_image_lora_step(seed) -> (step, batch)  # Qwen-Image LoRA, real random weights, batch 1
 """
 
 from __future__ import annotations
@@ -58,7 +78,17 @@ from examples.diffsynth.steps import (
     _train_mode,
 )
 
-__all__ = ["DIFFSYNTH", "WHY_NOT", "fill_deterministically", "flux_batch", "flux_lora_step"]
+__all__ = [
+    "DIFFSYNTH",
+    "WHY_NOT",
+    "PromptTokens",
+    "TemplateTokenizer",
+    "fill_deterministically",
+    "flux_batch",
+    "flux_lora_step",
+    "qwen_image_batch",
+    "qwen_image_lora_step",
+]
 
 FLUX_CLIP_VOCABULARY = 1000
 FLUX_T5_TOKENS = 32
@@ -87,9 +117,15 @@ def fill_deterministically(module: torch.nn.Module, *, seed: int) -> torch.nn.Mo
     default ``Linear`` init, so activations stay finite through 3072-wide blocks); 1-D
     ``weight`` tensors (norm scales) are one, other 1-D tensors (biases) small and random.
     Parameters are filled in name order from one generator, so the same seed gives the same
-    model whatever else ran before.
+    model whatever else ran before. Tied parameters (T5's ``shared`` and ``embed_tokens``) stay
+    tied.
     """
+    shared = _shared_parameters(module)
     module.to_empty(device="cpu")
+    for owners in shared:  # to_empty gives each owner its own tensor: tie them again
+        (first_owner, first_name), *others = owners
+        for owner, name in others:
+            setattr(owner, name, getattr(first_owner, first_name))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, tensor in sorted(module.state_dict(keep_vars=True).items()):
@@ -120,6 +156,15 @@ def rebuild_computed_buffers(module: torch.nn.Module) -> None:
             if config is None:
                 raise TypeError(f"{owner_name}.{child_name}: computed buffers and no config")
             setattr(owner, child_name, type(child)(config))
+
+
+def _shared_parameters(module: torch.nn.Module) -> list[list[tuple[torch.nn.Module, str]]]:
+    """The (owner, attribute) pairs of every parameter held by more than one module (ties)."""
+    owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
+    for submodule in module.modules():
+        for name, parameter in submodule.named_parameters(recurse=False):
+            owners.setdefault(id(parameter), []).append((submodule, name))
+    return [pairs for pairs in owners.values() if len(pairs) > 1]
 
 
 def draw_lora_b(module: torch.nn.Module, *, seed: int) -> None:
@@ -223,8 +268,9 @@ class TemplateTokenizer:
     (ids 0..255) and the prompt's own ids (:class:`PromptTokens`) are spliced in. The output is
     what ``Qwen2Tokenizer`` returns for one prompt: a ``BatchEncoding`` of ``input_ids`` and an
     all-ones ``attention_mask``, shape ``(1, tokens)``. Qwen's tokenizer makes 34 tokens of the
-    template's head, which DiffSynth drops (``drop_idx = 34``); byte by byte it is 97 tokens, so
-    63 template tokens stay in the prompt states here (the code path is the same).
+    template's head, which DiffSynth drops (``drop_idx = 34``); byte by byte the head is 180
+    tokens and the tail 33, so 146 + 33 template tokens stay in the prompt states here (the code
+    path is the same).
     """
 
     def __call__(self, texts: list[str], **_: Any) -> Any:
