@@ -7,7 +7,10 @@ once bare (the bytes stay in the page cache) and once followed by ``fsync`` (dur
 graphsplit's shards are). On caches larger than the page cache the two baselines converge.
 Reading: one shuffled epoch of ``CachedDataset`` items against raw ``safe_open(...).get_tensor``
 reads of the same rows, handles already open, every byte touched; with ``verify=False`` (or
-after the first epoch) and with the first-epoch checksums. Variants run interleaved round by
+after the first epoch) and with the first-epoch checksums. Before each write (untimed) the rows
+of both writers are read once, so that each starts from memory just touched, as a writer fed
+by stage 1 does, and ``os.sync()`` flushes what the previous variant left dirty, so that no
+write runs beside the flushing of another's. Variants run interleaved round by
 round, on one torch thread by default; the report gives the median and IQR of same-round ratios
 (baseline seconds / graphsplit seconds, so 1.0 is "as fast as safetensors") on wall-clock and
 CPU time (all threads of the process, graphsplit's writer threads included), files in the page
@@ -121,6 +124,17 @@ def _write_raw(shards: list[dict[str, torch.Tensor]], folder: Path, *, fsync: bo
             os.close(descriptor)
 
 
+def _warm(tensors: list[dict[str, torch.Tensor]]) -> None:
+    """Read every byte of ``tensors`` (untimed). A writer's input is what stage 1 has just
+    computed, so it is in memory that was just touched; in a VM, memory left idle for seconds
+    can be slower to read at first (rows idle for one round of the 1 GiB size took up to 3x
+    longer to write than the same rows just read), which would charge whichever variant
+    touched its rows last."""
+    for rows in tensors:
+        for tensor in rows.values():
+            _touch(tensor)
+
+
 def _touch(tensor: torch.Tensor) -> None:
     """Read every byte once (numpy: no torch kernel launch in the measurement)."""
     tensor.numpy().sum()
@@ -204,6 +218,10 @@ def measure(
 
         def before_each(name: str, index: int) -> None:
             shutil.rmtree(root / "w", ignore_errors=True)  # every write starts empty
+            if name.startswith("write_"):  # every writer starts from memory just touched
+                _warm(split.stage1._batches)
+                _warm(shards)
+                os.sync()  # and with no earlier write still being flushed beside it
             if name == "read_graphsplit_verified":
                 fresh.append(CachedDataset(ours, verify=True))
 

@@ -143,8 +143,11 @@ class ShardWriter:
     """Writes shards on background threads, so stage 1 keeps running meanwhile.
 
     One thread serialises shard ``k`` into a temporary file (hashing its bytes from memory as
-    it writes them) while two others commit the shards before it (:meth:`commit`), so fsyncs
-    overlap the writing. At most one shard waits in memory besides the one being filled.
+    it writes them). A small shard is committed (:meth:`commit`) by one of two other threads,
+    so its fsync overlaps the writing of the next; a shard of 32 MiB or more is committed by
+    the saving thread itself before it writes the next (see ``_OVERLAPPED_COMMIT_BYTES``).
+    Either way stage 1 keeps running meanwhile. At most one shard waits in memory besides the
+    one being filled.
     """
 
     def __init__(self, folder: Path) -> None:
@@ -185,7 +188,11 @@ class ShardWriter:
         checksum = files.save_tensors(shard.tensors, self.folder / name, metadata)
         shard.tensors = {}
         temporary = files.temporary_path(self.folder / name)
-        return self._committers.submit(self.commit, shard, temporary, checksum)
+        if shard.nbytes < _OVERLAPPED_COMMIT_BYTES:
+            return self._committers.submit(self.commit, shard, temporary, checksum)
+        committed: Future[ShardProgress] = Future()  # fsync'd before the next shard is written
+        committed.set_result(self.commit(shard, temporary, checksum))
+        return committed
 
     def commit(self, shard: PendingShard, temporary: Path, checksum: str) -> ShardProgress:
         """Move a saved shard (with the ``checksum`` its bytes had in memory) into place and
@@ -230,6 +237,14 @@ def _snapshot(value: Any) -> Any:
     if type(value) in (list, tuple):
         return type(value)(_snapshot(item) for item in value)
     return copy.deepcopy(value)
+
+
+# A shard at least this big is committed (fsync'd) on the saving thread before the next shard
+# is written, not beside that write. Writing into the page cache while a large file is being
+# flushed cost 3x the CPU time and 2x the wall time of writing then flushing (1 GiB in 256 MiB
+# shards, Linux 6.18 in a VM: 2.1 s vs 0.64 s CPU); below 32 MiB the overlap still pays (78 MB
+# in 16 MiB shards: 0.94 vs 0.76 of save_file + fsync's wall time, the same CPU time).
+_OVERLAPPED_COMMIT_BYTES = 32 << 20
 
 
 def _digested(shard: PendingShard) -> PendingShard:

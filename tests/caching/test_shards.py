@@ -15,11 +15,14 @@ from graphsplit.caching.dataset import CachedDataset, collate
 from graphsplit.caching.fingerprint import batch_input_digests
 from graphsplit.caching.format import read_manifest
 from graphsplit.caching.run import cache
+from graphsplit.caching.shards import ShardWriter
 from graphsplit.errors import CacheError
 from tests.caching.fixtures import (
+    SMALL,
     ChannelsLastEncoder,
     Interrupt,
     Pictures,
+    cache_contents,
     interrupt_after,
     loader,
     make_split,
@@ -224,3 +227,31 @@ def test_a_failing_input_digest_stops_the_run_with_its_error(split, tmp_path, mo
     with pytest.raises(CacheError, match="cannot digest this input"):
         cache(split, loader(), tmp_path, progress=False)
     assert not (tmp_path / "manifest.json").exists()
+
+
+def test_large_shards_are_committed_before_the_next_is_written(split, tmp_path, monkeypatch):
+    """From 32 MiB a shard is fsync'd and renamed on the saving thread before the next shard
+    is written (not beside that write); the files are the same either way."""
+    overlapped = tmp_path / "overlapped"
+    cache(split, loader(), overlapped, shard_bytes=SMALL, progress=False)
+    events: list[tuple[str, str, int]] = []
+    save, commit = ShardWriter.save, ShardWriter.commit
+
+    def saving(self, shard):
+        events.append(("save", threading.current_thread().name, shard.index))
+        return save(self, shard)
+
+    def committing(self, shard, temporary, checksum):
+        events.append(("commit", threading.current_thread().name, shard.index))
+        return commit(self, shard, temporary, checksum)
+
+    monkeypatch.setattr("graphsplit.caching.shards._OVERLAPPED_COMMIT_BYTES", 0)
+    monkeypatch.setattr(ShardWriter, "save", saving)
+    monkeypatch.setattr(ShardWriter, "commit", committing)
+    inline = tmp_path / "inline"
+    info = cache(split, loader(), inline, shard_bytes=SMALL, progress=False)
+    assert info.num_shards == 6 and cache_contents(inline) == cache_contents(overlapped)
+    expected = [
+        (step, "graphsplit-save_0", index) for index in range(6) for step in ("save", "commit")
+    ]
+    assert events == expected
