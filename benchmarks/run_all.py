@@ -18,6 +18,7 @@ from benchmarks.common import parser
 bench_step_time = "benchmarks.bench_step_time"
 bench_memory = "benchmarks.bench_memory"
 bench_cache_io = "benchmarks.bench_cache_io"
+bench_fingerprint = "benchmarks.bench_fingerprint"
 bench_cache_bytes = "benchmarks.bench_cache_bytes"
 bench_split_scale = "benchmarks.bench_split_scale"
 bench_plan_scale = "benchmarks.bench_plan_scale"
@@ -32,6 +33,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
             ("step time", bench_step_time, ["--rounds", "40", *target]),
             ("memory", bench_memory, ["--steps", "3", *target]),
             ("cache I/O", bench_cache_io, ["--samples", "256", "--rounds", "15", *target]),
+            ("weights fingerprint", bench_fingerprint, [*target]),
             ("cache bytes", bench_cache_bytes, ["--cases", "tiny", "sdxl", *target]),
             ("planning, synthetic", bench_split_scale, ["--full", "--rounds", "3", *target]),
             ("planning, full size", bench_plan_scale,
@@ -42,6 +44,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
         ("step time", bench_step_time, ["--quick", *target]),
         ("memory", bench_memory, ["--quick", *target]),
         ("cache I/O", bench_cache_io, ["--quick", *target]),
+        ("weights fingerprint", bench_fingerprint, ["--quick", *target]),
         ("cache bytes", bench_cache_bytes, ["--cases", "tiny", *target]),
         ("planning, synthetic", bench_split_scale, ["--quick", *target]),
         ("planning, full size", bench_plan_scale, ["--quick", *target]),
