@@ -286,26 +286,38 @@ class ExampleRun:
         batch = example_batch_size(self.examples)
         if batch == 1:
             return tuple(None for _ in outputs)
-        per_sample = [pytree.tree_leaves(self._value(node, i, site)) for i in range(batch)]
+        whole_structure = pytree.tree_structure(self._value(node, None, site))
+        per_sample = []
+        for sample in range(batch):
+            value = self._value(node, sample, site)
+            if pytree.tree_structure(value) != whole_structure:  # one item per sample, say
+                raise self._mixes(node, site, "its output is not structured as each sample's own")
+            per_sample.append(pytree.tree_leaves(value))
         dims = []
         for index, whole in enumerate(outputs):
-            samples = [leaves[index] for leaves in per_sample]
-            dim = _stacking_dim(whole, samples)
-            if dim is _MIXES:  # a TensorValueError: its caller may restack per sample
-                raise user_error(
-                    TensorValueError,
-                    f"{site.label} reads tensor values and mixes the samples of a batch: run on "
-                    f"the whole example batch of {batch}, its output {index} "
-                    f"{tuple(whole.shape)} is not the samples' own outputs stacked (it pads to "
-                    "the batch's longest item, or reads across samples), so one sample's "
-                    "cached value would depend on the samples batched with it.",
-                    node=node,
-                    source=site.read_at,
-                    fix="plan at batch 1: pass an example batch of one sample (graphsplit then "
-                    "plans one sample per batch, as DiffSynth trains), or pad to a fixed length",
+            dim = _stacking_dim(whole, [leaves[index] for leaves in per_sample])
+            if dim is _MIXES:
+                shape = tuple(whole.shape)
+                raise self._mixes(
+                    node, site, f"its output {index} {shape} is not the samples' own stacked"
                 )
             dims.append(dim)
         return tuple(dims)
+
+    def _mixes(self, node: fx.Node, site: OpaqueSite, what: str) -> TensorValueError:
+        """A TensorValueError: the caller is tried next, it may restack per sample."""
+        batch = example_batch_size(self.examples)
+        return user_error(
+            TensorValueError,
+            f"{site.label} reads tensor values and mixes the samples of a batch: run on the "
+            f"whole example batch of {batch}, {what} (it pads to the batch's longest item, "
+            "returns one item per sample, or reads across samples), so one sample's cached "
+            "value would depend on the samples batched with it.",
+            node=node,
+            source=site.read_at,
+            fix="plan at batch 1: pass an example batch of one sample (graphsplit then plans "
+            "one sample per batch, as DiffSynth trains), or pad to a fixed length",
+        )
 
 
 _MIXES = object()
