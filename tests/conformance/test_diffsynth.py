@@ -17,13 +17,10 @@ Wan 2.1 text-to-video LoRA (tiny, real weights: split + verify), unmodified:
      ``dit.freqs[0][:f]`` (a traced slice bound) are traced (issue 11 item 1).
   It splits, one sample per batch, and verifies bit for bit.
 
-FLUX.1 LoRA (DiffSynth's classes fix their widths: built on meta, planned, not run):
-  1. ``torch.Tensor([embedded_guidance] * latents.shape[0])`` (flux_image.py, guidance unit):
-     a traced size as a list repeat count; today a raw RuntimeError (issue 11 item 1).
-  2. the same 0-dim index and einops as Wan. With those rewritten it plans one sample per batch.
-
-Qwen-Image: not built (``QwenImageDiT`` fixes its width; its prompt unit formats the prompt
-string into a template before tokenizing, so no tensor path exists for the prompt).
+FLUX.1 LoRA at DiffSynth's full widths, built on meta (planned, not run): the guidance unit's
+``torch.Tensor([embedded_guidance] * latents.shape[0])`` (flux_image.py) is one traced node
+(issue 11 item 1), and it plans one sample per batch. The same step on real weights, made small
+by block-list prefixes, splits and verifies in ``test_diffsynth_image.py``, with Qwen-Image.
 """
 
 from __future__ import annotations
