@@ -17,8 +17,9 @@ Glossary:
         converted to fake ones on first use (memoised by the mode), so weights stay on ``meta``.
 
 ``meta_execution()`` is the context every analysis op runs in: the fake mode, no autograd,
-factories default to ``meta``, and stray real tensors (constants in helper objects) are moved
-to ``meta``.
+factories default to ``meta``, stray real tensors (constants in helper objects) are moved
+to ``meta``, and Python's own builtins are back if a trace replaced them
+(:mod:`graphsplit.planning.python_builtins`: only traced values need the replacements).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 from graphsplit.planning.memo import OpMemo
+from graphsplit.planning.python_builtins import python_builtins_restored
 from graphsplit.planning.state import is_helper_object, restore_attributes
 
 META = torch.device("meta")
@@ -149,7 +151,7 @@ def meta_execution() -> Iterator[None]:
     fraction of the fake mode's cost per op).
     """
     mode, memo = _fake_mode_and_memo()
-    with torch.no_grad(), mode, META, _StrayTensorsToMeta(), memo:
+    with python_builtins_restored(), torch.no_grad(), mode, META, _StrayTensorsToMeta(), memo:
         yield
 
 
