@@ -23,7 +23,6 @@ from torch import nn
 from graphsplit.artifacts import BoundarySpec, Cut
 from graphsplit.planning.callable import as_step_module
 from graphsplit.planning.codegen import build_stage1, build_stage2, standalone_source
-from graphsplit.planning.collector import cyclic_gc_paused
 from graphsplit.planning.cut import boundary_specs, choose_boundary
 from graphsplit.planning.frozen import FrozenSpec, resolve_frozen
 from graphsplit.planning.inputs import bind_examples
@@ -136,18 +135,6 @@ def split(
         True
     """
     check_recompute(recompute)
-    with cyclic_gc_paused():  # planning allocates in bursts next to a big model: see collector
-        return _split(model, args, kwargs, frozen=frozen, recompute=recompute)
-
-
-def _split(
-    model: nn.Module | Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any] | None,
-    *,
-    frozen: FrozenSpec,
-    recompute: Recompute,
-) -> Split:
     # 0. A function or bound method becomes a module whose forward calls it (same objects).
     step = as_step_module(model, args, dict(kwargs or {}))
     model, args, kwargs = step.module, step.args, step.kwargs
