@@ -140,8 +140,9 @@ def split(
     model, args, kwargs = step.module, step.args, step.kwargs
     # 1. Bind the example batch to forward's parameters; meta twins at two batch sizes.
     examples = bind_examples(model, args, kwargs)
-    frozen_names = resolve_frozen(model, frozen)
-    trainable = frozenset(name for name, _ in model.named_parameters() if name not in frozen_names)
+    named = list(model.named_parameters())
+    frozen_names = resolve_frozen(model, frozen, named=named)
+    trainable = frozenset(name for name, _ in named if name not in frozen_names)
     # 2. Trace and analyse (in rounds), then give the graph back the step's real device.
     traced = trace_and_analyze(model, examples, trainable)
     restore_devices(traced.graph, examples.device)

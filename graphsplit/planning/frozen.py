@@ -16,9 +16,18 @@ from graphsplit.errors import SplitError
 FrozenSpec = None | Callable[[str, nn.Parameter], bool] | Iterable[nn.Module] | Iterable[str]
 
 
-def resolve_frozen(model: nn.Module, frozen: FrozenSpec) -> frozenset[str]:
-    """The qualified names of ``model``'s frozen parameters."""
-    named = list(model.named_parameters())
+def resolve_frozen(
+    model: nn.Module,
+    frozen: FrozenSpec,
+    *,
+    named: list[tuple[str, nn.Parameter]] | None = None,
+) -> frozenset[str]:
+    """The qualified names of ``model``'s frozen parameters.
+
+    ``named``: ``list(model.named_parameters())`` when the caller already has it (a walk of
+    every module of a big model, which ``split`` needs once for itself too).
+    """
+    named = list(model.named_parameters()) if named is None else named
     if frozen is None:
         return frozenset(name for name, param in named if not param.requires_grad)
     if callable(frozen) and not isinstance(frozen, nn.Module):

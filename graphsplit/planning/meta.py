@@ -17,8 +17,9 @@ Glossary:
         converted to fake ones on first use (memoised by the mode), so weights stay on ``meta``.
 
 ``meta_execution()`` is the context every analysis op runs in: the fake mode, no autograd,
-factories default to ``meta``, and stray real tensors (constants in helper objects) are moved
-to ``meta``.
+factories default to ``meta``, stray real tensors (constants in helper objects) are moved
+to ``meta``, and Python's own builtins are back if a trace replaced them
+(:mod:`graphsplit.planning.python_builtins`: only traced values need the replacements).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 from graphsplit.planning.memo import OpMemo
+from graphsplit.planning.python_builtins import python_builtins_restored
+from graphsplit.planning.state import is_helper_object, restore_attributes
 
 META = torch.device("meta")
 
@@ -65,7 +68,7 @@ class _StrayTensorsToMeta(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is _IS_ALL_TRUE and _is_analysis_tensor(args[0]):
             return torch.tensor(True, device="cpu")  # a fake constant: .item() is True
-        if _has_meta_tensor((args, kwargs)):
+        if _meta_meets_other_device((args, kwargs)):
             args, kwargs = to_meta((args, kwargs))
         return func(*args, **kwargs)
 
@@ -79,25 +82,40 @@ def _is_analysis_tensor(value: Any) -> bool:
     )
 
 
-def _has_meta_tensor(tree: Any) -> bool:
-    """Whether a meta tensor is anywhere in ``tree`` (runs on every torch call: kept cheap).
+def _meta_meets_other_device(tree: Any) -> bool:
+    """Whether ``tree`` holds both a ``meta`` tensor and a tensor on another device.
+
+    Runs on every torch call, so it is kept cheap. Only that mix needs :func:`to_meta`: with
+    no meta tensor there is nothing to meet, and with meta tensors only (every fake tensor of
+    the analysis reads ``meta``) the map would return its input unchanged.
+    """
+    devices: set[bool] = set()
+    for tensor in _tensors_in(tree):
+        devices.add(tensor.device.type == "meta")
+        if len(devices) == 2:
+            return True
+    return False
+
+
+def _tensors_in(tree: Any) -> Iterator[torch.Tensor]:
+    """The tensors anywhere in ``tree``, in order.
 
     Plain tuples, lists and dicts are walked directly; anything else goes through pytree,
     which knows the containers libraries register (transformers' ``ModelOutput``).
     """
     kind = type(tree)
     if kind is tuple or kind is list:
-        return any(_has_meta_tensor(item) for item in tree)
-    if kind is dict:
-        return any(_has_meta_tensor(item) for item in tree.values())
-    if isinstance(tree, torch.Tensor):
-        return tree.device.type == "meta"
-    if kind in _ATOMS:
-        return False
-    return any(
-        isinstance(leaf, torch.Tensor) and leaf.device.type == "meta"
-        for leaf in pytree.tree_leaves(tree)
-    )
+        for item in tree:
+            yield from _tensors_in(item)
+    elif kind is dict:
+        for item in tree.values():
+            yield from _tensors_in(item)
+    elif isinstance(tree, torch.Tensor):
+        yield tree
+    elif kind not in _ATOMS:
+        for leaf in pytree.tree_leaves(tree):
+            if isinstance(leaf, torch.Tensor):
+                yield leaf
 
 
 _ATOMS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size})
@@ -133,7 +151,7 @@ def meta_execution() -> Iterator[None]:
     fraction of the fake mode's cost per op).
     """
     mode, memo = _fake_mode_and_memo()
-    with torch.no_grad(), mode, META, _StrayTensorsToMeta(), memo:
+    with python_builtins_restored(), torch.no_grad(), mode, META, _StrayTensorsToMeta(), memo:
         yield
 
 
@@ -150,14 +168,13 @@ def analysis_view(model: nn.Module) -> Iterator[None]:
     """
     replaced: list[tuple[dict[str, Any], str, Any]] = []
     meta_of: dict[int, torch.Tensor] = {}
-    module_dicts = {id(module): dict(vars(module)) for module in model.modules()}
-    helpers = _helper_objects(model)
-    helper_dicts = {id(obj): dict(vars(obj)) for obj in helpers}
-    hook_tables = _hook_tables(model)
+    modules = list(model.modules())
+    module_dicts, helpers, hook_tables = _snapshot(modules)
+    helper_dicts = [(obj, dict(vars(obj))) for obj in helpers]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     _FAKE_MODES.append((mode, OpMemo(mode)))
     try:
-        for module in model.modules():
+        for module in modules:
             for table in (module._parameters, module._buffers):
                 for name, tensor in table.items():
                     if tensor is None or tensor.device.type == "meta":
@@ -169,26 +186,44 @@ def analysis_view(model: nn.Module) -> Iterator[None]:
         _FAKE_MODES.pop()
         for table, name, tensor in reversed(replaced):
             table[name] = tensor
-        for module in model.modules():
-            _restore_dict(module, module_dicts.get(id(module)))
-        for obj in helpers:
-            _restore_dict(obj, helper_dicts[id(obj)])
+        for module, saved in module_dicts:
+            restore_attributes(module, saved)
+        for obj, saved in helper_dicts:
+            restore_attributes(obj, saved)
         for table, saved in hook_tables:
-            table.clear()
-            table.update(saved)
+            if table or saved:
+                table.clear()
+                table.update(saved)
 
 
-def _hook_tables(model: nn.Module) -> list[tuple[dict[Any, Any], dict[Any, Any]]]:
-    """``(table, copy)`` for every hook dict of every module (``_forward_hooks`` and kin).
+_Snapshot = tuple[
+    list[tuple[nn.Module, dict[str, Any]]],
+    list[Any],
+    list[tuple[dict[Any, Any], dict[Any, Any]]],
+]
 
-    Restored in place: a hook's ``RemovableHandle`` refers to the table object itself.
+
+def _snapshot(modules: list[nn.Module]) -> _Snapshot:
+    """One pass over the modules' attributes: ``(module, copy of its __dict__)`` per module,
+    the helper objects (schedulers, configs) they hold, and ``(table, copy)`` for every hook
+    dict (``_forward_hooks`` and kin).
+
+    Hook tables are restored in place: a hook's ``RemovableHandle`` refers to the table object
+    itself. The modules are listed once by the caller: ``model.modules()`` is a recursive
+    generator whose cost grows with the depth of the tree.
     """
-    return [
-        (table, dict(table))
-        for module in model.modules()
-        for name, table in vars(module).items()
-        if "hooks" in name and isinstance(table, dict)
-    ]
+    module_dicts = []
+    helpers: dict[int, Any] = {}
+    hook_tables = []
+    for module in modules:
+        attributes = dict(vars(module))
+        module_dicts.append((module, attributes))
+        for name, value in attributes.items():
+            if is_helper_object(value):
+                helpers.setdefault(id(value), value)
+            elif "hooks" in name and isinstance(value, dict):
+                hook_tables.append((value, dict(value)))
+    return module_dicts, list(helpers.values()), hook_tables
 
 
 def _meta_twin(tensor: torch.Tensor, meta_of: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -201,33 +236,3 @@ def _meta_twin(tensor: torch.Tensor, meta_of: dict[int, torch.Tensor]) -> torch.
             twin = empty
         meta_of[id(tensor)] = twin
     return twin
-
-
-def _helper_objects(model: nn.Module) -> list[Any]:
-    """Plain Python objects (schedulers, configs) stored as attributes of the model's modules."""
-    found: dict[int, Any] = {}
-    for module in model.modules():
-        for value in vars(module).values():
-            if _is_helper_object(value):
-                found.setdefault(id(value), value)
-    return list(found.values())
-
-
-def _is_helper_object(value: Any) -> bool:
-    if isinstance(value, (nn.Module, torch.Tensor, type)) or callable(value):
-        return False
-    return hasattr(value, "__dict__") and not isinstance(value, (dict, list, tuple))
-
-
-def _restore_dict(obj: Any, saved: dict[str, Any] | None) -> None:
-    if saved is None:
-        return
-    current = vars(obj)
-    for key in [key for key in current if key not in saved]:
-        del current[key]
-    for key, value in saved.items():
-        if current.get(key, _MISSING) is not value:
-            current[key] = value
-
-
-_MISSING = object()

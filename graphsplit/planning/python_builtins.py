@@ -35,9 +35,16 @@ Why builtins and not the proxy's ``__class__``: torch's C++ argument parser asks
 not ``builtins.isinstance``, so it keeps seeing a proxy (a faked ``__class__`` made it unpack
 a proxy as a tensor and crash).
 
-In: the tracer's proxy types. Out: a context manager active for the trace:
+Meta execution (:func:`graphsplit.planning.meta.meta_execution`, where the tracer runs an op
+for its meta value) gets Python's own builtins back: the code it runs (torch's fake mode,
+pytree, the op memo) holds meta values, never traced ones, so the replacements could only
+cost time there (a million ``isinstance`` calls on a 10k-node chain).
+
+In: the tracer's proxy types. Out: a context manager active for the trace, and one that
+undoes it for a block inside it:
 
     python_builtins_as_eager(traced_types) -> ContextManager
+    python_builtins_restored() -> ContextManager
 """
 
 from __future__ import annotations
@@ -114,11 +121,37 @@ def python_builtins_as_eager(traced_types: tuple[type, ...]) -> Iterator[None]:
     previous = {name: getattr(builtins, name) for name in replaced}
     for name, function in replaced.items():
         setattr(builtins, name, function)
+    _REPLACED.append((replaced, previous))
     try:
         yield
     finally:
+        _REPLACED.pop()
         for name, function in previous.items():
             setattr(builtins, name, function)
+
+
+# The replacements of the traces in progress (innermost last), with what each replaced.
+_REPLACED: list[tuple[dict[str, Any], dict[str, Any]]] = []
+
+
+class python_builtins_restored:  # lower case: used like the function-style managers here
+    """Put back the builtins the innermost trace replaced, for the block; no-op outside one.
+
+    A class rather than a generator: it is entered for every op the tracer runs on meta.
+    """
+
+    __slots__ = ("_entry",)
+
+    def __enter__(self) -> None:
+        self._entry = _REPLACED[-1] if _REPLACED else None
+        if self._entry is not None:
+            for name, function in self._entry[1].items():
+                setattr(builtins, name, function)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._entry is not None:
+            for name, function in self._entry[0].items():
+                setattr(builtins, name, function)
 
 
 class _ListType(type):
