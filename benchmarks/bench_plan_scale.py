@@ -53,6 +53,8 @@ from torch import nn
 from benchmarks.common import (
     ChildFailed,
     baseline_code,
+    baseline_table,
+    compare_with_baseline,
     current_rss_bytes,
     environment,
     interleaved,
@@ -61,12 +63,12 @@ from benchmarks.common import (
     parser,
     peak_rss_bytes,
     python_heap_peak_bytes,
+    ratio_text,
     reply_to_parent,
     report,
     run_child,
     timing_options,
     torch_threads,
-    versus_baseline,
     write_results,
 )
 
@@ -453,27 +455,17 @@ def compare_case(
 
     Each child splits once after the warm-up; ``rounds`` pairs give the spread.
     """
-    digests: dict[str, set[str]] = {"current": set(), "baseline": set()}
     failures: list[str] = []
 
-    def measure(code: Path | None) -> tuple[float, float]:
+    def measure(code: Path | None) -> tuple[float, float, str]:
         row = run_case(case, timeout, batch, threads=threads, code=code, heap=False)
         if row["status"] != "ok":
             failures.append(f"{'baseline' if code else 'current'}: {row['status']}")
-            return float("nan"), float("nan")
-        digests["baseline" if code else "current"].add(row.get("plan_digest", "?"))
-        return row["split_wall_seconds"]["median"], row["split_cpu_seconds"]["median"]
+            return float("nan"), float("nan"), "?"
+        wall, cpu = row["split_wall_seconds"]["median"], row["split_cpu_seconds"]["median"]
+        return wall, cpu, row.get("plan_digest", "?")
 
-    timings = versus_baseline(measure, baseline, rounds=rounds)
-    return {
-        "rounds": rounds,
-        "timings": timings.to_json(),
-        "cpu_ratio": timings.ratio("current", "baseline", "cpu").to_json(),
-        "wall_ratio": timings.ratio("current", "baseline", "wall").to_json(),
-        "same_plan": len(digests["current"] | digests["baseline"]) == 1,
-        "digests": {name: sorted(values) for name, values in digests.items()},
-        "failures": failures,
-    }
+    return {**compare_with_baseline(measure, baseline, rounds=rounds), "failures": failures}
 
 
 def _fmt(row: dict[str, Any], key: str, spec: str) -> str:
@@ -490,29 +482,12 @@ def _spread(row: dict[str, Any], key: str) -> str:
 
 def to_markdown(results: list[dict[str, Any]]) -> str:
     table = _main_table(results)
-    compared = [row for row in results if "versus_baseline" in row]
+    compared = [
+        (row["case"], row["versus_baseline"]) for row in results if "versus_baseline" in row
+    ]
     if not compared:
         return table
-    header = ["case", "pairs", "baseline CPU s", "current CPU s", "current / baseline, CPU",
-              "current / baseline, wall", "same plan"]  # fmt: skip
-    rows = []
-    for row in compared:
-        versus = row["versus_baseline"]
-        cpu = versus["timings"]["cpu"]
-        rows.append([
-            row["case"], versus["rounds"], f"{cpu['baseline']['median']:.2f}",
-            f"{cpu['current']['median']:.2f}", _ratio(versus["cpu_ratio"]),
-            _ratio(versus["wall_ratio"]), "yes" if versus["same_plan"] else "**no**",
-        ])  # fmt: skip
-    baseline = compared[0]["versus_baseline"].get("baseline", "")
-    return (
-        f"{table}\nAgainst the baseline {baseline}: median (IQR) of same-round ratios of "
-        "alternating child processes\n\n" + markdown_table(header, rows, "lrrrrrl")
-    )
-
-
-def _ratio(value: dict[str, float]) -> str:
-    return f"{value['median']:.3f} ({value['q1']:.3f}–{value['q3']:.3f})"
+    return f"{table}\n{baseline_table(compared, 'case')}"
 
 
 def _main_table(results: list[dict[str, Any]]) -> str:
@@ -604,7 +579,7 @@ def _run(case: str, options: argparse.Namespace, baseline: Path | None) -> dict[
         )  # fmt: skip
         row["versus_baseline"] = {"baseline": options.baseline, **versus}
         print(
-            f"{case}: current / baseline CPU {_ratio(versus['cpu_ratio'])}, "
+            f"{case}: current / baseline CPU {ratio_text(versus['cpu_ratio'])}, "
             f"same plan: {versus['same_plan']}",
             flush=True,
         )

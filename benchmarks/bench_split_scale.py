@@ -37,6 +37,8 @@ from torch import nn
 import graphsplit
 from benchmarks.common import (
     baseline_code,
+    baseline_table,
+    compare_with_baseline,
     environment,
     interleaved,
     markdown_table,
@@ -44,12 +46,12 @@ from benchmarks.common import (
     parser,
     peak_rss_bytes,
     python_heap_peak_bytes,
+    ratio_text,
     reply_to_parent,
     report,
     run_child,
     timing_options,
     torch_threads,
-    versus_baseline,
     write_results,
 )
 
@@ -125,26 +127,13 @@ def measure_once(nodes: int) -> dict[str, Any]:
 
 def compare(nodes: int, baseline: Path, *, rounds: int, threads: int) -> dict[str, Any]:
     """Alternating children of this graphsplit and the baseline's on one graph size."""
-    digests: dict[str, set[str]] = {"current": set(), "baseline": set()}
     argv = ["--child", str(nodes), "--threads", str(threads)]
 
-    def measure_child(code: Path | None) -> tuple[float, float]:
+    def measure_child(code: Path | None) -> tuple[float, float, str]:
         row = run_child("benchmarks.bench_split_scale", argv, cwd=code)
-        digests["baseline" if code else "current"].add(row["plan_digest"])
-        return row["wall"], row["cpu"]
+        return row["wall"], row["cpu"], row["plan_digest"]
 
-    timings = versus_baseline(measure_child, baseline, rounds=rounds)
-    return {
-        "rounds": rounds,
-        "timings": timings.to_json(),
-        "cpu_ratio": timings.ratio("current", "baseline", "cpu").to_json(),
-        "wall_ratio": timings.ratio("current", "baseline", "wall").to_json(),
-        "same_plan": len(digests["current"] | digests["baseline"]) == 1,
-    }
-
-
-def _spread(value: dict[str, float]) -> str:
-    return f"{value['median']:.3f} ({value['q1']:.3f}–{value['q3']:.3f})"
+    return compare_with_baseline(measure_child, baseline, rounds=rounds)
 
 
 def to_markdown(results: list[dict[str, Any]], where: dict[str, Any]) -> str:
@@ -153,7 +142,7 @@ def to_markdown(results: list[dict[str, Any]], where: dict[str, Any]) -> str:
               "split() CPU s", "peak Python MiB", "max RSS MiB"]  # fmt: skip
     rows = [
         [row["nodes"], row["graph_nodes"], row["boundary_tensors"], row["stage2_nodes"],
-         _spread(row["wall_seconds"]), _spread(row["cpu_seconds"]),
+         ratio_text(row["wall_seconds"]), ratio_text(row["cpu_seconds"]),
          f"{row['peak_python_mib']:.1f}", f"{row['max_rss_mib']:.0f}"]
         for row in results
     ]  # fmt: skip
@@ -164,25 +153,12 @@ def to_markdown(results: list[dict[str, Any]], where: dict[str, Any]) -> str:
         f"{where['torch_threads']} torch thread(s); median (IQR) of {rounds} calls\n\n"
         + markdown_table(header, rows, "rrrrrrrr")
     )
-    compared = [row for row in results if "versus_baseline" in row]
+    compared = [
+        (row["nodes"], row["versus_baseline"]) for row in results if "versus_baseline" in row
+    ]
     if not compared:
         return page
-    header = ["nodes", "pairs", "baseline CPU s", "current CPU s", "current / baseline, CPU",
-              "current / baseline, wall", "same plan"]  # fmt: skip
-    rows = []
-    for row in compared:
-        versus = row["versus_baseline"]
-        cpu = versus["timings"]["cpu"]
-        rows.append([
-            row["nodes"], versus["rounds"], f"{cpu['baseline']['median']:.2f}",
-            f"{cpu['current']['median']:.2f}", _spread(versus["cpu_ratio"]),
-            _spread(versus["wall_ratio"]), "yes" if versus["same_plan"] else "**no**",
-        ])  # fmt: skip
-    return (
-        f"{page}\nAgainst the baseline {compared[0]['versus_baseline']['baseline']}: median "
-        "(IQR) of same-round ratios of alternating child processes\n\n"
-        + markdown_table(header, rows, "rrrrrrl")
-    )
+    return f"{page}\n{baseline_table(compared, 'nodes', first_align='r')}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,16 +202,16 @@ def _measure_all(sizes, options: argparse.Namespace, baseline: Path | None) -> i
             results.append(row)
             print(
                 f"{nodes:>6} nodes ({row['graph_nodes']} traced): "
-                f"wall {_spread(row['wall_seconds'])} s, CPU {_spread(row['cpu_seconds'])} s, "
-                "peak Python "
-                f"{row['peak_python_mib']:.1f} MiB",
+                f"wall {ratio_text(row['wall_seconds'])} s, "
+                f"CPU {ratio_text(row['cpu_seconds'])} s, "
+                f"peak Python {row['peak_python_mib']:.1f} MiB",
                 flush=True,
             )
             if baseline is not None:
                 versus = compare(nodes, baseline, rounds=options.rounds, threads=options.threads)
                 row["versus_baseline"] = {"baseline": options.baseline, **versus}
                 print(
-                    f"{nodes:>6} nodes: current / baseline CPU {_spread(versus['cpu_ratio'])}, "
+                    f"{nodes:>6} nodes: current / baseline CPU {ratio_text(versus['cpu_ratio'])}, "
                     f"same plan: {versus['same_plan']}",
                     flush=True,
                 )

@@ -478,3 +478,58 @@ def versus_baseline(
             timings.wall[name].append(wall)
             timings.cpu[name].append(cpu)
     return timings
+
+
+def compare_with_baseline(
+    measure: Callable[[Path | None], tuple[float, float, str]],
+    baseline: Path,
+    *,
+    rounds: int,
+) -> dict[str, Any]:
+    """:func:`versus_baseline` with plan digests: the row both planning benchmarks report.
+
+    ``measure(cwd)`` returns ``(wall, cpu, plan_digest)`` of one child; *same plan* is true
+    when every child of both versions made the same plan.
+    """
+    digests: dict[str, set[str]] = {"current": set(), "baseline": set()}
+
+    def timed(code: Path | None) -> tuple[float, float]:
+        wall, cpu, digest = measure(code)
+        digests["baseline" if code else "current"].add(digest)
+        return wall, cpu
+
+    timings = versus_baseline(timed, baseline, rounds=rounds)
+    return {
+        "rounds": rounds,
+        "timings": timings.to_json(),
+        "cpu_ratio": timings.ratio("current", "baseline", "cpu").to_json(),
+        "wall_ratio": timings.ratio("current", "baseline", "wall").to_json(),
+        "same_plan": len(digests["current"] | digests["baseline"]) == 1,
+        "digests": {name: sorted(values) for name, values in digests.items()},
+    }
+
+
+def ratio_text(value: dict[str, float]) -> str:
+    """A ratio's median and IQR, as the tables print it: ``0.695 (0.639–0.703)``."""
+    return f"{value['median']:.3f} ({value['q1']:.3f}–{value['q3']:.3f})"
+
+
+def baseline_table(
+    rows: list[tuple[Any, dict[str, Any]]], first_column: str, *, first_align: str = "l"
+) -> str:
+    """The "against the baseline" paragraph and table, one row per ``(label, comparison)``."""
+    header = [first_column, "pairs", "baseline CPU s", "current CPU s",
+              "current / baseline, CPU", "current / baseline, wall", "same plan"]  # fmt: skip
+    cells = []
+    for label, versus in rows:
+        cpu = versus["timings"]["cpu"]
+        cells.append([
+            label, versus["rounds"], f"{cpu['baseline']['median']:.2f}",
+            f"{cpu['current']['median']:.2f}", ratio_text(versus["cpu_ratio"]),
+            ratio_text(versus["wall_ratio"]), "yes" if versus["same_plan"] else "**no**",
+        ])  # fmt: skip
+    return (
+        f"Against the baseline {rows[0][1].get('baseline', '')}: median (IQR) of same-round "
+        "ratios of alternating child processes\n\n"
+        + markdown_table(header, cells, first_align + "rrrrrl")
+    )

@@ -127,3 +127,19 @@ def test_versus_baseline_alternates_and_pairs_rounds(tmp_path):
     assert "".join(calls) == "cbbccb"
     assert timings.ratio("current", "baseline") == common.Spread(0.5, 0.5, 0.5, 3)
     assert timings.ratio("current", "baseline", "cpu").median == 1.0
+
+
+def test_compare_with_baseline_reports_same_plan_only_when_every_digest_agrees(tmp_path):
+    digests = iter(["a", "a", "a", "b"])
+
+    def measure(code):
+        return (2.0, 2.0, next(digests)) if code else (1.0, 1.0, next(digests))
+
+    versus = common.compare_with_baseline(measure, tmp_path, rounds=2)
+    assert versus["cpu_ratio"]["median"] == 0.5 and versus["rounds"] == 2
+    assert versus["same_plan"] is False
+    assert versus["digests"] == {"current": ["a", "b"], "baseline": ["a"]}
+    table = common.baseline_table([("sdxl", {"baseline": "abc123", **versus})], "case")
+    assert "Against the baseline abc123" in table
+    row = "| sdxl | 2 | 2.00 | 1.00 | 0.500 (0.500–0.500) | 0.500 (0.500–0.500) | **no** |"
+    assert row in table
