@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
@@ -130,8 +131,27 @@ def _rounds(
     sites: list[OpaqueSite],
 ) -> Traced:
     """Trace, analyse, and trace into mixed modules whose inputs are all cacheable; repeat."""
-    with _cyclic_gc_paused():
+    with _cyclic_gc_paused(), _fake_tensor_failures_unlogged():
         return _trace_and_analyze(model, examples, trainable, sites)
+
+
+@contextlib.contextmanager
+def _fake_tensor_failures_unlogged() -> Iterator[None]:
+    """Keep torch's fake mode from logging each op that fails on fake tensors (restored on exit).
+
+    ``FakeTensorMode`` logs a failing meta kernel with its traceback at ERROR level before it
+    raises. The planning expects some failures (a step that runs only at batch 1 fails at the
+    probe sizes and is planned again at batch 1; a module that cannot be traced into is kept
+    whole), and one that is not expected reaches the user as a ``TraceError`` that already
+    names the op, the user's line and torch's message: the log lines are noise either way.
+    """
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    was_disabled = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = was_disabled
 
 
 @contextlib.contextmanager

@@ -231,3 +231,23 @@ def test_saved_stage1_code_keeps_the_one_sample_check(tmp_path):
     assert saved.keys() == live.keys() and all(torch.equal(saved[k], live[k]) for k in live)
     with pytest.raises(graphsplit.SplitError, match="this plan runs one sample per batch"):
         stage1(torch.randn(2, 8), torch.randn(2, 6))
+
+
+class BatchOneCat(nn.Module):
+    """``torch.cat`` of a batch with a ``(1, ...)`` tensor: torch's fake mode logs the failure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = frozen(nn.Linear(8, 6))
+        self.head = nn.Linear(12, 6)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        hidden = torch.cat([self.encoder(x), torch.randn(1, 6)], dim=1)  # B=1 only
+        return nn.functional.mse_loss(self.head(hidden), target)
+
+
+def test_the_expected_failure_at_the_probe_sizes_leaves_no_error_in_the_log(caplog):
+    with caplog.at_level("DEBUG"):
+        split = split_and_verify(BatchOneCat(), one_sample())
+    assert split.batch_sizes == (1, 1)
+    assert [record for record in caplog.records if record.levelname == "ERROR"] == []
