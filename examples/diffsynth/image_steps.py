@@ -77,6 +77,7 @@ from examples.diffsynth.steps import (
     FluxTrainingModule,
     PretokenizedPair,
     _preprocessed,
+    _sft_settings,
     _train_mode,
 )
 
@@ -189,7 +190,6 @@ class FluxLoraTrainingModule(FluxTrainingModule):
 
     def __init__(self, seed: int = 0) -> None:
         torch.nn.Module.__init__(self)
-        from diffsynth.diffusion import FlowMatchSFTLoss
         from diffsynth.models.flux_dit import FluxDiT
         from diffsynth.models.flux_text_encoder_clip import FluxTextEncoderClip
         from diffsynth.models.flux_text_encoder_t5 import FluxTextEncoderT5
@@ -213,15 +213,7 @@ class FluxLoraTrainingModule(FluxTrainingModule):
         pipe.preprocess_image = types.MethodType(_preprocessed, pipe)
         self.pipe = _train_mode(self, pipe, ["a_to_qkv", "b_to_qkv", "to_qkv_mlp"])
         draw_lora_b(self.pipe.dit, seed=seed + 3)
-        self.use_gradient_checkpointing = False
-        self.use_gradient_checkpointing_offload = False
-        self.extra_inputs: list[str] = []
-        self.task = "sft"
-        self.task_to_loss = {
-            "sft": lambda pipe, inputs_shared, inputs_posi, inputs_nega: FlowMatchSFTLoss(
-                pipe, **inputs_shared, **inputs_posi
-            ),
-        }
+        _sft_settings(self)
 
 
 def flux_lora_step(seed: int = 0) -> tuple[FluxLoraTrainingModule, dict[str, torch.Tensor]]:
@@ -301,7 +293,6 @@ class QwenImageLoraTrainingModule(DiffusionTrainingModule):
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
-        from diffsynth.diffusion import FlowMatchSFTLoss
         from diffsynth.models.qwen_image_dit import QwenImageDiT
         from diffsynth.models.qwen_image_text_encoder import QwenImageTextEncoder
         from diffsynth.models.qwen_image_vae import QwenImageVAE
@@ -326,15 +317,7 @@ class QwenImageLoraTrainingModule(DiffusionTrainingModule):
         pipe.preprocess_image = types.MethodType(_preprocessed, pipe)
         self.pipe = _train_mode(self, pipe, QWEN_LORA_TARGETS)
         draw_lora_b(self.pipe.dit, seed=seed + 3)
-        self.use_gradient_checkpointing = False
-        self.use_gradient_checkpointing_offload = False
-        self.extra_inputs: list[str] = []
-        self.task = "sft"
-        self.task_to_loss = {
-            "sft": lambda pipe, inputs_shared, inputs_posi, inputs_nega: FlowMatchSFTLoss(
-                pipe, **inputs_shared, **inputs_posi
-            ),
-        }
+        _sft_settings(self)
 
     def get_pipeline_inputs(self, data: dict[str, Any]) -> tuple[dict, dict, dict]:
         """train.py's, with sizes read off the pixel tensor ``(1, C, H, W)``."""

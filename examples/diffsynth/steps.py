@@ -68,6 +68,20 @@ def _train_mode(module: DiffusionTrainingModule, pipe: Any, lora_targets: list[s
     return pipe
 
 
+def _sft_settings(module: DiffusionTrainingModule) -> None:
+    """The rest of train.py's constructor for ``--task sft``: no checkpointing, no extra inputs,
+    ``FlowMatchSFTLoss`` as the loss."""
+    module.use_gradient_checkpointing = False
+    module.use_gradient_checkpointing_offload = False
+    module.extra_inputs = []
+    module.task = "sft"
+    module.task_to_loss = {
+        "sft": lambda pipe, inputs_shared, inputs_posi, inputs_nega: FlowMatchSFTLoss(
+            pipe, **inputs_shared, **inputs_posi
+        ),
+    }
+
+
 # -- Wan 2.1 text-to-video -----------------------------------------------------------------------
 class WanTrainingModule(DiffusionTrainingModule):
     """``examples/wanvideo/model_training/train.py``'s ``WanTrainingModule``, tiny, task "sft"."""
@@ -93,15 +107,7 @@ class WanTrainingModule(DiffusionTrainingModule):
         pipe.tokenizer = Pretokenized()
         pipe.preprocess_video = types.MethodType(_preprocessed, pipe)
         self.pipe = _train_mode(self, pipe, ["q", "k", "v", "o", "ffn.0", "ffn.2"])
-        self.use_gradient_checkpointing = False
-        self.use_gradient_checkpointing_offload = False
-        self.extra_inputs: list[str] = []
-        self.task = "sft"
-        self.task_to_loss = {
-            "sft": lambda pipe, inputs_shared, inputs_posi, inputs_nega: FlowMatchSFTLoss(
-                pipe, **inputs_shared, **inputs_posi
-            ),
-        }
+        _sft_settings(self)
         self.max_timestep_boundary = 1.0
         self.min_timestep_boundary = 0.0
 
@@ -200,15 +206,7 @@ class FluxTrainingModule(DiffusionTrainingModule):
         pipe.tokenizer_1, pipe.tokenizer_2 = PretokenizedPair(0), PretokenizedPair(1)
         pipe.preprocess_image = types.MethodType(_preprocessed, pipe)
         self.pipe = _train_mode(self, pipe, ["a_to_qkv", "b_to_qkv", "to_qkv_mlp"])
-        self.use_gradient_checkpointing = False
-        self.use_gradient_checkpointing_offload = False
-        self.extra_inputs: list[str] = []
-        self.task = "sft"
-        self.task_to_loss = {
-            "sft": lambda pipe, inputs_shared, inputs_posi, inputs_nega: FlowMatchSFTLoss(
-                pipe, **inputs_shared, **inputs_posi
-            ),
-        }
+        _sft_settings(self)
 
     def get_pipeline_inputs(self, data: dict[str, Any]) -> tuple[dict, dict, dict]:
         """train.py's, with sizes read off the pixel tensor ``(1, C, H, W)``."""
