@@ -37,6 +37,7 @@ __all__ = [
     "GraphsplitError",
     "ManifestError",
     "MetaParameterError",
+    "OpaqueCallError",
     "Remedy",
     "SplitError",
     "StaleCacheError",
@@ -126,7 +127,20 @@ class TraceError(GraphsplitError):
 class TensorValueError(TraceError):
     """The step reads a tensor's value while it is traced (``.item()``, ``.tolist()``, control
     flow, a data-dependent shape). A typed reason: the planning retries frozen code that does
-    this as one opaque stage-1 step (:mod:`graphsplit.planning.opaque`)."""
+    this as one opaque stage-1 step (:mod:`graphsplit.planning.opaque`), or, planned one sample
+    per batch, answers the read itself (:mod:`graphsplit.planning.value_reads`).
+
+    ``read_at`` is the user's ``file:line  code`` that read the value, where the user's own code
+    read it (None when an opaque call's example run raised it: its caller is tried next).
+    """
+
+    read_at: str | None = None
+
+
+class OpaqueCallError(TraceError):
+    """An opaque call's example run refused it (it reads a trainable parameter, draws random
+    numbers, writes into the model, ...): a typed reason the planning falls back on when the
+    value read that made the call opaque can be answered instead."""
 
 
 class SplitError(GraphsplitError):
