@@ -54,6 +54,7 @@ from graphsplit.planning.opaque import (
     OpaqueSite,
     check_opaque_nodes,
     opaque_calls_recorded,
+    read_in_step_body,
     site_of_failure,
 )
 from graphsplit.planning.opaque_call import OPAQUE, is_opaque
@@ -282,12 +283,14 @@ def _trace_with_opaque_calls(
 
     When no function around a read can be opaque (none is patchable, or the example run
     refuses the one found: it runs the trainable DiT too), a step planned one sample per batch
-    has the read itself answered with the example's value, checked in stage 1
+    has the read itself answered (unless it is in the step's own code, which the user can write
+    with tensor ops) with the example's value, checked in stage 1
     (:mod:`graphsplit.planning.value_reads`); ``answered`` lists those reads' lines. The sites
     tried for that read (``chain``) are dropped. An answered read whose tensor turns out to
     depend on a trainable parameter or a random draw is refused there, naming the line.
     """
     read: str | None = None  # the user's line whose value read the newest sites are for
+    in_body = False  # whether that line is in the step's own code (never answered)
     chain: list[OpaqueSite] = []
     while True:
         traced_into = {site.leaf for site in sites if site.leaf is not None}
@@ -302,6 +305,7 @@ def _trace_with_opaque_calls(
                 if exc.read_at in answered:
                     raise  # answered, and refused: its tensor is not frozen data
                 read, chain = exc.read_at, []
+                in_body = read_in_step_body(exc)
             site = site_of_failure(exc, sites, model, run.trainable)
             if site is not None and len(sites) < MAX_OPAQUE_SITES:
                 sites.append(site)
@@ -315,7 +319,7 @@ def _trace_with_opaque_calls(
         # No function around the read can be one opaque step: drop those tried for it.
         sites[:] = [site for site in sites if not any(site is tried for tried in chain)]
         chain = []
-        if read is None or not _answerable(examples):
+        if read is None or in_body or not _answerable(examples):
             raise ending
         answered.add(read)  # and trace again, the read answered (planning/value_reads.py)
         read = None
