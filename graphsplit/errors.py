@@ -44,6 +44,7 @@ __all__ = [
     "TensorValueError",
     "TornFileError",
     "TraceError",
+    "TrainableSideError",
     "UnsafeFileError",
     "VerifyError",
     "Wording",
@@ -138,9 +139,18 @@ class TensorValueError(TraceError):
 
 
 class OpaqueCallError(TraceError):
-    """An opaque call's example run refused it (it reads a trainable parameter, draws random
-    numbers, writes into the model, ...): a typed reason the planning falls back on when the
-    value read that made the call opaque can be answered instead."""
+    """An opaque call's example run refused it (it writes into the model or its inputs, needs
+    frozen weights that are on ``meta``, ...)."""
+
+
+class TrainableSideError(OpaqueCallError):
+    """The example run refused an opaque call because it belongs to the trainable side: it
+    reads a trainable parameter, its inputs depend on one or on a random draw, or it draws
+    random numbers. A typed reason: the planning then answers the value read that made the
+    call opaque, when it can (:mod:`graphsplit.planning.value_reads`). ``site`` is the
+    refused call's site (an ``OpaqueSite``)."""
+
+    site: object = None
 
 
 class SplitError(GraphsplitError):

@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from graphsplit.artifacts import ExampleInputs, OpRecord
-from graphsplit.errors import OpaqueCallError, TensorValueError, user_error
+from graphsplit.errors import OpaqueCallError, TensorValueError, TrainableSideError, user_error
 from graphsplit.planning.inputs import example_batch_size
 from graphsplit.planning.interpret import OP_RECORD, fetch
 from graphsplit.planning.meta import to_meta
@@ -172,8 +172,8 @@ class ExampleRun:
         tainting = self.tainting_ancestor(_ancestors(node))
         if tainting is not None:
             ancestor, why = tainting
-            raise user_error(
-                OpaqueCallError,
+            raise _trainable_side(
+                site,
                 f"{site.label} reads tensor values, and its inputs depend on {why} "
                 f"({ancestor.name}, {describe((ancestor.meta.get('source', '?'), ''))}). "
                 "Value-dependent code can run eagerly in stage 1 only when every input is "
@@ -283,8 +283,8 @@ class ExampleRun:
                 "returns it), or move the write out of the function",
             )
         if changed:
-            raise user_error(
-                OpaqueCallError,
+            raise _trainable_side(
+                site,
                 f"{site.label} reads tensor values, so it would run eagerly in stage 1, but it "
                 f"draws random numbers ({', '.join(changed)} generator): the draw would be "
                 "frozen into the cache instead of happening every step.",
@@ -344,6 +344,15 @@ class ExampleRun:
             fix="plan at batch 1: pass an example batch of one sample (graphsplit then plans "
             "one sample per batch, as DiffSynth trains), or pad to a fixed length",
         )
+
+
+def _trainable_side(
+    site: OpaqueSite | ValueSite, reason: str, *, node: fx.Node, source: str, fix: str
+) -> TrainableSideError:
+    """A refusal because the call belongs to the trainable side, naming its site (typed)."""
+    error = user_error(TrainableSideError, reason, node=node, source=source, fix=fix)
+    error.site = site
+    return error
 
 
 _MIXES = object()
@@ -464,8 +473,8 @@ class _Watched(TorchFunctionMode):
     def _error(self, name: str | None) -> OpaqueCallError:
         label = self.site.label
         if name in self.trainable:
-            return user_error(
-                OpaqueCallError,
+            return _trainable_side(
+                self.site,
                 f"{label} reads tensor values and reads the trainable parameter {name}: "
                 "value-dependent code runs eagerly in stage 1, and is never allowed on the "
                 "trainable side.",

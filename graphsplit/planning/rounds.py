@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch import nn
 
 from graphsplit.artifacts import BatchLayout, ExampleInputs, TaintKind, Traced
-from graphsplit.errors import OpaqueCallError, SplitError, TensorValueError, TraceError
+from graphsplit.errors import SplitError, TensorValueError, TraceError, TrainableSideError
 from graphsplit.planning.analyze import analyze, resolve_params
 from graphsplit.planning.codecs import insert_codecs
 from graphsplit.planning.cut import choose_boundary, compute_taint, facts, module_owner
@@ -312,9 +312,15 @@ def _trace_with_opaque_calls(
                 chain.append(site)
                 continue
             ending: Exception = exc
-        except OpaqueCallError as exc:
+        except TrainableSideError as exc:  # the function runs the trainable model too
             if not chain:
-                raise
+                # A site kept from an earlier trace (at the probe sizes, its example run was
+                # refused for the batch size alone): drop it; the read is found again.
+                kept = [site for site in sites if site is exc.site]
+                if not kept:
+                    raise
+                sites.remove(kept[0])
+                continue
             ending = exc
         # No function around the read can be one opaque step: drop those tried for it.
         sites[:] = [site for site in sites if not any(site is tried for tried in chain)]
