@@ -14,6 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import graphsplit
@@ -196,3 +198,21 @@ def test_a_value_read_of_frozen_work_splits_with_the_work_in_stage_1():
     split = split_and_verify(ReadsEncoded(), (), prompt(4))
     assert [read.value for read in answered_reads(split.graph)] == [[4]]
     assert not any(name.startswith("embed") for name, _ in split.stage2.named_parameters())
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(planned=st.integers(1, TOKENS), lengths=st.lists(st.integers(1, TOKENS), max_size=4))
+def test_a_plan_runs_every_sample_of_its_value_exactly_and_refuses_every_other(planned, lengths):
+    """Whatever length the plan was made at, each later sample either runs bit for bit as the
+    unsplit step does (same length) or stops in stage 1 before anything runs in stage 2."""
+    step = ReadsPromptLengths()
+    split = graphsplit.split(step, kwargs=prompt(planned))
+    for seed, length in enumerate(lengths, start=1):
+        sample = prompt(length, seed=seed)
+        if length == planned:
+            assert torch.equal(split.stage2(**split.stage1(**sample)), step(**sample))
+        else:
+            with pytest.raises(
+                graphsplit.SplitError, match=rf"value \[{planned}\].*got \[{length}\]"
+            ):
+                split.stage1(**sample)
