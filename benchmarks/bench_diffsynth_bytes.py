@@ -4,9 +4,10 @@ DiffSynth's ``--task sft:data_process`` runs the units that need no trainable mo
 (``split_pipeline_units``) and ``torch.save``s what they return, one ``.pth`` per sample (the
 pipeline's inputs and the units' outputs: latents, text embedding, the noise it drew, sizes
 and settings). Here both are measured on the same samples of DiffSynth's own Wan 2.1
-text-to-video LoRA step (``examples/diffsynth/steps.py``, tiny, random weights) and FLUX.1 LoRA
-step (``examples/diffsynth/image_steps.py``: DiffSynth's 3072-wide classes with one block of
-each kind, real random weights, about 4 GB; ``--quick`` measures Wan only):
+text-to-video LoRA step (``examples/diffsynth/steps.py``, tiny, random weights), and its FLUX.1
+and Qwen-Image LoRA steps (``examples/diffsynth/image_steps.py``: DiffSynth's 3072-wide classes
+with one block of each kind, real random weights, about 4 and 5.4 GB; every Qwen sample has a
+prompt of 8 tokens, since one plan serves one prompt length; ``--quick`` measures Wan only):
 
 - diffsynth: the bytes ``torch.save`` writes for that sample, as its runner does;
 - graphsplit: the bytes of the cache folder ``graphsplit.cache`` writes (safetensors shards and
@@ -63,6 +64,12 @@ FAMILIES = {
         "examples.diffsynth.image_steps",
         "flux_lora_step",
         "flux_batch",
+    ),
+    "qwen": Family(
+        "Qwen-Image LoRA (3072 wide, 1 DiT block, Qwen2.5-VL 1 layer, 32x32 image, 8 tokens)",
+        "examples.diffsynth.image_steps",
+        "qwen_image_lora_step",
+        "qwen_image_batch",
     ),
 }
 

@@ -37,12 +37,14 @@ __all__ = [
     "GraphsplitError",
     "ManifestError",
     "MetaParameterError",
+    "OpaqueCallError",
     "Remedy",
     "SplitError",
     "StaleCacheError",
     "TensorValueError",
     "TornFileError",
     "TraceError",
+    "TrainableSideError",
     "UnsafeFileError",
     "VerifyError",
     "Wording",
@@ -126,7 +128,29 @@ class TraceError(GraphsplitError):
 class TensorValueError(TraceError):
     """The step reads a tensor's value while it is traced (``.item()``, ``.tolist()``, control
     flow, a data-dependent shape). A typed reason: the planning retries frozen code that does
-    this as one opaque stage-1 step (:mod:`graphsplit.planning.opaque`)."""
+    this as one opaque stage-1 step (:mod:`graphsplit.planning.opaque`), or, planned one sample
+    per batch, answers the read itself (:mod:`graphsplit.planning.value_reads`).
+
+    ``read_at`` is the user's ``file:line  code`` that read the value, where the user's own code
+    read it (None when an opaque call's example run raised it: its caller is tried next).
+    """
+
+    read_at: str | None = None
+
+
+class OpaqueCallError(TraceError):
+    """An opaque call's example run refused it (it writes into the model or its inputs, needs
+    frozen weights that are on ``meta``, ...)."""
+
+
+class TrainableSideError(OpaqueCallError):
+    """The example run refused an opaque call because it belongs to the trainable side: it
+    reads a trainable parameter, its inputs depend on one or on a random draw, or it draws
+    random numbers. A typed reason: the planning then answers the value read that made the
+    call opaque, when it can (:mod:`graphsplit.planning.value_reads`). ``site`` is the
+    refused call's site (an ``OpaqueSite``)."""
+
+    site: object = None
 
 
 class SplitError(GraphsplitError):

@@ -23,6 +23,7 @@ from graphsplit.errors import SplitError
 __all__ = [
     "LEGACY_NAMES",
     "check_size",
+    "check_value",
     "decode_diagonal_gaussian",
     "decode_diagonal_gaussian_deterministic",
     "encode_diagonal_gaussian",
@@ -74,6 +75,55 @@ def check_size(value: Any, expected: int | tuple[int, ...], what: str, where: st
             "resolution or frame count: bucket the data by size)"
         )
     return value
+
+
+_VALUE_READS = {
+    "tolist": lambda tensor: tensor.tolist(),
+    "item": lambda tensor: tensor.item(),
+    "bool": bool,
+    "int": int,
+    "float": float,
+    "index": lambda tensor: tensor.__index__(),
+}
+"""How the step read each value, by the name the check is written with."""
+
+
+def check_value(tensor: Any, read: str, expected: Any, where: str) -> None:
+    """Stop stage 1 at a batch whose frozen data reads another value than the plan holds.
+
+    The step read a Python value off a tensor computed from data and frozen weights only
+    (``mask.sum(dim=1).tolist()``); the plan holds the example batch's value as a literal
+    (:mod:`graphsplit.planning.value_reads`). On meta and fake tensors (the planning's own
+    runs) there is nothing to read and nothing is checked.
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.is_meta or _is_fake(tensor):
+        return
+    actual = _VALUE_READS[read](tensor)
+    if actual != expected and not _both_nan(actual, expected):
+        raise SplitError(
+            f"this plan was made for the value {expected!r} read from frozen data here "
+            f"({_read_text(read)}), got {actual!r}; the plan holds the example batch's value, "
+            "and the trainable part's code depends on it.\n"
+            f"  source: {where}\n"
+            "  fix:    call graphsplit.split with an example batch that reads this value (one "
+            "plan per value: bucket the data by it, e.g. by prompt length), or compute it "
+            "with tensor ops so that it stays a tensor"
+        )
+
+
+def _read_text(read: str) -> str:
+    return f".{read}()" if read in ("tolist", "item") else f"{read}() of a tensor"
+
+
+def _both_nan(actual: Any, expected: Any) -> bool:
+    both_floats = isinstance(actual, float) and isinstance(expected, float)
+    return both_floats and actual != actual and expected != expected
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(tensor)
 
 
 def encode_diagonal_gaussian(distribution: Any) -> torch.Tensor:

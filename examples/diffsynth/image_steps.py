@@ -41,9 +41,9 @@ Qwen-Image (:func:`qwen_image_lora_step`):
   ``model.language_model.layers`` kept to a prefix of 1 (of 28) and ``model.visual.blocks`` to 1
   (of 32); materialised (3584 wide, its 152,064-token vocabulary alone 2.2 GB), its RoPE tables
   rebuilt from its config (:func:`rebuild_computed_buffers`). ``lm_head`` (another 2.2 GB)
-  stays on ``meta``: DiffSynth's ``forward`` returns hidden states and never calls it. (Stage 1
-  would hold it all the same, as part of the text encoder, and refuse a meta parameter: once
-  the step splits, it must be materialised too, +2.2 GB.)
+  is never called (DiffSynth's ``forward`` returns hidden states), but stage 1 holds it as part
+  of the text encoder and refuses to run holding a parameter on ``meta``; its weight is one
+  real zero broadcast to its shape (stride 0, 4 bytes), as real as a loaded one to the stage.
 - ``QwenImageVAE(base_dim=16)`` (its own argument; DiffSynth's is 96; ``z_dim`` stays 16, which
   the DiT's ``img_in`` expects).
 - The tokenizer: DiffSynth loads ``Qwen2Tokenizer`` from the hub and its prompt unit formats the
@@ -309,6 +309,8 @@ class QwenImageLoraTrainingModule(DiffusionTrainingModule):
         keep_prefix(text_encoder.model.visual.blocks, 1)
         lm_head = text_encoder.lm_head  # never called: DiffSynth's forward returns hidden states
         del text_encoder.lm_head
+        zero = torch.zeros((), dtype=lm_head.weight.dtype)
+        lm_head.weight = torch.nn.Parameter(zero.expand(lm_head.weight.shape), requires_grad=False)
         pipe.text_encoder = fill_deterministically(text_encoder, seed=seed + 1)
         rebuild_computed_buffers(text_encoder)
         text_encoder.lm_head = lm_head

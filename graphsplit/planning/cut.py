@@ -76,6 +76,7 @@ from graphsplit.planning.taint import (
     module_owner,
     storage_cost,
 )
+from graphsplit.planning.value_reads import value_checks
 
 __all__ = [
     "boundary_specs",
@@ -275,7 +276,8 @@ def stages_for(
     """
     taint = taint if taint is not None else {}
     assert all(is_fixed_number(node, taint) for node in baked), "only fixed numbers are baked"
-    boundary_set = set(boundary) | set(baked)
+    # Stage 1 also runs the checks of values the plan holds (nothing uses them: value_reads).
+    boundary_set = set(boundary) | set(baked) | set(value_checks(graph))
     output = next(node for node in graph.nodes if node.op == "output")
     stage2: set[fx.Node] = set()
     # Every random draw runs in stage 2, used or not: skipping one would shift the draws after it.

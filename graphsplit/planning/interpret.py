@@ -73,7 +73,7 @@ def meta_failure(node: fx.Node, exc: Exception) -> TraceError:
     """A TraceError for an op that failed on meta tensors, the usual cause spelled out."""
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, _DATA_DEPENDENT) or _is_data_dependent(message):
-        return user_error(
+        error = user_error(
             TensorValueError,
             f"The step reads the value of a tensor ({message}); graphsplit decides the split "
             "without real data, so values cannot steer the step.",
@@ -81,6 +81,9 @@ def meta_failure(node: fx.Node, exc: Exception) -> TraceError:
             fix="replace .item()/.tolist()/nonzero-style code with tensor ops (torch.where, "
             "masking), or move it into the data pipeline",
         )
+        source, code = node.meta.get("source"), node.meta.get("source_code")
+        error.read_at = f"{source}  {code}" if source and code else source  # the user's line
+        return error
     return user_error(
         TraceError,
         f"Running this operation on meta tensors failed: {type(exc).__name__}: {message}",

@@ -122,6 +122,16 @@ def site_of_failure(
     return None
 
 
+def read_in_step_body(exc: BaseException) -> bool:
+    """Whether the value read that raised ``exc`` is in the step's own code (its ``forward``,
+    or the function given to ``split``): the outermost user frame, which is never opaque and
+    whose reads are not answered either: the user can write them with tensor ops."""
+    below = exc.__cause__.__traceback__ if exc.__cause__ is not None else None
+    frames = [frame for frame, _ in [*_frames(exc.__traceback__), *_frames(below)]]
+    user = [frame for frame in frames if _is_user(frame) and not is_meta_run(frame.f_code)]
+    return len(user) <= 1
+
+
 def _leaf_site(
     node: fx.Node, read_at: str, root: nn.Module, trainable: frozenset[str]
 ) -> OpaqueSite | None:

@@ -38,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from graphsplit.artifacts import ExampleInputs, OpRecord
-from graphsplit.errors import TensorValueError, TraceError, user_error
+from graphsplit.errors import OpaqueCallError, TensorValueError, TrainableSideError, user_error
 from graphsplit.planning.inputs import example_batch_size
 from graphsplit.planning.interpret import OP_RECORD, fetch
 from graphsplit.planning.meta import to_meta
@@ -49,6 +49,15 @@ from graphsplit.planning.patches import RANDOM_FILLS, RANDOM_FUNCTIONS
 from graphsplit.planning.rng import changed_generators, generator_states, set_generator_states
 from graphsplit.planning.user_code import describe
 from graphsplit.runtime import functional_inplace
+
+
+@dataclass(frozen=True)
+class ValueSite:
+    """A value read answered with its example value (:mod:`graphsplit.planning.value_reads`):
+    what the example run's refusals name, as an :class:`OpaqueSite` does."""
+
+    label: str
+    read_at: str
 
 
 @dataclass
@@ -137,17 +146,34 @@ class ExampleRun:
         return to_meta(full)
 
     # -- refusals before anything runs ------------------------------------------------------
-    def _refuse_tainted_inputs(self, node: fx.Node, site: OpaqueSite) -> None:
-        for ancestor in _ancestors(node):
-            why = None
+    def tainting_ancestor(self, nodes: set[fx.Node]) -> tuple[fx.Node, str] | None:
+        """The first of ``nodes`` that reads a trainable parameter or draws random numbers,
+        and which of the two (in words); None when every one is frozen work on data."""
+        for ancestor in nodes:
             if self.is_trainable_node(ancestor):
-                why = "a trainable parameter"
-            elif _draws_random(ancestor):
-                why = "a random draw"
-            if why is None:
-                continue
-            raise user_error(
-                TraceError,
+                return ancestor, "a trainable parameter"
+            if _draws_random(ancestor):
+                return ancestor, "a random draw"
+        return None
+
+    def real_value(self, node: fx.Node, site: ValueSite) -> Any:
+        """``node``'s real value on the example batch, computed by the graph traced so far
+        (the caller has refused a tainted ``node``: see :meth:`tainting_ancestor`)."""
+        values = self.values.setdefault(None, {})
+        if node not in values:
+            needed = _ancestors(node) | {node}
+            pending = [n for n in node.graph.nodes if n in needed and n not in values]
+            with self._real_run(node, site):
+                for current in pending:
+                    values[current] = self._run_node(current, values, None)
+        return values[node]
+
+    def _refuse_tainted_inputs(self, node: fx.Node, site: OpaqueSite) -> None:
+        tainting = self.tainting_ancestor(_ancestors(node))
+        if tainting is not None:
+            ancestor, why = tainting
+            raise _trainable_side(
+                site,
                 f"{site.label} reads tensor values, and its inputs depend on {why} "
                 f"({ancestor.name}, {describe((ancestor.meta.get('source', '?'), ''))}). "
                 "Value-dependent code can run eagerly in stage 1 only when every input is "
@@ -161,7 +187,7 @@ class ExampleRun:
         traced, example = self.examples.batch_sizes[0], example_batch_size(self.examples)
         if traced != example:
             raise user_error(
-                TraceError,
+                OpaqueCallError,
                 f"{site.label} reads tensor values and runs eagerly on the example batch, which "
                 f"holds {example} sample(s), but the step is traced at batch {traced}.",
                 node=node,
@@ -194,7 +220,7 @@ class ExampleRun:
                 values[node] = node.target(*inputs)
         if versions != [_version(value) for value in inputs]:
             raise user_error(
-                TraceError,
+                OpaqueCallError,
                 f"{site.label} reads tensor values and writes into its own inputs in place, so "
                 "running it once in stage 1 would not leave the inputs as the step leaves them.",
                 node=node,
@@ -222,7 +248,7 @@ class ExampleRun:
         return value[sample : sample + 1]
 
     @contextlib.contextmanager
-    def _real_run(self, node: fx.Node, site: OpaqueSite) -> Iterator[None]:
+    def _real_run(self, node: fx.Node, site: OpaqueSite | ValueSite) -> Iterator[None]:
         """Real frozen weights in place, no autograd, meta tensors and RNG draws refused."""
         names = {
             id(tensor): name
@@ -246,7 +272,7 @@ class ExampleRun:
             set_generator_states(states)
         if written:
             raise user_error(
-                TraceError,
+                OpaqueCallError,
                 f"{site.label} reads tensor values, so it would run eagerly in stage 1, but it "
                 f"writes into the model's {', '.join(written)} (a BatchNorm in train mode "
                 "updates its running statistics): cached, the step would change the model once "
@@ -257,8 +283,8 @@ class ExampleRun:
                 "returns it), or move the write out of the function",
             )
         if changed:
-            raise user_error(
-                TraceError,
+            raise _trainable_side(
+                site,
                 f"{site.label} reads tensor values, so it would run eagerly in stage 1, but it "
                 f"draws random numbers ({', '.join(changed)} generator): the draw would be "
                 "frozen into the cache instead of happening every step.",
@@ -318,6 +344,15 @@ class ExampleRun:
             fix="plan at batch 1: pass an example batch of one sample (graphsplit then plans "
             "one sample per batch, as DiffSynth trains), or pad to a fixed length",
         )
+
+
+def _trainable_side(
+    site: OpaqueSite | ValueSite, reason: str, *, node: fx.Node, source: str, fix: str
+) -> TrainableSideError:
+    """A refusal because the call belongs to the trainable side, naming its site (typed)."""
+    error = user_error(TrainableSideError, reason, node=node, source=source, fix=fix)
+    error.site = site
+    return error
 
 
 _MIXES = object()
@@ -396,7 +431,7 @@ class _Watched(TorchFunctionMode):
         names: Mapping[int, str],
         trainable: frozenset[str],
         node: fx.Node,
-        site: OpaqueSite,
+        site: OpaqueSite | ValueSite,
         real_names: Mapping[int, str],
         read: set[str],
     ) -> None:
@@ -435,11 +470,11 @@ class _Watched(TorchFunctionMode):
                         tensor.copy_(copy)
         return sorted(written)
 
-    def _error(self, name: str | None) -> TraceError:
+    def _error(self, name: str | None) -> OpaqueCallError:
         label = self.site.label
         if name in self.trainable:
-            return user_error(
-                TraceError,
+            return _trainable_side(
+                self.site,
                 f"{label} reads tensor values and reads the trainable parameter {name}: "
                 "value-dependent code runs eagerly in stage 1, and is never allowed on the "
                 "trainable side.",
@@ -449,7 +484,7 @@ class _Watched(TorchFunctionMode):
             )
         what = f"the frozen tensor {name}" if name else "a tensor"
         return user_error(
-            TraceError,
+            OpaqueCallError,
             f"{label} reads tensor values, so graphsplit runs it once on the example batch to "
             f"learn its output's shapes, and that needs real weights and data; {what} is on "
             "the meta device.",

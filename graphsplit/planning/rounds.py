@@ -39,7 +39,7 @@ import torch.fx as fx
 from torch import nn
 
 from graphsplit.artifacts import BatchLayout, ExampleInputs, TaintKind, Traced
-from graphsplit.errors import SplitError, TensorValueError, TraceError
+from graphsplit.errors import SplitError, TensorValueError, TraceError, TrainableSideError
 from graphsplit.planning.analyze import analyze, resolve_params
 from graphsplit.planning.codecs import insert_codecs
 from graphsplit.planning.cut import choose_boundary, compute_taint, facts, module_owner
@@ -54,11 +54,14 @@ from graphsplit.planning.opaque import (
     OpaqueSite,
     check_opaque_nodes,
     opaque_calls_recorded,
+    read_in_step_body,
     site_of_failure,
 )
 from graphsplit.planning.opaque_call import OPAQUE, is_opaque
 from graphsplit.planning.opaque_run import ExampleRun
+from graphsplit.planning.rng import generator_states, set_generator_states
 from graphsplit.planning.trace import trace_step
+from graphsplit.planning.value_reads import answered_reads, check_value_reads, frozen_value_reads
 
 MAX_ROUNDS = 8
 MAX_OPAQUE_SITES = 16
@@ -74,17 +77,31 @@ def trace_and_analyze(
     like it mixes samples there (a loop over the batch, ``reshape(1, ...)``) and would run
     every step. If batch 1 fails too, that error is raised: it is the size the user gave.
     """
+    states = generator_states()
+    try:
+        return _trace_and_plan_batches(model, examples, trainable)
+    except BaseException:
+        # Whatever failed (a probe size, an example run, a retrace), the user's generators
+        # are where they were: a refused split must not shift the step's later draws.
+        set_generator_states(states)
+        raise
+
+
+def _trace_and_plan_batches(
+    model: nn.Module, examples: ExampleInputs, trainable: frozenset[str]
+) -> Traced:
     one_sample = example_batch_size(examples) == 1 and examples.batch_sizes != ONE_SAMPLE
     sites: list[OpaqueSite] = []  # found once, kept for every later trace
+    answered: set[str] = set()  # value reads answered with the example's value (value_reads)
     try:
-        traced = _rounds(model, examples, trainable, sites)
+        traced = _rounds(model, examples, trainable, sites, answered)
     except Exception as at_probe_sizes:
         if not one_sample:
             raise
         first_line = (str(at_probe_sizes).strip().splitlines() or [""])[0]
         error = f"{type(at_probe_sizes).__name__}: {first_line}"
         why = f"fails at batch {examples.batch_sizes[0]} ({error})"
-        return _one_sample_per_batch(model, examples, trainable, why, sites)
+        return _one_sample_per_batch(model, examples, trainable, why, sites, answered)
     mixing = _frozen_work_judged_mixing(traced, trainable) if one_sample else []
     if not mixing:
         return traced
@@ -93,7 +110,7 @@ def trace_and_analyze(
         "samples and would have run every step"
     )
     try:
-        return _one_sample_per_batch(model, examples, trainable, why, sites)
+        return _one_sample_per_batch(model, examples, trainable, why, sites, answered)
     except Exception:  # batch 1 is no better: keep the plan for every batch size
         return traced
 
@@ -104,8 +121,9 @@ def _one_sample_per_batch(
     trainable: frozenset[str],
     why: str,
     sites: list[OpaqueSite],
+    answered: set[str],
 ) -> Traced:
-    traced = _rounds(model, one_sample_examples(examples), trainable, sites)
+    traced = _rounds(model, one_sample_examples(examples), trainable, sites, answered)
     note = (
         f"one sample per batch: the step {why}, so it was planned at batch 1: each batch is one "
         "sample, cached per sample, and stage 1 refuses a bigger batch (pass an example of 2 "
@@ -129,10 +147,11 @@ def _rounds(
     examples: ExampleInputs,
     trainable: frozenset[str],
     sites: list[OpaqueSite],
+    answered: set[str],
 ) -> Traced:
     """Trace, analyse, and trace into mixed modules whose inputs are all cacheable; repeat."""
     with _cyclic_gc_paused(), _fake_tensor_failures_unlogged():
-        return _trace_and_analyze(model, examples, trainable, sites)
+        return _trace_and_analyze(model, examples, trainable, sites, answered)
 
 
 @contextlib.contextmanager
@@ -178,17 +197,20 @@ def _trace_and_analyze(
     examples: ExampleInputs,
     trainable: frozenset[str],
     sites: list[OpaqueSite],
+    answered: set[str],
 ) -> Traced:
     param_names = {id(param): name for name, param in model.named_parameters()}
     leaves = _initial_leaves(model)
     notes: list[str] = []
-    traced = _trace_once(model, examples, param_names, leaves, trainable, sites)
+    traced = _trace_once(model, examples, param_names, leaves, trainable, sites, answered)
     for _ in range(MAX_ROUNDS):
         expand = _mixed_calls_worth_tracing(traced, trainable) & leaves
         if not expand:
             break
         try:
-            finer = _trace_once(model, examples, param_names, leaves - expand, trainable, sites)
+            finer = _trace_once(
+                model, examples, param_names, leaves - expand, trainable, sites, answered
+            )
             choose_boundary(finer.graph, trainable)  # a finer trace must still have a cut
         except Exception as exc:  # any failure inside library code: keep the module whole
             notes.append(f"kept {', '.join(sorted(expand))} whole: {_why(exc)}")
@@ -219,6 +241,7 @@ def _trace_once(
     leaves: frozenset[str],
     trainable: frozenset[str],
     sites: list[OpaqueSite],
+    answered: set[str],
 ) -> Traced:
     def reads_trainable(node: fx.Node) -> bool:
         return _is_trainable_call(node, model, trainable) or (
@@ -231,7 +254,7 @@ def _trace_once(
         def recorded(node: fx.Node) -> bool:
             return not _is_trainable_call(node, model, trainable)
 
-        traced = _trace_with_opaque_calls(model, examples, leaves, recorded, run, sites)
+        traced = _trace_with_opaque_calls(model, examples, leaves, recorded, run, sites, answered)
         insert_codecs(traced.graph)
         if examples.batch_sizes == ONE_SAMPLE:
             _check_one_sample_inputs(traced.graph, examples)
@@ -241,7 +264,9 @@ def _trace_once(
         _one_sample_facts(traced.graph)
     resolve_params(traced, model, param_names)
     check_opaque_nodes(traced.graph, trainable)
-    return replace(traced, notes=traced.notes + _opaque_notes(traced.graph))
+    check_value_reads(traced.graph, trainable)
+    notes = _opaque_notes(traced.graph) + _value_read_notes(traced.graph)
+    return replace(traced, notes=traced.notes + notes)
 
 
 def _trace_with_opaque_calls(
@@ -251,26 +276,68 @@ def _trace_with_opaque_calls(
     recorded: Callable[[fx.Node], bool],
     run: ExampleRun,
     sites: list[OpaqueSite],
+    answered: set[str],
 ) -> Traced:
     """Trace; where frozen code reads a tensor value, record its function as one opaque node
-    and trace again (:mod:`graphsplit.planning.opaque`), outward until the trace succeeds."""
+    and trace again (:mod:`graphsplit.planning.opaque`), outward until the trace succeeds.
+
+    When no function around a read can be opaque (none is patchable, or the example run
+    refuses the one found: it runs the trainable DiT too), a step planned one sample per batch
+    has the read itself answered (unless it is in the step's own code, which the user can write
+    with tensor ops) with the example's value, checked in stage 1
+    (:mod:`graphsplit.planning.value_reads`); ``answered`` lists those reads' lines. The sites
+    tried for that read (``chain``) are dropped. An answered read whose tensor turns out to
+    depend on a trainable parameter or a random draw is refused there, naming the line.
+    """
+    read: str | None = None  # the user's line whose value read the newest sites are for
+    in_body = False  # whether that line is in the step's own code (never answered)
+    chain: list[OpaqueSite] = []
     while True:
         traced_into = {site.leaf for site in sites if site.leaf is not None}
         try:
-            with opaque_calls_recorded(sites, run):
+            with opaque_calls_recorded(sites, run), frozen_value_reads(run, frozenset(answered)):
                 traced = trace_step(
                     model, examples.values[0], leaves - traced_into, record=recorded
                 )
             break
         except TensorValueError as exc:
+            if exc.read_at is not None:
+                if exc.read_at in answered:
+                    raise  # answered, and refused: its tensor is not frozen data
+                read, chain = exc.read_at, []
+                in_body = read_in_step_body(exc)
             site = site_of_failure(exc, sites, model, run.trainable)
-            if site is None or len(sites) >= MAX_OPAQUE_SITES:
-                raise
-            sites.append(site)
+            if site is not None and len(sites) < MAX_OPAQUE_SITES:
+                sites.append(site)
+                chain.append(site)
+                continue
+            ending: Exception = exc
+        except TrainableSideError as exc:  # the function runs the trainable model too
+            if not chain:
+                # A site kept from an earlier trace (at the probe sizes, its example run was
+                # refused for the batch size alone): drop it; the read is found again.
+                kept = [site for site in sites if site is exc.site]
+                if not kept:
+                    raise
+                sites.remove(kept[0])
+                continue
+            ending = exc
+        # No function around the read can be one opaque step: drop those tried for it.
+        sites[:] = [site for site in sites if not any(site is tried for tried in chain)]
+        chain = []
+        if read is None or in_body or not _answerable(examples):
+            raise ending
+        answered.add(read)  # and trace again, the read answered (planning/value_reads.py)
+        read = None
     for node in traced.graph.nodes:
         if is_opaque(node):
             node.target.planning = None  # the example batch and real values are not kept
     return traced
+
+
+def _answerable(examples: ExampleInputs) -> bool:
+    """Whether value reads may be answered: only when planned one sample per batch."""
+    return examples.batch_sizes == ONE_SAMPLE
 
 
 def _opaque_notes(graph: fx.Graph) -> tuple[str, ...]:
@@ -279,6 +346,15 @@ def _opaque_notes(graph: fx.Graph) -> tuple[str, ...]:
         f"values at {node.meta[OPAQUE].read_at}); stage 2 never runs it"
         for node in graph.nodes
         if is_opaque(node)
+    )
+
+
+def _value_read_notes(graph: fx.Graph) -> tuple[str, ...]:
+    return tuple(
+        f"the value read at {read.read_at} is this plan's: {read.value!r} (it was read from "
+        "frozen data on the example batch); stage 1 checks it on every batch and refuses "
+        "another value"
+        for read in answered_reads(graph)
     )
 
 

@@ -40,6 +40,7 @@ from graphsplit.planning.guards import (
     recheck_size_guards_in_stage1,
 )
 from graphsplit.planning.numbers import check_numbers
+from graphsplit.planning.value_reads import hold_check_sources
 
 
 def finish_stage1(
@@ -50,6 +51,7 @@ def finish_stage1(
     sources = CheckSources(stage)
     check_numbers(stage, graph, cut, env, sources)
     recheck_size_guards_in_stage1(stage, graph, cut, env, sources)
+    hold_check_sources(stage, sources)  # the value checks' lines (planning/value_reads.py)
     hoist_checks(stage)
     return sources.held()
 

@@ -75,11 +75,15 @@ from graphsplit.planning.user_code import (
     frame_location_of,
     user_frame,
 )
+from graphsplit.planning.value_reads import NOT_ANSWERED, Read, answer
 
 _len = builtins.len  # the real one: ``len`` is replaced while tracing (python_builtins)
 _MAX_NAME = 48
 _STATIC_TENSOR_ATTRIBUTES = frozenset({"dtype", "is_floating_point", "is_complex"})
 _OWN_ATTRIBUTES = frozenset({"node", "_node", "root", "attr", "tracer"})
+# Python reads of a tensor's value the planning can answer (planning/value_reads.py).
+_VALUE_READS = {bool: Read.BOOL, int: Read.INT, float: Read.FLOAT, operator.index: Read.INDEX}
+_METHOD_READS = {"tolist": Read.TOLIST, "item": Read.ITEM}
 
 
 class _Proxy(fx.Proxy):
@@ -175,7 +179,13 @@ class _Attribute(_Proxy):
             ).node
         return self._node
 
-    def __call__(self, *args: Any, **kwargs: Any) -> _Proxy:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        read = _METHOD_READS.get(self.attr)
+        reads_value = read is not None and not args and not kwargs  # x.tolist(), x.item()
+        if reads_value and isinstance(self.root.eager_value(), torch.Tensor):
+            answered = answer(self.tracer, self.root, read)
+            if answered is not NOT_ANSWERED:
+                return answered  # frozen data, one sample per batch (value_reads.py)
         return self.tracer.create_proxy("call_method", self.attr, (self.root, *args), kwargs)
 
     def eager_value(self) -> Any:
@@ -190,6 +200,10 @@ class _Tracer(fx.Tracer):
 
     def __init__(self, leaf_names: frozenset[str], example_values: dict[str, Any]) -> None:
         super().__init__(autowrap_modules=(math,), param_shapes_constant=False)
+        # A buffer read in traced code is a get_attr node, as a parameter is: fx's default
+        # hands the tensor itself to the code, and ``self.table[:4]`` then ran on the analysis
+        # view's meta twin, its result a meta constant stage 1 could never run with.
+        self.proxy_buffer_attributes = True
         self.leaf_names = leaf_names
         self.example_values = example_values
         self.guards: list[Guard] = []
@@ -354,7 +368,11 @@ class _Tracer(fx.Tracer):
         node = proxy.node
         value = node.meta.get("val")
         if isinstance(value, torch.Tensor) and convert is not _len:  # len() reads the shape
-            raise user_error(
+            read = _VALUE_READS.get(convert)
+            answered = NOT_ANSWERED if read is None else answer(self, proxy, read)
+            if answered is not NOT_ANSWERED:
+                return answered  # frozen data, one sample per batch (planning/value_reads.py)
+            error = user_error(
                 TensorValueError,
                 "Python control flow depends on the value of a tensor, which differs per "
                 "batch and cannot be decided while tracing.",
@@ -363,6 +381,8 @@ class _Tracer(fx.Tracer):
                 fix="express it with tensor ops (torch.where, masking, clamp) or move it "
                 "into the data pipeline, before the step is called",
             )
+            error.read_at = current_line()
+            raise error
         result = convert(value)
         frame = user_frame()
         guard = Guard(node, convert, result, frame_location(frame)[0])

@@ -15,9 +15,11 @@ where it cannot import. The models are 3072 wide (FLUX ~0.9 B parameters, ~4.1 G
 Qwen-Image ~5.4 GB), so the module is marked slow, and each family's fixture is class-scoped so
 the two are never resident together.
 
-Qwen-Image does not split on this version: ``model_fn_qwen_image`` (the trainable side: it calls
-the DiT) reads ``txt_seq_lens = prompt_emb_mask.sum(dim=1).tolist()`` from the cached prompt
-mask, and graphsplit refuses the value read; the test pins the error's DiffSynth line and fix.
+Qwen-Image's ``model_fn_qwen_image`` (the trainable side: it calls the DiT) reads
+``txt_seq_lens = prompt_emb_mask.sum(dim=1).tolist()`` off the frozen prompt mask; planned one
+sample per batch, the plan holds the example's value (187 prompt tokens here) and stage 1 checks
+it on every batch (:mod:`graphsplit.planning.value_reads`): a prompt of another length is
+refused there, naming DiffSynth's line. One plan serves one prompt length.
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ from examples.diffsynth.image_steps import (
     PromptTokens,
     flux_batch,
     flux_lora_step,
+    qwen_image_batch,
     qwen_image_lora_step,
 )
+from graphsplit.planning.value_reads import answered_reads
 from tests.helpers import line_of, param_names, split_and_verify
 
 pytestmark = pytest.mark.slow
@@ -141,8 +145,14 @@ def qwen_image():
     return qwen_image_lora_step(seed=0)
 
 
+@pytest.fixture(scope="class")
+def qwen_split(qwen_image):
+    step, batch = qwen_image
+    return step, batch, split_and_verify(step, (), batch)
+
+
 class TestQwenImage:
-    """Qwen-Image: DiffSynth's step runs; its ``model_fn`` reads prompt lengths, so no split."""
+    """Qwen-Image: splits one sample per batch, its prompt length read as the plan's value."""
 
     def test_the_qwen_image_step_is_diffsynths_own_and_trains_at_batch_one(self, qwen_image):
         from diffsynth.models.qwen_image_dit import QwenImageDiT
@@ -157,9 +167,9 @@ class TestQwenImage:
         assert step.pipe.dit.txt_in.in_features == 3584  # DiffSynth's widths, not tiny ones
         assert step.pipe.text_encoder.model.language_model.embed_tokens.num_embeddings == 152064
         assert len(step.pipe.dit.transformer_blocks) == 1
-        # Only the unused head stays on meta: the prompt path never calls it.
-        on_meta = {name for name, p in step.named_parameters() if p.is_meta}
-        assert on_meta == {"pipe.text_encoder.lm_head.weight"}
+        assert not any(p.is_meta for p in step.parameters())
+        # The unused head is one zero broadcast to its shape (stride 0): real, and 4 bytes.
+        assert step.pipe.text_encoder.lm_head.weight.stride() == (0, 0)
         trainable = [name for name, p in step.named_parameters() if p.requires_grad]
         assert trainable and all("lora_" in n and n.startswith("pipe.dit.") for n in trainable)
         torch.manual_seed(0)
@@ -188,15 +198,46 @@ class TestQwenImage:
         assert encoded.attention_mask.shape == encoded.input_ids.shape
         assert states.shape[-1] == 3584 and states.shape[0] > batch["prompt_ids"].shape[1]
 
-    def test_qwen_image_model_fn_reading_prompt_lengths_is_refused_with_line_and_fix(
-        self, qwen_image
+    def test_qwen_image_lora_splits_one_sample_per_batch_and_verifies_exactly(self, qwen_split):
+        from diffsynth.pipelines.qwen_image import model_fn_qwen_image
+
+        step, _, split = qwen_split  # split_and_verify: loss and LoRA gradients bit-equal
+        assert any(note.startswith("one sample per batch") for note in split.notes)
+        (read,) = answered_reads(split.graph)
+        assert read.value == [187]  # 8 prompt tokens + the 179 template tokens DiffSynth keeps
+        assert line_of(model_fn_qwen_image, "prompt_emb_mask.sum(dim=1).tolist()") in read.read_at
+        # Stage 2 slices the RoPE table with the literal; stage 1 checks the value.
+        assert "+ 187" in split.stage2.code
+        assert "graphsplit_runtime_check_value(" in split.stage1.code
+        other = qwen_image_batch(seed=1)  # another prompt of the same length
+        torch.manual_seed(1)
+        expected = step(**other)
+        torch.manual_seed(1)
+        assert torch.equal(split.stage2(**split.stage1(**other)), expected)
+
+    def test_qwen_image_stage2_holds_only_the_dit(self, qwen_split):
+        step, _, split = qwen_split
+        assert _module_prefixes(split.stage2, step) == {"pipe.dit"}
+        held = param_names(split.stage2, step)
+        assert not any(name.startswith(("pipe.dit.txt_in.", "pipe.dit.txt_norm.")) for name in held)
+        assert {"pipe.text_encoder", "pipe.vae"} <= _module_prefixes(split.stage1, step)
+        assert param_names(split.stage1, step).isdisjoint(split.trainable)
+
+    def test_qwen_image_boundary_caches_latents_and_projected_prompt_not_the_mask(self, qwen_split):
+        _, _, split = qwen_split
+        shapes = sorted(spec.shape for spec in split.boundary.values())
+        assert shapes == [(1, 16, 4, 4), (1, 187, 3072)]  # VAE latents, txt_in(prompt states)
+
+    def test_a_prompt_of_another_length_is_refused_in_stage_1_naming_diffsynths_line(
+        self, qwen_split
     ):
         from diffsynth.pipelines.qwen_image import model_fn_qwen_image
 
-        step, batch = qwen_image
-        with pytest.raises(graphsplit.errors.TensorValueError) as caught:
-            graphsplit.split(step, kwargs=batch)
+        _, _, split = qwen_split
+        with pytest.raises(graphsplit.SplitError) as caught:
+            split.stage1(**qwen_image_batch(seed=2, prompt_tokens=9))
         message = str(caught.value)
+        assert "this plan was made for the value [187] read from frozen data here" in message
+        assert "got [188]" in message
         assert line_of(model_fn_qwen_image, "prompt_emb_mask.sum(dim=1).tolist()") in message
-        assert "txt_seq_lens = prompt_emb_mask.sum(dim=1).tolist()" in message
-        assert "fix:    replace .item()/.tolist()/nonzero-style code with tensor ops" in message
+        assert "one plan per value: bucket the data by it, e.g. by prompt length" in message
