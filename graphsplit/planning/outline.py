@@ -1,0 +1,160 @@
+"""Outline nodes of a stage into a small ``fx.GraphModule`` the stage calls as one value.
+
+Stage 2 checkpoints a traced ``checkpoint(fn, ...)`` region by handing ``checkpoint`` one
+callable that computes the region: the region's nodes, moved out of the stage's graph into a
+graph of their own (:mod:`graphsplit.planning.checkpoint` decides which nodes and how the
+call reads).
+
+Glossary:
+    members: the stage nodes to outline, in graph order.
+    region inputs: the values members read from outside the members, in graph order: they
+        become the region's placeholders, named as in the stage. ``get_attr`` nodes are not
+        inputs: the region reads the same attribute itself (``self.blocks[0]``), so a
+        parameter never crosses the call as an argument.
+    region outputs: members used after the region; the region returns the one output as it
+        is, several as a tuple the stage unpacks with ``getitem``.
+    region module: :class:`OutlinedRegion`, a GraphModule that owns no parameters, buffers or
+        submodules: every attribute its code reads resolves on the stage, so it shares the
+        stage's modules and parameters by reference (``stage.to(device)`` moves them for
+        both, the stage's state dict keeps the model's keys, and an optimizer built on the
+        stage's parameters trains what the region runs).
+
+In: the stage, its member nodes, an attribute name, and ``wrap(graph, region, inputs)`` that
+writes the call of the region (``checkpoint(region, *inputs, ...)``) into the stage's graph.
+Out: the region module, registered on the stage as ``name``; the stage's graph calls it in
+place of the members and is recompiled by the caller:
+
+    outline(stage, members, name, wrap) -> OutlinedRegion
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch.fx as fx
+
+from graphsplit.errors import SplitError
+
+# Writes the stage's call of the region: (stage graph, get_attr of the region, inputs) -> node.
+Wrap = Callable[[fx.Graph, fx.Node, tuple[fx.Node, ...]], fx.Node]
+
+
+class OutlinedRegion(fx.GraphModule):
+    """A GraphModule whose code reads its attributes from the stage that holds it."""
+
+    def __init__(self, stage: fx.GraphModule, graph: fx.Graph, class_name: str) -> None:
+        super().__init__(stage, graph, class_name=class_name)
+        # fx copied the attributes the code reads; drop the copies and read the stage's own,
+        # so nothing is held twice (no duplicate state-dict keys, no stale buffer after .to()).
+        self._modules.clear()
+        self._parameters.clear()
+        self._buffers.clear()
+        object.__setattr__(self, "_stage", stage)  # not a submodule: no cycle in the tree
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            stage = self.__dict__.get("_stage")
+            if stage is None:
+                raise
+            return getattr(stage, name)
+
+
+def outline(stage: fx.GraphModule, members: list[fx.Node], name: str, wrap: Wrap) -> OutlinedRegion:
+    """Move ``members`` into a region module; the stage calls it through ``wrap``."""
+    graph = stage.graph
+    inside = set(members)
+    inputs = _inputs(members, inside)
+    outputs = [node for node in members if any(user not in inside for user in node.users)]
+    later = _nodes_after_the_region(graph, members, inside)
+    region = OutlinedRegion(stage, _region_graph(members, inputs, outputs), _class_name(name))
+    stage.add_module(name, region)
+
+    with graph.inserting_after(members[-1]):
+        attribute = graph.get_attr(name)
+    with graph.inserting_after(attribute):
+        call = wrap(graph, attribute, inputs)
+    call.meta = {"source": members[-1].meta.get("source")}
+    cursor = call
+    replacements = {outputs[0]: call} if len(outputs) == 1 else {}
+    for index, output in enumerate(outputs if len(outputs) > 1 else ()):
+        with graph.inserting_after(cursor):
+            cursor = graph.call_function(operator.getitem, (call, index))
+        cursor.meta = dict(output.meta)
+        replacements[output] = cursor
+    for output, replacement in replacements.items():
+        output.replace_all_uses_with(replacement, delete_user_cb=lambda user: user not in inside)
+    for node in later:  # they read the region's outputs, so they now follow its call
+        cursor.append(node)
+        cursor = node
+    for node in reversed(members):
+        if not node.users:  # a get_attr member the stage still reads stays
+            graph.erase_node(node)
+    return region
+
+
+def _inputs(members: list[fx.Node], inside: set[fx.Node]) -> tuple[fx.Node, ...]:
+    found: dict[fx.Node, None] = {}
+    for node in members:
+        for value in node.all_input_nodes:
+            if value not in inside and value.op != "get_attr":
+                found[value] = None
+    return tuple(found)
+
+
+def _nodes_after_the_region(
+    graph: fx.Graph, members: list[fx.Node], inside: set[fx.Node]
+) -> list[fx.Node]:
+    """Nodes between the members that read a member (directly or through such a node).
+
+    They must move after the region's call. A member reading one of them would make the
+    region a non-contiguous piece of the program, which cannot be one call.
+    """
+    later: list[fx.Node] = []
+    moving: set[fx.Node] = set()
+    started = False
+    for node in graph.nodes:
+        if node is members[0]:
+            started = True
+        if not started:
+            continue
+        if node is members[-1]:
+            break
+        if node in inside:
+            blocker = next((value for value in node.all_input_nodes if value in moving), None)
+            if blocker is not None:
+                raise SplitError(
+                    f"stage 2 cannot call the checkpointed region around {node.name} as one "
+                    f"function: it reads {blocker.name}, which reads the region's own values.\n"
+                    "  fix:    please report this step; as a workaround, call checkpoint() "
+                    "on one module"
+                )
+            continue
+        if any(value in inside or value in moving for value in node.all_input_nodes):
+            later.append(node)
+            moving.add(node)
+    return later
+
+
+def _region_graph(
+    members: list[fx.Node], inputs: tuple[fx.Node, ...], outputs: list[fx.Node]
+) -> fx.Graph:
+    region = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for value in inputs:
+        env[value] = region.placeholder(value.name)
+        env[value].meta = dict(value.meta)
+    for node in members:
+        for value in node.all_input_nodes:
+            if value not in env:  # a get_attr of the stage the region reads too
+                env[value] = region.node_copy(value)
+        env[node] = region.node_copy(node, env.__getitem__)
+    region.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[node] for node in outputs))
+    return region
+
+
+def _class_name(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
