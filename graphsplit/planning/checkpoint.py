@@ -114,7 +114,8 @@ def _option_arguments(
         attribute = f"{name}_{option}"
         setattr(stage, attribute, value)
         with stage.graph.inserting_before(before):
-            arguments[option] = stage.graph.get_attr(attribute)
+            # create_node: get_attr() warns about an attribute that is not a tensor or module
+            arguments[option] = stage.graph.create_node("get_attr", attribute)
         arguments[option].meta = {"val": None}
     return arguments
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from graphsplit.errors import SplitError
+from graphsplit.errors import SplitError, user_error
 
 # Writes the stage's call of the region: (stage graph, get_attr of the region, inputs) -> node.
 Wrap = Callable[[fx.Graph, fx.Node, tuple[fx.Node, ...]], fx.Node]
@@ -121,17 +121,20 @@ def _nodes_after_the_region(
             started = True
         if not started:
             continue
-        if node is members[-1]:
-            break
         if node in inside:
             blocker = next((value for value in node.all_input_nodes if value in moving), None)
             if blocker is not None:
-                raise SplitError(
-                    f"stage 2 cannot call the checkpointed region around {node.name} as one "
-                    f"function: it reads {blocker.name}, which reads the region's own values.\n"
-                    "  fix:    please report this step; as a workaround, call checkpoint() "
-                    "on one module"
+                raise user_error(
+                    SplitError,
+                    f"Stage 2 cannot run the checkpointed code around {node.name} as one call: "
+                    f"it reads {blocker.name}, computed outside the checkpoint from values "
+                    "computed inside it.",
+                    node=node,
+                    fix="checkpoint a function that takes what it needs as arguments (or one "
+                    "module), and please report the step",
                 )
+            if node is members[-1]:
+                break
             continue
         if any(value in inside or value in moving for value in node.all_input_nodes):
             later.append(node)
