@@ -17,7 +17,9 @@ Glossary:
         submodules: every attribute its code reads resolves on the stage, so it shares the
         stage's modules and parameters by reference (``stage.to(device)`` moves them for
         both, the stage's state dict keeps the model's keys, and an optimizer built on the
-        stage's parameters trains what the region runs).
+        stage's parameters trains what the region runs). It deep-copies with its stage (an
+        EMA copy of stage 2 works); pickling it is refused, since fx would rebuild the stage
+        by tracing its code again, through the checkpoint.
 
 In: the stage, its member nodes, an attribute name, and ``wrap(graph, region, inputs)`` that
 writes the call of the region (``checkpoint(region, *inputs, ...)``) into the stage's graph.
@@ -29,11 +31,13 @@ place of the members and is recompiled by the caller:
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Callable
 from typing import Any
 
 import torch.fx as fx
+from torch import nn
 
 from graphsplit.errors import SplitError, user_error
 
@@ -42,16 +46,17 @@ Wrap = Callable[[fx.Graph, fx.Node, tuple[fx.Node, ...]], fx.Node]
 
 
 class OutlinedRegion(fx.GraphModule):
-    """A GraphModule whose code reads its attributes from the stage that holds it."""
+    """A GraphModule whose code reads its attributes from the stage that holds it.
 
-    def __init__(self, stage: fx.GraphModule, graph: fx.Graph, class_name: str) -> None:
-        super().__init__(stage, graph, class_name=class_name)
-        # fx copied the attributes the code reads; drop the copies and read the stage's own,
-        # so nothing is held twice (no duplicate state-dict keys, no stale buffer after .to()).
-        self._modules.clear()
-        self._parameters.clear()
-        self._buffers.clear()
-        object.__setattr__(self, "_stage", stage)  # not a submodule: no cycle in the tree
+    It is built without copying anything (fx's own constructor would copy the attributes the
+    code reads into it), holds the stage as a plain reference (not a submodule: no cycle in the
+    module tree), and deep-copies with the stage it belongs to (an EMA copy of stage 2 works).
+    """
+
+    def __init__(self, stage: fx.GraphModule | None, graph: fx.Graph, class_name: str) -> None:
+        super().__init__(nn.Module(), fx.Graph(), class_name=class_name)
+        object.__setattr__(self, "_stage", stage)
+        self.graph = graph  # compiles the region's code
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -61,6 +66,32 @@ class OutlinedRegion(fx.GraphModule):
             if stage is None:
                 raise
             return getattr(stage, name)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OutlinedRegion:
+        copied = _empty_region(type(self).__name__)
+        memo[id(self)] = copied  # the stage's copy refers back to this one
+        stage = copy.deepcopy(self.__dict__["_stage"], memo)
+        object.__setattr__(copied, "_stage", stage)
+        copied.graph = copy.deepcopy(self.graph, memo)
+        copied.training = self.training
+        return copied
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # fx pickles a GraphModule as its code and traces that code again when loading: the
+        # stage's checkpoint() calls would be traced through (checkpointing silently gone), and
+        # this module would be called before its stage exists.
+        raise user_error(
+            SplitError,
+            f"Stage 2 cannot be pickled: its checkpointed region {type(self).__name__} refers "
+            "to the stage, and fx rebuilds a pickled stage by tracing its code again, which "
+            "would run the region without checkpointing.",
+            fix="save stage 2's state_dict() (or the model's) and build the split again with "
+            "graphsplit.split(...) when loading, or write its code with split.save_code(folder)",
+        )
+
+
+def _empty_region(class_name: str) -> OutlinedRegion:
+    return OutlinedRegion(None, fx.Graph(), class_name)
 
 
 def outline(stage: fx.GraphModule, members: list[fx.Node], name: str, wrap: Wrap) -> OutlinedRegion:
@@ -133,6 +164,8 @@ def _nodes_after_the_region(
                     fix="checkpoint a function that takes what it needs as arguments (or one "
                     "module), and please report the step",
                 )
+            if node is members[-1]:
+                break
             if node is members[-1]:
                 break
             continue

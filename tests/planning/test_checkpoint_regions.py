@@ -12,7 +12,9 @@ the tensors autograd saves against a run without checkpointing.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -281,6 +283,23 @@ def test_the_saved_stage_2_code_calls_the_same_region(tmp_path: Path):
     torch.manual_seed(0)
     assert torch.equal(saved(**boundary), expected)
     assert checkpoint_calls(lambda: saved(**boundary)) == 1
+
+
+def test_a_copy_of_stage_2_calls_its_own_region_and_pickling_is_refused():
+    model = MultiOpRegion()
+    split = split_and_verify(model, ARGS)
+    boundary = split.stage1(*ARGS)
+    copied = copy.deepcopy(split.stage2)  # an EMA copy of the trained modules
+    assert copied.checkpointed_0.block1 is copied.block1 is not model.block1
+    torch.manual_seed(0)
+    expected = split.stage2(**boundary)
+    torch.manual_seed(0)
+    assert torch.equal(copied(**boundary), expected)
+    assert checkpoint_calls(lambda: copied(**boundary)) == 1
+    with pytest.raises(graphsplit.SplitError, match="Stage 2 cannot be pickled") as error:
+        pickle.dumps(split.stage2)
+    assert "would run the region without checkpointing" in str(error.value)
+    assert "fix:    save stage 2's state_dict()" in str(error.value)
 
 
 def test_a_region_that_is_not_one_piece_of_the_program_is_refused():
