@@ -24,6 +24,11 @@ Glossary:
         its inputs are the values it reads from outside, its outputs the values used after it.
     held option: an option that is not a literal (``context_fn``, a callable) is an attribute
         of the stage (``checkpointed_0_context_fn``) the call reads, never written into code.
+    reentrant call: ``use_reentrant=True`` regions call :func:`reentrant_checkpoint`, which is
+        torch's ``checkpoint`` once an input requires grad. Torch's reentrant engine passes
+        gradients to the parameters inside only when one does; in the step it does
+        (transformers' ``gradient_checkpointing_enable`` hooks the input embeddings to make
+        their output require grad), but a cached boundary tensor loaded from disk never does.
 
 In: the stage-2 GraphModule just built, its nodes still tagged. Out: the same module, each
 region's stage-2 part one ``checkpoint`` call, recompiled:
@@ -36,10 +41,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 
-from graphsplit.planning.outline import outline
+from graphsplit.planning.outline import Wrap, outline
 
 # Where the tracer tags the nodes traced inside a checkpoint() call.
 CHECKPOINT = "checkpoint"
@@ -55,6 +61,22 @@ class CheckpointRegion:
 
     index: int
     options: dict[str, Any] = field(default_factory=dict)
+
+
+def reentrant_checkpoint(function: Any, *args: Any, **options: Any) -> Any:
+    """``torch.utils.checkpoint.checkpoint(function, *args, **options)`` with an input that
+    requires grad, as the reentrant engine needs to pass gradients to the parameters inside.
+
+    When no tensor argument requires grad (all came from the cache), the first floating-point
+    one is passed as a leaf that does, ``detach().requires_grad_()``: what the step's own
+    input-embedding hook did to the value it computed; its gradient is computed and dropped.
+    """
+    tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
+    if torch.is_grad_enabled() and not any(tensor.requires_grad for tensor in tensors):
+        first = next((tensor for tensor in tensors if tensor.is_floating_point()), None)
+        if first is not None:
+            args = tuple(arg.detach().requires_grad_() if arg is first else arg for arg in args)
+    return torch.utils.checkpoint.checkpoint(function, *args, **options)
 
 
 def recheckpoint(stage: fx.GraphModule) -> None:
@@ -127,7 +149,7 @@ def _checkpoint_module_call(graph: fx.Graph, call: fx.Node, options: dict[str, A
         module.meta = {"val": None, "source": call.meta.get("source")}
         replacement = graph.create_node(
             "call_function",
-            _CHECKPOINT,
+            _engine(options),
             (module, *call.args),
             {**call.kwargs, **options},
             name=f"{call.name}_checkpointed",
@@ -137,10 +159,15 @@ def _checkpoint_module_call(graph: fx.Graph, call: fx.Node, options: dict[str, A
     graph.erase_node(call)
 
 
-def _checkpoint_call(options: dict[str, Any]):
+def _checkpoint_call(options: dict[str, Any]) -> Wrap:
     """How an outlined region is called: ``checkpoint(region, *inputs, **options)``."""
 
     def wrap(graph: fx.Graph, region: fx.Node, inputs: tuple[fx.Node, ...]) -> fx.Node:
-        return graph.call_function(_CHECKPOINT, (region, *inputs), dict(options))
+        return graph.call_function(_engine(options), (region, *inputs), dict(options))
 
     return wrap
+
+
+def _engine(options: dict[str, Any]) -> Any:
+    """Torch's ``checkpoint``, or :func:`reentrant_checkpoint` for the reentrant engine."""
+    return reentrant_checkpoint if options.get("use_reentrant", True) else _CHECKPOINT
