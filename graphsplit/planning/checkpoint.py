@@ -87,7 +87,7 @@ def recheckpoint(stage: fx.GraphModule) -> None:
         if region is not None and node.op not in ("placeholder", "output"):
             regions.setdefault(region, []).append(node)
     for number, (region, members) in enumerate(_worth_checkpointing(regions)):
-        name = f"checkpointed_{number}"
+        name = _free_name(stage, f"checkpointed_{number}")
         options = _option_arguments(stage, region.options, name, before=members[0])
         call = _module_call(members, region)
         if call is not None:
@@ -96,6 +96,15 @@ def recheckpoint(stage: fx.GraphModule) -> None:
             outline(stage, members, name, _checkpoint_call(options))
     stage.graph.lint()
     stage.recompile()
+
+
+def _free_name(stage: fx.GraphModule, name: str) -> str:
+    """``name``, or ``name_1``, ... if the model already has an attribute of that name."""
+    candidate, index = name, 0
+    while hasattr(stage, candidate):
+        index += 1
+        candidate = f"{name}_{index}"
+    return candidate
 
 
 def _worth_checkpointing(
