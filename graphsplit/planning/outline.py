@@ -109,11 +109,15 @@ def outline(stage: fx.GraphModule, members: list[fx.Node], name: str, wrap: Wrap
     with graph.inserting_after(attribute):
         call = wrap(graph, attribute, inputs)
     call.meta = {"source": members[-1].meta.get("source")}
+    # Named after what it returns: the region's one output, or its outputs' tuple.
+    call._rename(f"{outputs[0].name}_out" if len(outputs) == 1 else f"{name}_outputs")
     cursor = call
     replacements = {outputs[0]: call} if len(outputs) == 1 else {}
     for index, output in enumerate(outputs if len(outputs) > 1 else ()):
         with graph.inserting_after(cursor):
-            cursor = graph.call_function(operator.getitem, (call, index))
+            cursor = graph.create_node(
+                "call_function", operator.getitem, (call, index), name=f"{output.name}_out"
+            )
         cursor.meta = dict(output.meta)
         replacements[output] = cursor
     for output, replacement in replacements.items():

@@ -199,6 +199,46 @@ def test_random_ops_in_a_region_draw_the_same_numbers_when_recomputed(
     assert same is preserve_rng_state
 
 
+class GatedLoop(nn.Module):
+    """A loop of checkpointed functions that each return two values the step uses after."""
+
+    def __init__(self, checkpointing: bool = True, use_reentrant: bool = False) -> None:
+        super().__init__()
+        self.text_encoder = frozen(nn.Linear(8, 8))
+        self.project = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([Block() for _ in range(2)])
+        self.checkpointing = checkpointing
+        self.use_reentrant = use_reentrant
+
+    def forward(self, latents, prompt):
+        context = self.text_encoder(prompt)
+        hidden = self.project(latents)
+        gates = []
+        for block in self.blocks:
+
+            def gated(x, block=block):
+                out = block(x, context)
+                return out, torch.sigmoid(out.mean(-1, keepdim=True))
+
+            if self.checkpointing:
+                hidden, gate = torch.utils.checkpoint.checkpoint(
+                    gated, hidden, use_reentrant=self.use_reentrant
+                )
+            else:
+                hidden, gate = gated(hidden)
+            gates.append(gate)
+        return (hidden * gates[0] * gates[1]).square().mean()
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_each_call_in_a_loop_is_a_region_and_several_outputs_cross(use_reentrant):
+    model = GatedLoop(use_reentrant=use_reentrant)
+    split = assert_checkpointed_as_eager(model, GatedLoop(checkpointing=False), ARGS, regions=2)
+    assert isinstance(split.stage2.checkpointed_0, fx.GraphModule)
+    assert isinstance(split.stage2.checkpointed_1, fx.GraphModule)
+    assert "return (" in split.stage2.checkpointed_1.code  # the block's output and its gate
+
+
 class PartialRegion(nn.Module):
     """``fn(x, context)`` whose first layer is frozen: ``functools.partial`` of a method."""
 
