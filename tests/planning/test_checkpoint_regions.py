@@ -327,8 +327,9 @@ def test_a_selective_checkpoint_context_fn_is_held_by_the_stage_and_applied():
     assert decisions == eager_decisions  # the policy saw the same ops, forward and recompute
 
 
-def test_the_saved_stage_2_code_calls_the_same_region(tmp_path: Path):
-    model = MultiOpRegion()
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_the_saved_stage_2_code_calls_the_same_region(tmp_path: Path, use_reentrant):
+    model = MultiOpRegion(use_reentrant=use_reentrant)
     split = split_and_verify(model, ARGS)
     folder = split.save_code(tmp_path)
     namespace: dict = {}
