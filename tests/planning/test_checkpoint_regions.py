@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint as checkpoint_taken_early
 
 import graphsplit
 from graphsplit.planning.outline import outline
@@ -127,8 +128,11 @@ def assert_trains_from_a_cache(model, split, args) -> None:
 class MultiOpRegion(nn.Module):
     """``custom_forward`` runs two blocks, an op between them and a noise draw."""
 
-    def __init__(self, checkpointing: bool = True, **options) -> None:
+    def __init__(self, checkpointing: bool = True, taken_early: bool = False, **options) -> None:
         super().__init__()
+        # ``from torch.utils.checkpoint import checkpoint`` (as transformers holds it) or the
+        # attribute looked up at call time (as DiffSynth and diffusers call it).
+        self.taken_early = taken_early
         self.text_encoder = frozen(nn.Linear(8, 8))
         self.project = nn.Linear(8, 8)  # the reentrant engine needs an input requiring grad
         self.block1, self.block2 = Block(), Block()
@@ -144,7 +148,10 @@ class MultiOpRegion(nn.Module):
             return self.block2(torch.relu(self.block1(x, context)), context)
 
         if self.checkpointing:
-            hidden = torch.utils.checkpoint.checkpoint(custom_forward, hidden, **self.options)
+            checkpoint = (
+                checkpoint_taken_early if self.taken_early else torch.utils.checkpoint.checkpoint
+            )
+            hidden = checkpoint(custom_forward, hidden, **self.options)
         else:
             hidden = custom_forward(hidden)
         return hidden.square().mean()
@@ -305,12 +312,13 @@ def _save_matrix_products(counted: list[str], ctx, op, *args, **kwargs) -> Check
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def test_a_selective_checkpoint_context_fn_is_held_by_the_stage_and_applied():
+@pytest.mark.parametrize("taken_early", [False, True])
+def test_a_selective_checkpoint_context_fn_is_held_by_the_stage_and_applied(taken_early):
     decisions: list[str] = []
     context_fn = functools.partial(
         create_selective_checkpoint_contexts, functools.partial(_save_matrix_products, decisions)
     )
-    model = MultiOpRegion(context_fn=context_fn)
+    model = MultiOpRegion(taken_early=taken_early, context_fn=context_fn)
     split = assert_checkpointed_as_eager(model, MultiOpRegion(checkpointing=False), ARGS, regions=1)
     assert split.stage2.checkpointed_0_context_fn is context_fn
     assert "context_fn = checkpointed_0_context_fn" in split.stage2.code
