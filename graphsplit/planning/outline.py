@@ -170,8 +170,6 @@ def _nodes_after_the_region(
                 )
             if node is members[-1]:
                 break
-            if node is members[-1]:
-                break
             continue
         if any(value in inside or value in moving for value in node.all_input_nodes):
             later.append(node)
