@@ -368,6 +368,33 @@ def test_a_copy_of_stage_2_calls_its_own_region_and_pickling_is_refused():
     assert "fix:    save stage 2's state_dict()" in str(error.value)
 
 
+def test_code_between_the_members_that_reads_them_moves_after_the_region_call():
+    """A size check stage 2 inserts after a member (or any node outside the checkpoint that
+    reads the region's values) runs after the region's call, on its output."""
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    inner = graph.call_function(torch.relu, (x,))
+    outside = graph.call_function(torch.neg, (inner,))
+    last = graph.call_function(torch.add, (inner, 1.0))
+    graph.output(graph.call_function(torch.mul, (outside, last)))
+    stage = fx.GraphModule(nn.Module(), graph)
+    value = batch(2, 8)
+    expected = stage(value)
+
+    def wrap(graph, region, inputs):
+        return graph.call_function(
+            torch.utils.checkpoint.checkpoint, (region, *inputs), {"use_reentrant": False}
+        )
+
+    outline(stage, [inner, last], "checkpointed_0", wrap)
+    stage.graph.lint()
+    stage.recompile()
+    assert torch.equal(stage(value), expected)
+    order = [node.name for node in stage.graph.nodes]
+    assert order.index("neg") > order.index("checkpointed_0_outputs")
+    assert "relu = torch.relu(x)" in stage.checkpointed_0.code
+
+
 def test_a_region_that_is_not_one_piece_of_the_program_is_refused():
     """Outlining needs the region to be contiguous: code outside the checkpoint that reads
     the region's values and is read by it again cannot be one call."""
