@@ -26,7 +26,7 @@ from graphsplit.errors import MetaParameterError, SplitError
 from graphsplit.planning.interpret import fetch
 from graphsplit.planning.numbers import bake_numbers
 from graphsplit.planning.opaque_call import OPAQUE, OpaqueCall, is_opaque, recheck_shapes
-from graphsplit.planning.stage2_passes import finish_stage1, finish_stage2
+from graphsplit.planning.stage2_passes import finish_stage1, finish_stage2, finish_stage2_module
 
 
 def _refuse_meta_tensors(stage: nn.Module, args: Any) -> None:
@@ -202,8 +202,8 @@ def build_stage2(
             env[node].meta = dict(node.meta)
         elif node in cut.stage2 or node.op == "output":
             env[node] = stage.node_copy(node, env.__getitem__)
-    finish_stage2(stage, graph, cut, env)  # size guards, checkpointed calls (trace's helper)
-    return _module(stage, model, constants, "Stage2")
+    finish_stage2(stage, graph, cut, env)  # size guards
+    return finish_stage2_module(_module(stage, model, constants, "Stage2"))  # checkpoints
 
 
 # -- saved code ---------------------------------------------------------------------------------

@@ -330,14 +330,15 @@ def traced_factories() -> Iterator[None]:
 
 
 # -- torch.utils.checkpoint.checkpoint ------------------------------------------------------------
-# Options of checkpoint() that stage 2 passes on as written (context_fn, a callable, is not:
-# a region using it is traced through without being checkpointed again).
+# Options of checkpoint() that stage 2 passes on (context_fn, a callable, is held by the stage
+# module, see graphsplit.planning.checkpoint).
 CHECKPOINT_OPTIONS = (
     "use_reentrant",
     "preserve_rng_state",
     "determinism_check",
     "debug",
     "early_stop",
+    "context_fn",
 )
 
 
@@ -364,9 +365,6 @@ def checkpoints_recorded(tracer: Any) -> Iterator[None]:
         if tracer.computing_meta or not _contains_proxy((args, kwargs)):
             return original(function, *args, **kwargs)
         options = {name: kwargs.pop(name) for name in CHECKPOINT_OPTIONS if name in kwargs}
-        if "context_fn" in kwargs:
-            kwargs.pop("context_fn")
-            options = None  # not representable in stage code: traced through as before
         token = tracer.open_checkpoint(options)
         try:
             return function(*args, **kwargs)
@@ -403,10 +401,9 @@ def _checkpoint_engines_recorded(tracer: Any, checkpoint: Callable[..., Any]) ->
     signature = inspect.signature(inspect.unwrap(checkpoint))
     defaults = {name: parameter.default for name, parameter in signature.parameters.items()}
     defaults["preserve_rng_state"] = True
+    defaults["context_fn"] = module.noop_context_fn
 
-    def options_of(arguments: dict[str, Any], use_reentrant: bool) -> dict[str, Any] | None:
-        if arguments.get("context_fn", module.noop_context_fn) is not module.noop_context_fn:
-            return None  # not representable in stage code: traced through as before
+    def options_of(arguments: dict[str, Any], use_reentrant: bool) -> dict[str, Any]:
         changed = {
             name: arguments[name]
             for name in CHECKPOINT_OPTIONS

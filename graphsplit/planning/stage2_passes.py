@@ -4,9 +4,15 @@
 graph, then calls :func:`finish_stage2` once, which applies, in order:
 
 - :func:`~graphsplit.planning.guards.recheck_size_guards`: the Python ints the trace read are
-  recomputed and checked, so a plan made for another resolution stops with a clear error;
-- :func:`~graphsplit.planning.checkpoint.recheckpoint`: a module call the step ran under
-  ``torch.utils.checkpoint.checkpoint`` is checkpointed in stage 2 too.
+  recomputed and checked, so a plan made for another resolution stops with a clear error.
+
+Once the stage-2 module is built (its attributes are the model's), it calls
+:func:`finish_stage2_module`, which applies:
+
+- :func:`~graphsplit.planning.checkpoint.recheckpoint`: the stage-2 part of each region the
+  step ran under ``torch.utils.checkpoint.checkpoint`` becomes one ``checkpoint`` call, of the
+  module itself or of a region module outlined from the stage (it needs the built stage: the
+  region module reads the stage's attributes).
 
 :func:`~graphsplit.planning.codegen.build_stage1` calls :func:`finish_stage1` before its
 output, which checks what only stage 1 can read:
@@ -23,6 +29,7 @@ stage graph, changed in place:
 
     finish_stage1(stage, graph, cut, env) -> {attribute: value}   # for the stage module
     finish_stage2(stage, graph, cut, env) -> None
+    finish_stage2_module(stage_module) -> stage_module
 """
 
 from __future__ import annotations
@@ -59,4 +66,9 @@ def finish_stage1(
 def finish_stage2(stage: fx.Graph, graph: fx.Graph, cut: Cut, env: dict[fx.Node, fx.Node]) -> None:
     """Apply the stage-2 passes listed in the module docstring."""
     recheck_size_guards(stage, graph, cut, env)
-    recheckpoint(stage, graph, cut, env)
+
+
+def finish_stage2_module(stage: fx.GraphModule) -> fx.GraphModule:
+    """Apply the passes on the built stage-2 module listed in the module docstring."""
+    recheckpoint(stage)
+    return stage
