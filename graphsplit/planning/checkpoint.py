@@ -45,6 +45,7 @@ import torch
 import torch.fx as fx
 import torch.utils.checkpoint
 
+from graphsplit.errors import SplitError, user_error
 from graphsplit.planning.outline import Wrap, outline
 
 # Where the tracer tags the nodes traced inside a checkpoint() call.
@@ -92,10 +93,44 @@ def recheckpoint(stage: fx.GraphModule) -> None:
         call = _module_call(members, region)
         if call is not None:
             _checkpoint_module_call(stage.graph, call, options)
+            refuse_pickling(stage)
         else:
             outline(stage, members, name, _checkpoint_call(options))
     stage.graph.lint()
     stage.recompile()
+
+
+def refuse_pickling(stage: fx.GraphModule) -> None:
+    """Make pickling ``stage`` (and its deep copies) a ``SplitError`` naming the fix.
+
+    fx pickles a GraphModule as its code and traces that code again when loading; that trace
+    runs through ``checkpoint(self.blocks_0, ...)``, so the loaded stage would train without
+    checkpointing, silently. fx gives each GraphModule a class of its own, so the refusal is
+    installed on that class only; a deep copy (an EMA copy) gets a new class, and the refusal
+    again.
+    """
+    cls = type(stage)
+    if cls.__dict__.get("__reduce__") is _refused_reduce:
+        return
+    cls.__reduce__ = _refused_reduce
+    cls.__deepcopy__ = _deepcopy_refusing_pickling
+
+
+def _refused_reduce(self: fx.GraphModule) -> Any:
+    raise user_error(
+        SplitError,
+        "Stage 2 cannot be pickled: it checkpoints module calls (checkpoint(self.block, ...)), "
+        "and fx rebuilds a pickled stage by tracing its code again, which would run the "
+        "blocks without checkpointing.",
+        fix="save stage 2's state_dict() (or the model's) and build the split again with "
+        "graphsplit.split(...) when loading, or write its code with split.save_code(folder)",
+    )
+
+
+def _deepcopy_refusing_pickling(self: fx.GraphModule, memo: dict[int, Any]) -> fx.GraphModule:
+    copied = fx.GraphModule.__deepcopy__(self, memo)
+    refuse_pickling(copied)
+    return copied
 
 
 def _free_name(stage: fx.GraphModule, name: str) -> str:

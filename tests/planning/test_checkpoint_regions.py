@@ -368,6 +368,23 @@ def test_a_copy_of_stage_2_calls_its_own_region_and_pickling_is_refused():
     assert "fix:    save stage 2's state_dict()" in str(error.value)
 
 
+def test_a_stage_2_checkpointing_module_calls_refuses_pickling_and_so_do_its_copies():
+    """fx reloads a pickled stage by tracing its code again, through checkpoint(): the loaded
+    stage would train without checkpointing. Refused, for the stage and its deep copies."""
+    split = split_and_verify(OneModuleRemainder(), ARGS)
+    assert "torch.utils.checkpoint.checkpoint(block_module, " in split.stage2.code
+    copied = copy.deepcopy(split.stage2)
+    boundary = split.stage1(*ARGS)
+    torch.manual_seed(0)  # the block's dropout draws
+    expected = split.stage2(**boundary)
+    torch.manual_seed(0)
+    assert torch.equal(copied(**boundary), expected)
+    for stage in (split.stage2, copied):
+        with pytest.raises(graphsplit.SplitError, match="Stage 2 cannot be pickled") as error:
+            pickle.dumps(stage)
+        assert "would run the blocks without checkpointing" in str(error.value)
+
+
 def test_code_between_the_members_that_reads_them_moves_after_the_region_call():
     """A size check stage 2 inserts after a member (or any node outside the checkpoint that
     reads the region's values) runs after the region's call, on its output."""
