@@ -72,6 +72,8 @@ class OpaqueSite:
     read_at: str  # "file:line  code" where it read a tensor value
     # A frozen leaf module whose own method read the value: traced as a call, no longer a leaf.
     leaf: str | None = None
+    # Other modules' globals bound to the same function (``from x import f``): patched too.
+    aliases: tuple[tuple[ModuleType, str], ...] = ()
 
     @property
     def raw(self) -> Any:
@@ -112,7 +114,11 @@ def site_of_failure(
             frames.append((frame, line))
         elif meta_run is not None and _is_user(frame):
             read_at = describe(frame_location_of(frame.f_code.co_filename, line))
-    candidates = [_site_of(frame, line) for frame, line in reversed(frames[1:])]
+    # Each function's caller is the frame before it: where the call looked its name up.
+    called = list(enumerate(frames))[1:]
+    candidates = [
+        _site_of(frame, line, frames[index - 1][0]) for index, (frame, line) in reversed(called)
+    ]
     node = meta_run.f_locals.get("node") if meta_run is not None else None
     if isinstance(node, fx.Node) and read_at is not None:
         candidates.insert(0, _leaf_site(node, read_at, root, trainable))
@@ -164,8 +170,9 @@ def _is_user(frame: FrameType) -> bool:
     return not is_internal(frame.f_code.co_filename)
 
 
-def _site_of(frame: FrameType, line: int) -> OpaqueSite | None:
-    """Where the function running in ``frame`` is looked up, if it is a class's or module's."""
+def _site_of(frame: FrameType, line: int, caller: FrameType) -> OpaqueSite | None:
+    """Where the function running in ``frame`` is looked up, if it is a class's or module's;
+    with the names ``caller``'s module imported it under (``from x import f``)."""
     code = frame.f_code
     if code.co_name.startswith("<"):  # a comprehension, lambda or module body: not callable
         return None
@@ -181,8 +188,21 @@ def _site_of(frame: FrameType, line: int) -> OpaqueSite | None:
     for owner in owners:
         for attribute, value in list(vars(owner).items()):
             if _code_of(value) is code:
-                return OpaqueSite(owner, attribute, read_at)
+                return OpaqueSite(owner, attribute, read_at, aliases=_aliases(code, caller, owner))
     return None
+
+
+def _aliases(code: Any, caller: FrameType, owner: Any) -> tuple[tuple[ModuleType, str], ...]:
+    """The caller module's globals that are the function too (``from x import f`` binds the
+    name there, and the call looks it up there)."""
+    module = sys.modules.get(caller.f_globals.get("__name__", ""))
+    if module is None or module is owner:
+        return ()
+    return tuple(
+        (module, name)
+        for name, value in list(vars(module).items())
+        if isinstance(value, FunctionType) and _code_of(value) is code
+    )
 
 
 def _code_of(value: Any) -> Any:
@@ -195,17 +215,51 @@ def _code_of(value: Any) -> Any:
 # -- recording the calls ------------------------------------------------------------------------
 @contextlib.contextmanager
 def opaque_calls_recorded(sites: list[OpaqueSite], run: ExampleRun) -> Iterator[None]:
-    """Patch each site so a call with traced arguments is one node; undone on exit."""
-    patched = []
+    """Patch each site so a call with traced arguments is one node; undone on exit.
+
+    A module function is also patched where the model's objects hold it as an instance
+    attribute (DiffSynth's ``pipe.model_fn = model_fn_wan_video``): the call looks it up there,
+    not in its module.
+    """
+    patched: list[tuple[Any, str, Any]] = []
     for site in sites:
         raw = site.raw
-        patched.append((site, raw))
-        setattr(site.owner, site.attribute, _recording_descriptor(site, raw, run))
+        recording = _recording_descriptor(site, raw, run)
+        patched.append((site.owner, site.attribute, raw))
+        setattr(site.owner, site.attribute, recording)
+        if isinstance(site.owner, ModuleType):
+            holders = [*site.aliases, *_instances_holding(run.model, raw)]
+            for holder, attribute in holders:
+                held = vars(holder)[attribute]
+                patched.append((holder, attribute, held))
+                same = held is raw
+                setattr(holder, attribute, recording if same else _recording(site, held, run))
     try:
         yield
     finally:
-        for site, raw in reversed(patched):
-            setattr(site.owner, site.attribute, raw)
+        for owner, attribute, raw in reversed(patched):
+            setattr(owner, attribute, raw)
+
+
+def _instances_holding(model: nn.Module, function: Any) -> list[tuple[Any, str]]:
+    """``(object, attribute)`` for each instance attribute of the model's modules, and of the
+    objects they hold (a pipeline that is not a module), that is ``function`` itself."""
+    found, seen = [], set()
+    holders: list[Any] = list(model.modules())
+    holders += [
+        value
+        for module in list(holders)
+        for value in vars(module).values()
+        if hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type, FunctionType))
+    ]
+    for holder in holders:
+        if id(holder) in seen:
+            continue
+        seen.add(id(holder))
+        for attribute, value in list(vars(holder).items()):
+            if value is function:
+                found.append((holder, attribute))
+    return found
 
 
 def _recording_descriptor(site: OpaqueSite, raw: Any, run: ExampleRun) -> Any:

@@ -20,6 +20,8 @@ from graphsplit.caching.fingerprint import differences, fingerprint
 from graphsplit.errors import TensorValueError
 from graphsplit.planning.opaque_call import OPAQUE, is_opaque
 from tests.helpers import frozen, line_of, split_and_verify
+from tests.planning import opaque_functions
+from tests.planning.opaque_functions import trim_to_lengths
 
 VOCAB, TOKENS, WIDTH = 16, 6, 4
 
@@ -128,6 +130,40 @@ class GathersInAStaticMethod(TrimsWithToList):
     def forward(self, ids, mask, target):
         pooled = self.masked_mean(self.embed(ids), mask)
         return F.mse_loss(self.head(pooled).squeeze(-1), target[:, 0])
+
+
+class CallsAStoredFunction(TrimsWithToList):
+    """DiffSynth's ``pipe.model_fn = model_fn_wan_video``: the function is an instance attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trim = _frozen_trim
+
+    def forward(self, ids, mask, target):
+        states = self.trim(self.embed(ids), mask)
+        return F.mse_loss(self.head(states).squeeze(-1), target)
+
+
+class CallsAnImportedFunction(TrimsWithToList):
+    """``from module import function``: the call looks the name up in this module."""
+
+    def forward(self, ids, mask, target):
+        states = trim_to_lengths(self.embed(ids), mask)
+        return F.mse_loss(self.head(states).squeeze(-1), target)
+
+
+@pytest.mark.parametrize("step_type", [CallsAStoredFunction, CallsAnImportedFunction])
+def test_a_function_held_by_an_instance_or_imported_by_name_is_patched_there(step_type):
+    torch.manual_seed(0)
+    step = step_type()
+    split = split_and_verify(step, prompts(3))
+    (node,) = opaque_nodes(split)
+    assert node in split.cut.stage1 and node not in split.cut.stage2
+    # Patched for the trace only: the step holds its own objects again.
+    assert getattr(step, "trim", _frozen_trim) is _frozen_trim
+    assert trim_to_lengths is opaque_functions.trim_to_lengths
+    batch = prompts(3, seed=5)
+    assert torch.equal(split.stage2(**split.stage1(*batch)), step(*batch))
 
 
 @pytest.mark.parametrize("step_type", [TrimsInAGlobalFunction, GathersInAStaticMethod])
