@@ -79,17 +79,31 @@ def activations_saved(run, inputs) -> int:
     """Tensors autograd keeps for backward while ``run()`` executes its forward, leaving out
     the ones that are (views of) ``inputs``: those are held anyway, and a checkpoint saves its
     inputs, which differ between the step (closures) and stage 2 (explicit inputs)."""
+    return len(_saved_storages(run, inputs)[0])
+
+
+def activation_bytes(run, inputs) -> int:
+    """Bytes of the distinct storages autograd holds for backward at the end of ``run()``'s
+    forward (inputs left out, as above): the activation memory checkpointing exists to cut,
+    and what a peak-memory reading of the step's forward would add over its weights."""
+    return sum(_saved_storages(run, inputs)[1].values())
+
+
+def _saved_storages(run, inputs) -> tuple[list[int], dict[int, int]]:
     held = {tensor.untyped_storage().data_ptr() for tensor in inputs}
     saved: list[int] = []
+    storages: dict[int, int] = {}
 
     def pack(tensor):
-        if tensor.untyped_storage().data_ptr() not in held:
-            saved.append(1)
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in held:
+            saved.append(storage.data_ptr())
+            storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         run()
-    return len(saved)
+    return saved, storages
 
 
 def assert_checkpointed_as_eager(model, plain, args, *, regions: int, exact_saved: bool = True):
@@ -104,8 +118,12 @@ def assert_checkpointed_as_eager(model, plain, args, *, regions: int, exact_save
     stage2_saved = activations_saved(lambda: split.stage2(**boundary), boundary.values())
     eager_saved = activations_saved(lambda: model(*args), args)
     assert stage2_saved <= eager_saved < activations_saved(lambda: plain(*args), args)
+    stage2_bytes = activation_bytes(lambda: split.stage2(**boundary), boundary.values())
+    eager_bytes = activation_bytes(lambda: model(*args), args)
+    assert stage2_bytes <= eager_bytes < activation_bytes(lambda: plain(*args), args)
     if exact_saved:
         assert stage2_saved == eager_saved
+        assert stage2_bytes == eager_bytes
     assert_trains_from_a_cache(model, split, args)
     return split
 

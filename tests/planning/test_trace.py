@@ -80,3 +80,35 @@ def test_a_factory_given_a_traced_shape_draws_that_shape_in_stage_2():
     expected = model(other)
     torch.manual_seed(1)
     assert torch.equal(split.stage2(**split.stage1(other)), expected)
+
+
+class SlicesItsBuffer(nn.Module):
+    """Python-level work on a registered buffer: ``self.table[:4]``, ``self.alphas[0] ** 0.5``
+    (a scheduler table kept as a buffer). fx hands code a buffer itself by default, so that
+    work ran at trace time on the analysis view's meta twin, and its result, a meta constant,
+    left both stages unable to run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(8, 6).requires_grad_(False)
+        self.head = nn.Linear(6, 1)
+        self.register_buffer("table", torch.randn(6, 6))
+        self.register_buffer("alphas", torch.linspace(0.9, 0.1, 4))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        features = self.encoder(x)[:, :4] + self.table[:4, :4].sum(0)
+        scale = self.alphas[0] ** 0.5
+        return nn.functional.mse_loss(self.head(torch.relu(features @ self.table[:4]) * scale), y)
+
+
+def test_work_on_a_buffer_in_traced_code_is_traced_and_both_stages_run():
+    torch.manual_seed(0)
+    model = SlicesItsBuffer()
+    x, y = torch.randn(3, 8), torch.randn(3, 1)
+    split = split_and_verify(model, (x, y))
+    reads = {node.target for node in split.graph.nodes if node.op == "get_attr"}
+    assert {"table", "alphas"} <= reads
+    held = {name for name, _ in split.stage2.named_buffers()} | set(split.boundary)
+    assert not any(name.startswith(("constant", "_tensor_constant")) for name in held)
+    other_x, other_y = torch.randn(5, 8), torch.randn(5, 1)
+    assert torch.equal(split.stage2(**split.stage1(other_x, other_y)), model(other_x, other_y))
