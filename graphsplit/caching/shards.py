@@ -25,7 +25,7 @@ import copy
 import itertools
 import json
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,11 +143,11 @@ class ShardWriter:
     """Writes shards on background threads, so stage 1 keeps running meanwhile.
 
     One thread serialises shard ``k`` into a temporary file (hashing its bytes from memory as
-    it writes them). A small shard is committed (:meth:`commit`) by one of two other threads,
-    so its fsync overlaps the writing of the next; a shard of 32 MiB or more is committed by
-    the saving thread itself before it writes the next (see ``_OVERLAPPED_COMMIT_BYTES``).
-    Either way stage 1 keeps running meanwhile. At most one shard waits in memory besides the
-    one being filled.
+    it writes them); one of two other threads commits it (:meth:`commit`: fsync, rename, then
+    the progress record), so its fsync overlaps the writing of shard ``k + 1``. At most one
+    shard waits in memory besides the one being filled, and at most ``_UNSYNCED_SHARDS``
+    written shards wait for their fsync: the saving thread waits for the oldest before it
+    hands on another, so a slow disk holds stage 1 back instead of piling up dirty pages.
     """
 
     def __init__(self, folder: Path) -> None:
@@ -155,9 +155,12 @@ class ShardWriter:
         self.bytes_submitted = 0
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="graphsplit-save")
         # Two committers: fsyncs of consecutive shards overlap.
-        self._committers = ThreadPoolExecutor(2, thread_name_prefix="graphsplit-commit")
+        self._committers = ThreadPoolExecutor(
+            _UNSYNCED_SHARDS, thread_name_prefix="graphsplit-commit"
+        )
         self._saving: tuple[int, Future[Future[ShardProgress]]] | None = None
         self._commits: dict[int, Future[ShardProgress]] = {}
+        self._unsynced: list[Future[ShardProgress]] = []  # the saving thread's alone
 
     def submit(self, shard: PendingShard) -> None:
         """Queue a complete pending shard; waits while the shard before it is being saved."""
@@ -180,7 +183,8 @@ class ShardWriter:
             self._committers.shutdown(wait=True)
 
     def save(self, shard: PendingShard) -> Future[ShardProgress]:
-        """Serialise ``shard`` into its temporary file, then hand it to a committer."""
+        """Serialise ``shard`` into its temporary file, then hand it to a committer (once
+        fewer than ``_UNSYNCED_SHARDS`` earlier shards wait for theirs)."""
         name = shard_file_name(shard.index)
         # One metadata entry only: safetensors writes a dict's entries in a random order per
         # process, and resumed or multi-process runs must write byte-identical shards.
@@ -188,11 +192,12 @@ class ShardWriter:
         checksum = files.save_tensors(shard.tensors, self.folder / name, metadata)
         shard.tensors = {}
         temporary = files.temporary_path(self.folder / name)
-        if shard.nbytes < _OVERLAPPED_COMMIT_BYTES:
-            return self._committers.submit(self.commit, shard, temporary, checksum)
-        committed: Future[ShardProgress] = Future()  # fsync'd before the next shard is written
-        committed.set_result(self.commit(shard, temporary, checksum))
-        return committed
+        self._unsynced = [commit for commit in self._unsynced if not commit.done()]
+        if len(self._unsynced) >= _UNSYNCED_SHARDS:
+            wait(self._unsynced, return_when=FIRST_COMPLETED)
+        committing = self._committers.submit(self.commit, shard, temporary, checksum)
+        self._unsynced.append(committing)
+        return committing
 
     def commit(self, shard: PendingShard, temporary: Path, checksum: str) -> ShardProgress:
         """Move a saved shard (with the ``checksum`` its bytes had in memory) into place and
@@ -239,12 +244,12 @@ def _snapshot(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-# A shard at least this big is committed (fsync'd) on the saving thread before the next shard
-# is written, not beside that write. Writing into the page cache while a large file is being
-# flushed cost 3x the CPU time and 2x the wall time of writing then flushing (1 GiB in 256 MiB
-# shards, Linux 6.18 in a VM: 2.1 s vs 0.64 s CPU); below 32 MiB the overlap still pays (78 MB
-# in 16 MiB shards: 0.94 vs 0.76 of save_file + fsync's wall time, the same CPU time).
-_OVERLAPPED_COMMIT_BYTES = 32 << 20
+# Written shards that may wait for their fsync at once (each on its own committer thread).
+# The fsync of shard k overlaps the writing of shard k + 1: 1 GiB in 256 MiB shards, Linux
+# 6.18 in a VM, wall time 0.98 (IQR 0.46-1.15) of save_file + fsync against 0.79 (0.65-0.86)
+# when each shard was fsync'd before the next was written, the same CPU time (medians of 7
+# interleaved rounds; see docs/benchmarks.md for the script's figures).
+_UNSYNCED_SHARDS = 2
 
 
 def _digested(shard: PendingShard) -> PendingShard:
