@@ -48,7 +48,7 @@ import os
 import re
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,12 @@ import torch
 from graphsplit.caching import remote
 from graphsplit.caching.checksums import ALGORITHM, Running, algorithm_of
 from graphsplit.caching.remote import RemotePath, nothing, or_remote
-from graphsplit.caching.tensor_file import SAFETENSORS_DTYPES, safetensors_dtype, serialise
+from graphsplit.caching.tensor_file import (
+    SAFETENSORS_DTYPES,
+    TensorBytes,
+    safetensors_dtype,
+    serialise,
+)
 from graphsplit.errors import DiskFullError, Remedy, UnsafeFileError
 from graphsplit.units import human_bytes
 
@@ -142,9 +147,12 @@ def write_atomically(path: Path, data: bytes, *, durable: bool = True) -> None:
         fsync_folder(path.parent)
 
 
-def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> str:
+def save_tensors(
+    tensors: Mapping[str, torch.Tensor | TensorBytes], path: Path, metadata: dict[str, str]
+) -> str:
     """Save ``tensors`` in the safetensors format to ``path``'s temporary file (commit it next
-    with :func:`commit_file`, passing the checksum returned); views of one storage are fine.
+    with :func:`commit_file`, passing the checksum returned); views of one storage are fine,
+    and so are :class:`~graphsplit.caching.tensor_file.TensorBytes` (the writer's rows).
 
     graphsplit writes the format itself (:mod:`graphsplit.caching.tensor_file`), straight from
     the tensors' memory: no copy, the same write path and errors as every other file, and the

@@ -49,6 +49,7 @@ from graphsplit.caching.format import (
 from graphsplit.caching.memory_order import Order, memory_order
 from graphsplit.caching.processes import Processes
 from graphsplit.caching.sources import BatchSource, as_mapping, batch_keys
+from graphsplit.caching.tensor_file import TensorBytes, rows_of
 from graphsplit.caching.validate import to_json
 from graphsplit.errors import CacheError, Remedy
 from graphsplit.units import human_bytes
@@ -61,7 +62,7 @@ class PendingShard:
     """The rows of one shard, collected in memory until its last batch is done."""
 
     index: int
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    rows: dict[str, TensorBytes] = field(default_factory=dict)  # by tensor name in the file
     keys: list[str] = field(default_factory=list)
     shapes: list[tuple[tuple[int, ...], ...]] = field(default_factory=list)
     orders: list[tuple[Order | None, ...]] = field(default_factory=list)
@@ -189,8 +190,8 @@ class ShardWriter:
         # One metadata entry only: safetensors writes a dict's entries in a random order per
         # process, and resumed or multi-process runs must write byte-identical shards.
         metadata = {"graphsplit_keys": json.dumps(shard.keys)}
-        checksum = files.save_tensors(shard.tensors, self.folder / name, metadata)
-        shard.tensors = {}
+        checksum = files.save_tensors(shard.rows, self.folder / name, metadata)
+        shard.rows = {}
         temporary = files.temporary_path(self.folder / name)
         self._unsynced = [commit for commit in self._unsynced if not commit.done()]
         if len(self._unsynced) >= _UNSYNCED_SHARDS:
@@ -395,9 +396,8 @@ def _add_rows(
     keys: Sequence[str],
     positions: Sequence[int],
 ) -> None:
-    # Rows are stored in the batch tensor's memory order, as views of one batch-major copy per
-    # tensor: one copy per batch, none at all for the usual layouts. safetensors writes
-    # non-overlapping views of one storage as separate tensors.
+    # Rows are stored in the batch tensor's memory order, as slices of the memory of one
+    # batch-major copy per tensor: one copy per batch, none at all for the usual layouts.
     columns = []
     for spec in header.sample_specs:
         assert spec.batch_dim is not None
@@ -411,8 +411,8 @@ def _add_rows(
     shapes = tuple(row_shape for _, _, row_shape, _ in columns)
     first = len(pending.keys)
     for name, values, _, _ in columns:
-        for offset, value in enumerate(values.unbind(0)):  # one call for a batch's row views
-            pending.tensors[tensor_name(first + offset, name)] = value
+        for offset, row in enumerate(rows_of(values)):  # slices of one buffer: no torch calls
+            pending.rows[tensor_name(first + offset, name)] = row
         pending.nbytes += values.numel() * values.element_size()
     pending.keys.extend(keys)
     pending.shapes.extend([shapes] * len(keys))
