@@ -1,13 +1,15 @@
 """Where a shard is written: stage 1 runs on each batch, its rows collect into shards, and
-background threads save, hash, fsync and rename each shard, then record it in ``.partial/``.
+background threads save (and hash), fsync and rename each shard, then record it in
+``.partial/``.
 
 Glossary:
     row: one sample's slice of a boundary tensor, cut along the tensor's batch dim and stored
         as its own contiguous tensor, so samples of different shapes can share a cache. Rows
         are stored in the batch tensor's memory order (see :mod:`~graphsplit.caching.memory_order`).
     pending shard: the rows of one shard, collected in memory until its last batch is done.
-    commit: a saved shard's temporary file is hashed, fsync'd and renamed into place; its
-        progress record is written after that, so a record always names a whole file.
+    commit: a saved shard's temporary file is fsync'd and renamed into place (its checksum
+        was computed from memory while it was saved); its progress record is written after
+        that, so a record always names a whole, durable file.
     constants: boundary tensors without a batch dim; batch 0 writes them, later batches must
         compute the same values.
 
@@ -247,9 +249,8 @@ def _snapshot(value: Any) -> Any:
 
 # Written shards that may wait for their fsync at once (each on its own committer thread).
 # The fsync of shard k overlaps the writing of shard k + 1: 1 GiB in 256 MiB shards, Linux
-# 6.18 in a VM, wall time 0.98 (IQR 0.46-1.15) of save_file + fsync against 0.79 (0.65-0.86)
-# when each shard was fsync'd before the next was written, the same CPU time (medians of 7
-# interleaved rounds; see docs/benchmarks.md for the script's figures).
+# 6.18 in a VM, 9 alternations: 630 ms wall against 869 ms when each shard was fsync'd before
+# the next was written, the same CPU time (566 against 545 ms); see docs/benchmarks.md.
 _UNSYNCED_SHARDS = 2
 
 
