@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import struct
 
@@ -113,3 +114,13 @@ def test_rows_are_slices_of_the_batch_memory_not_copies():
     batch[1, 2] = -1.0
     values = torch.frombuffer(bytearray(rows[1].data), dtype=torch.float32)
     assert values.tolist() == [4.0, 5.0, -1.0, 7.0]
+
+
+def test_rows_keep_their_batch_memory_alive():
+    """The writer drops its batch tensors once their rows are cut; the rows must keep the
+    memory they slice (a freed, reused buffer would write other bytes into the shard)."""
+    rows = rows_of(torch.arange(4096.0).reshape(4, 1024) * 2)
+    gc.collect()
+    _ = [torch.full((4, 1024), -7.0) for _ in range(64)]  # reuse whatever was freed
+    last = torch.frombuffer(bytearray(rows[3].data), dtype=torch.float32)
+    assert torch.equal(last, torch.arange(3072.0, 4096.0) * 2)
