@@ -187,8 +187,10 @@ def save_tensors(
 # Not more: writes of 2 MiB or more let the page cache allocate large folios, which in this VM
 # (Linux 6.18) cost 3-9x the CPU time at times: 1 GiB in 16 MiB writes took 1.0-3.1 s of CPU,
 # in 1 MiB writes 0.32-0.37 s (three alternations, each write followed by fsync; 256 KiB and
-# 1 MiB writes cost the same, 2 MiB and more had outliers of 3 s). The shuffled reads those
-# large folios made a little faster (13 against 17 ms of CPU for a 78 MB epoch) do not repay it.
+# 1 MiB writes cost the same, 2 MiB and more had outliers of 3 s). What it gives up: reads
+# of a cache still in the page cache since it was written walk smaller folios (bench_cache_io
+# at 1 GiB: 1.02 instead of 1.32 of raw safe_open's CPU time). A cache read from disk comes
+# through readahead whatever the writes were, while the write cost is paid every time.
 _WRITTEN_TOGETHER = 1 << 20
 
 
