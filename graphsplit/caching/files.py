@@ -9,7 +9,7 @@ Glossary:
     commit: fsync a finished temporary file, then rename it over its final name, so a reader
         sees the old file or the whole new one, never a part. The checksum of a file graphsplit
         wrote (:mod:`graphsplit.caching.checksums`) is computed from the bytes in memory as
-        they are written, each 16 MiB right after the write that read it, so nothing is read
+        they are written, each 1 MiB right after the write that read it, so nothing is read
         back.
     durable: fsync'd, file and folder, so it survives a power cut. Every file is fsync'd before
         anything relies on it; the folder once before the manifest names its files.
@@ -48,7 +48,7 @@ import os
 import re
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,12 @@ import torch
 from graphsplit.caching import remote
 from graphsplit.caching.checksums import ALGORITHM, Running, algorithm_of
 from graphsplit.caching.remote import RemotePath, nothing, or_remote
-from graphsplit.caching.tensor_file import SAFETENSORS_DTYPES, safetensors_dtype, serialise
+from graphsplit.caching.tensor_file import (
+    SAFETENSORS_DTYPES,
+    TensorBytes,
+    safetensors_dtype,
+    serialise,
+)
 from graphsplit.errors import DiskFullError, Remedy, UnsafeFileError
 from graphsplit.units import human_bytes
 
@@ -142,16 +147,19 @@ def write_atomically(path: Path, data: bytes, *, durable: bool = True) -> None:
         fsync_folder(path.parent)
 
 
-def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> str:
+def save_tensors(
+    tensors: Mapping[str, torch.Tensor | TensorBytes], path: Path, metadata: dict[str, str]
+) -> str:
     """Save ``tensors`` in the safetensors format to ``path``'s temporary file (commit it next
-    with :func:`commit_file`, passing the checksum returned); views of one storage are fine.
+    with :func:`commit_file`, passing the checksum returned); views of one storage are fine,
+    and so are :class:`~graphsplit.caching.tensor_file.TensorBytes` (the writer's rows).
 
     graphsplit writes the format itself (:mod:`graphsplit.caching.tensor_file`), straight from
     the tensors' memory: no copy, the same write path and errors as every other file, and the
-    same bytes on every run, process and safetensors version. The bytes are hashed from memory
-    as they are written, up to 16 MiB at a time right after the write that read them, on the
-    same thread: the file is never read back to be hashed. For a remote ``path`` the temporary
-    file is a local staging file, uploaded by the commit.
+    same bytes on every run, process and safetensors version. The bytes are written 1 MiB at
+    a time (see ``_WRITTEN_TOGETHER``), each hashed from memory right after the write that
+    read it, on the same thread: the file is never read back to be hashed. For a remote
+    ``path`` the temporary file is a local staging file, uploaded by the commit.
 
     Returns:
         The file's checksum (:data:`~graphsplit.caching.checksums.ALGORITHM`).
@@ -166,7 +174,7 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
         descriptor = _create_exclusively(temporary)
         try:
             with _removed_on_error(temporary):
-                for group in _groups(pieces, _HASHED_TOGETHER):
+                for group in _groups(pieces, _WRITTEN_TOGETHER):
                     _write_all(descriptor, group)
                     for piece in group:
                         digest.update(piece)
@@ -175,24 +183,31 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     return digest.checksum()
 
 
-# Bytes written by one system call, then hashed. Large writes let the page cache keep the file
-# in large folios, which later memory-mapped reads walk faster (a shuffled epoch of 78 MB read
-# 13 ms CPU after 16 MiB writes, 17 ms after 1 MiB writes, on Linux 6.18); hashing right
-# after the write still finds part of the bytes in the CPU's caches.
-_HASHED_TOGETHER = 16 << 20
+# Bytes written by one system call, then hashed while they are still in the CPU's caches.
+# Not more: writes of 2 MiB or more let the page cache allocate large folios, which in this VM
+# (Linux 6.18) cost 3-9x the CPU time at times: 1 GiB in 16 MiB writes took 1.0-3.1 s of CPU,
+# in 1 MiB writes 0.32-0.37 s (three alternations, each write followed by fsync; 256 KiB and
+# 1 MiB writes cost the same, 2 MiB and more had outliers of 3 s). What it gives up: reads
+# of a cache still in the page cache since it was written walk smaller folios (bench_cache_io
+# at 1 GiB: 1.02 instead of 1.32 of raw safe_open's CPU time). A cache read from disk comes
+# through readahead whatever the writes were, while the write cost is paid every time.
+_WRITTEN_TOGETHER = 1 << 20
 
 
-def _groups(pieces: list[Any], limit: int) -> Iterator[list[Any]]:
-    """Consecutive runs of ``pieces`` of at most ``limit`` bytes (a larger piece alone)."""
-    group: list[Any] = []
+def _groups(pieces: list[memoryview], limit: int) -> Iterator[list[memoryview]]:
+    """``pieces`` in consecutive runs of at most ``limit`` bytes (a larger piece cut up)."""
+    group: list[memoryview] = []
     size = 0
     for piece in pieces:
-        length = memoryview(piece).nbytes
-        if group and size + length > limit:
-            yield group
-            group, size = [], 0
-        group.append(piece)
-        size += length
+        start = 0
+        while start < len(piece):
+            part = piece[start : start + limit - size]
+            group.append(part)
+            size += len(part)
+            start += len(part)
+            if size == limit:
+                yield group
+                group, size = [], 0
     if group:
         yield group
 

@@ -1,13 +1,15 @@
 """Where a shard is written: stage 1 runs on each batch, its rows collect into shards, and
-background threads save, hash, fsync and rename each shard, then record it in ``.partial/``.
+background threads save (and hash), fsync and rename each shard, then record it in
+``.partial/``.
 
 Glossary:
     row: one sample's slice of a boundary tensor, cut along the tensor's batch dim and stored
         as its own contiguous tensor, so samples of different shapes can share a cache. Rows
         are stored in the batch tensor's memory order (see :mod:`~graphsplit.caching.memory_order`).
     pending shard: the rows of one shard, collected in memory until its last batch is done.
-    commit: a saved shard's temporary file is hashed, fsync'd and renamed into place; its
-        progress record is written after that, so a record always names a whole file.
+    commit: a saved shard's temporary file is fsync'd and renamed into place (its checksum
+        was computed from memory while it was saved); its progress record is written after
+        that, so a record always names a whole, durable file.
     constants: boundary tensors without a batch dim; batch 0 writes them, later batches must
         compute the same values.
 
@@ -25,7 +27,7 @@ import copy
 import itertools
 import json
 from collections.abc import Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,7 @@ from graphsplit.caching.format import (
 from graphsplit.caching.memory_order import Order, memory_order
 from graphsplit.caching.processes import Processes
 from graphsplit.caching.sources import BatchSource, as_mapping, batch_keys
+from graphsplit.caching.tensor_file import TensorBytes, rows_of
 from graphsplit.caching.validate import to_json
 from graphsplit.errors import CacheError, Remedy
 from graphsplit.units import human_bytes
@@ -61,7 +64,7 @@ class PendingShard:
     """The rows of one shard, collected in memory until its last batch is done."""
 
     index: int
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    rows: dict[str, TensorBytes] = field(default_factory=dict)  # by tensor name in the file
     keys: list[str] = field(default_factory=list)
     shapes: list[tuple[tuple[int, ...], ...]] = field(default_factory=list)
     orders: list[tuple[Order | None, ...]] = field(default_factory=list)
@@ -143,11 +146,11 @@ class ShardWriter:
     """Writes shards on background threads, so stage 1 keeps running meanwhile.
 
     One thread serialises shard ``k`` into a temporary file (hashing its bytes from memory as
-    it writes them). A small shard is committed (:meth:`commit`) by one of two other threads,
-    so its fsync overlaps the writing of the next; a shard of 32 MiB or more is committed by
-    the saving thread itself before it writes the next (see ``_OVERLAPPED_COMMIT_BYTES``).
-    Either way stage 1 keeps running meanwhile. At most one shard waits in memory besides the
-    one being filled.
+    it writes them); one of two other threads commits it (:meth:`commit`: fsync, rename, then
+    the progress record), so its fsync overlaps the writing of shard ``k + 1``. At most one
+    shard waits in memory besides the one being filled, and at most ``_UNSYNCED_SHARDS``
+    written shards wait for their fsync: the saving thread waits for the oldest before it
+    hands on another, so a slow disk holds stage 1 back instead of piling up dirty pages.
     """
 
     def __init__(self, folder: Path) -> None:
@@ -155,9 +158,12 @@ class ShardWriter:
         self.bytes_submitted = 0
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="graphsplit-save")
         # Two committers: fsyncs of consecutive shards overlap.
-        self._committers = ThreadPoolExecutor(2, thread_name_prefix="graphsplit-commit")
+        self._committers = ThreadPoolExecutor(
+            _UNSYNCED_SHARDS, thread_name_prefix="graphsplit-commit"
+        )
         self._saving: tuple[int, Future[Future[ShardProgress]]] | None = None
         self._commits: dict[int, Future[ShardProgress]] = {}
+        self._unsynced: list[Future[ShardProgress]] = []  # the saving thread's alone
 
     def submit(self, shard: PendingShard) -> None:
         """Queue a complete pending shard; waits while the shard before it is being saved."""
@@ -180,19 +186,21 @@ class ShardWriter:
             self._committers.shutdown(wait=True)
 
     def save(self, shard: PendingShard) -> Future[ShardProgress]:
-        """Serialise ``shard`` into its temporary file, then hand it to a committer."""
+        """Serialise ``shard`` into its temporary file, then hand it to a committer (once
+        fewer than ``_UNSYNCED_SHARDS`` earlier shards wait for theirs)."""
         name = shard_file_name(shard.index)
         # One metadata entry only: safetensors writes a dict's entries in a random order per
         # process, and resumed or multi-process runs must write byte-identical shards.
         metadata = {"graphsplit_keys": json.dumps(shard.keys)}
-        checksum = files.save_tensors(shard.tensors, self.folder / name, metadata)
-        shard.tensors = {}
+        checksum = files.save_tensors(shard.rows, self.folder / name, metadata)
+        shard.rows = {}
         temporary = files.temporary_path(self.folder / name)
-        if shard.nbytes < _OVERLAPPED_COMMIT_BYTES:
-            return self._committers.submit(self.commit, shard, temporary, checksum)
-        committed: Future[ShardProgress] = Future()  # fsync'd before the next shard is written
-        committed.set_result(self.commit(shard, temporary, checksum))
-        return committed
+        self._unsynced = [commit for commit in self._unsynced if not commit.done()]
+        if len(self._unsynced) >= _UNSYNCED_SHARDS:
+            wait(self._unsynced, return_when=FIRST_COMPLETED)
+        committing = self._committers.submit(self.commit, shard, temporary, checksum)
+        self._unsynced.append(committing)
+        return committing
 
     def commit(self, shard: PendingShard, temporary: Path, checksum: str) -> ShardProgress:
         """Move a saved shard (with the ``checksum`` its bytes had in memory) into place and
@@ -239,12 +247,11 @@ def _snapshot(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-# A shard at least this big is committed (fsync'd) on the saving thread before the next shard
-# is written, not beside that write. Writing into the page cache while a large file is being
-# flushed cost 3x the CPU time and 2x the wall time of writing then flushing (1 GiB in 256 MiB
-# shards, Linux 6.18 in a VM: 2.1 s vs 0.64 s CPU); below 32 MiB the overlap still pays (78 MB
-# in 16 MiB shards: 0.94 vs 0.76 of save_file + fsync's wall time, the same CPU time).
-_OVERLAPPED_COMMIT_BYTES = 32 << 20
+# Written shards that may wait for their fsync at once (each on its own committer thread).
+# The fsync of shard k overlaps the writing of shard k + 1: 1 GiB in 256 MiB shards, Linux
+# 6.18 in a VM, 9 alternations: 630 ms wall against 869 ms when each shard was fsync'd before
+# the next was written, the same CPU time (566 against 545 ms); see docs/benchmarks.md.
+_UNSYNCED_SHARDS = 2
 
 
 def _digested(shard: PendingShard) -> PendingShard:
@@ -390,9 +397,8 @@ def _add_rows(
     keys: Sequence[str],
     positions: Sequence[int],
 ) -> None:
-    # Rows are stored in the batch tensor's memory order, as views of one batch-major copy per
-    # tensor: one copy per batch, none at all for the usual layouts. safetensors writes
-    # non-overlapping views of one storage as separate tensors.
+    # Rows are stored in the batch tensor's memory order, as slices of the memory of one
+    # batch-major copy per tensor: one copy per batch, none at all for the usual layouts.
     columns = []
     for spec in header.sample_specs:
         assert spec.batch_dim is not None
@@ -406,8 +412,8 @@ def _add_rows(
     shapes = tuple(row_shape for _, _, row_shape, _ in columns)
     first = len(pending.keys)
     for name, values, _, _ in columns:
-        for offset, value in enumerate(values.unbind(0)):  # one call for a batch's row views
-            pending.tensors[tensor_name(first + offset, name)] = value
+        for offset, row in enumerate(rows_of(values)):  # slices of one buffer: no torch calls
+            pending.rows[tensor_name(first + offset, name)] = row
         pending.nbytes += values.numel() * values.element_size()
     pending.keys.extend(keys)
     pending.shapes.extend([shapes] * len(keys))

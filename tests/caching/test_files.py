@@ -95,3 +95,27 @@ def test_save_tensors_writes_what_safetensors_reads(tmp_path):
 def test_a_dtype_safetensors_lacks_is_named(tmp_path):
     with pytest.raises(CacheError, match=r"(?s)'rows' is torch.complex128.*cast it"):
         files.save_tensors({"rows": torch.zeros(2, dtype=torch.complex128)}, tmp_path / "s", {})
+
+
+def test_save_tensors_writes_at_most_a_mebibyte_per_call_and_cuts_large_tensors(
+    tmp_path, monkeypatch
+):
+    """Large writes let the page cache allocate large folios, which cost several times the
+    CPU time in a VM (see ``files._WRITTEN_TOGETHER``); a tensor larger than one write is cut
+    into several, and the file is still whole and hashed as written."""
+    sizes: list[int] = []
+    write_all = files._write_all
+
+    def counting(descriptor, data):
+        sizes.append(sum(memoryview(piece).nbytes for piece in data))
+        write_all(descriptor, data)
+
+    monkeypatch.setattr(files, "_write_all", counting)
+    tensors = {"big": torch.randn(900_000), "small": torch.arange(5), "after": torch.ones(3, 7)}
+    path = tmp_path / "shard.safetensors"
+    computed = files.save_tensors(tensors, path, {})
+    files.commit_file(files.temporary_path(path), path, checksum=computed)
+    assert max(sizes) == 1 << 20 and sum(sizes) == path.stat().st_size and len(sizes) == 4
+    assert computed == f"xxh3:{xxhash.xxh3_64_hexdigest(path.read_bytes())}"
+    with safe_open(str(path), framework="pt") as handle:
+        assert all(torch.equal(handle.get_tensor(name), value) for name, value in tensors.items())

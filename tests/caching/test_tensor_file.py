@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import struct
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load
 
-from graphsplit.caching.tensor_file import layout, serialise
+from graphsplit.caching import files
+from graphsplit.caching.tensor_file import SAFETENSORS_DTYPES, layout, rows_of, serialise
 
 
 def _parts(tensors, metadata):
@@ -47,3 +50,77 @@ def test_a_lying_header_is_a_problem_not_a_read_outside_the_file(change, problem
     change(header["b"])
     assert problem in layout(header, base, total)
     assert layout([], base, total) == "its header is not a JSON object"
+
+
+# --------------------------------------------------- files written by hand, read by safetensors
+
+
+def _random_bytes(shape, dtype, seed):
+    """A tensor of ``dtype`` holding random bytes (every bit pattern: NaNs, subnormals, any
+    byte in a bool), so only a bit-exact round trip passes."""
+    generator = torch.Generator().manual_seed(seed)
+    count = 1
+    for size in shape:
+        count *= size
+    raw = torch.randint(0, 256, (count * dtype.itemsize,), dtype=torch.uint8, generator=generator)
+    if dtype == torch.bool:
+        raw = raw % 2  # safetensors refuses bools that are not 0 or 1
+    return raw.view(dtype).reshape(shape)
+
+
+def _bits(tensor):
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _read_back(tmp_path, tensors):
+    path = tmp_path / "shard.safetensors"
+    checksum = files.save_tensors(tensors, path, {"graphsplit_keys": '["k"]'})
+    files.commit_file(files.temporary_path(path), path, checksum=checksum)
+    with safe_open(str(path), framework="pt") as handle:
+        assert handle.metadata() == {"graphsplit_keys": '["k"]'}
+        assert sorted(handle.keys()) == sorted(tensors)
+        return {name: handle.get_tensor(name) for name in tensors}
+
+
+@pytest.mark.parametrize("dtype", list(SAFETENSORS_DTYPES), ids=str)
+def test_every_dtype_round_trips_through_safe_open_bit_for_bit(tmp_path, dtype):
+    """Whole tensors, 0-dim and empty ones, non-contiguous views (copied to contiguous) and
+    rows cut from one batch (slices of its memory), all in one file."""
+    batch = _random_bytes((3, 2, 5), dtype, 1)
+    tensors = {
+        "whole": _random_bytes((4, 3), dtype, 2),
+        "scalar": _random_bytes((), dtype, 3),
+        "empty": _random_bytes((0, 3), dtype, 4),
+        "transposed": _random_bytes((3, 4), dtype, 5).t(),
+        "strided": _random_bytes((6, 4), dtype, 6)[::2, 1:],
+        **{f"row{number}": row for number, row in enumerate(rows_of(batch))},
+        "empty_row": rows_of(_random_bytes((2, 0, 4), dtype, 7))[1],
+    }
+    expected = {name: value for name, value in tensors.items() if isinstance(value, torch.Tensor)}
+    expected.update({f"row{number}": batch[number] for number in range(3)})
+    expected["empty_row"] = torch.zeros(0, 4, dtype=dtype)
+    read = _read_back(tmp_path, tensors)
+    for name, value in expected.items():
+        assert read[name].dtype == dtype and read[name].shape == value.shape, name
+        assert torch.equal(_bits(read[name]), _bits(value)), name
+
+
+def test_rows_are_slices_of_the_batch_memory_not_copies():
+    batch = torch.arange(12.0).reshape(3, 4)
+    rows = rows_of(batch)
+    assert [(row.dtype, row.shape, len(row.data)) for row in rows] == [
+        (torch.float32, (4,), 16)
+    ] * 3
+    batch[1, 2] = -1.0
+    values = torch.frombuffer(bytearray(rows[1].data), dtype=torch.float32)
+    assert values.tolist() == [4.0, 5.0, -1.0, 7.0]
+
+
+def test_rows_keep_their_batch_memory_alive():
+    """The writer drops its batch tensors once their rows are cut; the rows must keep the
+    memory they slice (a freed, reused buffer would write other bytes into the shard)."""
+    rows = rows_of(torch.arange(4096.0).reshape(4, 1024) * 2)
+    gc.collect()
+    _ = [torch.full((4, 1024), -7.0) for _ in range(64)]  # reuse whatever was freed
+    last = torch.frombuffer(bytearray(rows[3].data), dtype=torch.float32)
+    assert torch.equal(last, torch.arange(3072.0, 4096.0) * 2)
