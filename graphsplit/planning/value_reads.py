@@ -17,7 +17,7 @@ Glossary:
     value read: Python reading a traced tensor's value: ``.tolist()``, ``.item()``, ``bool()``,
         ``int()``, ``float()``, or ``__index__`` (a 0-dim tensor as a slice bound).
     answered read: a value read at a line the planning listed (``lines``), because making the
-        code around it opaque failed (:func:`graphsplit.planning.rounds` decides): the tensor
+        code around it opaque failed (:mod:`graphsplit.planning.rounds` decides): the tensor
         must not depend on a trainable parameter or a random draw, and the plan must be one
         sample per batch (a batch's value is one sample's; with several samples per batch it
         would be the batch's own, and no other batch would match it).
