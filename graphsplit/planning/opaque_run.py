@@ -156,12 +156,17 @@ class ExampleRun:
                 return ancestor, "a random draw"
         return None
 
+    @staticmethod
+    def computed_from(node: fx.Node) -> set[fx.Node]:
+        """``node`` and every node it is computed from."""
+        return _ancestors(node) | {node}
+
     def real_value(self, node: fx.Node, site: ValueSite) -> Any:
         """``node``'s real value on the example batch, computed by the graph traced so far
         (the caller has refused a tainted ``node``: see :meth:`tainting_ancestor`)."""
         values = self.values.setdefault(None, {})
         if node not in values:
-            needed = _ancestors(node) | {node}
+            needed = self.computed_from(node)
             pending = [n for n in node.graph.nodes if n in needed and n not in values]
             with self._real_run(node, site):
                 for current in pending:

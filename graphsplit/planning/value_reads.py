@@ -131,7 +131,7 @@ def answer(tracer: Any, proxy: fx.Proxy, read: Read) -> Any:
         return NOT_ANSWERED
     node = proxy.node
     run = answering.run
-    tainting = run.tainting_ancestor(_ancestors(node) | {node})
+    tainting = run.tainting_ancestor(run.computed_from(node))
     if tainting is not None:
         ancestor, why = tainting
         error = user_error(
@@ -162,17 +162,6 @@ def answer(tracer: Any, proxy: fx.Proxy, read: Read) -> Any:
 
 def _read_text(read: Read) -> str:
     return f".{read.value}()" if read in (Read.TOLIST, Read.ITEM) else f"{read.value}()"
-
-
-def _ancestors(node: fx.Node) -> set[fx.Node]:
-    found: set[fx.Node] = set()
-    pending = list(node.all_input_nodes)
-    while pending:
-        producer = pending.pop()
-        if producer not in found:
-            found.add(producer)
-            pending.extend(producer.all_input_nodes)
-    return found
 
 
 def is_value_check(node: fx.Node) -> bool:
