@@ -43,7 +43,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, get_shape, shape_wrapper
 
 from graphsplit.artifacts import AtenOp, OpRecord
 from graphsplit.errors import GraphsplitError, TensorValueError, TraceError, user_error
@@ -139,9 +139,73 @@ def draws_randomness(func, args: tuple, kwargs: dict) -> bool:
 
 
 def _shapes(tree: Any) -> tuple[tuple[int, ...], ...]:
-    return tuple(
-        tuple(leaf.shape) for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)
-    )
+    """The shape of every tensor in ``tree``, in ``pytree.tree_leaves`` order.
+
+    Runs twice per recorded op, so plain tuples, lists and dicts are walked directly (the
+    same order as pytree's); anything else (``ModelOutput``, named tuples) goes through pytree.
+    """
+    shapes: list[tuple[int, ...]] = []
+    _collect_shapes(tree, shapes)
+    return tuple(shapes)
+
+
+def _collect_shapes(tree: Any, shapes: list[tuple[int, ...]]) -> None:
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        for item in tree:
+            _collect_shapes(item, shapes)
+    elif kind is dict:
+        for item in tree.values():
+            _collect_shapes(item, shapes)
+    elif isinstance(tree, torch.Tensor):
+        shapes.append(tuple(tree.shape))
+    elif kind not in _ATOMS:
+        shapes.extend(
+            tuple(leaf.shape) for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)
+        )
+
+
+# Leaves with no tensor inside: what a recorded op's arguments mostly are besides tensors.
+_ATOMS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size})
+
+
+def _shape_tree(tree: Any) -> Any:
+    """``tree`` with every tensor replaced by its shape: what ``flop_counter.shape_wrapper``
+    computes with ``pytree.tree_map`` (plain containers rebuilt directly, as pytree would)."""
+    kind = type(tree)
+    if kind is tuple:
+        return tuple([_shape_tree(item) for item in tree])
+    if kind is list:
+        return [_shape_tree(item) for item in tree]
+    if kind is dict:
+        return {key: _shape_tree(item) for key, item in tree.items()}
+    if isinstance(tree, torch.Tensor):
+        return tree.shape
+    if kind in _ATOMS:
+        return tree
+    return pytree.tree_map(get_shape, tree)
+
+
+def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """FLOPs of one op by torch's formula (``flop_registry``), as ``FlopCounterMode`` counts.
+
+    Most formulas are registered wrapped in ``shape_wrapper``, which maps the arguments to
+    shapes with ``pytree.tree_map``; the wrapped formula is called here with the same shapes,
+    mapped by :func:`_shape_tree` (a third of a recorded op's cost went to that map).
+    """
+    formula = flop_registry.get(func._overloadpacket)
+    if formula is None:
+        return 0
+    if getattr(formula, "__code__", None) is not _SHAPE_WRAPPED or not hasattr(
+        formula, "__wrapped__"
+    ):
+        return formula(*args, **kwargs, out_val=out)
+    args, kwargs, out_shape = _shape_tree((args, kwargs, out))
+    return formula.__wrapped__(*args, out_shape=out_shape, **kwargs)
+
+
+# The code object of every formula ``shape_wrapper`` wrapped (its inner ``nf``).
+_SHAPE_WRAPPED = shape_wrapper(lambda: 0).__code__
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -173,14 +237,12 @@ class _OpRecorder(TorchDispatchMode):
             if decomposed is not NotImplemented:
                 return decomposed
         out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.flops += formula(*args, **kwargs, out_val=out)
-        name = func._schema.name.split("::")[-1]
+        self.flops += _flops(func, args, kwargs, out)
+        name, along_dim = _name_of(func)
         if "batch_norm" in name and _argument(func, args, kwargs, "training", False):
             name = BATCH_NORM_TRAINING
         dims: tuple[int, ...] = ()
-        if name.lstrip("_") in ALONG_DIM_OPS:
+        if along_dim:
             dim = _argument(func, args, kwargs, "dims", None)
             dim = _argument(func, args, kwargs, "dim", None) if dim is None else dim
             dims = tuple(dim) if isinstance(dim, (list, tuple)) else (() if dim is None else (dim,))
@@ -189,6 +251,16 @@ class _OpRecorder(TorchDispatchMode):
         return out
 
 
+def _name_of(func: Any) -> tuple[str, bool]:
+    """An overload's op name (``"addmm"``) and whether it works along given dims, once each."""
+    known = _NAMES.get(func)
+    if known is None:
+        name = func._schema.name.split("::")[-1]
+        known = _NAMES[func] = (name, name.lstrip("_") in ALONG_DIM_OPS)
+    return known
+
+
+_NAMES: dict[Any, tuple[str, bool]] = {}
 _DEVICE = torch.ops.prim.device.default
 # Metadata queries FlopCounterMode passes over (they only reach a mode for exotic layouts).
 _SIZE_QUERIES = frozenset(
@@ -256,6 +328,8 @@ class _MetaInterpreter(fx.Interpreter):
         self.model = model
         self.inputs = inputs
         self.constants = constants
+        # The meta contexts while they are held across nodes (see ProbeInterpreter.run_node).
+        self.on_meta: contextlib.ExitStack | None = None
 
     def placeholder(self, target, args, kwargs) -> Any:
         return self.inputs.get(target)
@@ -269,7 +343,7 @@ class _MetaInterpreter(fx.Interpreter):
     def run_on_meta(self, node: fx.Node, *, record: bool) -> tuple[Any, OpRecord | None]:
         """Run one node on meta (recording its ops if asked); failures become TraceErrors."""
         try:
-            with _tracer_modes_set_aside(), meta_execution(), eager_protocols_on_meta():
+            with _ALREADY_ON_META if self.on_meta is not None else _on_meta():
                 if record:
                     return _recorded(lambda: super(_MetaInterpreter, self).run_node(node))
                 return super().run_node(node), None
@@ -283,6 +357,17 @@ def is_meta_run(code: Any) -> bool:
     """Whether ``code`` is the frame that runs one node on meta: the frames it calls run a
     module or op for its value, not the traced step (:mod:`graphsplit.planning.opaque`)."""
     return code is _MetaInterpreter.run_on_meta.__code__
+
+
+@contextlib.contextmanager
+def _on_meta() -> Iterator[None]:
+    """Everything a node's meta run needs: the tracer's modes set aside, the meta execution
+    and the eager protocols on meta."""
+    with _tracer_modes_set_aside(), meta_execution(), eager_protocols_on_meta():
+        yield
+
+
+_ALREADY_ON_META = contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -397,10 +482,18 @@ class ProbeInterpreter(_MetaInterpreter):
         self.batch_size = batch_size
         self.records: dict[fx.Node, OpRecord] = {}
 
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().run(*args, **kwargs)
+        finally:
+            self._leave_meta()
+
     def run_node(self, node: fx.Node) -> Any:
         if node.op in ("placeholder", "output"):
+            self._leave_meta()
             return super().run_node(node)
         if is_opaque(node):
+            self._leave_meta()
             self.records[node] = node.meta[OP_RECORD]
             return probe_value(node, self.batch_size)
         mode = self.mode_of(node)
@@ -410,7 +503,26 @@ class ProbeInterpreter(_MetaInterpreter):
             if OP_RECORD in node.meta:
                 self.records[node] = node.meta[OP_RECORD]
             return node.meta["val"]
+        self._enter_meta()
         value, record = self.run_on_meta(node, record=mode is NodeMode.RECORD)
         if record is not None:
             self.records[node] = record
         return value
+
+    def _enter_meta(self) -> None:
+        """Enter the meta contexts once for a run of consecutive meta nodes.
+
+        Entering them costs about 20 µs (the fake mode's ``__enter__`` alone 5 µs), as much as
+        running a small op: a 10k-node graph paid it once per node. Between two nodes of a
+        probe only the interpreter's own bookkeeping runs, so the contexts stay entered until
+        a node that must run outside them (an input, the output, an opaque call) or the end.
+        """
+        if self.on_meta is None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(_on_meta())
+            self.on_meta = stack
+
+    def _leave_meta(self) -> None:
+        stack, self.on_meta = self.on_meta, None
+        if stack is not None:
+            stack.close()
