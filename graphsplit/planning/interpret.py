@@ -443,12 +443,31 @@ class TracingInterpreter(_MetaInterpreter):
 
 def _version(node: fx.Node) -> int | None:
     value = node.meta.get("val")
-    return value._version if isinstance(value, torch.Tensor) else None
+    if not _PYTHON_ISINSTANCE(value, torch.Tensor):
+        return None
+    with torch._C.DisableTorchFunction():
+        return value._version
 
 
 def _versions(node: fx.Node) -> list[tuple[fx.Node, int]]:
-    """The version counter of every tensor input of ``node``: in-place writes bump it."""
-    return [(arg, _version(arg)) for arg in node.all_input_nodes if _version(arg) is not None]
+    """The version counter of every tensor input of ``node``: in-place writes bump it.
+
+    Read with torch functions disabled and Python's own ``isinstance``: the values are fake
+    tensors, never proxies, yet during a trace each ``._version`` read would go through the
+    tracer's torch-function mode and each ``isinstance`` through the trace's replacement
+    (:mod:`graphsplit.planning.python_builtins`), twice per input of every node.
+    """
+    versions = []
+    with torch._C.DisableTorchFunction():
+        for arg in node.all_input_nodes:
+            value = arg.meta.get("val")
+            if _PYTHON_ISINSTANCE(value, torch.Tensor):
+                versions.append((arg, value._version))
+    return versions
+
+
+# Bound when this module is imported, before any trace replaces ``builtins.isinstance``.
+_PYTHON_ISINSTANCE = isinstance
 
 
 class NodeMode(enum.Enum):
