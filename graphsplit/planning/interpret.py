@@ -323,13 +323,26 @@ class _MetaInterpreter(fx.Interpreter):
         inputs: Mapping[str, Any],
         constants: Mapping[str, Any],
     ) -> None:
-        super().__init__(model, garbage_collect_values=False, graph=graph)
+        # fx.Interpreter.__init__ tabulates every submodule (``self.submodules``), a walk of
+        # the whole model (SDXL: 7,922 modules) per interpreter that no meta run reads: it is
+        # given an empty module, and the table is built on demand (the property below).
+        super().__init__(_NO_SUBMODULES, garbage_collect_values=False, graph=graph)
+        self.module = model
         self.extra_traceback = False  # our errors already name the node and the user's line
         self.model = model
         self.inputs = inputs
         self.constants = constants
         # The meta contexts while they are held across nodes (see ProbeInterpreter.run_node).
         self.on_meta: contextlib.ExitStack | None = None
+
+    @property
+    def submodules(self) -> dict[str, nn.Module]:
+        """fx's ``{qualified name: module}`` table, built when something asks for it."""
+        return dict(self.module.named_modules())
+
+    @submodules.setter
+    def submodules(self, table: dict[str, nn.Module]) -> None:
+        pass  # fx.Interpreter.__init__ sets the empty module's; the property answers instead
 
     def placeholder(self, target, args, kwargs) -> Any:
         return self.inputs.get(target)
@@ -351,6 +364,9 @@ class _MetaInterpreter(fx.Interpreter):
             raise
         except Exception as exc:
             raise meta_failure(node, exc) from exc
+
+
+_NO_SUBMODULES = nn.Module()
 
 
 def is_meta_run(code: Any) -> bool:
