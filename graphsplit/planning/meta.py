@@ -25,6 +25,7 @@ to ``meta``, and Python's own builtins are back if a trace replaced them
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -223,11 +224,26 @@ def _snapshot(modules: list[nn.Module]) -> _Snapshot:
         attributes = dict(vars(module))
         module_dicts.append((module, attributes))
         for name, value in attributes.items():
-            if is_helper_object(value):
+            kind = type(value)
+            if kind in _PLAIN_ATTRIBUTES:  # most attributes: decided by the exact type
+                continue
+            if kind is dict or kind is OrderedDict:  # a module's tables; no helper object
+                if "hooks" in name:
+                    hook_tables.append((value, dict(value) if value else _NO_HOOKS))
+            elif is_helper_object(value):
                 helpers.setdefault(id(value), value)
             elif "hooks" in name and isinstance(value, dict):
-                hook_tables.append((value, dict(value)))
+                hook_tables.append((value, dict(value) if value else _NO_HOOKS))
     return module_dicts, list(helpers.values()), hook_tables
+
+
+# Exact types of attribute values that are neither helper objects nor hook tables (the
+# first test of state.is_helper_object, without its call per attribute).
+_PLAIN_ATTRIBUTES = frozenset(
+    {int, float, bool, str, bytes, type(None), list, tuple, set, frozenset, torch.Tensor}
+)
+# The saved copy of every hook table that was empty (most of them): one shared, never written.
+_NO_HOOKS: dict[Any, Any] = {}
 
 
 def _meta_twin(tensor: torch.Tensor, meta_of: dict[int, torch.Tensor]) -> torch.Tensor:
