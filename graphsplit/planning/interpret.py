@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch import nn
 from torch._C import (
@@ -353,13 +355,27 @@ class _MetaInterpreter(fx.Interpreter):
     def call_module(self, target, args, kwargs) -> Any:
         return self.model.get_submodule(target)(*args, **kwargs)
 
+    def _run_node_plainly(self, node: fx.Node) -> Any:
+        """``fx.Interpreter.run_node`` without what it does for other tools: it enters two
+        generator contexts per node (``set_current_meta``, which only acts while fx preserves
+        node meta for torch.export) and formats a debug log line; both are kept when on."""
+        if fx_traceback.has_preserved_node_meta() or _FX_LOG.isEnabledFor(logging.DEBUG):
+            return super().run_node(node)
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        return getattr(self, node.op)(node.target, args, kwargs)
+
+    def _run_and_record(self, node: fx.Node, *, record: bool) -> tuple[Any, OpRecord | None]:
+        if record:
+            return _recorded(lambda: self._run_node_plainly(node))
+        return self._run_node_plainly(node), None
+
     def run_on_meta(self, node: fx.Node, *, record: bool) -> tuple[Any, OpRecord | None]:
         """Run one node on meta (recording its ops if asked); failures become TraceErrors."""
         try:
-            with _ALREADY_ON_META if self.on_meta is not None else _on_meta():
-                if record:
-                    return _recorded(lambda: super(_MetaInterpreter, self).run_node(node))
-                return super().run_node(node), None
+            if self.on_meta is not None:  # a probe holds the contexts (see _enter_meta)
+                return self._run_and_record(node, record=record)
+            with _TracerModesSetAside(), meta_execution(), eager_protocols_on_meta():
+                return self._run_and_record(node, record=record)
         except GraphsplitError:
             raise
         except Exception as exc:
@@ -367,6 +383,7 @@ class _MetaInterpreter(fx.Interpreter):
 
 
 _NO_SUBMODULES = nn.Module()
+_FX_LOG = logging.getLogger("torch.fx.interpreter")  # fx.Interpreter.run_node's debug log
 
 
 def is_meta_run(code: Any) -> bool:
@@ -378,34 +395,34 @@ def is_meta_run(code: Any) -> bool:
 @contextlib.contextmanager
 def _on_meta() -> Iterator[None]:
     """Everything a node's meta run needs: the tracer's modes set aside, the meta execution
-    and the eager protocols on meta."""
-    with _tracer_modes_set_aside(), meta_execution(), eager_protocols_on_meta():
+    and the eager protocols on meta (what :meth:`_MetaInterpreter.run_on_meta` enters)."""
+    with _TracerModesSetAside(), meta_execution(), eager_protocols_on_meta():
         yield
 
 
-_ALREADY_ON_META = contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def _tracer_modes_set_aside() -> Iterator[None]:
+class _TracerModesSetAside:
     """Take the tracer's torch-function modes off the stack while a node runs on meta.
 
     The tracer's :func:`~graphsplit.planning.patches.traced_torch_calls` mode lets every call
     through unchanged while the tracer computes a node's value (``tracer.computing_meta``), but
     as a Python mode it still costs a call into Python for each of the thousands of torch calls
     a large module makes. Only such modes on top of the stack are set aside (what is under
-    them, a user's mode, stays), and they are put back in order on exit.
+    them, a user's mode, stays), and they are put back in order on exit. A class rather than a
+    generator context: it is entered once per traced node.
     """
-    aside = []
-    while (
-        _len_torch_function_stack() > 0
-        and type(_get_function_stack_at(_len_torch_function_stack() - 1)) in _IDLE_ON_META
-    ):
-        aside.append(_pop_torch_function_stack())
-    try:
-        yield
-    finally:
-        for mode in reversed(aside):
+
+    __slots__ = ("aside",)
+
+    def __enter__(self) -> None:
+        self.aside = aside = []
+        while (
+            _len_torch_function_stack() > 0
+            and type(_get_function_stack_at(_len_torch_function_stack() - 1)) in _IDLE_ON_META
+        ):
+            aside.append(_pop_torch_function_stack())
+
+    def __exit__(self, *exc_info: object) -> None:
+        for mode in reversed(self.aside):
             _push_on_torch_function_stack(mode)
 
 
