@@ -130,12 +130,12 @@ def _constant_origins(model: nn.Module) -> dict[int, str]:
     """``id(tensor) -> "scheduler_alphas_cumprod"`` for tensors of the model's helper objects.
 
     Every attribute of every module is looked at (an SDXL step: 7,922 modules), so the cheap
-    tests come first: a private name, then the exact type of a plain value.
+    tests come first: the exact type of a plain value, then a private name.
     """
     found: dict[int, str] = {}
     for prefix, module in model.named_modules():
         for name, value in vars(module).items():
-            if name.startswith("_") or type(value) in _PLAIN_VALUES:
+            if type(value) in _PLAIN_VALUES or name.startswith("_"):
                 continue
             if isinstance(value, (nn.Module, torch.Tensor, type)):
                 continue
