@@ -60,7 +60,30 @@ def _public_methods(cls: type) -> tuple[str, ...]:
 
 
 def _contains_proxy(tree: Any) -> bool:
-    return any(isinstance(leaf, fx.Proxy) for leaf in torch.utils._pytree.tree_leaves(tree))
+    """Whether a traced value is anywhere in ``tree`` (its pytree leaves).
+
+    Asked for every leaf-module call and every torch call the tracer sees, so plain tuples,
+    lists and dicts are walked directly and Python's own ``isinstance`` is used (the trace's
+    stand-in answers for proxies, which this test is about); other containers go through
+    pytree.
+    """
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        return any(map(_contains_proxy, tree))
+    if kind is dict:
+        return any(map(_contains_proxy, tree.values()))
+    if kind in _NO_PROXY_INSIDE:
+        return False
+    if _PYTHON_ISINSTANCE(tree, fx.Proxy):
+        return True
+    return any(_PYTHON_ISINSTANCE(leaf, fx.Proxy) for leaf in torch.utils._pytree.tree_leaves(tree))
+
+
+# Leaves that hold no traced value; bound at import, before a trace replaces isinstance.
+_NO_PROXY_INSIDE = frozenset(
+    {int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size, torch.Tensor}
+)
+_PYTHON_ISINSTANCE = isinstance
 
 
 @contextlib.contextmanager
