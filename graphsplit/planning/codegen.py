@@ -104,7 +104,7 @@ def name_constants(graph: fx.Graph, model: nn.Module, constants: dict[str, Any])
     when it is an attribute of a helper object the model holds (``scheduler.alphas_cumprod``)
     it becomes ``scheduler_alphas_cumprod``, else ``constant_0``.
     """
-    origins = _constant_origins(model)
+    origins: dict[int, str] | None = None  # scanned only if a constant needs a name
     new_names: dict[str, str] = {}
     taken = {n.target for n in graph.nodes if n.op in ("get_attr", "call_module")}
     for node in graph.nodes:
@@ -113,6 +113,7 @@ def name_constants(graph: fx.Graph, model: nn.Module, constants: dict[str, Any])
         if node.target not in new_names:
             new_names[node.target] = node.target
             if node.target.startswith("_tensor_constant"):
+                origins = _constant_origins(model) if origins is None else origins
                 base = origins.get(id(constants[node.target]), "constant")
                 candidate, index = base, 0
                 while candidate in taken or hasattr(model, candidate):
@@ -126,11 +127,17 @@ def name_constants(graph: fx.Graph, model: nn.Module, constants: dict[str, Any])
 
 
 def _constant_origins(model: nn.Module) -> dict[int, str]:
-    """``id(tensor) -> "scheduler_alphas_cumprod"`` for tensors of the model's helper objects."""
+    """``id(tensor) -> "scheduler_alphas_cumprod"`` for tensors of the model's helper objects.
+
+    Every attribute of every module is looked at (an SDXL step: 7,922 modules), so the cheap
+    tests come first: the exact type of a plain value, then a private name.
+    """
     found: dict[int, str] = {}
     for prefix, module in model.named_modules():
         for name, value in vars(module).items():
-            if isinstance(value, (nn.Module, torch.Tensor, type)) or name.startswith("_"):
+            if type(value) in _PLAIN_VALUES or name.startswith("_"):
+                continue
+            if isinstance(value, (nn.Module, torch.Tensor, type)):
                 continue
             for attribute, tensor in getattr(value, "__dict__", {}).items():
                 if isinstance(tensor, torch.Tensor):
@@ -139,32 +146,57 @@ def _constant_origins(model: nn.Module) -> dict[int, str]:
     return found
 
 
+# Attribute values that hold no tensor attributes (``in_features``, ``training``, ``eps``).
+_PLAIN_VALUES = frozenset({int, float, bool, str, type(None), tuple, list, dict, set})
+
+
 def _follow_model_order(stage: nn.Module, model: nn.Module) -> None:
     """Order the stage's parameters, buffers and submodules as the model registers them.
 
     fx registers a stage's attributes in graph order; an optimizer's state dict addresses
     parameters by position, so one made on the model's parameters would map onto the wrong
-    stage parameters after a reload unless both iterate in the same order.
+    stage parameters after a reload unless both iterate in the same order. Entries the model
+    has no counterpart for keep their order, after the others.
     """
-    position = {name: index for index, name in enumerate(_registration_order(model))}
-    last = len(position)
-    for prefix, module in list(stage.named_modules()):
-        for table in (module._parameters, module._buffers, module._modules):
-            ordered = sorted(
-                table.items(),
-                key=lambda item: position.get(f"{prefix}.{item[0]}".lstrip("."), last),
+    _order_like(stage, model)
+
+
+def _order_like(module: nn.Module, counterpart: nn.Module | None) -> None:
+    """Order ``module``'s tables as ``counterpart`` (the model's module at the same path)
+    orders its own, and likewise below.
+
+    A stage module that *is* the model's module at that path is skipped with everything under
+    it: its tables are the model's own, already in the model's order. So only the containers
+    fx made for the stage are visited, not the thousands of modules they hold.
+    """
+    if module is counterpart:
+        return
+    if counterpart is not None:
+        # Parameters, then buffers, then submodules: the order of the model's registration.
+        tensors = {name: index for index, name in enumerate(counterpart._parameters)}
+        for name in counterpart._buffers:
+            tensors.setdefault(name, len(tensors))
+        children = {  # an empty slot (None) is not registered: the model walk skips it
+            name: index
+            for index, name in enumerate(
+                name for name, child in counterpart._modules.items() if child is not None
             )
-            table.clear()
-            table.update(ordered)
-
-
-def _registration_order(model: nn.Module) -> list[str]:
-    names: list[str] = []
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        dotted = f"{prefix}." if prefix else ""
-        names += [dotted + name for name in (*module._parameters, *module._buffers)]
-        names.append(prefix)
-    return names
+        }
+        for table, position in (
+            (module._parameters, tensors),
+            (module._buffers, tensors),
+            (module._modules, children),
+        ):
+            if len(table) > 1:
+                ordered = sorted(
+                    table.items(), key=lambda item: position.get(item[0], len(position))
+                )
+                table.clear()
+                table.update(ordered)
+    for name, child in module._modules.items():
+        if child is not None:
+            below = counterpart._modules.get(name) if counterpart is not None else None
+            _order_like(child, below)
 
 
 def build_stage1(

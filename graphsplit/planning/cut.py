@@ -51,12 +51,12 @@ import dataclasses
 import gc
 from collections.abc import Iterator, Mapping
 
-import networkx as nx
 import torch.fx as fx
 from torch import nn
 
 from graphsplit.artifacts import BoundarySpec, Cut, Recomputation, Taint
 from graphsplit.errors import SplitError, user_error
+from graphsplit.planning.min_cut import Unbounded, sink_side
 from graphsplit.planning.numbers import is_fixed_number
 from graphsplit.planning.recompute import (
     AUTO,
@@ -101,40 +101,41 @@ def _is_batch_size(node: fx.Node, taint: Mapping[fx.Node, Taint]) -> bool:
 
 def _flow_network(
     graph: fx.Graph, taint: Mapping[fx.Node, Taint], prices: Prices, *, anchorable: bool
-) -> nx.DiGraph:
-    """The node-split network; with ``anchorable``, batch-size values need no inputs."""
+) -> dict[tuple[str, str], int | None]:
+    """The node-split network as an edge list (capacity ``None``: infinite); with
+    ``anchorable``, batch-size values need no inputs."""
     nodes = [node for node in graph.nodes if node.op != "output"]
     # Tie-breakers: 1 per node stage 2 recomputes, 2 per boundary tensor (at most 3n together);
     # a baked number costs more than all of those, so stage 2 computes a size itself when it
     # has what it is read from; bytes cost more than every baked number together.
     bake = 3 * len(nodes) + 1
     weight = bake * (len(nodes) + 1)
-    network = nx.DiGraph()
+    network: dict[tuple[str, str], int | None] = {}
     for node in nodes:
         v_in, v_out = f"{node.name}:in", f"{node.name}:out"
         if is_storable(node, taint):
-            network.add_edge(v_in, v_out, capacity=storage_cost(node) * weight + 2)
+            network[v_in, v_out] = storage_cost(node) * weight + 2
         elif is_fixed_number(node, taint):
-            network.add_edge(v_in, v_out, capacity=bake)
+            network[v_in, v_out] = bake
         else:
-            network.add_edge(v_in, v_out)
+            network[v_in, v_out] = None
         if node in taint:
-            network.add_edge(v_in, _STAGE2_TERMINAL)
+            network[v_in, _STAGE2_TERMINAL] = None
         elif node in prices.work:
-            network.add_edge(_STAGE1_TERMINAL, v_in, capacity=prices.work[node] * weight + 1)
+            network[_STAGE1_TERMINAL, v_in] = prices.work[node] * weight + 1
         elif node.op == "placeholder" or is_banned(node, taint):
-            network.add_edge(_STAGE1_TERMINAL, v_in)
+            network[_STAGE1_TERMINAL, v_in] = None
         else:
-            network.add_edge(_STAGE1_TERMINAL, v_in, capacity=1)
+            network[_STAGE1_TERMINAL, v_in] = 1
         for user in node.users:
             if user.op == "output":
-                network.add_edge(v_out, _STAGE2_TERMINAL)
+                network[v_out, _STAGE2_TERMINAL] = None
             elif not (anchorable and _is_batch_size(user, taint)):
-                network.add_edge(v_out, f"{user.name}:in")
+                network[v_out, f"{user.name}:in"] = None
     for name, cost in prices.weights.items():
-        network.add_edge(_STAGE1_TERMINAL, f"weight:{name}", capacity=cost * weight)
+        network[_STAGE1_TERMINAL, f"weight:{name}"] = cost * weight
         for reader in prices.readers[name]:
-            network.add_edge(f"weight:{name}", f"{reader.name}:in")
+            network[f"weight:{name}", f"{reader.name}:in"] = None
     return network
 
 
@@ -227,18 +228,16 @@ def _min_cut(
     with _cyclic_gc_paused():
         network = _flow_network(graph, taint, prices, anchorable=anchorable)
         try:
-            _, (stage1_side, _) = nx.minimum_cut(
-                network, _STAGE1_TERMINAL, _STAGE2_TERMINAL, flow_func=nx.algorithms.flow.dinitz
-            )
-        except nx.NetworkXUnbounded:
+            stage2_side = sink_side(network, _STAGE1_TERMINAL, _STAGE2_TERMINAL)
+        except Unbounded:
             raise _infeasible(graph, taint) from None
         del network  # freed by reference counting, before the collector runs again
     return tuple(
         node
         for node in graph.nodes
         if node.op != "output"
-        and f"{node.name}:in" in stage1_side
-        and f"{node.name}:out" not in stage1_side
+        and f"{node.name}:in" not in stage2_side
+        and f"{node.name}:out" in stage2_side
     )
 
 

@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 import torch.utils._pytree as pytree
 from torch import nn
 from torch._C import (
@@ -43,7 +45,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, get_shape, shape_wrapper
 
 from graphsplit.artifacts import AtenOp, OpRecord
 from graphsplit.errors import GraphsplitError, TensorValueError, TraceError, user_error
@@ -142,9 +144,73 @@ def draws_randomness(func, args: tuple, kwargs: dict) -> bool:
 
 
 def _shapes(tree: Any) -> tuple[tuple[int, ...], ...]:
-    return tuple(
-        tuple(leaf.shape) for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)
-    )
+    """The shape of every tensor in ``tree``, in ``pytree.tree_leaves`` order.
+
+    Runs twice per recorded op, so plain tuples, lists and dicts are walked directly (the
+    same order as pytree's); anything else (``ModelOutput``, named tuples) goes through pytree.
+    """
+    shapes: list[tuple[int, ...]] = []
+    _collect_shapes(tree, shapes)
+    return tuple(shapes)
+
+
+def _collect_shapes(tree: Any, shapes: list[tuple[int, ...]]) -> None:
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        for item in tree:
+            _collect_shapes(item, shapes)
+    elif kind is dict:
+        for item in tree.values():
+            _collect_shapes(item, shapes)
+    elif isinstance(tree, torch.Tensor):
+        shapes.append(tuple(tree.shape))
+    elif kind not in _ATOMS:
+        shapes.extend(
+            tuple(leaf.shape) for leaf in pytree.tree_leaves(tree) if isinstance(leaf, torch.Tensor)
+        )
+
+
+# Leaves with no tensor inside: what a recorded op's arguments mostly are besides tensors.
+_ATOMS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size})
+
+
+def _shape_tree(tree: Any) -> Any:
+    """``tree`` with every tensor replaced by its shape: what ``flop_counter.shape_wrapper``
+    computes with ``pytree.tree_map`` (plain containers rebuilt directly, as pytree would)."""
+    kind = type(tree)
+    if kind is tuple:
+        return tuple([_shape_tree(item) for item in tree])
+    if kind is list:
+        return [_shape_tree(item) for item in tree]
+    if kind is dict:
+        return {key: _shape_tree(item) for key, item in tree.items()}
+    if isinstance(tree, torch.Tensor):
+        return tree.shape
+    if kind in _ATOMS:
+        return tree
+    return pytree.tree_map(get_shape, tree)
+
+
+def _flops(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """FLOPs of one op by torch's formula (``flop_registry``), as ``FlopCounterMode`` counts.
+
+    Most formulas are registered wrapped in ``shape_wrapper``, which maps the arguments to
+    shapes with ``pytree.tree_map``; the wrapped formula is called here with the same shapes,
+    mapped by :func:`_shape_tree` (a third of a recorded op's cost went to that map).
+    """
+    formula = flop_registry.get(func._overloadpacket)
+    if formula is None:
+        return 0
+    if getattr(formula, "__code__", None) is not _SHAPE_WRAPPED or not hasattr(
+        formula, "__wrapped__"
+    ):
+        return formula(*args, **kwargs, out_val=out)
+    args, kwargs, out_shape = _shape_tree((args, kwargs, out))
+    return formula.__wrapped__(*args, out_shape=out_shape, **kwargs)
+
+
+# The code object of every formula ``shape_wrapper`` wrapped (its inner ``nf``).
+_SHAPE_WRAPPED = shape_wrapper(lambda: 0).__code__
 
 
 class _OpRecorder(TorchDispatchMode):
@@ -176,14 +242,12 @@ class _OpRecorder(TorchDispatchMode):
             if decomposed is not NotImplemented:
                 return decomposed
         out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.flops += formula(*args, **kwargs, out_val=out)
-        name = func._schema.name.split("::")[-1]
+        self.flops += _flops(func, args, kwargs, out)
+        name, along_dim = _name_of(func)
         if "batch_norm" in name and _argument(func, args, kwargs, "training", False):
             name = BATCH_NORM_TRAINING
         dims: tuple[int, ...] = ()
-        if name.lstrip("_") in ALONG_DIM_OPS:
+        if along_dim:
             dim = _argument(func, args, kwargs, "dims", None)
             dim = _argument(func, args, kwargs, "dim", None) if dim is None else dim
             dims = tuple(dim) if isinstance(dim, (list, tuple)) else (() if dim is None else (dim,))
@@ -192,6 +256,16 @@ class _OpRecorder(TorchDispatchMode):
         return out
 
 
+def _name_of(func: Any) -> tuple[str, bool]:
+    """An overload's op name (``"addmm"``) and whether it works along given dims, once each."""
+    known = _NAMES.get(func)
+    if known is None:
+        name = func._schema.name.split("::")[-1]
+        known = _NAMES[func] = (name, name.lstrip("_") in ALONG_DIM_OPS)
+    return known
+
+
+_NAMES: dict[Any, tuple[str, bool]] = {}
 _DEVICE = torch.ops.prim.device.default
 # Metadata queries FlopCounterMode passes over (they only reach a mode for exotic layouts).
 _SIZE_QUERIES = frozenset(
@@ -254,11 +328,26 @@ class _MetaInterpreter(fx.Interpreter):
         inputs: Mapping[str, Any],
         constants: Mapping[str, Any],
     ) -> None:
-        super().__init__(model, garbage_collect_values=False, graph=graph)
+        # fx.Interpreter.__init__ tabulates every submodule (``self.submodules``), a walk of
+        # the whole model (SDXL: 7,922 modules) per interpreter that no meta run reads: it is
+        # given an empty module, and the table is built on demand (the property below).
+        super().__init__(_NO_SUBMODULES, garbage_collect_values=False, graph=graph)
+        self.module = model
         self.extra_traceback = False  # our errors already name the node and the user's line
         self.model = model
         self.inputs = inputs
         self.constants = constants
+        # The meta contexts while they are held across nodes (see ProbeInterpreter.run_node).
+        self.on_meta: contextlib.ExitStack | None = None
+
+    @property
+    def submodules(self) -> dict[str, nn.Module]:
+        """fx's ``{qualified name: module}`` table, built when something asks for it."""
+        return dict(self.module.named_modules())
+
+    @submodules.setter
+    def submodules(self, table: dict[str, nn.Module]) -> None:
+        pass  # fx.Interpreter.__init__ sets the empty module's; the property answers instead
 
     def placeholder(self, target, args, kwargs) -> Any:
         return self.inputs.get(target)
@@ -269,17 +358,35 @@ class _MetaInterpreter(fx.Interpreter):
     def call_module(self, target, args, kwargs) -> Any:
         return self.model.get_submodule(target)(*args, **kwargs)
 
+    def _run_node_plainly(self, node: fx.Node) -> Any:
+        """``fx.Interpreter.run_node`` without what it does for other tools: it enters two
+        generator contexts per node (``set_current_meta``, which only acts while fx preserves
+        node meta for torch.export) and formats a debug log line; both are kept when on."""
+        if fx_traceback.has_preserved_node_meta() or _FX_LOG.isEnabledFor(logging.DEBUG):
+            return super().run_node(node)
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        return getattr(self, node.op)(node.target, args, kwargs)
+
+    def _run_and_record(self, node: fx.Node, *, record: bool) -> tuple[Any, OpRecord | None]:
+        if record:
+            return _recorded(lambda: self._run_node_plainly(node))
+        return self._run_node_plainly(node), None
+
     def run_on_meta(self, node: fx.Node, *, record: bool) -> tuple[Any, OpRecord | None]:
         """Run one node on meta (recording its ops if asked); failures become TraceErrors."""
         try:
-            with _tracer_modes_set_aside(), meta_execution(), eager_protocols_on_meta():
-                if record:
-                    return _recorded(lambda: super(_MetaInterpreter, self).run_node(node))
-                return super().run_node(node), None
+            if self.on_meta is not None:  # a probe holds the contexts (see _enter_meta)
+                return self._run_and_record(node, record=record)
+            with _TracerModesSetAside(), meta_execution(), eager_protocols_on_meta():
+                return self._run_and_record(node, record=record)
         except GraphsplitError:
             raise
         except Exception as exc:
             raise meta_failure(node, exc) from exc
+
+
+_NO_SUBMODULES = nn.Module()
+_FX_LOG = logging.getLogger("torch.fx.interpreter")  # fx.Interpreter.run_node's debug log
 
 
 def is_meta_run(code: Any) -> bool:
@@ -289,25 +396,36 @@ def is_meta_run(code: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _tracer_modes_set_aside() -> Iterator[None]:
+def _on_meta() -> Iterator[None]:
+    """Everything a node's meta run needs: the tracer's modes set aside, the meta execution
+    and the eager protocols on meta (what :meth:`_MetaInterpreter.run_on_meta` enters)."""
+    with _TracerModesSetAside(), meta_execution(), eager_protocols_on_meta():
+        yield
+
+
+class _TracerModesSetAside:
     """Take the tracer's torch-function modes off the stack while a node runs on meta.
 
     The tracer's :func:`~graphsplit.planning.patches.traced_torch_calls` mode lets every call
     through unchanged while the tracer computes a node's value (``tracer.computing_meta``), but
     as a Python mode it still costs a call into Python for each of the thousands of torch calls
     a large module makes. Only such modes on top of the stack are set aside (what is under
-    them, a user's mode, stays), and they are put back in order on exit.
+    them, a user's mode, stays), and they are put back in order on exit. A class rather than a
+    generator context: it is entered once per traced node.
     """
-    aside = []
-    while (
-        _len_torch_function_stack() > 0
-        and type(_get_function_stack_at(_len_torch_function_stack() - 1)) in _IDLE_ON_META
-    ):
-        aside.append(_pop_torch_function_stack())
-    try:
-        yield
-    finally:
-        for mode in reversed(aside):
+
+    __slots__ = ("aside",)
+
+    def __enter__(self) -> None:
+        self.aside = aside = []
+        while (
+            _len_torch_function_stack() > 0
+            and type(_get_function_stack_at(_len_torch_function_stack() - 1)) in _IDLE_ON_META
+        ):
+            aside.append(_pop_torch_function_stack())
+
+    def __exit__(self, *exc_info: object) -> None:
+        for mode in reversed(self.aside):
             _push_on_torch_function_stack(mode)
 
 
@@ -361,12 +479,31 @@ class TracingInterpreter(_MetaInterpreter):
 
 def _version(node: fx.Node) -> int | None:
     value = node.meta.get("val")
-    return value._version if isinstance(value, torch.Tensor) else None
+    if not _PYTHON_ISINSTANCE(value, torch.Tensor):
+        return None
+    with torch._C.DisableTorchFunction():
+        return value._version
 
 
 def _versions(node: fx.Node) -> list[tuple[fx.Node, int]]:
-    """The version counter of every tensor input of ``node``: in-place writes bump it."""
-    return [(arg, _version(arg)) for arg in node.all_input_nodes if _version(arg) is not None]
+    """The version counter of every tensor input of ``node``: in-place writes bump it.
+
+    Read with torch functions disabled and Python's own ``isinstance``: the values are fake
+    tensors, never proxies, yet during a trace each ``._version`` read would go through the
+    tracer's torch-function mode and each ``isinstance`` through the trace's replacement
+    (:mod:`graphsplit.planning.python_builtins`), twice per input of every node.
+    """
+    versions = []
+    with torch._C.DisableTorchFunction():
+        for arg in node.all_input_nodes:
+            value = arg.meta.get("val")
+            if _PYTHON_ISINSTANCE(value, torch.Tensor):
+                versions.append((arg, value._version))
+    return versions
+
+
+# Bound when this module is imported, before any trace replaces ``builtins.isinstance``.
+_PYTHON_ISINSTANCE = isinstance
 
 
 class NodeMode(enum.Enum):
@@ -400,10 +537,18 @@ class ProbeInterpreter(_MetaInterpreter):
         self.batch_size = batch_size
         self.records: dict[fx.Node, OpRecord] = {}
 
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().run(*args, **kwargs)
+        finally:
+            self._leave_meta()
+
     def run_node(self, node: fx.Node) -> Any:
         if node.op in ("placeholder", "output"):
+            self._leave_meta()
             return super().run_node(node)
         if is_opaque(node):
+            self._leave_meta()
             self.records[node] = node.meta[OP_RECORD]
             return probe_value(node, self.batch_size)
         mode = self.mode_of(node)
@@ -413,7 +558,26 @@ class ProbeInterpreter(_MetaInterpreter):
             if OP_RECORD in node.meta:
                 self.records[node] = node.meta[OP_RECORD]
             return node.meta["val"]
+        self._enter_meta()
         value, record = self.run_on_meta(node, record=mode is NodeMode.RECORD)
         if record is not None:
             self.records[node] = record
         return value
+
+    def _enter_meta(self) -> None:
+        """Enter the meta contexts once for a run of consecutive meta nodes.
+
+        Entering them costs about 20 µs (the fake mode's ``__enter__`` alone 5 µs), as much as
+        running a small op: a 10k-node graph paid it once per node. Between two nodes of a
+        probe only the interpreter's own bookkeeping runs, so the contexts stay entered until
+        a node that must run outside them (an input, the output, an opaque call) or the end.
+        """
+        if self.on_meta is None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(_on_meta())
+            self.on_meta = stack
+
+    def _leave_meta(self) -> None:
+        stack, self.on_meta = self.on_meta, None
+        if stack is not None:
+            stack.close()

@@ -25,6 +25,7 @@ to ``meta``, and Python's own builtins are back if a trace replaced them
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -89,33 +90,37 @@ def _meta_meets_other_device(tree: Any) -> bool:
     no meta tensor there is nothing to meet, and with meta tensors only (every fake tensor of
     the analysis reads ``meta``) the map would return its input unchanged.
     """
-    devices: set[bool] = set()
-    for tensor in _tensors_in(tree):
-        devices.add(tensor.device.type == "meta")
-        if len(devices) == 2:
-            return True
-    return False
+    return _devices_in(tree) == _BOTH
 
 
-def _tensors_in(tree: Any) -> Iterator[torch.Tensor]:
-    """The tensors anywhere in ``tree``, in order.
+# What _devices_in finds, as bits: a meta tensor, a tensor on another device, or both.
+_ON_META, _ELSEWHERE, _BOTH = 1, 2, 3
 
-    Plain tuples, lists and dicts are walked directly; anything else goes through pytree,
-    which knows the containers libraries register (transformers' ``ModelOutput``).
+
+def _devices_in(tree: Any) -> int:
+    """Which kinds of device the tensors in ``tree`` are on (bits: ``_ON_META | _ELSEWHERE``).
+
+    Plain tuples, lists and dicts are walked directly, stopping once both kinds are seen;
+    anything else goes through pytree, which knows the containers libraries register
+    (transformers' ``ModelOutput``).
     """
     kind = type(tree)
-    if kind is tuple or kind is list:
-        for item in tree:
-            yield from _tensors_in(item)
-    elif kind is dict:
-        for item in tree.values():
-            yield from _tensors_in(item)
-    elif isinstance(tree, torch.Tensor):
-        yield tree
-    elif kind not in _ATOMS:
-        for leaf in pytree.tree_leaves(tree):
-            if isinstance(leaf, torch.Tensor):
-                yield leaf
+    if kind is tuple or kind is list or kind is dict:
+        found = 0
+        for item in tree.values() if kind is dict else tree:
+            found |= _devices_in(item)
+            if found == _BOTH:
+                break
+        return found
+    if isinstance(tree, torch.Tensor):
+        return _ON_META if tree.device.type == "meta" else _ELSEWHERE
+    if kind in _ATOMS:
+        return 0
+    found = 0
+    for leaf in pytree.tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            found |= _ON_META if leaf.device.type == "meta" else _ELSEWHERE
+    return found
 
 
 _ATOMS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size})
@@ -219,11 +224,26 @@ def _snapshot(modules: list[nn.Module]) -> _Snapshot:
         attributes = dict(vars(module))
         module_dicts.append((module, attributes))
         for name, value in attributes.items():
-            if is_helper_object(value):
+            kind = type(value)
+            if kind in _PLAIN_ATTRIBUTES:  # most attributes: decided by the exact type
+                continue
+            if kind is dict or kind is OrderedDict:  # a module's tables; no helper object
+                if "hooks" in name:
+                    hook_tables.append((value, dict(value) if value else _NO_HOOKS))
+            elif is_helper_object(value):
                 helpers.setdefault(id(value), value)
             elif "hooks" in name and isinstance(value, dict):
-                hook_tables.append((value, dict(value)))
+                hook_tables.append((value, dict(value) if value else _NO_HOOKS))
     return module_dicts, list(helpers.values()), hook_tables
+
+
+# Exact types of attribute values that are neither helper objects nor hook tables (the
+# first test of state.is_helper_object, without its call per attribute).
+_PLAIN_ATTRIBUTES = frozenset(
+    {int, float, bool, str, bytes, type(None), list, tuple, set, frozenset, torch.Tensor}
+)
+# The saved copy of every hook table that was empty (most of them): one shared, never written.
+_NO_HOOKS: dict[Any, Any] = {}
 
 
 def _meta_twin(tensor: torch.Tensor, meta_of: dict[int, torch.Tensor]) -> torch.Tensor:
