@@ -81,3 +81,19 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def tiny_llama_config(**overrides: Any) -> Any:
+    """A two-layer ``LlamaConfig`` small enough for CPU tests: 32 wide, 2 heads, 1 KV head."""
+    import transformers
+
+    settings = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 32,
+    }
+    return transformers.LlamaConfig(**{**settings, **overrides})

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.helpers import split_and_verify
+from tests.helpers import split_and_verify, tiny_llama_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -73,16 +73,7 @@ def test_gpt2_distillation_with_padding_caches_the_teacher(size):
 @pytest.mark.parametrize("size", [2, 3])
 def test_llama_distillation_with_padding_caches_the_teacher(size):
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
-    teacher = transformers.LlamaForCausalLM(config)
+    teacher = transformers.LlamaForCausalLM(tiny_llama_config(vocab_size=VOCAB))
     model = DistillFromFrozenTeacher(teacher, _gpt2())
     split = split_and_verify(model, _ids_and_mask(size))
     assert _stage2_modules(split) == {"student"}

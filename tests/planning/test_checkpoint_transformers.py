@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.helpers import tiny_llama_config
 from tests.planning.test_checkpoint_regions import assert_checkpointed_as_eager
 
 transformers = pytest.importorskip("transformers")
@@ -23,16 +24,7 @@ peft = pytest.importorskip("peft")
 
 def _lora_llama(*, use_reentrant: bool, checkpointing: bool = True) -> nn.Module:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
-    model = transformers.LlamaForCausalLM(config).requires_grad_(False)
+    model = transformers.LlamaForCausalLM(tiny_llama_config()).requires_grad_(False)
     peft.inject_adapter_in_model(peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), model)
     for name, parameter in model.named_parameters():
         if "lora_B" in name:
