@@ -22,7 +22,7 @@ In: the function, its arguments with the traced values taken out. Out: a callabl
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,15 +168,21 @@ def _is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
-def _descendants(node: fx.Node) -> set[fx.Node]:
+def reachable(node: fx.Node, step: Callable[[fx.Node], Iterable[fx.Node]]) -> set[fx.Node]:
+    """Every node reached from ``node`` by repeating ``step`` (``node`` itself excluded):
+    ``lambda n: n.users`` gives what it feeds, ``lambda n: n.all_input_nodes`` what feeds it."""
     found: set[fx.Node] = set()
-    pending = list(node.users)
+    pending = list(step(node))
     while pending:
-        user = pending.pop()
-        if user not in found:
-            found.add(user)
-            pending.extend(user.users)
+        current = pending.pop()
+        if current not in found:
+            found.add(current)
+            pending.extend(step(current))
     return found
+
+
+def _descendants(node: fx.Node) -> set[fx.Node]:
+    return reachable(node, lambda current: current.users)
 
 
 def probe_value(node: fx.Node, batch_size: int) -> Any:

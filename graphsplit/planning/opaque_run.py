@@ -44,7 +44,7 @@ from graphsplit.planning.interpret import OP_RECORD, fetch
 from graphsplit.planning.meta import to_meta
 from graphsplit.planning.opaque import VALUE_FIX as _FIX
 from graphsplit.planning.opaque import OpaqueSite
-from graphsplit.planning.opaque_call import OPAQUE, OpaqueCall, OpaqueFacts
+from graphsplit.planning.opaque_call import OPAQUE, OpaqueCall, OpaqueFacts, reachable
 from graphsplit.planning.patches import RANDOM_FILLS, RANDOM_FUNCTIONS
 from graphsplit.planning.rng import changed_generators, generator_states, set_generator_states
 from graphsplit.planning.user_code import describe
@@ -403,14 +403,7 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
-    found: set[fx.Node] = set()
-    pending = list(node.all_input_nodes)
-    while pending:
-        producer = pending.pop()
-        if producer not in found:
-            found.add(producer)
-            pending.extend(producer.all_input_nodes)
-    return found
+    return reachable(node, lambda current: current.all_input_nodes)
 
 
 def _draws_random(node: fx.Node) -> bool:

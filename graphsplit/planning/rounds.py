@@ -29,7 +29,6 @@ Out: :class:`~graphsplit.artifacts.Traced` whose nodes carry ``meta["facts"]``:
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -42,7 +41,13 @@ from graphsplit.artifacts import BatchLayout, ExampleInputs, TaintKind, Traced
 from graphsplit.errors import SplitError, TensorValueError, TraceError, TrainableSideError
 from graphsplit.planning.analyze import analyze, resolve_params
 from graphsplit.planning.codecs import insert_codecs
-from graphsplit.planning.cut import choose_boundary, compute_taint, facts, module_owner
+from graphsplit.planning.cut import (
+    choose_boundary,
+    compute_taint,
+    cyclic_gc_paused,
+    facts,
+    module_owner,
+)
 from graphsplit.planning.inputs import (
     ONE_SAMPLE,
     check_one_sample,
@@ -150,7 +155,7 @@ def _rounds(
     answered: set[str],
 ) -> Traced:
     """Trace, analyse, and trace into mixed modules whose inputs are all cacheable; repeat."""
-    with _cyclic_gc_paused(), _fake_tensor_failures_unlogged():
+    with cyclic_gc_paused(), _fake_tensor_failures_unlogged():
         return _trace_and_analyze(model, examples, trainable, sites, answered)
 
 
@@ -171,25 +176,6 @@ def _fake_tensor_failures_unlogged() -> Iterator[None]:
         yield
     finally:
         logger.disabled = was_disabled
-
-
-@contextlib.contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while the planning allocates (restored on exit).
-
-    The analysis makes hundreds of thousands of short-lived objects (fake tensors, pytree
-    specs, op records) next to a model of thousands of modules and parameters, so collections
-    keep triggering and each older-generation one walks every one of those long-lived objects:
-    about a tenth of the planning's CPU time on SDXL. Reference counting still frees what is
-    not in a cycle; cycles made meanwhile are collected by the first collection afterwards.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _trace_and_analyze(

@@ -53,6 +53,7 @@ from graphsplit.errors import TensorValueError, user_error
 from graphsplit.planning.opaque import VALUE_FIX
 from graphsplit.planning.taint import compute_taint
 from graphsplit.planning.user_code import current_line, describe
+from graphsplit.runtime import _VALUE_READS as VALUE_READS
 from graphsplit.runtime import check_value
 
 if TYPE_CHECKING:
@@ -74,14 +75,9 @@ class Read(enum.Enum):
     INDEX = "index"
 
     def apply(self, tensor: torch.Tensor) -> Any:
-        """What eager Python gets from ``tensor`` read this way."""
-        if self is Read.TOLIST:
-            return tensor.tolist()
-        if self is Read.ITEM:
-            return tensor.item()
-        if self is Read.INDEX:
-            return tensor.__index__()
-        return {Read.BOOL: bool, Read.INT: int, Read.FLOAT: float}[self](tensor)
+        """What eager Python gets from ``tensor`` read this way: the same table stage 1's
+        ``check_value`` reads with, so the plan's value and the check's agree by construction."""
+        return VALUE_READS[self.value](tensor)
 
 
 @dataclass(frozen=True)
