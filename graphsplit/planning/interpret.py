@@ -49,8 +49,9 @@ from torch.utils.flop_counter import flop_registry, get_shape, shape_wrapper
 
 from graphsplit.artifacts import AtenOp, OpRecord
 from graphsplit.errors import GraphsplitError, TensorValueError, TraceError, user_error
+from graphsplit.planning import call_memo
 from graphsplit.planning.eager_protocols import eager_protocols_on_meta
-from graphsplit.planning.meta import meta_execution, to_meta
+from graphsplit.planning.meta import meta_execution, module_called, to_meta
 from graphsplit.planning.mixing import ALONG_DIM_OPS, BATCH_NORM_TRAINING
 from graphsplit.planning.opaque_call import is_opaque, probe_value
 from graphsplit.planning.patches import TracedTorchCalls
@@ -254,6 +255,9 @@ class _OpRecorder(TorchDispatchMode):
         random = draws_randomness(func, args, kwargs)
         self.ops.append(AtenOp(name, _shapes((args, kwargs)), _shapes(out), random, dims))
         return out
+
+
+call_memo.RECORDERS.add(_OpRecorder)  # a memoised module call appends its ops again
 
 
 def _name_of(func: Any) -> tuple[str, bool]:
@@ -563,6 +567,10 @@ class ProbeInterpreter(_MetaInterpreter):
         if record is not None:
             self.records[node] = record
         return value
+
+    def call_module(self, target, args, kwargs) -> Any:
+        module = self.model.get_submodule(target)
+        return module_called(module, lambda: module(*args, **kwargs), args, kwargs)
 
     def _enter_meta(self) -> None:
         """Enter the meta contexts once for a run of consecutive meta nodes.

@@ -38,6 +38,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphsplit.planning.call_memo import CallMemo
+
 _META = torch.device("meta")
 _DEVICE = torch.ops.prim.device.default  # the most frequent op: asked for first
 _SCALARS = (
@@ -81,6 +83,24 @@ def _memoisable(func: Any) -> bool:
         )
         _MEMOISABLE[func] = known
     return known
+
+
+def _impure(func: Any) -> bool:
+    """An op whose effect is more than fresh outputs of its inputs' metadata, or unknown:
+    it mutates, draws random numbers, reads tensor data, or is no ATen op."""
+    known = _IMPURE.get(func)
+    if known is None:
+        known = (
+            not isinstance(func, torch._ops.OpOverload)
+            or func._schema.is_mutable
+            or bool(_UNSAFE_TAGS.intersection(func.tags))
+            or func._schema.name.split("::")[0] != "aten"
+        )
+        _IMPURE[func] = known
+    return known
+
+
+_IMPURE: dict[Any, bool] = {}
 
 
 def _memoisable_view(func: Any) -> bool:
@@ -147,8 +167,16 @@ class OpMemo(TorchDispatchMode):
         self.results: dict[Any, tuple | None] = {}
         self.hits = 0
         self.misses = 0
+        # Ops that may write, draw, read data or do what the memo cannot see: the module-call
+        # memo refuses a call whose run counted any (planning/call_memo.py).
+        self.impure_ops = 0
         self._attributes: dict[str, Any] | None = None  # a new FakeTensor's, once checked
         self._attributes = _checked_attributes(self, fake_mode)
+        # A new FakeTensor's attributes but its device: what a fresh result carries.
+        self.fake_attributes = (
+            None if self._attributes is None else dict(self._attributes, _fake_device=None)
+        )
+        self.calls = CallMemo(self)
 
     def new_fake(self, elem: torch.Tensor, device: torch.device) -> FakeTensor:
         """``FakeTensor(self.fake_mode, elem, device)`` for a meta ``elem``, made quickly.
@@ -230,6 +258,8 @@ class OpMemo(TorchDispatchMode):
         if func in _VIEWS_IN_DISGUISE or _memoisable_view(func):
             return self._view(func, args, kwargs)
         if not _memoisable(func):
+            if _impure(func):
+                self.impure_ops += 1
             return func(*args, **kwargs)
         return self._lookup(
             func, args, kwargs, lambda out: self._entry(out, args, kwargs), self._replay

@@ -1,0 +1,453 @@
+"""Memoised module calls on meta: a repeated pure call is answered without running the module.
+
+Glossary:
+    call signature: what a module call's result on meta can depend on: the module's class;
+        the state of every module under it (each one's class, plain attributes, the
+        metadata of its parameters and buffers, its children, recursively); the metadata of
+        its tensor arguments (shape, stride, storage offset, dtype, device) and the values of
+        the others; and torch's global modes (grad, autocast, default dtype, the mode stacks,
+        which say whether an op recorder is on).
+    pure call: a first run, under :class:`CallMemo`'s watch, that (a) ran no op the op memo
+        counts as impure (an in-place or otherwise mutating op, a random draw, a
+        data-dependent or non-ATen op: :meth:`~graphsplit.planning.memo.OpMemo.impure_ops`),
+        (b) left the call signature as it found it (no attribute, container or argument was
+        written), and (c) returned fresh tensors only: fake tensors of this analysis that are
+        no view, start their own storage, share it with no input, parameter, buffer or other
+        output, need no grad and carry no value or attribute a new fake tensor lacks. Its
+        result is then a function of the call signature, and a repeat of the signature is
+        answered with new fake tensors of the recorded metadata; the op records (the ATen
+        ops and FLOPs the first run added to the node's recorder) are appended again.
+    refused signature: one whose first run was not pure, or that holds something with no
+        exact key (a tensor attribute, an object of unknown kind, a hook): it always runs.
+
+In: :func:`call` from the tracer's module calls while it computes a node's meta value
+(:meth:`graphsplit.planning.trace._Tracer.call_module`) and from the probes' ``call_module``
+nodes. Out: the call's result, the same objects a run would give (fresh ones).
+
+Why above the op memo: a repeated block (70 transformer blocks of an SDXL UNet at two widths)
+costs the op memo a dispatch per op and diffusers' and peft's Python around every op; the
+call memo answers the block at once. A module's first call of a signature is run without
+the watch (most modules are called once per signature: the key would be paid for nothing);
+the second run of it is watched and recorded, the later ones are answered. Entries live as
+long as the analysis's op memo (one ``analysis_view``), so every ``split()`` pays its own.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from types import BuiltinFunctionType, FunctionType, MethodType
+from typing import Any
+
+import torch
+from torch import nn
+from torch._C import _get_dispatch_stack_at, _len_torch_dispatch_stack
+from torch._subclasses.fake_tensor import FakeTensor
+
+from graphsplit.planning.patches import is_recording_wrapper
+
+_META = torch.device("meta")
+# Hook tables that run around forward (``Module._call_impl`` reads them): a module or any
+# module under it with one of them set is always run. State-dict hooks play no part in a call.
+_CALL_HOOKS = frozenset(
+    {
+        "_forward_hooks",
+        "_forward_hooks_with_kwargs",
+        "_forward_hooks_always_called",
+        "_forward_pre_hooks",
+        "_forward_pre_hooks_with_kwargs",
+        "_backward_hooks",
+        "_backward_pre_hooks",
+    }
+)
+_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
+# Exact types whose values are their own key.
+_ATOMS = frozenset(
+    {
+        int,
+        float,
+        bool,
+        str,
+        bytes,
+        type(None),
+        torch.dtype,
+        torch.device,
+        torch.layout,
+        torch.memory_format,
+        torch.Size,
+    }
+)
+# Functions and classes held as attributes are keyed by identity (what they are, not state).
+_BY_IDENTITY = (FunctionType, BuiltinFunctionType, type)
+# Plain tensors on meta (the example inputs' twins) hold no value either.
+_META_TENSORS = frozenset({torch.Tensor, nn.Parameter})
+_DEPTH = 6  # nesting of plain containers and helper objects a key follows before refusing
+# Modes that record ops for a node (the analysis's op recorder registers its class here).
+RECORDERS: set[type] = set()
+_MISSING = object()
+
+
+class CallMemo:
+    """One analysis's memoised module calls (see the module docstring)."""
+
+    def __init__(self, op_memo: Any) -> None:
+        self.op_memo = op_memo
+        self.seen: set[Any] = set()  # (class, arguments) met once: the next one is watched
+        self.entries: dict[Any, _Entry | None] = {}  # call signature -> entry; None: refused
+        self.hits = 0
+        self.misses = 0
+
+
+class _Entry:
+    """A pure call's answer: its result's template and the op records its run added."""
+
+    __slots__ = ("flops", "ops", "template")
+
+    def __init__(self, template: Any, ops: tuple, flops: int) -> None:
+        self.template = template
+        self.ops = ops
+        self.flops = flops
+
+
+class _Tensor:
+    """A fresh output tensor in a template: the metadata to make it again."""
+
+    __slots__ = ("device", "dtype", "shape", "stride")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.shape = tuple(tensor.shape)
+        self.stride = tensor.stride()
+        self.dtype = tensor.dtype
+        self.device = tensor.device
+
+
+def call(
+    memo: CallMemo, module: nn.Module, run: Callable[[], Any], args: tuple, kwargs: dict
+) -> Any:
+    """``run()`` (which calls ``module(*args, **kwargs)``), or its memoised answer."""
+    if not (module._parameters or module._modules):  # an activation, a dropout: cheap to run
+        return run()
+    # Metadata reads of fake tensors would otherwise go through the meta run's Python modes.
+    with torch._C.DisableTorchFunction():
+        signature, recorder = _signature(memo, module, args, kwargs)
+        entry = memo.entries.get(signature, _MISSING) if signature is not None else None
+        if entry is not None and entry is not _MISSING:
+            memo.hits += 1
+            if recorder is not None:
+                recorder.ops.extend(entry.ops)
+                recorder.flops += entry.flops
+            with torch._C._DisableTorchDispatch():
+                return _made(memo, entry.template)
+    if entry is None:
+        return run()
+    return _first_run(memo, signature, recorder, module, run, (args, kwargs))
+
+
+def _signature(memo: CallMemo, module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """``(call signature, the node's op recorder)``; signature None: run the call plainly."""
+    try:
+        arguments = (type(module), _key((args, kwargs), _DEPTH))
+    except TypeError:
+        return None, None
+    if arguments not in memo.seen:
+        memo.seen.add(arguments)
+        return None, None
+    try:
+        recorder = _recorder(memo)
+        return (arguments, _module_key(module), _global_state(), recorder is not None), recorder
+    except TypeError:
+        return None, None
+
+
+def _first_run(
+    memo: CallMemo,
+    signature: tuple,
+    recorder: Any,
+    module: nn.Module,
+    run: Callable[[], Any],
+    arguments: tuple,
+) -> Any:
+    """Run the call under the watch; keep its entry if it was pure, else refuse the signature."""
+    memo.misses += 1
+    ops, flops = (len(recorder.ops), recorder.flops) if recorder is not None else (0, 0)
+    impure = memo.op_memo.impure_ops
+    out = run()
+    entry = None
+    if memo.op_memo.impure_ops == impure:
+        with torch._C.DisableTorchFunction():
+            template = _template_if_pure(memo, signature, module, arguments, out)
+        if template is not _MISSING:
+            if recorder is not None:
+                entry = _Entry(template, tuple(recorder.ops[ops:]), recorder.flops - flops)
+            else:
+                entry = _Entry(template, (), 0)
+    memo.entries[signature] = entry
+    return out
+
+
+def _template_if_pure(
+    memo: CallMemo, signature: tuple, module: nn.Module, arguments: tuple, out: Any
+) -> Any:
+    """The result's template if the run left the signature as it was and returned fresh
+    tensors only, else ``_MISSING``."""
+    try:
+        unchanged = (
+            _key(arguments, _DEPTH) == signature[0][1]
+            and _module_key(module) == signature[1]
+            and _global_state() == signature[2]
+        )
+        if not unchanged:
+            return _MISSING
+        return _template(memo, out, _storages_held(memo, module, arguments))
+    except TypeError:
+        return _MISSING
+
+
+# -- keys ---------------------------------------------------------------------------------------
+def _key(value: Any, depth: int, *, tensors: bool = True) -> Any:
+    """An exact, hashable description of an argument or attribute; ``TypeError`` if none.
+
+    Tensors are described by metadata (only fake tensors without a known value and plain
+    meta tensors: a real tensor's value could steer Python code); containers by their items;
+    helper objects (an attention processor, a config) by their class and attributes.
+    ``tensors=False`` (a module's attributes): a tensor has no key, since the call could
+    return it, and a fresh copy would not alias it as the run's result does.
+    """
+    kind = type(value)
+    if kind in _ATOMS:
+        if kind is float:
+            return (float, value.hex())  # -0.0 == 0.0, and nan equals nothing
+        return (kind, value)  # True == 1 == 1.0 as keys: the type tells them apart
+    if depth == 0:
+        raise TypeError("nested too deep")
+    if kind is tuple or kind is list:
+        return (kind, *[_key(item, depth - 1, tensors=tensors) for item in value])
+    if tensors and (kind is FakeTensor or (kind in _META_TENSORS and value.device.type == "meta")):
+        if kind is FakeTensor and value.constant is not None:
+            raise TypeError("a fake tensor with a known value")
+        if value.layout is not torch.strided:
+            raise TypeError("a tensor of another layout")
+        return (
+            kind,
+            value.shape,
+            value.stride(),
+            value.storage_offset(),
+            value.dtype,
+            value.device,
+            value.requires_grad,
+            value.is_conj(),
+            value.is_neg(),
+        )
+    if isinstance(value, dict):
+        return (kind, *[_key(item, depth - 1, tensors=tensors) for item in value.items()])
+    if isinstance(value, (set, frozenset)):
+        return (kind, frozenset(_key(item, depth - 1, tensors=tensors) for item in value))
+    if isinstance(value, enum.Enum):
+        return value
+    if isinstance(value, _BY_IDENTITY):
+        return value
+    if isinstance(value, (torch.Tensor, nn.Module, MethodType)):
+        raise TypeError(f"no key for a {kind.__name__} held here")
+    if _state_in_dict(kind):
+        # A helper object (an attention processor, a config): by its class and attributes.
+        return (kind, _key(vars(value), depth - 1, tensors=False))
+    raise TypeError(f"no key for {kind.__name__}")
+
+
+def _state_in_dict(kind: type) -> bool:
+    """Whether all of an instance's state is its ``__dict__``: a class written in Python with
+    no ``__slots__`` and no base but ``object`` written in C (a ``functools.partial``
+    keeps its function in C fields, an attention processor keeps its options in vars)."""
+    known = _STATE_IN_DICT.get(kind)
+    if known is None:
+        bases = kind.__mro__[:-1]
+        known = kind.__mro__[-1] is object and all(
+            base.__flags__ & _HEAP_TYPE and "__slots__" not in vars(base) for base in bases
+        )
+        _STATE_IN_DICT[kind] = known
+    return known
+
+
+_STATE_IN_DICT: dict[type, bool] = {}
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement
+
+
+def _module_key(module: nn.Module) -> tuple:
+    """The state of ``module`` and every module under it (see the glossary)."""
+    parts: list[Any] = [type(module)]
+    unread = _unread_attributes(type(module))
+    for name, value in vars(module).items():
+        if name in _TABLES:
+            continue
+        if name in _CALL_HOOKS:
+            if value:
+                raise TypeError("a module with call hooks")
+            continue
+        if type(value) is FunctionType and is_recording_wrapper(value):
+            parts.append((name, _wrapped_method(module, value)))
+        elif "hooks" not in name and name not in unread:
+            parts.append((name, _key(value, _DEPTH, tensors=False)))
+    for name, tensor in (*module._parameters.items(), *module._buffers.items()):
+        parts.append((name, None if tensor is None else _parameter_key(tensor)))
+    for name, child in module._modules.items():
+        parts.append((name, None if child is None else _module_key(child)))
+    return tuple(parts)
+
+
+def _unread_attributes(kind: type) -> frozenset[str]:
+    """Attributes of ``kind`` that no call reads (:data:`_UNREAD`), left out of its key."""
+    known = _UNREAD_OF.get(kind)
+    if known is None:
+        names = [_UNREAD.get((base.__module__, base.__qualname__), ()) for base in kind.__mro__]
+        known = _UNREAD_OF[kind] = frozenset().union(*names)
+    return known
+
+
+# Attributes a library keeps for its own bookkeeping and reads in no call, by the class that
+# sets them. peft keeps each LoRA layer's construction options in ``kwargs``, its qualified
+# name (``target_name``) among them, and reads them nowhere (the test of this module checks
+# peft's installed source): every layer would otherwise have a key of its own.
+_UNREAD = {("peft.tuners.lora.layer", "LoraLayer"): ("kwargs",)}
+_UNREAD_OF: dict[type, frozenset[str]] = {}
+
+
+def _parameter_key(tensor: torch.Tensor) -> tuple:
+    if tensor.device.type != "meta" or tensor.layout is not torch.strided:
+        raise TypeError("a parameter off meta")  # outside the analysis view
+    return (
+        type(tensor),
+        tensor.shape,
+        tensor.stride(),
+        tensor.storage_offset(),
+        tensor.dtype,
+        tensor.requires_grad,
+    )
+
+
+def _wrapped_method(module: nn.Module, wrapper: FunctionType) -> Any:
+    """The tracer's wrapper of one of ``module``'s own methods runs that method on meta:
+    keyed by the method's function (each leaf has a wrapper of its own)."""
+    original = wrapper.__wrapped__
+    if type(original) is not MethodType or original.__self__ is not module:
+        raise TypeError("a wrapper of something else")
+    return ("method", original.__func__)
+
+
+def _global_state() -> tuple:
+    """Torch's global switches an op's result depends on."""
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch.get_default_dtype(),
+        torch.is_autocast_enabled("cpu"),
+        torch.is_autocast_enabled("cuda"),
+        torch.get_autocast_dtype("cpu"),
+        torch.get_autocast_dtype("cuda"),
+        torch._C._len_torch_function_stack(),
+        tuple(
+            type(torch._C._get_function_stack_at(i))
+            for i in range(torch._C._len_torch_function_stack())
+        ),
+    )
+
+
+def _recorder(memo: CallMemo) -> Any:
+    """The node's op recorder, or None; the dispatch modes must be the analysis's own.
+
+    A call outside the analysis's meta execution (a real run of the example batch) or under
+    any other mode is refused.
+    """
+    depth = _len_torch_dispatch_stack()
+    if depth < 2 or _get_dispatch_stack_at(1) is not memo.op_memo:
+        raise TypeError("not the analysis's meta execution")
+    if depth == 2:
+        return None
+    recorder = _get_dispatch_stack_at(2)
+    if depth > 3 or type(recorder) not in RECORDERS:
+        raise TypeError("an unknown dispatch mode")
+    return recorder
+
+
+# -- results ------------------------------------------------------------------------------------
+def _storages_held(memo: CallMemo, module: nn.Module, arguments: Any) -> set[int]:
+    """Storages a fresh result must not share: the arguments', and the fake twins of every
+    parameter and buffer under ``module`` (the fake mode's converter made them)."""
+    held: set[int] = set()
+    _collect_storages(arguments, held, _DEPTH)
+    converter = memo.op_memo.fake_mode.fake_tensor_converter
+    for child in module.modules():
+        for tensor in (*child._parameters.values(), *child._buffers.values()):
+            twin = converter._get_memo(tensor) if tensor is not None else None
+            if twin is not None:
+                held.add(_storage(twin))
+    return held
+
+
+def _collect_storages(tree: Any, held: set[int], depth: int) -> None:
+    if isinstance(tree, torch.Tensor):
+        held.add(_storage(tree))
+    elif depth and isinstance(tree, (tuple, list)):
+        for item in tree:
+            _collect_storages(item, held, depth - 1)
+    elif depth and isinstance(tree, dict):
+        for item in tree.values():
+            _collect_storages(item, held, depth - 1)
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        return tensor.untyped_storage()._cdata
+
+
+def _template(memo: CallMemo, out: Any, held: set[int]) -> Any:
+    """What to build a repeat's result from; ``TypeError`` unless every tensor is fresh."""
+    kind = type(out)
+    if kind in _ATOMS:
+        return out
+    if kind is tuple or kind is list:
+        return (kind, [_template(memo, item, held) for item in out])
+    if kind is dict:
+        return (kind, [(key, _template(memo, item, held)) for key, item in out.items()])
+    if kind is FakeTensor and _fresh(memo, out, held):
+        held.add(_storage(out))  # a second output on the same storage is no longer fresh
+        return _Tensor(out)
+    raise TypeError(f"a result the memo cannot remake ({kind.__name__})")
+
+
+def _fresh(memo: CallMemo, tensor: FakeTensor, held: set[int]) -> bool:
+    attributes = memo.op_memo.fake_attributes
+    if tensor.fake_mode is not memo.op_memo.fake_mode or attributes is None:
+        return False
+    if dict(vars(tensor), _fake_device=None) != attributes:
+        return False  # a known value, a memoised item() or nonzero(), an attribute of its own
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        storage = tensor.untyped_storage()
+        expected = torch.empty_strided(
+            tensor.shape, tensor.stride(), dtype=tensor.dtype, device=_META
+        )
+        return (
+            not tensor.requires_grad
+            and tensor.layout is torch.strided
+            and tensor.storage_offset() == 0
+            and not tensor.is_conj()
+            and not tensor.is_neg()
+            and storage._cdata not in held
+            and storage.nbytes() == expected.untyped_storage().nbytes()
+        )
+
+
+def _made(memo: CallMemo, template: Any) -> Any:
+    """A new result from ``template`` (call with torch functions and dispatch disabled)."""
+    kind = type(template)
+    if kind is _Tensor:
+        elem = torch.empty_strided(
+            template.shape, template.stride, dtype=template.dtype, device=_META
+        )
+        return memo.op_memo.new_fake(elem, template.device)
+    if kind is tuple:
+        container, items = template
+        if container is dict:
+            return {key: _made(memo, item) for key, item in items}
+        made = [_made(memo, item) for item in items]
+        return made if container is list else tuple(made)
+    return template
