@@ -94,6 +94,7 @@ class CallMemo:
         self.op_memo = op_memo
         self.seen: set[Any] = set()  # (class, arguments) met once: the next one is watched
         self.entries: dict[Any, _Entry | None] = {}  # call signature -> entry; None: refused
+        self.nodes: dict[Any, _NodeEntry | None] = {}  # the same for whole nodes
         self.hits = 0
         self.misses = 0
 
@@ -107,6 +108,16 @@ class _Entry:
         self.template = template
         self.ops = ops
         self.flops = flops
+
+
+class _NodeEntry:
+    """A pure node's answer: its value's template and its op record (None: not recorded)."""
+
+    __slots__ = ("record", "template")
+
+    def __init__(self, template: Any, record: Any) -> None:
+        self.template = template
+        self.record = record
 
 
 class _Tensor:
@@ -141,6 +152,61 @@ def call(
     if entry is None:
         return run()
     return _first_run(memo, signature, recorder, module, run, (args, kwargs))
+
+
+def node_run(
+    memo: CallMemo,
+    head: Any,
+    module: nn.Module | None,
+    record: bool,
+    run: Callable[[], tuple[Any, Any]],
+    arguments: tuple,
+) -> tuple[Any, Any]:
+    """``run()`` of one node on meta, ``(value, op record or None)``, or its memoised answer.
+
+    ``head`` names what the node runs (a torch function, a tensor method's name, a module's
+    class), ``arguments`` its ``(args, kwargs)`` values; ``module``: the module a
+    ``call_module`` node calls, whose state is part of the signature. The same watch as a
+    module call's decides whether the node's run was pure; a repeat then costs neither the
+    meta contexts nor the recorder.
+    """
+    with torch._C.DisableTorchFunction():
+        signature = _node_signature(memo, head, module, record, arguments)
+        entry = memo.nodes.get(signature, _MISSING) if signature is not None else None
+        if entry is not None and entry is not _MISSING:
+            memo.hits += 1
+            with torch._C._DisableTorchDispatch():
+                return _made(memo, entry.template), entry.record
+    if entry is None:
+        return run()
+    memo.misses += 1
+    impure = memo.op_memo.impure_ops
+    value, op_record = run()
+    entry = None
+    if memo.op_memo.impure_ops == impure:
+        with torch._C.DisableTorchFunction():
+            template = _template_if_pure(memo, signature, module, arguments, value)
+        if template is not _MISSING:
+            entry = _NodeEntry(template, op_record)
+    memo.nodes[signature] = entry
+    return value, op_record
+
+
+def _node_signature(
+    memo: CallMemo, head: Any, module: nn.Module | None, record: bool, arguments: tuple
+) -> Any:
+    try:
+        described = (head, record, _key(arguments, _DEPTH))
+    except TypeError:
+        return None
+    if described not in memo.seen:
+        memo.seen.add(described)
+        return None
+    try:
+        state = None if module is None else _module_key(module)
+        return (described, state, _global_state())
+    except TypeError:
+        return None
 
 
 def _signature(memo: CallMemo, module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, Any]:
@@ -186,14 +252,14 @@ def _first_run(
 
 
 def _template_if_pure(
-    memo: CallMemo, signature: tuple, module: nn.Module, arguments: tuple, out: Any
+    memo: CallMemo, signature: tuple, module: nn.Module | None, arguments: tuple, out: Any
 ) -> Any:
     """The result's template if the run left the signature as it was and returned fresh
     tensors only, else ``_MISSING``."""
     try:
         unchanged = (
-            _key(arguments, _DEPTH) == signature[0][1]
-            and _module_key(module) == signature[1]
+            _key(arguments, _DEPTH) == signature[0][-1]
+            and (None if module is None else _module_key(module)) == signature[1]
             and _global_state() == signature[2]
         )
         if not unchanged:
@@ -273,25 +339,55 @@ _HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement
 
 
 def _module_key(module: nn.Module) -> tuple:
-    """The state of ``module`` and every module under it (see the glossary)."""
+    """The state of ``module`` and every module under it (see the glossary).
+
+    Asked for every call of a module whose arguments were seen before, for it and every
+    module under it, so each attribute name's role is looked up once (:func:`_role`) and
+    numbers, strings and flags are keyed in the loop.
+    """
     parts: list[Any] = [type(module)]
     unread = _unread_attributes(type(module))
     for name, value in vars(module).items():
-        if name in _TABLES:
+        role = _ROLES.get(name)
+        if role is None:
+            role = _role(name)
+        if role is _SKIPPED or (unread and name in unread):
             continue
-        if name in _CALL_HOOKS:
+        if role is _CALL_HOOK:
             if value:
                 raise TypeError("a module with call hooks")
             continue
-        if type(value) is FunctionType and is_recording_wrapper(value):
+        kind = type(value)
+        if kind is bool or kind is int or kind is str or value is None:
+            parts.append((name, kind, value))
+        elif kind is FunctionType and is_recording_wrapper(value):
             parts.append((name, _wrapped_method(module, value)))
-        elif "hooks" not in name and name not in unread:
+        else:
             parts.append((name, _key(value, _DEPTH, tensors=False)))
     for name, tensor in (*module._parameters.items(), *module._buffers.items()):
         parts.append((name, None if tensor is None else _parameter_key(tensor)))
     for name, child in module._modules.items():
         parts.append((name, None if child is None else _module_key(child)))
     return tuple(parts)
+
+
+def _role(name: str) -> object:
+    """What an attribute name is to the key: a table or state-dict hook table (skipped: the
+    tables are keyed below, those hooks play no part in a call), a call hook table, or state."""
+    if name in _TABLES:
+        role = _SKIPPED
+    elif name in _CALL_HOOKS:
+        role = _CALL_HOOK
+    elif "hooks" in name:
+        role = _SKIPPED
+    else:
+        role = _STATE
+    _ROLES[name] = role
+    return role
+
+
+_SKIPPED, _CALL_HOOK, _STATE = object(), object(), object()
+_ROLES: dict[str, object] = {}
 
 
 def _unread_attributes(kind: type) -> frozenset[str]:
@@ -369,29 +465,37 @@ def _recorder(memo: CallMemo) -> Any:
 
 
 # -- results ------------------------------------------------------------------------------------
-def _storages_held(memo: CallMemo, module: nn.Module, arguments: Any) -> set[int]:
-    """Storages a fresh result must not share: the arguments', and the fake twins of every
-    parameter and buffer under ``module`` (the fake mode's converter made them)."""
-    held: set[int] = set()
-    _collect_storages(arguments, held, _DEPTH)
+def _storages_held(memo: CallMemo, module: nn.Module | None, arguments: Any) -> set[Any]:
+    """What a fresh result must not share: the storages of the arguments, of the parameters
+    and buffers under ``module`` and of their fake twins (the fake mode's converter made
+    them: a view of a twin is a view of the tensor), and those tensors themselves (a view of
+    a plain meta tensor has it as its base, on a storage of the fake mode's)."""
+    tensors: list[torch.Tensor] = []
+    _collect_tensors(arguments, tensors, _DEPTH)
+    for child in module.modules() if module is not None else ():
+        tensors.extend(
+            t for t in (*child._parameters.values(), *child._buffers.values()) if t is not None
+        )
     converter = memo.op_memo.fake_mode.fake_tensor_converter
-    for child in module.modules():
-        for tensor in (*child._parameters.values(), *child._buffers.values()):
-            twin = converter._get_memo(tensor) if tensor is not None else None
-            if twin is not None:
-                held.add(_storage(twin))
+    held: set[Any] = set()
+    for tensor in tensors:
+        held.add(_storage(tensor))
+        held.add(("tensor", id(tensor)))  # a view's base may be the tensor itself
+        twin = converter._get_memo(tensor) if type(tensor) is not FakeTensor else None
+        if twin is not None:
+            held.add(_storage(twin))
     return held
 
 
-def _collect_storages(tree: Any, held: set[int], depth: int) -> None:
+def _collect_tensors(tree: Any, found: list[torch.Tensor], depth: int) -> None:
     if isinstance(tree, torch.Tensor):
-        held.add(_storage(tree))
+        found.append(tree)
     elif depth and isinstance(tree, (tuple, list)):
         for item in tree:
-            _collect_storages(item, held, depth - 1)
+            _collect_tensors(item, found, depth - 1)
     elif depth and isinstance(tree, dict):
         for item in tree.values():
-            _collect_storages(item, held, depth - 1)
+            _collect_tensors(item, found, depth - 1)
 
 
 def _storage(tensor: torch.Tensor) -> int:
@@ -399,7 +503,7 @@ def _storage(tensor: torch.Tensor) -> int:
         return tensor.untyped_storage()._cdata
 
 
-def _template(memo: CallMemo, out: Any, held: set[int]) -> Any:
+def _template(memo: CallMemo, out: Any, held: set[Any]) -> Any:
     """What to build a repeat's result from; ``TypeError`` unless every tensor is fresh."""
     kind = type(out)
     if kind in _ATOMS:
@@ -414,7 +518,7 @@ def _template(memo: CallMemo, out: Any, held: set[int]) -> Any:
     raise TypeError(f"a result the memo cannot remake ({kind.__name__})")
 
 
-def _fresh(memo: CallMemo, tensor: FakeTensor, held: set[int]) -> bool:
+def _fresh(memo: CallMemo, tensor: FakeTensor, held: set[Any]) -> bool:
     attributes = memo.op_memo.fake_attributes
     if tensor.fake_mode is not memo.op_memo.fake_mode or attributes is None:
         return False
@@ -433,7 +537,16 @@ def _fresh(memo: CallMemo, tensor: FakeTensor, held: set[int]) -> bool:
             and not tensor.is_neg()
             and storage._cdata not in held
             and storage.nbytes() == expected.untyped_storage().nbytes()
+            and (not tensor._is_view() or _fresh_base(tensor._base, held))
         )
+
+
+def _fresh_base(base: torch.Tensor, held: set[Any]) -> bool:
+    """A view is fresh when its base is: an intermediate of the run (``linear`` on a 3-d
+    input views the matmul's 2-d result), no input, parameter or buffer."""
+    if type(base) is not FakeTensor or ("tensor", id(base)) in held:
+        return False
+    return base.untyped_storage()._cdata not in held
 
 
 def _made(memo: CallMemo, template: Any) -> Any:

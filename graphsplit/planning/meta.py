@@ -155,6 +155,20 @@ def module_called(module: nn.Module, run: Callable[[], Any], args: tuple, kwargs
     return call_memo.call(_FAKE_MODES[-1][1].calls, module, run, args, kwargs)
 
 
+def node_run(
+    head: Any,
+    module: nn.Module | None,
+    record: bool,
+    run: Callable[[], tuple[Any, Any]],
+    arguments: tuple,
+) -> tuple[Any, Any]:
+    """``run()`` of one node on meta or the analysis's memoised answer
+    (:func:`graphsplit.planning.call_memo.node_run`); outside an analysis, ``run()``."""
+    if not _FAKE_MODES:
+        return run()
+    return call_memo.node_run(_FAKE_MODES[-1][1].calls, head, module, record, run, arguments)
+
+
 @contextlib.contextmanager
 def meta_execution() -> Iterator[None]:
     """Run code on fake ``meta`` tensors: no autograd, no real memory, no random draw.

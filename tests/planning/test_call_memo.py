@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import operator
 import re
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 import graphsplit
 from graphsplit.planning import call_memo, meta
-from graphsplit.planning.interpret import _recorded
+from graphsplit.planning.interpret import TracingInterpreter, _recorded, fetch
 from graphsplit.planning.meta import analysis_view, meta_execution, module_called
 
 
@@ -249,3 +250,67 @@ def test_peft_reads_no_lora_layer_kwargs():
     ]
     assert reads == []
     assert ("peft.tuners.lora.layer", "LoraLayer") in call_memo._UNREAD
+
+
+# -- whole nodes ------------------------------------------------------------------------------
+def _node_runs(head: object, function, arguments: tuple, times: int = 3) -> list[tuple]:
+    """``times`` memoised runs of ``function(*args, **kwargs)`` as one recorded node."""
+    args, kwargs = arguments
+
+    def run():
+        with meta_execution():
+            return _recorded(lambda: function(*args, **kwargs))
+
+    return [meta.node_run(head, None, True, run, arguments) for _ in range(times)]
+
+
+def test_a_replayed_node_gives_the_value_metadata_and_record_of_a_run():
+    x = torch.empty(4, 8, device="meta")
+    with analysis_view(nn.Module()):
+        runs = _node_runs(("call_function", torch.tanh), torch.tanh, ((x,), {}), times=4)
+        memo = _memo()
+        assert (memo.misses, memo.hits) == (1, 2)
+    (first, record), *others = runs
+    assert record.ops and record.ops[0].name == "tanh"
+    for value, again in others:
+        assert _metadata(value) == _metadata(first) and value is not first
+        assert again == record
+
+
+@pytest.mark.parametrize(
+    "function",
+    [
+        torch.randn_like,  # a random draw
+        lambda x: x.add_(1),  # a write into its input
+        lambda x: (x, x + 1)[0],  # returns its input
+        lambda x: x.view(-1),  # a view of its input
+    ],
+)
+def test_impure_nodes_are_refused_and_always_run(function):
+    x = torch.empty(4, 8, device="meta")
+    with analysis_view(nn.Module()):
+        values = [
+            value for value, _ in _node_runs(("call_function", function), function, ((x,), {}))
+        ]
+        memo = _memo()
+        assert memo.hits == 0 and set(memo.nodes.values()) == {None}
+    assert len({id(value) for value in values}) == len(values) or values[0] is values[1]
+
+
+def test_only_torch_and_operator_functions_tensor_methods_and_modules_are_memoised():
+    def user_function(x):
+        return x + 1
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    nodes = [
+        graph.call_function(torch.tanh, (x,)),
+        graph.call_function(F.gelu, (x,)),
+        graph.call_function(operator.add, (x, x)),
+        graph.call_method("softmax", (x, -1)),
+        graph.call_function(user_function, (x,)),
+        graph.call_function(fetch, (x,)),
+    ]
+    interpreter = TracingInterpreter(nn.Module(), graph, {})
+    heads = [interpreter._memo_head(node)[0] is not None for node in nodes]
+    assert heads == [True, True, True, True, False, False]
