@@ -85,6 +85,9 @@ _DEPTH = 6  # nesting of plain containers and helper objects a key follows befor
 # Modes that record ops for a node (the analysis's op recorder registers its class here).
 RECORDERS: set[type] = set()
 _MISSING = object()
+# Python's own, bound at import: while a step is traced ``builtins.isinstance`` is a stand-in
+# (planning/python_builtins.py), and the memo's keys are computed between traced nodes.
+_isinstance = isinstance
 
 
 class CallMemo:
@@ -304,15 +307,15 @@ def _key(value: Any, depth: int, *, tensors: bool = True) -> Any:
             value.is_conj(),
             value.is_neg(),
         )
-    if isinstance(value, dict):
+    if _isinstance(value, dict):
         return (kind, *[_key(item, depth - 1, tensors=tensors) for item in value.items()])
-    if isinstance(value, (set, frozenset)):
+    if _isinstance(value, (set, frozenset)):
         return (kind, frozenset(_key(item, depth - 1, tensors=tensors) for item in value))
-    if isinstance(value, enum.Enum):
+    if _isinstance(value, enum.Enum):
         return value
-    if isinstance(value, _BY_IDENTITY):
+    if _isinstance(value, _BY_IDENTITY):
         return value
-    if isinstance(value, (torch.Tensor, nn.Module, MethodType)):
+    if _isinstance(value, (torch.Tensor, nn.Module, MethodType)):
         raise TypeError(f"no key for a {kind.__name__} held here")
     if _state_in_dict(kind):
         # A helper object (an attention processor, a config): by its class and attributes.
@@ -488,12 +491,12 @@ def _storages_held(memo: CallMemo, module: nn.Module | None, arguments: Any) -> 
 
 
 def _collect_tensors(tree: Any, found: list[torch.Tensor], depth: int) -> None:
-    if isinstance(tree, torch.Tensor):
+    if _isinstance(tree, torch.Tensor):
         found.append(tree)
-    elif depth and isinstance(tree, (tuple, list)):
+    elif depth and _isinstance(tree, (tuple, list)):
         for item in tree:
             _collect_tensors(item, found, depth - 1)
-    elif depth and isinstance(tree, dict):
+    elif depth and _isinstance(tree, dict):
         for item in tree.values():
             _collect_tensors(item, found, depth - 1)
 
