@@ -1,4 +1,4 @@
-"""Memoised module calls on meta: a repeated pure call is answered without running the module.
+"""Memoised module calls and nodes on meta: a repeated pure run is answered without running.
 
 Glossary:
     call signature: what a module call's result on meta can depend on: the module's class;
@@ -6,30 +6,36 @@ Glossary:
         metadata of its parameters and buffers, its children, recursively); the metadata of
         its tensor arguments (shape, stride, storage offset, dtype, device) and the values of
         the others; and torch's global modes (grad, autocast, default dtype, the mode stacks,
-        which say whether an op recorder is on).
-    pure call: a first run, under :class:`CallMemo`'s watch, that (a) ran no op the op memo
-        counts as impure (an in-place or otherwise mutating op, a random draw, a
-        data-dependent or non-ATen op: :meth:`~graphsplit.planning.memo.OpMemo.impure_ops`),
-        (b) left the call signature as it found it (no attribute, container or argument was
-        written), and (c) returned fresh tensors only: fake tensors of this analysis that are
-        no view, start their own storage, share it with no input, parameter, buffer or other
-        output, need no grad and carry no value or attribute a new fake tensor lacks. Its
-        result is then a function of the call signature, and a repeat of the signature is
-        answered with new fake tensors of the recorded metadata; the op records (the ATen
-        ops and FLOPs the first run added to the node's recorder) are appended again.
-    refused signature: one whose first run was not pure, or that holds something with no
+        which say whether an op recorder is on). A node's signature is the same with its
+        function or tensor method in place of the module (and the module's state for a
+        ``call_module`` node), plus whether its ops are recorded.
+    pure run: a run, under :class:`CallMemo`'s watch, that (a) ran no op the op memo counts as
+        impure (an in-place or otherwise mutating op, a random draw, a data-dependent or
+        non-ATen op: ``OpMemo.impure_ops``), (b) left the signature as it found it (no
+        attribute, container or argument was written), and (c) returned fresh tensors only:
+        fake tensors of this analysis that start their own storage, share it with no input,
+        parameter, buffer, fake twin or other output, are a view of nothing but an
+        intermediate of the run, need no grad and carry no value or attribute a new fake
+        tensor lacks. Its result is then a function of the signature, and a repeat is
+        answered with new fake tensors of the recorded metadata; the op records (the ATen ops
+        and FLOPs the run added to the node's recorder) are appended again.
+    refused signature: one whose watched run was not pure, or that holds something with no
         exact key (a tensor attribute, an object of unknown kind, a hook): it always runs.
 
 In: :func:`call` from the tracer's module calls while it computes a node's meta value
 (:meth:`graphsplit.planning.trace._Tracer.call_module`) and from the probes' ``call_module``
-nodes. Out: the call's result, the same objects a run would give (fresh ones).
+nodes; :func:`node_run` from every node's meta run
+(:meth:`graphsplit.planning.interpret._MetaInterpreter.run_on_meta`). Out: what a run gives
+(fresh objects).
 
 Why above the op memo: a repeated block (70 transformer blocks of an SDXL UNet at two widths)
-costs the op memo a dispatch per op and diffusers' and peft's Python around every op; the
-call memo answers the block at once. A module's first call of a signature is run without
-the watch (most modules are called once per signature: the key would be paid for nothing);
-the second run of it is watched and recorded, the later ones are answered. Entries live as
-long as the analysis's op memo (one ``analysis_view``), so every ``split()`` pays its own.
+costs the op memo a dispatch per op and diffusers' and peft's Python around every op, and a
+repeated node (10k ``Linear``/``tanh``/``add`` nodes of a chain) its meta contexts and recorder;
+the memo answers either at once. A signature's first run is not watched (most occur once: the
+key would be paid for nothing); the second is watched and kept, the later ones are answered.
+What no key can see (Python globals a library reads, class attributes) is taken to be fixed
+during one analysis. Entries live as long as the analysis's op memo (one ``analysis_view``),
+so every ``split()`` pays its own.
 """
 
 from __future__ import annotations
@@ -433,7 +439,10 @@ def _wrapped_method(module: nn.Module, wrapper: FunctionType) -> Any:
 
 
 def _global_state() -> tuple:
-    """Torch's global switches an op's result depends on."""
+    """Torch's global switches an op's result depends on; ``TypeError`` while a global module
+    hook is registered (it would run in every module call a repeat skips)."""
+    if any(map(len, _GLOBAL_HOOKS)):
+        raise TypeError("a global module hook")
     return (
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
@@ -448,6 +457,19 @@ def _global_state() -> tuple:
             for i in range(torch._C._len_torch_function_stack())
         ),
     )
+
+
+_GLOBAL_HOOKS = tuple(
+    getattr(torch.nn.modules.module, name)
+    for name in (
+        "_global_forward_hooks",
+        "_global_forward_pre_hooks",
+        "_global_backward_hooks",
+        "_global_backward_pre_hooks",
+        "_global_forward_hooks_always_called",
+        "_global_forward_hooks_with_kwargs",
+    )
+)
 
 
 def _recorder(memo: CallMemo) -> Any:

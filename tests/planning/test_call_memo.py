@@ -205,6 +205,22 @@ def test_calls_with_no_exact_key_always_run():
     assert all(value is holder.offset for value in values)
 
 
+def test_a_global_module_hook_turns_the_memo_off():
+    block = Block()
+    x = torch.empty(2, 8, device="meta")
+    seen: list[nn.Module] = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, out: seen.append(module)
+    )
+    try:
+        with analysis_view(block), meta_execution():
+            _calls(block, x, times=4)
+            assert _memo().hits == _memo().misses == 0
+    finally:
+        handle.remove()
+    assert seen.count(block) == 4
+
+
 def test_real_runs_and_other_modes_are_not_memoised():
     block = Block()
     x = torch.randn(2, 8)
