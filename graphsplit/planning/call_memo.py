@@ -10,9 +10,11 @@ Glossary:
         function or tensor method in place of the module (and the module's state for a
         ``call_module`` node), plus whether its ops are recorded.
     pure run: a run, under :class:`CallMemo`'s watch, that (a) ran no op the op memo counts as
-        impure (an in-place or otherwise mutating op, a random draw, a data-dependent or
-        non-ATen op: ``OpMemo.impure_ops``), (b) left the signature as it found it (no
-        attribute, container or argument was written), and (c) returned fresh tensors only:
+        impure (a random draw, a data-dependent or non-ATen op: ``OpMemo.impure_ops``) and
+        wrote (in place, ``out=``) only into its own intermediates, none of its inputs,
+        parameters, buffers or their views (``OpMemo.written``), (b) left the signature as it
+        found it (no attribute, container or argument was written), and (c) returned fresh,
+        unwritten tensors only:
         fake tensors of this analysis that start their own storage, share it with no input,
         parameter, buffer, fake twin or other output, are a view of nothing but an
         intermediate of the run, need no grad and carry no value or attribute a new fake
@@ -189,12 +191,12 @@ def node_run(
     if entry is None:
         return run()
     memo.misses += 1
-    impure = memo.op_memo.impure_ops
+    impure, writes = memo.op_memo.impure_ops, len(memo.op_memo.written)
     value, op_record = run()
     entry = None
     if memo.op_memo.impure_ops == impure:
         with torch._C.DisableTorchFunction():
-            template = _template_if_pure(memo, signature, module, arguments, value)
+            template = _template_if_pure(memo, signature, module, arguments, value, writes)
         if template is not _MISSING:
             entry = _NodeEntry(template, op_record)
     memo.nodes[signature] = entry
@@ -245,12 +247,12 @@ def _first_run(
     """Run the call under the watch; keep its entry if it was pure, else refuse the signature."""
     memo.misses += 1
     ops, flops = (len(recorder.ops), recorder.flops) if recorder is not None else (0, 0)
-    impure = memo.op_memo.impure_ops
+    impure, writes = memo.op_memo.impure_ops, len(memo.op_memo.written)
     out = run()
     entry = None
     if memo.op_memo.impure_ops == impure:
         with torch._C.DisableTorchFunction():
-            template = _template_if_pure(memo, signature, module, arguments, out)
+            template = _template_if_pure(memo, signature, module, arguments, out, writes)
         if template is not _MISSING:
             if recorder is not None:
                 entry = _Entry(template, tuple(recorder.ops[ops:]), recorder.flops - flops)
@@ -261,9 +263,15 @@ def _first_run(
 
 
 def _template_if_pure(
-    memo: CallMemo, signature: tuple, module: nn.Module | None, arguments: tuple, out: Any
+    memo: CallMemo,
+    signature: tuple,
+    module: nn.Module | None,
+    arguments: tuple,
+    out: Any,
+    writes: int,
 ) -> Any:
-    """The result's template if the run left the signature as it was and returned fresh
+    """The result's template if the run left the signature as it was, wrote only into its
+    own intermediates (the op memo's ``written`` from index ``writes`` on) and returned fresh
     tensors only, else ``_MISSING``."""
     try:
         unchanged = (
@@ -273,7 +281,10 @@ def _template_if_pure(
         )
         if not unchanged:
             return _MISSING
-        return _template(memo, out, _storages_held(memo, module, arguments))
+        held = _storages_held(memo, module, arguments)
+        if any(not held.isdisjoint(reached) for reached in memo.op_memo.written[writes:]):
+            return _MISSING  # a write into an input, a parameter or a buffer
+        return _template(memo, out, held)
     except TypeError:
         return _MISSING
 
@@ -555,7 +566,8 @@ def _fresh(memo: CallMemo, tensor: FakeTensor, held: set[Any]) -> bool:
             tensor.shape, tensor.stride(), dtype=tensor.dtype, device=_META
         )
         return (
-            not tensor.requires_grad
+            tensor._version == 0  # no write into it either
+            and not tensor.requires_grad
             and tensor.layout is torch.strided
             and tensor.storage_offset() == 0
             and not tensor.is_conj()

@@ -124,6 +124,31 @@ class WritesInput(nn.Module):
         return self.linear(x)
 
 
+class WritesAViewOfItsInput(WritesInput):
+    def forward(self, x):
+        x[0].add_(1)
+        return self.linear(x)
+
+
+class WritesItsBuffer(WritesInput):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        self.count.add_(1)
+        return self.linear(x)
+
+
+class WritesItsIntermediate(WritesInput):
+    """``F.rms_norm``'s decomposition does this (``add_``, ``rsqrt_`` on its variance)."""
+
+    def forward(self, x):
+        h = self.linear(x) * 2
+        h.add_(1).rsqrt_()
+        return h * x
+
+
 class DrawsNoise(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -174,7 +199,16 @@ class HoldsATensor(nn.Module):
 
 
 @pytest.mark.parametrize(
-    "module_class", [WritesInput, DrawsNoise, ReturnsAView, ReturnsItsWeight, CountsCalls]
+    "module_class",
+    [
+        WritesInput,
+        WritesAViewOfItsInput,
+        WritesItsBuffer,
+        DrawsNoise,
+        ReturnsAView,
+        ReturnsItsWeight,
+        CountsCalls,
+    ],
 )
 def test_impure_calls_are_refused_and_always_run(module_class):
     module = module_class()
@@ -184,13 +218,23 @@ def test_impure_calls_are_refused_and_always_run(module_class):
         memo = _memo()
         assert memo.hits == 0 and memo.misses >= 1  # a new count is a new signature
         assert set(memo.entries.values()) == {None}
-    if module_class is WritesInput:
+    if module_class in (WritesInput, WritesAViewOfItsInput):
         assert x._version == 4
     if module_class is CountsCalls:
         assert module.calls == 0  # the analysis view restores the module's attributes
     if module_class is ReturnsAView:
         assert all(value._is_view() for value in values)
         assert len({id(value) for value in values}) == 4
+
+
+def test_a_call_writing_only_its_own_intermediates_is_memoised():
+    module = WritesItsIntermediate()
+    x = torch.empty(2, 8, device="meta")
+    with analysis_view(module), meta_execution():
+        values = _calls(module, x, times=4)
+        assert (_memo().misses, _memo().hits) == (1, 2)
+    assert {_metadata(value) for value in values} == {_metadata(values[0])}
+    assert x._version == 0 and all(value._version == 0 for value in values[2:])
 
 
 def test_calls_with_no_exact_key_always_run():
