@@ -90,15 +90,55 @@ def test_a_replayed_call_without_recorder_adds_no_ops_and_a_recorded_one_adds_th
     assert record == again == last and record.ops
 
 
+def _without_memo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(call_memo, "call", lambda memo, module, run, args, kwargs: run())
+    monkeypatch.setattr(call_memo, "node_run", lambda memo, head, module, record, run, _: run())
+
+
+def _hits_while(function) -> int:
+    memos: list[call_memo.CallMemo] = []
+    created = call_memo.CallMemo.__init__
+
+    def noted(self, op_memo):
+        created(self, op_memo)
+        memos.append(self)
+
+    call_memo.CallMemo.__init__ = noted
+    try:
+        function()
+    finally:
+        call_memo.CallMemo.__init__ = created
+    return sum(memo.hits for memo in memos)
+
+
 def test_split_plans_are_the_same_with_and_without_the_memo(monkeypatch):
     model = RepeatedBlocks()
     x, y = torch.randn(4, 8), torch.randn(4, 1)
-    memoised = graphsplit.split(model, (x, y))
-    monkeypatch.setattr(call_memo, "call", lambda memo, module, run, args, kwargs: run())
+    memoised: list[graphsplit.Split] = []
+    assert _hits_while(lambda: memoised.append(graphsplit.split(model, (x, y)))) > 0
+    _without_memo(monkeypatch)
     plain = graphsplit.split(model, (x, y))
-    assert _facts_and_code(memoised) == _facts_and_code(plain)
-    batch = memoised.stage1(x, y)
-    assert torch.equal(memoised.stage2(**batch), model(x, y))
+    assert _facts_and_code(memoised[0]) == _facts_and_code(plain)
+    batch = memoised[0].stage1(x, y)
+    assert torch.equal(memoised[0].stage2(**batch), model(x, y))
+
+
+def test_a_peft_lora_sd_step_plans_the_same_with_and_without_the_memo(monkeypatch):
+    """peft's LoRA layers (their ``kwargs`` left out of the key), diffusers' blocks."""
+    pytest.importorskip("peft")
+    from tests.zoo import SD_SIZES, build_sd_lora_step
+
+    size = SD_SIZES["tiny"]
+    step = build_sd_lora_step(size="tiny", frozen_on_meta=True, trainable_on_meta=True)
+    with torch.device("meta"):
+        batch = (
+            torch.empty(2, 3, size.resolution, size.resolution),
+            torch.zeros(2, size.max_tokens, dtype=torch.long),
+        )
+    memoised: list[graphsplit.Split] = []
+    assert _hits_while(lambda: memoised.append(graphsplit.split(step, batch))) > 0
+    _without_memo(monkeypatch)
+    assert _facts_and_code(memoised[0]) == _facts_and_code(graphsplit.split(step, batch))
 
 
 def test_different_state_or_arguments_are_different_signatures():
