@@ -49,8 +49,9 @@ from torch.utils.flop_counter import flop_registry, get_shape, shape_wrapper
 
 from graphsplit.artifacts import AtenOp, OpRecord
 from graphsplit.errors import GraphsplitError, TensorValueError, TraceError, user_error
+from graphsplit.planning import call_memo
 from graphsplit.planning.eager_protocols import eager_protocols_on_meta
-from graphsplit.planning.meta import meta_execution, to_meta
+from graphsplit.planning.meta import meta_execution, module_called, node_run, to_meta
 from graphsplit.planning.mixing import ALONG_DIM_OPS, BATCH_NORM_TRAINING
 from graphsplit.planning.opaque_call import is_opaque, probe_value
 from graphsplit.planning.patches import TracedTorchCalls
@@ -256,6 +257,9 @@ class _OpRecorder(TorchDispatchMode):
         return out
 
 
+call_memo.RECORDERS.add(_OpRecorder)  # a memoised module call appends its ops again
+
+
 def _name_of(func: Any) -> tuple[str, bool]:
     """An overload's op name (``"addmm"``) and whether it works along given dims, once each."""
     known = _NAMES.get(func)
@@ -373,18 +377,64 @@ class _MetaInterpreter(fx.Interpreter):
         return self._run_node_plainly(node), None
 
     def run_on_meta(self, node: fx.Node, *, record: bool) -> tuple[Any, OpRecord | None]:
-        """Run one node on meta (recording its ops if asked); failures become TraceErrors."""
+        """Run one node on meta (recording its ops if asked); failures become TraceErrors.
+
+        A node that repeats an earlier pure one (same function or module state, same
+        argument metadata) is answered by the analysis's memo (:func:`call_memo.node_run`).
+        """
         try:
-            if self.on_meta is not None:  # a probe holds the contexts (see _enter_meta)
-                return self._run_and_record(node, record=record)
-            with _TracerModesSetAside(), meta_execution(), eager_protocols_on_meta():
-                return self._run_and_record(node, record=record)
+            head, module = self._memo_head(node)
+            if head is None:
+                return self._run_on_meta(node, record=record)
+            return node_run(
+                head,
+                module,
+                record,
+                lambda: self._run_on_meta(node, record=record),
+                self.fetch_args_kwargs_from_env(node),
+            )
         except GraphsplitError:
             raise
         except Exception as exc:
             raise meta_failure(node, exc) from exc
 
+    def _run_on_meta(self, node: fx.Node, *, record: bool) -> tuple[Any, OpRecord | None]:
+        if self.on_meta is not None:  # a probe holds the contexts (see _enter_meta)
+            return self._run_and_record(node, record=record)
+        with _TracerModesSetAside(), meta_execution(), eager_protocols_on_meta():
+            return self._run_and_record(node, record=record)
 
+    def _memo_head(self, node: fx.Node) -> tuple[Any, nn.Module | None]:
+        """What the node runs, for the memo's key: ``(head, module)``; head None: no memo.
+
+        Only calls whose Python side is torch's or ``operator``'s (their effects are ops the
+        memo watches), tensor methods and module calls (whose state is keyed) qualify; any
+        other function (a user's, graphsplit's own) always runs.
+        """
+        if node.op == "call_module":
+            module = self.model.get_submodule(node.target)
+            return ("call_module", type(module)), module
+        if node.op == "call_function" and _torch_or_operator(node.target):
+            return ("call_function", node.target), None
+        if node.op == "call_method":
+            return ("call_method", node.target), None
+        return None, None
+
+
+def _torch_or_operator(target: Any) -> bool:
+    known = _TORCH_OR_OPERATOR.get(target)
+    if known is None:
+        home = getattr(target, "__module__", None) or ""
+        known = (
+            target is getattr
+            or home in ("_operator", "operator", "torch")
+            or (home.startswith("torch.") and not home.startswith("torch.fx"))
+        )
+        _TORCH_OR_OPERATOR[target] = known
+    return known
+
+
+_TORCH_OR_OPERATOR: dict[Any, bool] = {}
 _NO_SUBMODULES = nn.Module()
 _FX_LOG = logging.getLogger("torch.fx.interpreter")  # fx.Interpreter.run_node's debug log
 
@@ -563,6 +613,10 @@ class ProbeInterpreter(_MetaInterpreter):
         if record is not None:
             self.records[node] = record
         return value
+
+    def call_module(self, target, args, kwargs) -> Any:
+        module = self.model.get_submodule(target)
+        return module_called(module, lambda: module(*args, **kwargs), args, kwargs)
 
     def _enter_meta(self) -> None:
         """Enter the meta contexts once for a run of consecutive meta nodes.

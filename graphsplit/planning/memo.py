@@ -38,6 +38,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graphsplit.planning.call_memo import CallMemo
+
 _META = torch.device("meta")
 _DEVICE = torch.ops.prim.device.default  # the most frequent op: asked for first
 _SCALARS = (
@@ -81,6 +83,53 @@ def _memoisable(func: Any) -> bool:
         )
         _MEMOISABLE[func] = known
     return known
+
+
+def _impure(func: Any) -> bool:
+    """An op whose effect is more than fresh outputs of its inputs' metadata, or unknown:
+    it draws random numbers, reads tensor data, or is no ATen op. Writes are told apart
+    (:func:`_written_arguments`): a write into the run's own intermediates is no effect."""
+    known = _IMPURE.get(func)
+    if known is None:
+        known = (
+            not isinstance(func, torch._ops.OpOverload)
+            or bool(_UNSAFE_TAGS.intersection(func.tags))
+            or func._schema.name.split("::")[0] != "aten"
+            or (func._schema.is_mutable and _written_arguments(func) is None)
+        )
+        _IMPURE[func] = known
+    return known
+
+
+def _written_arguments(func: Any) -> tuple[tuple[int, str], ...] | None:
+    """``(position, name)`` of each argument a mutating op writes (``add_``'s ``self``,
+    ``out=``), from its schema; None when a written argument is not a plain tensor."""
+    known = _WRITTEN.get(func, _MISSING)
+    if known is _MISSING:
+        written = []
+        for position, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write:
+                if not argument.type.isSubtypeOf(torch._C.TensorType.get()):
+                    written = None
+                    break
+                written.append((position, argument.name))
+        known = _WRITTEN[func] = None if written is None else tuple(written)
+    return known
+
+
+_WRITTEN: dict[Any, Any] = {}
+
+
+def _identities(tensor: torch.Tensor) -> frozenset[Any]:
+    """What a write into ``tensor`` reaches: the tensor, its storage, and its view's base."""
+    found = [("tensor", id(tensor)), tensor.untyped_storage()._cdata]
+    if tensor._is_view():
+        base = tensor._base
+        found += [("tensor", id(base)), base.untyped_storage()._cdata]
+    return frozenset(found)
+
+
+_IMPURE: dict[Any, bool] = {}
 
 
 def _memoisable_view(func: Any) -> bool:
@@ -147,8 +196,19 @@ class OpMemo(TorchDispatchMode):
         self.results: dict[Any, tuple | None] = {}
         self.hits = 0
         self.misses = 0
+        # Ops that may write, draw, read data or do what the memo cannot see: the module-call
+        # memo refuses a call whose run counted any (planning/call_memo.py).
+        self.impure_ops = 0
+        # What mutating ops wrote into, in order (the call memo reads the tail of a run): the
+        # identities of each tensor (:func:`_identities`), not the tensor, which may be freed.
+        self.written: list[frozenset[Any]] = []
         self._attributes: dict[str, Any] | None = None  # a new FakeTensor's, once checked
         self._attributes = _checked_attributes(self, fake_mode)
+        # A new FakeTensor's attributes but its device: what a fresh result carries.
+        self.fake_attributes = (
+            None if self._attributes is None else dict(self._attributes, _fake_device=None)
+        )
+        self.calls = CallMemo(self)
 
     def new_fake(self, elem: torch.Tensor, device: torch.device) -> FakeTensor:
         """``FakeTensor(self.fake_mode, elem, device)`` for a meta ``elem``, made quickly.
@@ -230,10 +290,24 @@ class OpMemo(TorchDispatchMode):
         if func in _VIEWS_IN_DISGUISE or _memoisable_view(func):
             return self._view(func, args, kwargs)
         if not _memoisable(func):
+            if _impure(func):
+                self.impure_ops += 1
+            elif func._schema.is_mutable:
+                self._note_writes(func, args, kwargs)
             return func(*args, **kwargs)
         return self._lookup(
             func, args, kwargs, lambda out: self._entry(out, args, kwargs), self._replay
         )
+
+    def _note_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Add the tensors a mutating op writes to :attr:`written` (the call memo checks that
+        a run wrote none of its inputs, parameters or buffers)."""
+        for position, name in _written_arguments(func):
+            tensor = args[position] if position < len(args) else kwargs.get(name)
+            if isinstance(tensor, torch.Tensor):
+                self.written.append(_identities(tensor))
+            else:
+                self.impure_ops += 1
 
     def _lookup(self, func: Any, args: tuple, kwargs: dict, record: Any, replay: Any) -> Any:
         """Answer ``func(*args, **kwargs)`` from the memo, or run it and ``record`` the result.

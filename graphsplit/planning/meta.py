@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
+from graphsplit.planning import call_memo
 from graphsplit.planning.memo import OpMemo
 from graphsplit.planning.python_builtins import python_builtins_restored
 from graphsplit.planning.state import is_helper_object, restore_attributes
@@ -144,6 +145,28 @@ def _fake_mode_and_memo() -> tuple[FakeTensorMode, OpMemo]:
         return _FAKE_MODES[-1]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     return mode, OpMemo(mode)
+
+
+def module_called(module: nn.Module, run: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
+    """``run()``, which calls ``module(*args, **kwargs)`` on meta, or the analysis's memoised
+    answer (:mod:`graphsplit.planning.call_memo`); outside an analysis, ``run()``."""
+    if not _FAKE_MODES:
+        return run()
+    return call_memo.call(_FAKE_MODES[-1][1].calls, module, run, args, kwargs)
+
+
+def node_run(
+    head: Any,
+    module: nn.Module | None,
+    record: bool,
+    run: Callable[[], tuple[Any, Any]],
+    arguments: tuple,
+) -> tuple[Any, Any]:
+    """``run()`` of one node on meta or the analysis's memoised answer
+    (:func:`graphsplit.planning.call_memo.node_run`); outside an analysis, ``run()``."""
+    if not _FAKE_MODES:
+        return run()
+    return call_memo.node_run(_FAKE_MODES[-1][1].calls, head, module, record, run, arguments)
 
 
 @contextlib.contextmanager

@@ -209,6 +209,19 @@ def wrapped_like(wrapper: FunctionType, original: Any) -> FunctionType:
 _WRAPPER_ASSIGNMENTS = functools.WRAPPER_ASSIGNMENTS
 
 
+def is_recording_wrapper(function: FunctionType) -> bool:
+    """Whether ``function`` is the tracer's wrapper of a leaf's method (:func:`_recording`):
+    while a node's meta value is computed it only calls the method it wraps."""
+    return function.__code__ is _RECORDING_CODE
+
+
+def _any_method() -> None:
+    pass
+
+
+_RECORDING_CODE = _recording(None, "", "", _any_method, inline=False).__code__
+
+
 # -- torch calls the tracer would otherwise run for real -----------------------------------------
 # Every torch function that draws random numbers. fx records them when an argument is traced;
 # without one (torch.randint(0, 1000, (1,)), torch.normal(..., device="cpu")) they would run

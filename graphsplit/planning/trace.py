@@ -49,6 +49,7 @@ from graphsplit.planning.checkpoint import CHECKPOINT, CheckpointRegion
 from graphsplit.planning.guards import GUARDS
 from graphsplit.planning.inplace import functionalize_inplace
 from graphsplit.planning.interpret import TracingInterpreter
+from graphsplit.planning.meta import module_called
 from graphsplit.planning.patches import (
     checkpoints_recorded,
     einops_calls_recorded,
@@ -249,8 +250,8 @@ class _Tracer(fx.Tracer):
         return node
 
     def call_module(self, module, forward, args, kwargs):
-        if self.computing_meta:
-            return forward(*args, **kwargs)
+        if self.computing_meta:  # a module inside a node's meta run (or a real run)
+            return module_called(module, lambda: forward(*args, **kwargs), args, kwargs)
         if self.submodule_paths is not None and module not in self.submodule_paths:
             return self._call_foreign_module(module, forward, args, kwargs)
         return super().call_module(module, forward, args, kwargs)

@@ -36,10 +36,20 @@ _PACKAGE_DIRS = tuple(
 
 
 def is_internal(filename: str) -> bool:
-    """True for frames of torch, of graphsplit itself, or of Python's standard library."""
-    if filename.startswith((_GRAPHSPLIT_DIR, _TORCH_DIR)) or filename.startswith("<"):
-        return True
-    return filename.startswith(_STDLIB_DIRS) and not filename.startswith(_PACKAGE_DIRS)
+    """True for frames of torch, of graphsplit itself, or of Python's standard library.
+
+    Asked for every frame between a traced op and the user's line, for every node: the
+    answer depends on the file name only, so it is kept per name.
+    """
+    known = _INTERNAL.get(filename)
+    if known is None:
+        known = _INTERNAL[filename] = filename.startswith((_GRAPHSPLIT_DIR, _TORCH_DIR, "<")) or (
+            filename.startswith(_STDLIB_DIRS) and not filename.startswith(_PACKAGE_DIRS)
+        )
+    return known
+
+
+_INTERNAL: dict[str, bool] = {}
 
 
 def user_frame() -> FrameType | None:
@@ -59,15 +69,28 @@ def frame_location(frame: FrameType | None) -> tuple[str, str]:
 
 def frame_location_of(filename: str, line: int) -> tuple[str, str]:
     """As :func:`frame_location`, for a file name and line number."""
-    original = filename
-    try:
-        relative = os.path.relpath(filename)
-        if not relative.startswith(".."):
-            filename = relative
-    except ValueError:  # another drive on Windows
-        pass
-    code = linecache.getline(original, line).strip()
-    return f"{filename}:{line}", code
+    code = linecache.getline(filename, line).strip()
+    return f"{_shown_path(filename)}:{line}", code
+
+
+def _shown_path(filename: str) -> str:
+    """``filename`` relative to the cwd when inside it (``os.path.relpath`` per node cost a
+    tenth of a chain's trace: it is kept per cwd and name)."""
+    key = (os.getcwd(), filename)
+    shown = _SHOWN.get(key)
+    if shown is None:
+        shown = filename
+        try:
+            relative = os.path.relpath(filename)
+            if not relative.startswith(".."):
+                shown = relative
+        except ValueError:  # another drive on Windows
+            pass
+        _SHOWN[key] = shown
+    return shown
+
+
+_SHOWN: dict[tuple[str, str], str] = {}
 
 
 def current_location() -> tuple[str, str]:
