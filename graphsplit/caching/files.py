@@ -12,7 +12,10 @@ Glossary:
         they are written, each 1 MiB right after the write that read it, so nothing is read
         back.
     durable: fsync'd, file and folder, so it survives a power cut. Every file is fsync'd before
-        anything relies on it; the folder once before the manifest names its files.
+        anything relies on it; the folder once before the manifest names its files. Writes
+        with ``durable=False`` skip the fsyncs and are still atomic: a reader (or a process
+        killed meanwhile) sees the old file or the whole new one, until the machine restarts
+        (see :mod:`graphsplit.caching.durability`).
     regular: a plain file, not a symlink, FIFO, device or folder. Readers check with ``lstat``
         and open with ``O_NOFOLLOW | O_NONBLOCK``, so a planted FIFO cannot hang them and a
         symlink cannot lead them out of the folder (:class:`UnsafeFileError` otherwise).
@@ -23,13 +26,15 @@ In and out::
 
     write_atomically(path, data, *, durable=True)     # atomic, no room -> DiskFullError
     save_tensors(tensors, path, metadata) -> checksum # safetensors, to path's temporary file
-    commit_file(temporary, path, *, checksum=None) -> (bytes, checksum)   # None: read the file
+    commit_file(temporary, path, *, checksum=None, durable=True) -> (bytes, checksum)
+                                                      # checksum None: read the file
     read_regular(path, *, limit) -> bytes             # UnsafeFileError, FileNotFoundError
     regular_size(path) -> int | None                  # None: missing; UnsafeFileError
     pinned(path) -> name                              # for libraries that open by name
     pinned_map(path) -> (name, mmap)                  # the same, and a private memory map
     checksum_file(path, algorithm="xxh3") -> str      file_matches(path, *, size, checksum)
     real_folder(path, *, create) -> bool              # no symlinked folders either
+    fsync_file(path)    fsync_folder(folder)          # no-ops on an object store
     free_bytes(folder) -> int | None    no_room(folder, name, needed)   # -> DiskFullError
     exists(path)    list_files(folder) -> names    remove(path)
 
@@ -75,6 +80,7 @@ __all__ = [
     "exists",
     "file_matches",
     "free_bytes",
+    "fsync_file",
     "fsync_folder",
     "is_regular",
     "list_files",
@@ -212,13 +218,15 @@ def _groups(pieces: list[memoryview], limit: int) -> Iterator[list[memoryview]]:
         yield group
 
 
-def commit_file(temporary: Path, path: Path, *, checksum: str | None = None) -> tuple[int, str]:
-    """Fsync a finished temporary file, then rename it into place.
+def commit_file(
+    temporary: Path, path: Path, *, checksum: str | None = None, durable: bool = True
+) -> tuple[int, str]:
+    """Fsync a finished temporary file (unless ``durable=False``), then rename it into place.
 
     ``checksum`` is the one :func:`save_tensors` computed while writing; without it the file
     is read back. The folder is fsync'd once, before the manifest is written: until
     then a rename lost to a power cut only means the shard is redone on resume. For a remote
-    ``path`` the (local) temporary file is uploaded whole, then deleted.
+    ``path`` the (local) temporary file is uploaded whole, then deleted (durable either way).
 
     Returns:
         The file's size in bytes and its checksum.
@@ -231,12 +239,24 @@ def commit_file(temporary: Path, path: Path, *, checksum: str | None = None) -> 
             with _removed_on_error(temporary):
                 if checksum is None:
                     checksum = _checksum_descriptor(descriptor, ALGORITHM)
-                os.fsync(descriptor)
+                if durable:
+                    os.fsync(descriptor)
                 size = os.fstat(descriptor).st_size
         finally:
             os.close(descriptor)
         os.replace(temporary, path)
     return size, checksum
+
+
+@or_remote(nothing)
+def fsync_file(path: Path) -> None:
+    """Make a committed file's bytes durable (one written with ``durable=False``, reused by a
+    durable run); cheap when they are on the disk already."""
+    descriptor = _open_regular(path)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 @or_remote(nothing)
