@@ -33,7 +33,7 @@ In and out::
     pinned(path) -> name                              # for libraries that open by name
     pinned_map(path) -> (name, mmap)                  # the same, and a private memory map
     checksum_file(path, algorithm="xxh3") -> str      file_matches(path, *, size, checksum)
-    real_folder(path, *, create) -> bool              # no symlinked folders either
+    real_folder(path, *, create, durable=True) -> bool    # no symlinked folders either
     fsync_file(path)    fsync_folder(folder)          # no-ops on an object store
     free_bytes(folder) -> int | None    no_room(folder, name, needed)   # -> DiskFullError
     exists(path)    list_files(folder) -> names    remove(path)
@@ -312,14 +312,16 @@ def _create_exclusively(path: Path) -> int:
     return os.open(path, flags, FILE_MODE)
 
 
-def rewrite_descriptor(path: Path, descriptor: int, data: bytes) -> None:
-    """Replace the content of the open file ``path`` with ``data``, durably (the lock file,
-    which is rewritten in place because the lock is on its inode)."""
+def rewrite_descriptor(path: Path, descriptor: int, data: bytes, *, durable: bool = True) -> None:
+    """Replace the content of the open file ``path`` with ``data``, durably unless
+    ``durable=False`` (the lock file, which is rewritten in place because the lock is on its
+    inode)."""
     with no_room(path.parent, path.name, len(data)):
         os.ftruncate(descriptor, 0)
         os.lseek(descriptor, 0, os.SEEK_SET)
         _write_all(descriptor, data)
-        os.fsync(descriptor)
+        if durable:
+            os.fsync(descriptor)
 
 
 def is_regular(descriptor: int) -> bool:
@@ -374,9 +376,10 @@ def remove_temporary_files(*folders: Path) -> None:
                     entry.unlink(missing_ok=True)
 
 
-def real_folder(path: Path, *, create: bool) -> bool:
-    """Whether ``path`` is a folder and not a symlink to one (created first if ``create``);
-    on an object store, where folders are prefixes, whether anything lies under it.
+def real_folder(path: Path, *, create: bool, durable: bool = True) -> bool:
+    """Whether ``path`` is a folder and not a symlink to one (created first if ``create``,
+    its name fsync'd unless ``durable=False``); on an object store, where folders are
+    prefixes, whether anything lies under it.
 
     Raises:
         UnsafeFileError: ``path`` is a symlink or another kind of file.
@@ -386,7 +389,8 @@ def real_folder(path: Path, *, create: bool) -> bool:
     if create:
         with contextlib.suppress(FileExistsError):
             os.mkdir(path)
-            fsync_folder(path.parent)  # the new folder's name survives a power cut too
+            if durable:
+                fsync_folder(path.parent)  # the new folder's name survives a power cut too
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:

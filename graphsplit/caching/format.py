@@ -267,7 +267,7 @@ def write_resume_header(folder: Path, header: CacheHeader, *, durable: bool = Tr
     """Record the header a run starts with, in ``.partial/header.json`` (fsync'd unless
     ``durable=False``: a header a power cut damaged is read as torn, and resuming then
     keeps only the shards that verify)."""
-    real_folder(folder / PARTIAL_DIR, create=True)
+    real_folder(folder / PARTIAL_DIR, create=True, durable=durable)
     document = {"format": FORMAT, "format_version": FORMAT_VERSION, **to_json(header)}
     data = json.dumps(document, indent=2).encode()
     write_atomically(folder / PARTIAL_DIR / RESUME_HEADER_FILE, data, durable=durable)

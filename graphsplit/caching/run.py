@@ -208,7 +208,7 @@ def cache(
     if isinstance(folder, RemotePath):
         lock: FolderLock | RemoteLock = RemoteLock(folder / LOCK_FILE)
     else:
-        lock = FolderLock(folder / LOCK_FILE)
+        lock = FolderLock(folder / LOCK_FILE, durable=durable)
 
     def locked_decision() -> Decision:
         _make_folder(folder)
