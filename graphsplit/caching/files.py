@@ -9,7 +9,7 @@ Glossary:
     commit: fsync a finished temporary file, then rename it over its final name, so a reader
         sees the old file or the whole new one, never a part. The checksum of a file graphsplit
         wrote (:mod:`graphsplit.caching.checksums`) is computed from the bytes in memory as
-        they are written, each 1 MiB right after the write that read it, so nothing is read
+        they are written, each piece right after the write that read it, so nothing is read
         back.
     durable: fsync'd, file and folder, so it survives a power cut. Every file is fsync'd before
         anything relies on it; the folder once before the manifest names its files. Writes
@@ -162,9 +162,9 @@ def save_tensors(
 
     graphsplit writes the format itself (:mod:`graphsplit.caching.tensor_file`), straight from
     the tensors' memory: no copy, the same write path and errors as every other file, and the
-    same bytes on every run, process and safetensors version. The bytes are written 1 MiB at
-    a time (see ``_WRITTEN_TOGETHER``), each hashed from memory right after the write that
-    read it, on the same thread: the file is never read back to be hashed. For a remote
+    same bytes on every run, process and safetensors version. Each piece is written by a
+    system call of its own (see ``_writes``) and hashed from memory right after the write
+    that read it, on the same thread: the file is never read back to be hashed. For a remote
     ``path`` the temporary file is a local staging file, uploaded by the commit.
 
     Returns:
@@ -180,7 +180,7 @@ def save_tensors(
         descriptor = _create_exclusively(temporary)
         try:
             with _removed_on_error(temporary):
-                for group in _groups(pieces, _WRITTEN_TOGETHER):
+                for group in _writes(pieces):
                     _write_all(descriptor, group)
                     for piece in group:
                         digest.update(piece)
@@ -189,31 +189,40 @@ def save_tensors(
     return digest.checksum()
 
 
-# Bytes written by one system call, then hashed while they are still in the CPU's caches.
-# Not more: writes of 2 MiB or more let the page cache allocate large folios, which in this VM
-# (Linux 6.18) cost 3-9x the CPU time at times: 1 GiB in 16 MiB writes took 1.0-3.1 s of CPU,
-# in 1 MiB writes 0.32-0.37 s (three alternations, each write followed by fsync; 256 KiB and
-# 1 MiB writes cost the same, 2 MiB and more had outliers of 3 s). What it gives up: reads
-# of a cache still in the page cache since it was written walk smaller folios (bench_cache_io
-# at 1 GiB: 1.02 instead of 1.32 of raw safe_open's CPU time). A cache read from disk comes
-# through readahead whatever the writes were, while the write cost is paid every time.
-_WRITTEN_TOGETHER = 1 << 20
+# How the bytes reach the page cache decides what writing them costs in the kernel. Writes of
+# 1 MiB at 1 MiB-aligned offsets (how graphsplit grouped its writes before) let the page
+# cache allocate large folios, and in a VM that hands free memory back to its host (Linux
+# 6.18, free page reporting of 2 MiB blocks) those cost several times the system time: 1 GiB
+# of bench_cache_io rows (64 and 236 KB) took 1.1-2.1 s of system time in 1 MiB groups and
+# 0.33-0.37 s written one row per call (five alternations each after a save_file), as
+# save_file writes them (0.2-0.7 s). Rows of 4 MiB, cut at 256 KiB: 0.28-0.92 s against
+# 0.34-1.72 s (four alternations). So each large piece of the file (a tensor's or a row's
+# memory) is written by calls of its own, cut at _WRITTEN_AT_ONCE; only runs of small pieces
+# (under _GATHERED: the header, tiny rows) share one writev, so that tiny rows do not cost a
+# system call each. Each write's bytes are hashed right after it, still in the CPU's caches.
+_WRITTEN_AT_ONCE = 256 << 10
+_GATHERED = 64 << 10
 
 
-def _groups(pieces: list[memoryview], limit: int) -> Iterator[list[memoryview]]:
-    """``pieces`` in consecutive runs of at most ``limit`` bytes (a larger piece cut up)."""
+def _writes(pieces: list[memoryview]) -> Iterator[list[memoryview]]:
+    """The pieces of a file in the order they are written, one list per system call: a
+    piece of at least ``_GATHERED`` bytes alone (cut at ``_WRITTEN_AT_ONCE``), smaller ones
+    gathered while the call stays under ``_GATHERED`` bytes."""
     group: list[memoryview] = []
     size = 0
     for piece in pieces:
-        start = 0
-        while start < len(piece):
-            part = piece[start : start + limit - size]
-            group.append(part)
-            size += len(part)
-            start += len(part)
-            if size == limit:
+        if len(piece) >= _GATHERED:
+            if group:
                 yield group
                 group, size = [], 0
+            for start in range(0, len(piece), _WRITTEN_AT_ONCE):
+                yield [piece[start : start + _WRITTEN_AT_ONCE]]
+            continue
+        if group and size + len(piece) > _GATHERED:
+            yield group
+            group, size = [], 0
+        group.append(piece)
+        size += len(piece)
     if group:
         yield group
 
