@@ -190,16 +190,17 @@ def save_tensors(
 
 
 # How the bytes reach the page cache decides what writing them costs in the kernel. Writes of
-# 1 MiB at 1 MiB-aligned offsets (how graphsplit grouped its writes before) let the page
-# cache allocate large folios, and in a VM that hands free memory back to its host (Linux
-# 6.18, free page reporting of 2 MiB blocks) those cost several times the system time: 1 GiB
-# of bench_cache_io rows (64 and 236 KB) took 1.1-2.1 s of system time in 1 MiB groups and
-# 0.33-0.37 s written one row per call (five alternations each after a save_file), as
-# save_file writes them (0.2-0.7 s). Rows of 4 MiB, cut at 256 KiB: 0.28-0.92 s against
-# 0.34-1.72 s (four alternations). So each large piece of the file (a tensor's or a row's
-# memory) is written by calls of its own, cut at _WRITTEN_AT_ONCE; only runs of small pieces
-# (under _GATHERED: the header, tiny rows) share one writev, so that tiny rows do not cost a
-# system call each. Each write's bytes are hashed right after it, still in the CPU's caches.
+# 1 MiB at 1 MiB-aligned offsets (how graphsplit grouped its writes before) cost several
+# times the system time in a VM that hands free memory back to its host (Linux 6.18, free
+# page reporting of 2 MiB blocks), presumably because they let the page cache allocate large
+# folios from memory the host has taken back: 1 GiB of bench_cache_io rows (64 and 236 KB)
+# took 1.1-2.1 s of system time in 1 MiB groups and 0.33-0.37 s written one row per call
+# (five alternations, each after a save_file), as save_file writes them (0.2-1.0 s). Rows
+# of 4 MiB, cut at 256 KiB: 0.28-0.92 s against 0.34-1.72 s (four alternations). So each
+# large piece of the file (a tensor's or a row's memory) is written by calls of its own, cut
+# at _WRITTEN_AT_ONCE; only runs of small pieces (under _GATHERED: the header, tiny rows)
+# share one writev, so that tiny rows do not cost a system call each. Each write's bytes are
+# hashed right after it, while they are still in the CPU's caches.
 _WRITTEN_AT_ONCE = 256 << 10
 _GATHERED = 64 << 10
 
