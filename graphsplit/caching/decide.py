@@ -11,7 +11,7 @@ Glossary:
         overwriting deletes those and nothing else in the folder.
     restarted: a complete cache written with ``durable=False`` in another boot (see
         :mod:`graphsplit.caching.durability`): it is kept only once every file's checksum
-        matches, and then recorded as durable (they were read back from the disk).
+        matches; then its files are fsync'd and it is recorded as durable.
 
 In and out::
 
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from graphsplit.caching import files
-from graphsplit.caching.durability import boot_known, restarted_since
+from graphsplit.caching.durability import restarted_since
 from graphsplit.caching.fingerprint import (
     BINDING_PARTS,
     Fingerprint,
@@ -360,8 +360,10 @@ def _check_files_present(folder: Path, manifest: Manifest) -> None:
 
 def _verified_after_restart(folder: Path, manifest: Manifest) -> Manifest:
     """``manifest`` of a cache written without fsyncs before the machine restarted, once each
-    of its files matches its checksum: recorded as durable where the boot is known (the
-    bytes just hashed came from the disk, the page cache having been emptied by the restart).
+    of its files matches its checksum; then the files and the folder are fsync'd and the
+    manifest rewritten without ``unsynced``, durably. After a restart the bytes just hashed
+    came from the disk and the fsyncs cost little; they make the record true even where they
+    did not (a folder copied in since, or a system without a boot id).
 
     Raises:
         CorruptCacheError: a file's checksum differs (a power cut lost what it held).
@@ -382,8 +384,9 @@ def _verified_after_restart(folder: Path, manifest: Manifest) -> Manifest:
             "that survives a power cut)",
             remedy=Remedy.OVERWRITE,
         )
-    if not manifest.unsynced or not manifest.unsynced.boot_id or not boot_known():
-        return manifest  # no boot id: the bytes may still be in this boot's page cache
+    for record in records:
+        files.fsync_file(folder / record.file)
+    files.fsync_folder(folder)
     durable = dataclasses.replace(manifest, unsynced=None)
     write_manifest(folder, durable)
     return durable

@@ -16,12 +16,11 @@ Glossary:
     restarted: the boot id now differs from the one an unsynced cache recorded. Reading then
         verifies every file's checksum (``CachedDataset`` as with ``verify=True``;
         ``check_cache`` always does), and ``cache()`` verifies them all before it keeps the
-        cache; once they match, the bytes were read back from the disk, so they are on it.
+        cache; once they match, it fsyncs them and records the cache as durable.
 
 In and out::
 
     boot_id() -> str                                  # "" when unknown
-    boot_known() -> bool
     unsynced_record(folder, *, durable) -> Unsynced | None    # what the manifest records
     restarted_since(manifest) -> bool                 # its files need their checksums checked
 """
@@ -34,7 +33,7 @@ from pathlib import Path
 from graphsplit.caching.format import BOOT_ID, Manifest, Unsynced
 from graphsplit.caching.remote import RemotePath
 
-__all__ = ["BOOT_ID_FILE", "boot_id", "boot_known", "restarted_since", "unsynced_record"]
+__all__ = ["BOOT_ID_FILE", "boot_id", "restarted_since", "unsynced_record"]
 
 BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
 
@@ -47,11 +46,6 @@ def boot_id() -> str:
     except (OSError, UnicodeDecodeError):
         return ""
     return text if BOOT_ID.fullmatch(text) else ""
-
-
-def boot_known() -> bool:
-    """Whether this system has a boot id (so a restart can be told from the same boot)."""
-    return bool(boot_id())
 
 
 def unsynced_record(folder: Path | RemotePath, *, durable: bool) -> Unsynced | None:

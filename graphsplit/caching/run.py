@@ -161,9 +161,8 @@ def cache(
             (the disk writes them later): resuming after ``kill -9`` still works, but after
             the machine restarts ``CachedDataset`` verifies every shard on first use (as with
             ``verify=True``) and a damaged one raises ``CorruptCacheError``; calling ``cache``
-            again verifies them all once and, if they match, records the cache as durable
-            (they were read back from the disk). A cache on an object store is durable
-            either way (a put is).
+            again verifies them all once and, if they match, fsyncs them and records the
+            cache as durable. A cache on an object store is durable either way (a put is).
 
     Returns:
         A :class:`CacheInfo` describing the folder.

@@ -101,8 +101,7 @@ def test_the_manifest_records_the_boot_of_an_unsynced_cache_only(tmp_path, unsyn
 def test_the_boot_id_is_linuxs(tmp_path):
     if not durability.BOOT_ID_FILE.exists():
         pytest.skip("no boot id on this system")
-    assert durability.boot_id() == durability.BOOT_ID_FILE.read_text().strip()
-    assert durability.boot_known()
+    assert durability.boot_id() == durability.BOOT_ID_FILE.read_text().strip() != ""
 
 
 def test_a_cache_on_an_object_store_is_never_recorded_as_unsynced():
@@ -214,8 +213,8 @@ def test_an_unknown_boot_always_counts_as_a_restart(tmp_path, monkeypatch):
     assert manifest_document(folder)["unsynced"] == {"boot_id": ""}
     assert durability.restarted_since(read_manifest(folder))
     assert CachedDataset(folder, verify=False).verify
-    write(folder, durable=False)  # verified, but kept unsynced: the bytes may not be on disk
-    assert manifest_document(folder)["unsynced"] == {"boot_id": ""}
+    write(folder, durable=False)  # verified, fsync'd, and recorded as durable
+    assert "unsynced" not in manifest_document(folder)
 
 
 # ------------------------------------------------------------- cache() again after a restart
@@ -228,6 +227,8 @@ def test_cache_again_after_a_restart_verifies_and_records_the_cache_as_durable(
     info = write(unsynced, durable=False)
     assert info is not None
     assert cache_contents(unsynced) == cache_contents(durable)  # no "unsynced" any more
+    shards = {str(unsynced / f"shard-0000{i}.safetensors") for i in range(6)}
+    assert shards | {str(unsynced / "constants.safetensors"), str(unsynced)} <= set(fsyncs)
     assert any(path.endswith("/.manifest.json.tmp") for path in fsyncs)  # written durably
     assert not durability.restarted_since(read_manifest(unsynced))
 
