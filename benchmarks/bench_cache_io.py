@@ -6,8 +6,9 @@ rows up, against ``safetensors.torch.save_file`` writing the same rows into the 
 once bare (the bytes stay in the page cache), once with an ``fsync`` of each file before the
 next is written (durable, as graphsplit's shards are) and once with each file's ``fsync``
 overlapping the writing of the next (durable, the way graphsplit writes). The last, against
-bare ``save_file``, says how close to bare a durable writer can come on this disk. On caches
-larger than the page cache the baselines converge.
+bare ``save_file``, says how close to bare a durable writer can come on this disk. Like for
+like, ``cache(..., durable=False)`` (no fsync, the same files) against bare ``save_file``.
+On caches larger than the page cache the baselines converge.
 Reading: one shuffled epoch of ``CachedDataset`` items against raw ``safe_open(...).get_tensor``
 reads of the same rows, handles already open, every byte touched; with ``verify=False`` (or
 after the first epoch) and with the first-epoch checksums. Before each write (untimed) the rows
@@ -195,6 +196,7 @@ def _fresh(folder: Path) -> Path:
 # read, in both orders of a round (see benchmarks.common.interleaved).
 VARIANTS = (
     "write_save_file",
+    "write_graphsplit_non_durable",
     "write_graphsplit",
     "write_save_file_fsync",
     "write_save_file_fsync_overlapped",
@@ -204,6 +206,7 @@ VARIANTS = (
 )
 # (name, faster-is-this baseline, graphsplit's variant): ratio = baseline / graphsplit seconds.
 RATIOS = {
+    "write_ratio_non_durable": ("write_save_file", "write_graphsplit_non_durable"),
     "write_ratio": ("write_save_file", "write_graphsplit"),
     "write_ratio_vs_fsync": ("write_save_file_fsync", "write_graphsplit"),
     "write_ratio_vs_overlapped_fsync": ("write_save_file_fsync_overlapped", "write_graphsplit"),
@@ -234,6 +237,14 @@ def measure(
         variants = {
             "write_graphsplit": lambda: cache(
                 split, batches, _fresh(root / "w"), shard_bytes=shard_bytes, progress=False
+            ),
+            "write_graphsplit_non_durable": lambda: cache(
+                split,
+                batches,
+                _fresh(root / "w"),
+                shard_bytes=shard_bytes,
+                progress=False,
+                durable=False,
             ),
             "write_save_file": lambda: _write_raw(shards, _fresh(root / "w"), fsync="none"),
             "write_save_file_fsync": lambda: _write_raw(shards, _fresh(root / "w"), fsync="after"),
@@ -303,6 +314,8 @@ def to_markdown(result: dict[str, Any], threads: int) -> str:
 def _table(result: dict[str, Any], threads: int) -> str:
     mb, wall, cpu = result["throughput_mb_s"], result["wall"], result["cpu"]
     lines = [
+        ("write, durable=False (vs save_file)", "write_graphsplit_non_durable", "write_save_file",
+         "write_ratio_non_durable"),
         ("write (vs save_file)", "write_graphsplit", "write_save_file", "write_ratio"),
         ("write (vs save_file + fsync)", "write_graphsplit", "write_save_file_fsync",
          "write_ratio_vs_fsync"),

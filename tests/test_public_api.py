@@ -54,7 +54,7 @@ SIGNATURES["cache"] = (
     "(split: 'Split', dataloader: 'Any', path: 'str | os.PathLike[str]', *, "
     "accelerator: 'Any' = None, shard_bytes: 'int' = 268435456, "
     "storage_dtype: 'torch.dtype | None' = None, overwrite: 'bool' = False, "
-    "progress: 'bool | None' = None) -> 'CacheInfo'"
+    "progress: 'bool | None' = None, durable: 'bool' = True) -> 'CacheInfo'"
 )
 
 SPLIT_METHODS = {

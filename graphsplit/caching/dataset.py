@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphsplit.caching.check import file_problem, open_problem, open_shard, some_keys
+from graphsplit.caching.durability import restarted_since
 from graphsplit.caching.fingerprint import (
     BINDING_PARTS,
     UNKNOWN_WEIGHTS,
@@ -112,6 +113,9 @@ class CachedDataset(torch.utils.data.Dataset):
             only), so a truncated or swapped shard is refused; changed bytes inside a tensor
             are found only by the checksum (or :func:`graphsplit.check_cache`). On an object
             store without ``local_cache`` the checksum streams each shard once per process.
+            A cache written with ``cache(..., durable=False)`` is verified regardless once
+            the machine that wrote it has restarted (a power cut may have lost its bytes);
+            running ``cache`` again verifies it once and records it as durable.
         local_cache: for a remote cache, a local folder to keep verified copies of its shards
             in (:mod:`graphsplit.caching.read_through`), downloaded on first use and then
             memory-mapped: the fast way to train from a bucket. Ignored for a local cache.
@@ -147,7 +151,8 @@ class CachedDataset(torch.utils.data.Dataset):
         self._copies: LocalCopies | None = None
         if local_cache is not None and isinstance(self.path, RemotePath):
             self._copies = LocalCopies(local_cache, self.path)
-        self.verify = verify
+        # Unsynced and written before a restart: no file is trusted before its checksum.
+        self.verify = verify or restarted_since(self.manifest)
         header = self.manifest.header
         self.boundary = {spec.name: spec for spec in header.boundary}
         self.keys: list[str] = [key for shard in self.manifest.shards for key in shard.keys]
@@ -281,11 +286,20 @@ class CachedDataset(torch.utils.data.Dataset):
     def _corrupt_error(self, shard: int, problem: str) -> CorruptCacheError:
         record = self.manifest.shards[shard]
         return CorruptCacheError(
-            f"shard {record.file} of the cache at {self.path} is damaged: {problem}. It holds "
-            f"{len(record.keys)} samples: {some_keys(record.keys)}; the other shards still read.\n"
+            f"shard {record.file} of the cache at {self.path} is damaged: {problem}"
+            f"{self._restart_cause()}. It holds {len(record.keys)} samples: "
+            f"{some_keys(record.keys)}; the other shards still read.\n"
             "  fix: run graphsplit.check_cache(path) to list every damaged shard, then rebuild "
             "the cache (run cache again with {remedy})",
             remedy=Remedy.OVERWRITE,
+        )
+
+    def _restart_cause(self) -> str:
+        if not restarted_since(self.manifest):
+            return ""
+        return (
+            " (the cache was written with durable=False, without fsync, and the machine has "
+            "restarted since: the restart lost bytes not yet on the disk)"
         )
 
     def _load_constants(self) -> dict[str, torch.Tensor]:
@@ -315,8 +329,9 @@ class CachedDataset(torch.utils.data.Dataset):
                 problem = f"it cannot be read ({error})"
         if problem is not None:
             raise CorruptCacheError(
-                f"{CONSTANTS_FILE} of the cache at {self.path} is damaged: {problem}; every "
-                "batch needs it.\n  fix: rebuild the cache (run cache again with {remedy})",
+                f"{CONSTANTS_FILE} of the cache at {self.path} is damaged: {problem}"
+                f"{self._restart_cause()}; every batch needs it.\n"
+                "  fix: rebuild the cache (run cache again with {remedy})",
                 remedy=Remedy.OVERWRITE,
             )
         return constants

@@ -9,10 +9,13 @@ Glossary:
         ``overwrite``. Other library versions only warn.
     graphsplit's files: the manifest, shards, constants, temporary files and ``.partial/``;
         overwriting deletes those and nothing else in the folder.
+    restarted: a complete cache written with ``durable=False`` in another boot (see
+        :mod:`graphsplit.caching.durability`): it is kept only once every file's checksum
+        matches; then its files are fsync'd and it is recorded as durable.
 
 In and out::
 
-    decide(folder, split, source, current, *, storage_dtype, shard_bytes, overwrite)
+    decide(folder, split, source, current, *, storage_dtype, shard_bytes, overwrite, durable)
         -> Decision(header, finished={shard: ShardProgress}, complete=Manifest | None)
     remove_progress(folder)        # .partial/, once the manifest is written
 """
@@ -20,6 +23,7 @@ In and out::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import warnings
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from graphsplit.caching import files
+from graphsplit.caching.durability import restarted_since
 from graphsplit.caching.fingerprint import (
     BINDING_PARTS,
     Fingerprint,
@@ -51,6 +56,7 @@ from graphsplit.caching.format import (
     read_manifest,
     read_resume_header,
     read_shard_progress,
+    write_manifest,
     write_resume_header,
 )
 from graphsplit.caching.samples import SampleChanges, loader_samples, merge, record_samples
@@ -88,12 +94,15 @@ def decide(
     storage_dtype: str | None,
     shard_bytes: int,
     overwrite: bool,
+    durable: bool = True,
 ) -> Decision:
-    """Decide what to do with ``folder``; record the header of a run that writes anything.
+    """Decide what to do with ``folder``; record the header of a run that writes anything
+    (fsync'd unless ``durable=False``).
 
     Raises:
         StaleCacheError: the folder holds another cache (complete or not) and ``overwrite`` is
-            false; CacheError: the disk lacks room, or the loader yields nothing.
+            false; CorruptCacheError: a complete cache's file is missing, or (restarted) its
+            checksum differs; CacheError: the disk lacks room, or the loader yields nothing.
     """
     files.remove_temporary_files(folder, folder / PARTIAL_DIR)
     if source.num_batches == 0:
@@ -111,7 +120,7 @@ def decide(
     source.check_resumed_order(finished, header.layout.batches_per_shard)
     finished = _same_samples(folder, source, header, finished, overwrite)
     _check_disk_space(folder, header, source, finished)
-    write_resume_header(folder, header)
+    write_resume_header(folder, header, durable=durable)
     return Decision(header=header, finished=finished)
 
 
@@ -147,6 +156,8 @@ def _complete_cache(
             remedy=Remedy.OVERWRITE,
         )
     _check_files_present(folder, manifest)
+    if restarted_since(manifest):
+        manifest = _verified_after_restart(folder, manifest)
     per_shard = manifest.header.layout.batches_per_shard
     now = loader_samples(source, lambda shard: True, per_shard, manifest.header.inputs)
     changes = SampleChanges.between(
@@ -345,6 +356,40 @@ def _check_files_present(folder: Path, manifest: Manifest) -> None:
                 "graphsplit.check_cache(path) for details, or rebuild it with {remedy}",
                 remedy=Remedy.OVERWRITE,
             )
+
+
+def _verified_after_restart(folder: Path, manifest: Manifest) -> Manifest:
+    """``manifest`` of a cache written without fsyncs before the machine restarted, once each
+    of its files matches its checksum; then the files and the folder are fsync'd and the
+    manifest rewritten without ``unsynced``, durably. After a restart the bytes just hashed
+    came from the disk and the fsyncs cost little; they make the record true even where they
+    did not (a folder copied in since, or a system without a boot id).
+
+    Raises:
+        CorruptCacheError: a file's checksum differs (a power cut lost what it held).
+    """
+    records = [*manifest.shards, *([manifest.constants] if manifest.constants else [])]
+
+    def intact(record: Any) -> bool:
+        return files.file_matches(folder / record.file, size=record.bytes, checksum=record.checksum)
+
+    with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:  # hashing releases the GIL
+        damaged = [record.file for record, ok in zip(records, pool.map(intact, records)) if not ok]
+    if damaged:
+        raise CorruptCacheError(
+            f"the cache at {folder} was written with durable=False (without fsync) and the "
+            f"machine has restarted since; {len(damaged)} of its files no longer match their "
+            f"checksums ({', '.join(damaged[:5])}): the restart lost bytes that were not yet "
+            "on the disk.\n  fix: rebuild it with {remedy} (pass durable=True for a cache "
+            "that survives a power cut)",
+            remedy=Remedy.OVERWRITE,
+        )
+    for record in records:
+        files.fsync_file(folder / record.file)
+    files.fsync_folder(folder)
+    durable = dataclasses.replace(manifest, unsynced=None)
+    write_manifest(folder, durable)
+    return durable
 
 
 def _remove_cache_files(folder: Path) -> None:

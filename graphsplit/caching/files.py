@@ -9,10 +9,13 @@ Glossary:
     commit: fsync a finished temporary file, then rename it over its final name, so a reader
         sees the old file or the whole new one, never a part. The checksum of a file graphsplit
         wrote (:mod:`graphsplit.caching.checksums`) is computed from the bytes in memory as
-        they are written, each 1 MiB right after the write that read it, so nothing is read
+        they are written, each piece right after the write that read it, so nothing is read
         back.
     durable: fsync'd, file and folder, so it survives a power cut. Every file is fsync'd before
-        anything relies on it; the folder once before the manifest names its files.
+        anything relies on it; the folder once before the manifest names its files. Writes
+        with ``durable=False`` skip the fsyncs and are still atomic: a reader (or a process
+        killed meanwhile) sees the old file or the whole new one, until the machine restarts
+        (see :mod:`graphsplit.caching.durability`).
     regular: a plain file, not a symlink, FIFO, device or folder. Readers check with ``lstat``
         and open with ``O_NOFOLLOW | O_NONBLOCK``, so a planted FIFO cannot hang them and a
         symlink cannot lead them out of the folder (:class:`UnsafeFileError` otherwise).
@@ -23,13 +26,15 @@ In and out::
 
     write_atomically(path, data, *, durable=True)     # atomic, no room -> DiskFullError
     save_tensors(tensors, path, metadata) -> checksum # safetensors, to path's temporary file
-    commit_file(temporary, path, *, checksum=None) -> (bytes, checksum)   # None: read the file
+    commit_file(temporary, path, *, checksum=None, durable=True) -> (bytes, checksum)
+                                                      # checksum None: read the file
     read_regular(path, *, limit) -> bytes             # UnsafeFileError, FileNotFoundError
     regular_size(path) -> int | None                  # None: missing; UnsafeFileError
     pinned(path) -> name                              # for libraries that open by name
     pinned_map(path) -> (name, mmap)                  # the same, and a private memory map
     checksum_file(path, algorithm="xxh3") -> str      file_matches(path, *, size, checksum)
-    real_folder(path, *, create) -> bool              # no symlinked folders either
+    real_folder(path, *, create, durable=True) -> bool    # no symlinked folders either
+    fsync_file(path)    fsync_folder(folder)          # no-ops on an object store
     free_bytes(folder) -> int | None    no_room(folder, name, needed)   # -> DiskFullError
     exists(path)    list_files(folder) -> names    remove(path)
 
@@ -75,6 +80,7 @@ __all__ = [
     "exists",
     "file_matches",
     "free_bytes",
+    "fsync_file",
     "fsync_folder",
     "is_regular",
     "list_files",
@@ -156,9 +162,9 @@ def save_tensors(
 
     graphsplit writes the format itself (:mod:`graphsplit.caching.tensor_file`), straight from
     the tensors' memory: no copy, the same write path and errors as every other file, and the
-    same bytes on every run, process and safetensors version. The bytes are written 1 MiB at
-    a time (see ``_WRITTEN_TOGETHER``), each hashed from memory right after the write that
-    read it, on the same thread: the file is never read back to be hashed. For a remote
+    same bytes on every run, process and safetensors version. Each piece is written by a
+    system call of its own (see ``_writes``) and hashed from memory right after the write
+    that read it, on the same thread: the file is never read back to be hashed. For a remote
     ``path`` the temporary file is a local staging file, uploaded by the commit.
 
     Returns:
@@ -174,7 +180,7 @@ def save_tensors(
         descriptor = _create_exclusively(temporary)
         try:
             with _removed_on_error(temporary):
-                for group in _groups(pieces, _WRITTEN_TOGETHER):
+                for group in _writes(pieces):
                     _write_all(descriptor, group)
                     for piece in group:
                         digest.update(piece)
@@ -183,42 +189,54 @@ def save_tensors(
     return digest.checksum()
 
 
-# Bytes written by one system call, then hashed while they are still in the CPU's caches.
-# Not more: writes of 2 MiB or more let the page cache allocate large folios, which in this VM
-# (Linux 6.18) cost 3-9x the CPU time at times: 1 GiB in 16 MiB writes took 1.0-3.1 s of CPU,
-# in 1 MiB writes 0.32-0.37 s (three alternations, each write followed by fsync; 256 KiB and
-# 1 MiB writes cost the same, 2 MiB and more had outliers of 3 s). What it gives up: reads
-# of a cache still in the page cache since it was written walk smaller folios (bench_cache_io
-# at 1 GiB: 1.02 instead of 1.32 of raw safe_open's CPU time). A cache read from disk comes
-# through readahead whatever the writes were, while the write cost is paid every time.
-_WRITTEN_TOGETHER = 1 << 20
+# How the bytes reach the page cache decides what writing them costs in the kernel. Writes of
+# 1 MiB at 1 MiB-aligned offsets (how graphsplit grouped its writes before) cost several
+# times the system time in a VM that hands free memory back to its host (Linux 6.18, free
+# page reporting of 2 MiB blocks), presumably because they let the page cache allocate large
+# folios from memory the host has taken back: 1 GiB of bench_cache_io rows (64 and 236 KB)
+# took 1.1-2.1 s of system time in 1 MiB groups and 0.33-0.37 s written one row per call
+# (five alternations, each after a save_file), as save_file writes them (0.2-1.0 s). Rows
+# of 4 MiB, cut at 256 KiB: 0.28-0.92 s against 0.34-1.72 s (four alternations). So each
+# large piece of the file (a tensor's or a row's memory) is written by calls of its own, cut
+# at _WRITTEN_AT_ONCE; only runs of small pieces (under _GATHERED: the header, tiny rows)
+# share one writev, so that tiny rows do not cost a system call each. Each write's bytes are
+# hashed right after it, while they are still in the CPU's caches.
+_WRITTEN_AT_ONCE = 256 << 10
+_GATHERED = 64 << 10
 
 
-def _groups(pieces: list[memoryview], limit: int) -> Iterator[list[memoryview]]:
-    """``pieces`` in consecutive runs of at most ``limit`` bytes (a larger piece cut up)."""
+def _writes(pieces: list[memoryview]) -> Iterator[list[memoryview]]:
+    """The pieces of a file in the order they are written, one list per system call: a
+    piece of at least ``_GATHERED`` bytes alone (cut at ``_WRITTEN_AT_ONCE``), smaller ones
+    gathered while the call stays under ``_GATHERED`` bytes."""
     group: list[memoryview] = []
     size = 0
     for piece in pieces:
-        start = 0
-        while start < len(piece):
-            part = piece[start : start + limit - size]
-            group.append(part)
-            size += len(part)
-            start += len(part)
-            if size == limit:
+        if len(piece) >= _GATHERED:
+            if group:
                 yield group
                 group, size = [], 0
+            for start in range(0, len(piece), _WRITTEN_AT_ONCE):
+                yield [piece[start : start + _WRITTEN_AT_ONCE]]
+            continue
+        if group and size + len(piece) > _GATHERED:
+            yield group
+            group, size = [], 0
+        group.append(piece)
+        size += len(piece)
     if group:
         yield group
 
 
-def commit_file(temporary: Path, path: Path, *, checksum: str | None = None) -> tuple[int, str]:
-    """Fsync a finished temporary file, then rename it into place.
+def commit_file(
+    temporary: Path, path: Path, *, checksum: str | None = None, durable: bool = True
+) -> tuple[int, str]:
+    """Fsync a finished temporary file (unless ``durable=False``), then rename it into place.
 
     ``checksum`` is the one :func:`save_tensors` computed while writing; without it the file
     is read back. The folder is fsync'd once, before the manifest is written: until
     then a rename lost to a power cut only means the shard is redone on resume. For a remote
-    ``path`` the (local) temporary file is uploaded whole, then deleted.
+    ``path`` the (local) temporary file is uploaded whole, then deleted (durable either way).
 
     Returns:
         The file's size in bytes and its checksum.
@@ -231,12 +249,24 @@ def commit_file(temporary: Path, path: Path, *, checksum: str | None = None) -> 
             with _removed_on_error(temporary):
                 if checksum is None:
                     checksum = _checksum_descriptor(descriptor, ALGORITHM)
-                os.fsync(descriptor)
+                if durable:
+                    os.fsync(descriptor)
                 size = os.fstat(descriptor).st_size
         finally:
             os.close(descriptor)
         os.replace(temporary, path)
     return size, checksum
+
+
+@or_remote(nothing)
+def fsync_file(path: Path) -> None:
+    """Make a committed file's bytes durable (one written with ``durable=False``, reused by a
+    durable run); cheap when they are on the disk already."""
+    descriptor = _open_regular(path)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 @or_remote(nothing)
@@ -292,14 +322,16 @@ def _create_exclusively(path: Path) -> int:
     return os.open(path, flags, FILE_MODE)
 
 
-def rewrite_descriptor(path: Path, descriptor: int, data: bytes) -> None:
-    """Replace the content of the open file ``path`` with ``data``, durably (the lock file,
-    which is rewritten in place because the lock is on its inode)."""
+def rewrite_descriptor(path: Path, descriptor: int, data: bytes, *, durable: bool = True) -> None:
+    """Replace the content of the open file ``path`` with ``data``, durably unless
+    ``durable=False`` (the lock file, which is rewritten in place because the lock is on its
+    inode)."""
     with no_room(path.parent, path.name, len(data)):
         os.ftruncate(descriptor, 0)
         os.lseek(descriptor, 0, os.SEEK_SET)
         _write_all(descriptor, data)
-        os.fsync(descriptor)
+        if durable:
+            os.fsync(descriptor)
 
 
 def is_regular(descriptor: int) -> bool:
@@ -354,9 +386,10 @@ def remove_temporary_files(*folders: Path) -> None:
                     entry.unlink(missing_ok=True)
 
 
-def real_folder(path: Path, *, create: bool) -> bool:
-    """Whether ``path`` is a folder and not a symlink to one (created first if ``create``);
-    on an object store, where folders are prefixes, whether anything lies under it.
+def real_folder(path: Path, *, create: bool, durable: bool = True) -> bool:
+    """Whether ``path`` is a folder and not a symlink to one (created first if ``create``,
+    its name fsync'd unless ``durable=False``); on an object store, where folders are
+    prefixes, whether anything lies under it.
 
     Raises:
         UnsafeFileError: ``path`` is a symlink or another kind of file.
@@ -366,7 +399,8 @@ def real_folder(path: Path, *, create: bool) -> bool:
     if create:
         with contextlib.suppress(FileExistsError):
             os.mkdir(path)
-            fsync_folder(path.parent)  # the new folder's name survives a power cut too
+            if durable:
+                fsync_folder(path.parent)  # the new folder's name survives a power cut too
     try:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:

@@ -31,6 +31,12 @@ Glossary:
         :mod:`graphsplit.caching.checksums`); format 1 (graphsplit 0.1) recorded its
         ``sha256`` (hex). Format-1 manifests and progress records are still read, their
         ``sha256`` taken as the checksum ``"sha256:…"``, so caches written before still open.
+    unsynced: a manifest written by ``cache(..., durable=False)`` holds ``"unsynced":
+        {"boot_id": ...}``, the boot of the machine that wrote it without fsyncs: its files
+        are trusted only until that machine restarts (see :mod:`graphsplit.caching.durability`).
+        A durable cache's manifest has no such field, so it is byte for byte what graphsplit
+        wrote before the field existed; a graphsplit that predates it refuses an unsynced
+        cache (an unexpected field) instead of reading it unchecked.
 
 Each record is a frozen dataclass whose fields, in order, are its JSON fields (see
 :mod:`graphsplit.caching.validate`): the writers and the readers below share that one schema.
@@ -62,10 +68,18 @@ from graphsplit.caching.checksums import CHECKSUM, CHECKSUM_MEANING
 from graphsplit.caching.files import exists, real_folder, write_atomically
 from graphsplit.caching.fingerprint import Fingerprint
 from graphsplit.caching.memory_order import Order
-from graphsplit.caching.validate import REBUILD, JsonReader, json_field, json_names, to_json
+from graphsplit.caching.validate import (
+    REBUILD,
+    JsonReader,
+    json_field,
+    json_names,
+    optional_names,
+    to_json,
+)
 from graphsplit.errors import ManifestError, Remedy
 
 __all__ = [
+    "BOOT_ID",
     "CONSTANTS_FILE",
     "FORMAT",
     "FORMAT_VERSION",
@@ -80,6 +94,7 @@ __all__ = [
     "ShardLayout",
     "ShardProgress",
     "ShardRecord",
+    "Unsynced",
     "has_resume_header",
     "read_constants_progress",
     "read_manifest",
@@ -105,6 +120,7 @@ CONSTANTS_PROGRESS_FILE = "constants.json"
 SHARD_FILE_PATTERN = re.compile(r"shard-(\d{5,9})\.safetensors")
 SHARD_PROGRESS_PATTERN = re.compile(r"shard-(\d{5,9})\.json")
 STORAGE_DTYPES = ("float16", "bfloat16")
+BOOT_ID = re.compile(r"[0-9a-f-]{0,64}")  # Linux's is a UUID; empty: unknown
 _SHA256 = {"pattern": re.compile(r"[0-9a-f]{64}"), "meaning": "64 lowercase hex digits"}
 
 
@@ -195,10 +211,19 @@ class ShardRecord(FileRecord):
 
 
 @dataclass(frozen=True)
+class Unsynced:
+    """A cache written without fsyncs, in the boot ``boot_id`` (empty: the boot is unknown)."""
+
+    boot_id: str = json_field(pattern=BOOT_ID, meaning="a boot id (lowercase hex and dashes)")
+
+
+@dataclass(frozen=True)
 class Manifest:
-    """A complete cache: its header, when it was written, its constants and shards."""
+    """A complete cache: its header, when it was written (durably or not: ``unsynced``), its
+    constants and shards."""
 
     created: str
+    unsynced: Unsynced | None = json_field(optional=True)  # noqa: RUF009 (a dataclasses.field)
     header: CacheHeader = json_field(inline=True)  # noqa: RUF009 (a dataclasses.field)
     num_samples: int
     max_abs_error: Mapping[str, float]
@@ -230,18 +255,22 @@ class ConstantsProgress:
 # ------------------------------------------------------------------------------------ writing
 
 
-def write_manifest(folder: Path, manifest: Manifest) -> None:
-    """Write ``manifest.json`` atomically; one shard per line, so diffs and greps stay readable."""
+def write_manifest(folder: Path, manifest: Manifest, *, durable: bool = True) -> None:
+    """Write ``manifest.json`` atomically (fsync'd unless ``durable=False``); one shard per
+    line, so diffs and greps stay readable."""
     document = {"format": FORMAT, "format_version": FORMAT_VERSION, **to_json(manifest)}
-    write_atomically(folder / MANIFEST_FILE, (_format_json(document) + "\n").encode())
+    data = (_format_json(document) + "\n").encode()
+    write_atomically(folder / MANIFEST_FILE, data, durable=durable)
 
 
-def write_resume_header(folder: Path, header: CacheHeader) -> None:
-    """Record the header a run starts with, in ``.partial/header.json``."""
-    real_folder(folder / PARTIAL_DIR, create=True)
+def write_resume_header(folder: Path, header: CacheHeader, *, durable: bool = True) -> None:
+    """Record the header a run starts with, in ``.partial/header.json`` (fsync'd unless
+    ``durable=False``: a header a power cut damaged is read as torn, and resuming then
+    keeps only the shards that verify)."""
+    real_folder(folder / PARTIAL_DIR, create=True, durable=durable)
     document = {"format": FORMAT, "format_version": FORMAT_VERSION, **to_json(header)}
     data = json.dumps(document, indent=2).encode()
-    write_atomically(folder / PARTIAL_DIR / RESUME_HEADER_FILE, data)
+    write_atomically(folder / PARTIAL_DIR / RESUME_HEADER_FILE, data, durable=durable)
 
 
 def write_progress(folder: Path, progress: ShardProgress | ConstantsProgress) -> None:
@@ -377,7 +406,7 @@ def _read_stamped(reader: JsonReader, cls: type) -> Any:
     """A document that opens with the stamp: check the stamp first, then read the rest."""
     document = reader.load()
     stamp = ("format", "format_version")
-    reader.check_names(document, "", (*stamp, *json_names(cls)))
+    reader.check_names(document, "", (*stamp, *json_names(cls)), optional=optional_names(cls))
     if document["format"] != FORMAT:
         reader.fail("format", f"is {document['format']!r}; expected {FORMAT!r}")
     version = document["format_version"]

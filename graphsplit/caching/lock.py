@@ -20,7 +20,7 @@ unlocked.
 
 In and out::
 
-    FolderLock(path).acquire()      # or CacheLockedError naming the holder and the fix
+    FolderLock(path, durable=True).acquire()    # or CacheLockedError naming the holder
     FolderLock(path).release()      # removes the lock file if this process holds it
 """
 
@@ -52,8 +52,11 @@ _NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 class FolderLock:
     """An exclusive ``flock`` on the folder's lock file (see the module docstring)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, durable: bool = True) -> None:
         self.path = path
+        # The holder's name is only read by other runs, through the page cache; a run that
+        # fsyncs nothing (cache(durable=False)) does not fsync it either.
+        self.durable = durable
         self._descriptor: int | None = None
 
     @property
@@ -134,7 +137,8 @@ class FolderLock:
             "host": socket.gethostname(),
             "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        files.rewrite_descriptor(self.path, descriptor, json.dumps(owner).encode())
+        data = json.dumps(owner).encode()
+        files.rewrite_descriptor(self.path, descriptor, data, durable=self.durable)
 
     def _locked_error(self) -> CacheLockedError:
         holder = _holder(self.path)

@@ -18,7 +18,7 @@ Glossary:
 In and out::
 
     cache(split, dataloader, path, *, accelerator=None, shard_bytes=256 MiB,
-          storage_dtype=None, overwrite=False, progress=None) -> CacheInfo
+          storage_dtype=None, overwrite=False, progress=None, durable=True) -> CacheInfo
 
 ``split`` needs ``stage1`` (a module: ``stage1(**inputs) -> dict[str, Tensor]``), ``boundary``
 (``dict[str, BoundarySpec]``) and ``input_names``; :func:`graphsplit.split` returns one.
@@ -38,6 +38,7 @@ import torch
 
 from graphsplit.caching import files
 from graphsplit.caching.decide import Decision, decide, remove_progress
+from graphsplit.caching.durability import unsynced_record
 from graphsplit.caching.fingerprint import fingerprint
 from graphsplit.caching.format import (
     CONSTANTS_FILE,
@@ -106,6 +107,7 @@ def cache(
     storage_dtype: torch.dtype | None = None,
     overwrite: bool = False,
     progress: bool | None = None,
+    durable: bool = True,
 ) -> CacheInfo:
     """Run ``split.stage1`` over ``dataloader`` and store its outputs in the folder ``path``.
 
@@ -116,10 +118,14 @@ def cache(
 
     The run is crash-safe and resumable: every file is written under a temporary name, fsync'd
     and renamed; after an interruption (``kill -9`` included) the same call skips the finished
-    shards and ends with the same files as an uninterrupted run. Calling it again on a complete
-    cache made from the same weights, code and samples does nothing (it reads the loader once
-    to compare each sample's key and input digest); on one made from others it refuses
-    unless ``overwrite=True``. A lock (``flock``) keeps two runs from writing one folder.
+    shards and ends with the same files as an uninterrupted run. With ``durable=False`` the
+    fsyncs are skipped (the files are the same): the cache is as safe as one written with a
+    bare ``safetensors.save_file``, which a crash of the process cannot harm but a power cut
+    can, and it is never read wrong after one: its manifest records the boot that wrote it,
+    and in any other boot every file's checksum is checked before it is used. Calling it again
+    on a complete cache made from the same weights, code and samples does nothing (it reads
+    the loader once to compare each sample's key and input digest); on one made from others
+    it refuses unless ``overwrite=True``. A lock (``flock``) keeps two runs from writing one folder.
 
     The loader must yield the same batches in the same order every time (no shuffling: caching
     gains nothing from it), as dicts holding ``split.input_names`` and optionally ``"key"``, a
@@ -150,6 +156,13 @@ def cache(
             options instead of refusing.
         progress: show a progress bar (samples, bytes written, ETA); ``None`` shows it only on
             a terminal.
+        durable: fsync every file before anything names it, so the cache survives a power
+            cut. ``False`` writes without fsyncs, as fast as the page cache takes the bytes
+            (the disk writes them later): resuming after ``kill -9`` still works, but after
+            the machine restarts ``CachedDataset`` verifies every shard on first use (as with
+            ``verify=True``) and a damaged one raises ``CorruptCacheError``; calling ``cache``
+            again verifies them all once and, if they match, fsyncs them and records the
+            cache as durable. A cache on an object store is durable either way (a put is).
 
     Returns:
         A :class:`CacheInfo` describing the folder.
@@ -194,7 +207,7 @@ def cache(
     if isinstance(folder, RemotePath):
         lock: FolderLock | RemoteLock = RemoteLock(folder / LOCK_FILE)
     else:
-        lock = FolderLock(folder / LOCK_FILE)
+        lock = FolderLock(folder / LOCK_FILE, durable=durable)
 
     def locked_decision() -> Decision:
         _make_folder(folder)
@@ -208,6 +221,7 @@ def cache(
                 storage_dtype=storage,
                 shard_bytes=shard_bytes,
                 overwrite=overwrite,
+                durable=durable,
             )
         except BaseException:
             lock.release()
@@ -229,11 +243,14 @@ def cache(
                     finished=decision.finished,
                     processes=processes,
                     progress=progress,
+                    durable=durable,
                 )
             )
         )
         # 4. The main process merges the progress records into the manifest.
-        return processes.on_main(lambda: _finish(folder, decision, source, written, lock))
+        return processes.on_main(
+            lambda: _finish(folder, decision, source, written, lock, durable=durable)
+        )
     finally:
         if processes.is_main:
             lock.release()
@@ -245,11 +262,16 @@ def _finish(
     source: BatchSource,
     written: Mapping[int, ShardProgress],
     lock: FolderLock | RemoteLock,
+    *,
+    durable: bool,
 ) -> CacheInfo:
     """Write the manifest from the progress records, then drop them; the cache is complete.
 
     ``written`` holds the records this process wrote; only the others are read back. On an
     object store the lock is confirmed first (its fence), so only its holder publishes.
+    Without ``durable`` nothing is fsync'd and the manifest records the boot (the renames
+    and the manifest still come in this order, so a crash of the process leaves a cache
+    that resumes, and the lock is released only after the manifest is in place).
     """
     header = decision.header
     num_batches = source.num_batches
@@ -278,6 +300,7 @@ def _finish(
         _add_errors(errors, written.max_abs_error)
     manifest = Manifest(
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        unsynced=unsynced_record(folder, durable=durable),
         header=header,
         num_samples=sum(len(shard.keys) for shard in shards),
         max_abs_error={
@@ -286,12 +309,24 @@ def _finish(
         constants=constants,
         shards=tuple(shards),
     )
-    files.fsync_folder(folder)  # every shard's rename is durable before the manifest names it
+    if durable:
+        _make_durable(folder, manifest, decision)
     if isinstance(lock, RemoteLock):
         lock.confirm()
-    write_manifest(folder, manifest)
+    write_manifest(folder, manifest, durable=durable)
     remove_progress(folder)
     return _info(folder, manifest, written=num_shards - len(decision.finished))
+
+
+def _make_durable(folder: Path | RemotePath, manifest: Manifest, decision: Decision) -> None:
+    """Before a durable manifest names them: fsync the files an earlier run left (it may have
+    written them with ``durable=False``; an fsync of a file already on the disk is cheap),
+    then the folder, so every rename survives a power cut."""
+    for index in decision.finished:
+        files.fsync_file(folder / manifest.shards[index].file)
+    if manifest.constants is not None and 0 in decision.finished:
+        files.fsync_file(folder / manifest.constants.file)
+    files.fsync_folder(folder)
 
 
 def _make_folder(folder: Path | RemotePath) -> None:

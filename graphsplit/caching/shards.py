@@ -7,17 +7,18 @@ Glossary:
         as its own contiguous tensor, so samples of different shapes can share a cache. Rows
         are stored in the batch tensor's memory order (see :mod:`~graphsplit.caching.memory_order`).
     pending shard: the rows of one shard, collected in memory until its last batch is done.
-    commit: a saved shard's temporary file is fsync'd and renamed into place (its checksum
-        was computed from memory while it was saved); its progress record is written after
-        that, so a record always names a whole, durable file.
+    commit: a saved shard's temporary file is fsync'd (unless ``durable=False``) and renamed
+        into place (its checksum was computed from memory while it was saved); its progress
+        record is written after that, so a record always names a whole file, durable unless
+        the run is not.
     constants: boundary tensors without a batch dim; batch 0 writes them, later batches must
         compute the same values.
 
 In and out::
 
-    write_shards(split, source, folder, *, header, finished, processes, progress)
+    write_shards(split, source, folder, *, header, finished, processes, progress, durable)
         # every unfinished shard this process owns -> shard-*.safetensors + .partial/shard-*.json
-    ShardWriter(folder).submit(pending) ... .close() -> [ShardProgress]
+    ShardWriter(folder, durable=True).submit(pending) ... .close() -> [ShardProgress]
     ShardWriter.commit(pending, temporary) -> ShardProgress      # one shard, on a thread
 """
 
@@ -85,8 +86,10 @@ def write_shards(
     finished: Mapping[int, ShardProgress],
     processes: Processes,
     progress: bool | None,
+    durable: bool = True,
 ) -> dict[int, ShardProgress]:
-    """Compute and write every shard this process owns that ``finished`` does not hold.
+    """Compute and write every shard this process owns that ``finished`` does not hold
+    (fsync'ing each file unless ``durable=False``).
 
     Returns:
         The progress record of each shard written, by shard index (also in ``.partial/``).
@@ -98,7 +101,7 @@ def write_shards(
         return processes.owns(shard) and shard not in finished
 
     device = _stage1_device(split.stage1, processes.accelerator)
-    writer = ShardWriter(folder)
+    writer = ShardWriter(folder, durable=durable)
     # sha256 of the inputs (hashlib releases the GIL) runs beside stage 1, not after it: at
     # 1024 px fp32 it costs ~8 ms a sample, as much as a VAE encode on a GPU.
     digester = ThreadPoolExecutor(1, thread_name_prefix="graphsplit-digest")
@@ -116,7 +119,9 @@ def write_shards(
             pending = pending or PendingShard(shard)
             outputs = _run_stage1(split, batch.data, len(batch.positions), device)
             stored, errors = _to_storage(outputs, header)
-            constants = _handle_constants(folder, header, stored, errors, batch.index, constants)
+            constants = _handle_constants(
+                folder, header, stored, errors, batch.index, constants, durable=durable
+            )
             keys = batch_keys(batch.data, batch.positions)
             _check_new_keys(keys, batch.positions, seen_keys)
             # A copy: the loader may refill its tensors for the next batch while they are hashed.
@@ -153,8 +158,9 @@ class ShardWriter:
     hands on another, so a slow disk holds stage 1 back instead of piling up dirty pages.
     """
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *, durable: bool = True) -> None:
         self.folder = folder
+        self.durable = durable
         self.bytes_submitted = 0
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="graphsplit-save")
         # Two committers: fsyncs of consecutive shards overlap.
@@ -206,7 +212,9 @@ class ShardWriter:
         """Move a saved shard (with the ``checksum`` its bytes had in memory) into place and
         record it in ``.partial/``."""
         name = shard_file_name(shard.index)
-        size, checksum = files.commit_file(temporary, self.folder / name, checksum=checksum)
+        size, checksum = files.commit_file(
+            temporary, self.folder / name, checksum=checksum, durable=self.durable
+        )
         progress = ShardProgress(
             shard=ShardRecord(
                 file=name,
@@ -335,6 +343,8 @@ def _handle_constants(
     errors: Mapping[str, float],
     batch_index: int,
     first: dict[str, torch.Tensor] | None,
+    *,
+    durable: bool,
 ) -> dict[str, torch.Tensor] | None:
     """Write the constants from batch 0; check later batches give the same values."""
     if not header.constant_specs:
@@ -350,12 +360,16 @@ def _handle_constants(
                 )
         return first
     if batch_index == 0:
-        _write_constants(folder, constants, errors)
+        _write_constants(folder, constants, errors, durable=durable)
     return {name: value.clone() for name, value in constants.items()}
 
 
 def _write_constants(
-    folder: Path, constants: Mapping[str, torch.Tensor], errors: Mapping[str, float]
+    folder: Path,
+    constants: Mapping[str, torch.Tensor],
+    errors: Mapping[str, float],
+    *,
+    durable: bool,
 ) -> None:
     orders = {name: memory_order(value) for name, value in constants.items()}
     physical = {
@@ -364,7 +378,8 @@ def _write_constants(
     }
     path = folder / CONSTANTS_FILE
     checksum = files.save_tensors(physical, path, {"format": "pt"})
-    size, checksum = files.commit_file(files.temporary_path(path), path, checksum=checksum)
+    temporary = files.temporary_path(path)
+    size, checksum = files.commit_file(temporary, path, checksum=checksum, durable=durable)
     record = ConstantsRecord(file=CONSTANTS_FILE, checksum=checksum, bytes=size, dim_orders=orders)
     errors = {name: error for name, error in errors.items() if name in constants}
     _note_progress(folder, ConstantsProgress(constants=record, max_abs_error=errors))
@@ -377,8 +392,8 @@ def _note_progress(folder: Path, progress: ShardProgress | ConstantsProgress) ->
     A record is a hint, never trusted: resuming reads it back and checks the file it names
     (size and checksum) first, and a missing or damaged record only means redoing that file.
     So a power cut may lose it, and the writer does not pay a journal commit per shard. The
-    cache itself stays durable: each file is fsync'd before its rename, the folder before the
-    manifest, and the manifest is written durably.
+    cache itself stays durable (unless written with ``durable=False``): each file is fsync'd
+    before its rename, the folder before the manifest, and the manifest is written durably.
     """
     if isinstance(progress, ShardProgress):
         name = Path(progress.shard.file).with_suffix(".json").name

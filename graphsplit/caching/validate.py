@@ -7,8 +7,10 @@ record is validated or written field by field by hand.
 
 Glossary:
     rule: what a field adds to its type: its JSON name, a minimum, a pattern, identifier-only,
-        a set of choices, ``inline`` or ``stored=False``; a rule on a list or mapping field
-        applies to its items.
+        a set of choices, ``inline``, ``optional`` or ``stored=False``; a rule on a list or
+        mapping field applies to its items.
+    optional: a field left out of its JSON object when it is None (and read as None when
+        absent), so that a field added to a record changes no file written without it.
     inline: a field whose dataclass's fields sit in the enclosing JSON object instead of under
         a key of their own (the manifest holds the header's fields at its top level).
     where: a value's path in its document as error messages name it, e.g. ``shards[3].keys[0]``
@@ -19,8 +21,9 @@ Glossary:
 In and out::
 
     json_field(json_name=None, *, minimum=0, pattern=None, meaning="", identifier=False,
-               choices=(), inline=False, stored=True, **field_options) -> dataclasses.Field
+               choices=(), inline=False, optional=False, stored=True, **field_options) -> Field
     json_names(cls) -> tuple[str, ...]          # the keys a document of ``cls`` holds, in order
+    optional_names(cls) -> frozenset[str]       # those of them that may be absent
     to_json(record) -> dict                     # JSON-ready, in field order
     JsonReader(path).load() -> dict             # a regular file of <= 1 GiB: UTF-8, no repeated
                                                 # keys, no NaN, nesting bounded by the stack
@@ -47,7 +50,15 @@ import torch
 from graphsplit.caching.files import read_regular
 from graphsplit.errors import ManifestError, Remedy, TornFileError, UnsafeFileError
 
-__all__ = ["REBUILD", "JsonReader", "Rule", "json_field", "json_names", "to_json"]
+__all__ = [
+    "REBUILD",
+    "JsonReader",
+    "Rule",
+    "json_field",
+    "json_names",
+    "optional_names",
+    "to_json",
+]
 
 MAX_JSON_BYTES = 1 << 30  # a manifest of ten million samples is well below this
 REBUILD = "rebuild the cache (run cache again with {remedy})"
@@ -65,6 +76,7 @@ class Rule:
     identifier: bool = False
     choices: tuple[str, ...] = ()
     inline: bool = False
+    optional: bool = False
     stored: bool = True
 
 
@@ -77,6 +89,7 @@ def json_field(
     identifier: bool = False,
     choices: tuple[str, ...] = (),
     inline: bool = False,
+    optional: bool = False,
     stored: bool = True,
     **field_options: Any,
 ) -> Any:
@@ -92,7 +105,7 @@ def json_field(
         ...     print(str(error).splitlines()[0])
         shard.json is not a valid graphsplit cache file: bytes is int 0; expected an integer >= 1.
     """
-    rule = Rule(json_name, minimum, pattern, meaning, identifier, choices, inline, stored)
+    rule = Rule(json_name, minimum, pattern, meaning, identifier, choices, inline, optional, stored)
     return dataclasses.field(metadata={_RULE: rule}, **field_options)
 
 
@@ -114,6 +127,18 @@ def json_names(cls: type) -> tuple[str, ...]:
     for name, hint, rule in _fields(cls):
         names += json_names(hint) if rule.inline else [rule.json_name or name]
     return tuple(names)
+
+
+@functools.cache
+def optional_names(cls: type) -> frozenset[str]:
+    """The keys of :func:`json_names` that a document of ``cls`` may leave out."""
+    names: set[str] = set()
+    for name, hint, rule in _fields(cls):
+        if rule.inline:
+            names |= optional_names(hint)
+        elif rule.optional:
+            names.add(rule.json_name or name)
+    return frozenset(names)
 
 
 _PLAIN = frozenset({int, str, float, bool, type(None)})
@@ -139,6 +164,8 @@ def to_json(value: Any) -> Any:
         document: dict[str, Any] = {}
         for name, _, rule in _fields(type(value)):
             item = to_json(getattr(value, name))
+            if rule.optional and item is None:
+                continue
             if rule.inline:
                 document.update(item)
             else:
@@ -198,11 +225,18 @@ class JsonReader:
     def read(self, cls: type, value: Any, where: str = "") -> Any:
         """``value`` as a ``cls``: exactly its fields, each of its type and rule."""
         document = self.mapping(value, where)
-        self.check_names(document, where, json_names(cls))
+        self.check_names(document, where, json_names(cls), optional=optional_names(cls))
         return self._build(cls, document, where)
 
-    def check_names(self, document: Mapping[str, Any], where: str, names: tuple[str, ...]) -> None:
-        missing = [name for name in names if name not in document]
+    def check_names(
+        self,
+        document: Mapping[str, Any],
+        where: str,
+        names: tuple[str, ...],
+        *,
+        optional: frozenset[str] = frozenset(),
+    ) -> None:
+        missing = [name for name in names if name not in document and name not in optional]
         if missing:
             self.fail(where, f"lacks the field(s) {missing}")
         extra = sorted(set(document) - set(names))
@@ -226,6 +260,9 @@ class JsonReader:
                 values[name] = self._build(hint, document, where)
             else:
                 key = rule.json_name or name
+                if rule.optional and key not in document:
+                    values[name] = None
+                    continue
                 values[name] = self._value(hint, rule, document[key], _join(where, key))
         return cls(**values)
 

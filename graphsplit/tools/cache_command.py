@@ -102,6 +102,7 @@ def run_cache(args: argparse.Namespace) -> int:
                 shard_bytes=args.shard_bytes,
                 storage_dtype=storage,
                 progress=progress,
+                durable=args.durable,
             )
             if accelerator is None or accelerator.is_main_process:
                 print(info)

@@ -22,7 +22,7 @@ In and out::
                                                  plan.json, split.dot/.html(/.svg) in DIR
     graphsplit cache SPEC --out DIR [--batch-size N] [--num-workers N] [--shard-bytes N]
                      [--storage-dtype {bfloat16,float16,none}] [--verify] [--overwrite]
-                     [--log-interval SECONDS]        plan, then progress, then the CacheInfo
+                     [--no-fsync] [--log-interval SECONDS]   plan, progress, the CacheInfo
     graphsplit --version
     graphsplit check-cache DIR                   the check's report on stdout
     graphsplit export DIR --out DEST [--parquet] [--overwrite]
@@ -182,6 +182,13 @@ def _add_cache(commands: argparse._SubParsersAction) -> None:
         "--overwrite",
         action="store_true",
         help="replace a cache made by another split instead of refusing",
+    )
+    cache.add_argument(
+        "--no-fsync",
+        dest="durable",
+        action="store_false",
+        help="write without fsync (durable=False): faster, survives a crash of the process "
+        "but not a power cut; after a restart the cache is verified before it is read",
     )
     cache.add_argument(
         "--log-interval",

@@ -97,25 +97,40 @@ def test_a_dtype_safetensors_lacks_is_named(tmp_path):
         files.save_tensors({"rows": torch.zeros(2, dtype=torch.complex128)}, tmp_path / "s", {})
 
 
-def test_save_tensors_writes_at_most_a_mebibyte_per_call_and_cuts_large_tensors(
+def test_save_tensors_writes_each_large_piece_alone_cut_and_gathers_small_ones(
     tmp_path, monkeypatch
 ):
-    """Large writes let the page cache allocate large folios, which cost several times the
-    CPU time in a VM (see ``files._WRITTEN_TOGETHER``); a tensor larger than one write is cut
-    into several, and the file is still whole and hashed as written."""
-    sizes: list[int] = []
+    """Large writes at aligned offsets let the page cache allocate large folios, which cost
+    several times the CPU time in a VM (see ``files._writes``): a tensor of 64 KiB or more is
+    written by calls of its own, at most 256 KiB each; smaller pieces (the header, small
+    tensors) share calls of under 64 KiB. The file is still whole and hashed as written."""
+    calls: list[list[int]] = []
     write_all = files._write_all
 
     def counting(descriptor, data):
-        sizes.append(sum(memoryview(piece).nbytes for piece in data))
+        calls.append([memoryview(piece).nbytes for piece in data])
         write_all(descriptor, data)
 
     monkeypatch.setattr(files, "_write_all", counting)
-    tensors = {"big": torch.randn(900_000), "small": torch.arange(5), "after": torch.ones(3, 7)}
+    tensors = {
+        "big": torch.randn(300_000),  # 1.2 MB: five calls, the last one shorter
+        "mid": torch.zeros(20_000, dtype=torch.float64),  # 160 KB: one call
+        "small": torch.arange(5),
+        "after": torch.ones(3, 7),
+        "many": torch.zeros(10_000, dtype=torch.int16),  # 20 KB
+    }
     path = tmp_path / "shard.safetensors"
     computed = files.save_tensors(tensors, path, {})
     files.commit_file(files.temporary_path(path), path, checksum=computed)
-    assert max(sizes) == 1 << 20 and sum(sizes) == path.stat().st_size and len(sizes) == 4
+    sizes = [sum(call) for call in calls]
+    assert sum(sizes) == path.stat().st_size
+    # Written widest dtype first, then by name: mid, small, after, big, many.
+    assert calls[0] == [sizes[0]] and sizes[0] < 1000  # the header, alone before a large piece
+    assert calls[1] == [160_000]
+    assert calls[2] == [5 * 8, 3 * 7 * 4]  # small pieces gathered into one call
+    assert sizes[3:8] == [256 << 10] * 4 + [1_200_000 - 4 * (256 << 10)]
+    assert calls[8] == [20_000]
+    assert len(calls) == 9 and max(sizes) == 256 << 10
     assert computed == f"xxh3:{xxhash.xxh3_64_hexdigest(path.read_bytes())}"
     with safe_open(str(path), framework="pt") as handle:
         assert all(torch.equal(handle.get_tensor(name), value) for name, value in tensors.items())
