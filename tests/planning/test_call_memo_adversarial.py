@@ -331,7 +331,7 @@ class WritesTheFirstOutput(nn.Module):
         outs = [self.block(x) for _ in range(4)]
         a, b = outs[3]
         a.mul_(2)
-        return F.mse_loss(self.head(b[:, :WIDTH] if b.shape[-1] >= WIDTH else a), y)
+        return F.mse_loss(self.head(b if b.shape == a.shape else a), y)
 
 
 @pytest.mark.parametrize(
@@ -814,3 +814,231 @@ def test_peft_disable_adapter_around_the_third_call(monkeypatch):
             return sum(losses)
 
     _check(monkeypatch, Calls(), *_xy())
+
+
+# -- found: what the call signature cannot see ---------------------------------------------------
+# Each test below fails today (strict xfail): the memo answers a call from an entry learnt under
+# other circumstances its key does not tell apart.
+class SelfOrCrossAttention(nn.Module):
+    """``context is x`` picks the path (``F.multi_head_attention_forward`` does the same with
+    ``query is key`` / ``key is value``); the cross path mixes the samples of ``context``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, context):
+        h = self.linear(x)
+        return h if context is x else h + self.linear(context).mean(0)
+
+
+class SelfThenCross(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = SelfOrCrossAttention().requires_grad_(False)
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        x, context = x * 1, x * 1  # two tensors of one metadata
+        h = self.attention(x, x) + self.attention(x, x) + self.attention(x, context)
+        return F.mse_loss(self.head(h), y)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the key holds each tensor argument's metadata but not which arguments are the same "
+    "object: the third node (x, context) is answered with (x, x)'s record at both batch sizes, "
+    "so its mean over the batch is missed and the mixing value is cached per sample",
+)
+def test_which_arguments_are_the_same_tensor_is_part_of_the_signature(monkeypatch):
+    model = SelfThenCross()
+    x, y = _xy()
+    memoised, plain, _hits = _memoised_and_plain(monkeypatch, model, (x, y))
+    assert _plan(memoised) == _plan(plain)
+
+
+def test_the_identity_miss_gives_a_wrong_cache_today():
+    """What the miss above costs: stage 1's cache of two samples, cut from a batch of four,
+    gives stage 2 another loss than eager on those two samples (pins today's behaviour; turn
+    into the opposite assert once the key holds argument identity)."""
+    model = SelfThenCross()
+    x, y = _xy()
+    parts = graphsplit.split(model, (x, y))
+    cached = parts.stage1(x, y)
+    two = {key: value[:2] for key, value in cached.items()}
+    assert {spec.batch_dim for spec in parts.boundary.values()} == {0}
+    assert not torch.equal(parts.stage2(**two), model(x[:2], y[:2]))
+
+
+class PackedOrSeparateAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(WIDTH, 2, batch_first=True).requires_grad_(False)
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        x = x.view(x.shape[0], 2, WIDTH // 2).repeat(1, 1, 2)
+        memory = x * 1
+        outs = [self.attention(x, x, x, need_weights=False)[0] for _ in range(2)]
+        outs.append(self.attention(x, memory, memory, need_weights=False)[0])
+        return F.mse_loss(self.head(sum(outs).sum(1)), y)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="nn.MultiheadAttention(x, memory, memory) is answered with the op record of "
+    "(x, x, x) (one packed in-projection instead of two): 114 ops recorded instead of 136",
+)
+def test_multihead_attention_self_and_cross_calls_keep_their_records(monkeypatch):
+    memoised, plain, _hits = _memoised_and_plain(monkeypatch, PackedOrSeparateAttention(), _xy())
+    assert _plan(memoised) == _plan(plain)
+
+
+class MixesUnlessSkipped(Plain):
+    def __init__(self) -> None:
+        super().__init__()
+        self.skip_hooks = True  # a flag of the user's: its name contains "hooks"
+
+    def forward(self, x):
+        h = self.linear(x)
+        return h if self.skip_hooks else h - h.mean(0)
+
+
+class TogglesAFlagNamedHooks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = MixesUnlessSkipped()
+
+    def forward(self, x):
+        outs = []
+        for index in range(3):
+            self.child.skip_hooks = index < 2
+            outs.append(self.child(x))
+        self.child.skip_hooks = True
+        return sum(outs)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_role() skips every attribute whose name contains 'hooks' (meant for the state-dict "
+    "hook tables): a user's flag `skip_hooks` read in forward is not in the key, so the third "
+    "call is answered with the record of the first two (its aten.mean missing)",
+)
+def test_an_attribute_named_like_hooks_is_part_of_the_signature(monkeypatch):
+    memoised, plain, _hits = _memoised_and_plain(
+        monkeypatch, Step([TogglesAFlagNamedHooks()]), _xy()
+    )
+    assert _plan(memoised) == _plan(plain)
+
+
+def _mixing_gate(state: dict) -> object:
+    return lambda h: h - h.mean(0) if state["mix"] else h
+
+
+class GatedByAClosure(Plain):
+    def __init__(self, state: dict) -> None:
+        super().__init__()
+        self.gate = _mixing_gate(state)  # a function attribute: keyed by identity only
+
+    def forward(self, x):
+        return self.gate(self.linear(x))
+
+
+class SetsTheClosuresState(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.state = {"mix": False}
+        self.child = GatedByAClosure(self.state)
+
+    def forward(self, x):
+        outs = []
+        for index in range(3):
+            self.state["mix"] = index == 2
+            outs.append(self.child(x))
+        self.state["mix"] = False
+        return sum(outs)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a function held as an attribute is keyed by identity: what its closure cells hold "
+    "is not in the key, so the third call (the cell now says mix) is answered unmixed",
+)
+def test_a_closure_whose_cell_changes_between_calls(monkeypatch):
+    memoised, plain, _hits = _memoised_and_plain(monkeypatch, Step([SetsTheClosuresState()]), _xy())
+    assert _plan(memoised) == _plan(plain)
+
+
+_MIX = [False]
+
+
+class ReadsAGlobalFlag(Plain):
+    def forward(self, x):
+        h = self.linear(x)
+        return h - h.mean(0) if _MIX[0] else h
+
+
+class SetsTheGlobalFlag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = ReadsAGlobalFlag()
+
+    def forward(self, x):
+        outs = []
+        for index in range(3):
+            _MIX[0] = index == 2
+            outs.append(self.child(x))
+        _MIX[0] = False
+        return sum(outs)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="documented assumption (Python globals are fixed during one analysis), shown "
+    "failing: a global flag set between calls inside one leaf's forward is not seen",
+)
+def test_a_global_flag_set_between_calls(monkeypatch):
+    memoised, plain, _hits = _memoised_and_plain(monkeypatch, Step([SetsTheGlobalFlag()]), _xy())
+    assert _plan(memoised) == _plan(plain)
+
+
+class Processor:
+    def __init__(self) -> None:
+        self.order = 1
+
+
+class RunsItsProcessors(Plain):
+    def __init__(self) -> None:
+        super().__init__()
+        self.processors: set[Processor] = set()
+
+    def forward(self, x):
+        h = self.linear(x)
+        for _ in self.processors:
+            h = h - h.mean(0)
+        return h
+
+
+class AddsAProcessor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = RunsItsProcessors()
+        self.first, self.second = Processor(), Processor()
+
+    def forward(self, x):
+        self.child.processors = {self.first}
+        outs = [self.child(x), self.child(x)]
+        self.child.processors = {self.first, self.second}
+        outs.append(self.child(x))
+        self.child.processors = set()
+        return sum(outs)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="_key() of a set is the frozenset of its items' keys: two helper objects with equal "
+    "attributes collapse into one, so a set of two processors has the key of a set of one",
+)
+def test_a_set_of_equal_helpers_is_not_a_set_of_one(monkeypatch):
+    memoised, plain, _hits = _memoised_and_plain(monkeypatch, Step([AddsAProcessor()]), _xy())
+    assert _plan(memoised) == _plan(plain)
