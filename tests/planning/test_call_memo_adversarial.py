@@ -857,17 +857,20 @@ def test_which_arguments_are_the_same_tensor_is_part_of_the_signature(monkeypatc
     assert _plan(memoised) == _plan(plain)
 
 
-def test_the_identity_miss_gives_a_wrong_cache_today():
-    """What the miss above costs: stage 1's cache of two samples, cut from a batch of four,
-    gives stage 2 another loss than eager on those two samples (pins today's behaviour; turn
-    into the opposite assert once the key holds argument identity)."""
+@pytest.mark.xfail(
+    strict=True,
+    reason="what the identity miss above costs: the memoised plan caches the attention's "
+    "batch-mixing result per sample, so a batch cut from another batch's cache gives stage 2 "
+    "another loss than eager on those samples",
+)
+def test_a_cache_cut_to_two_samples_gives_eager_loss_on_them():
     model = SelfThenCross()
     x, y = _xy()
     parts = graphsplit.split(model, (x, y))
     cached = parts.stage1(x, y)
-    two = {key: value[:2] for key, value in cached.items()}
-    assert {spec.batch_dim for spec in parts.boundary.values()} == {0}
-    assert not torch.equal(parts.stage2(**two), model(x[:2], y[:2]))
+    batched = {key for key, spec in parts.boundary.items() if spec.batch_dim == 0}
+    two = {key: value[:2] if key in batched else value for key, value in cached.items()}
+    assert torch.equal(parts.stage2(**two), model(x[:2], y[:2]))
 
 
 class PackedOrSeparateAttention(nn.Module):
