@@ -1045,3 +1045,62 @@ class AddsAProcessor(nn.Module):
 def test_a_set_of_equal_helpers_is_not_a_set_of_one(monkeypatch):
     memoised, plain, _hits = _memoised_and_plain(monkeypatch, Step([AddsAProcessor()]), _xy())
     assert _plan(memoised) == _plan(plain)
+
+
+# -- more patterns -------------------------------------------------------------------------------
+class EmaBuffer(Plain):
+    """Updates a running average by rebinding its buffer's ``.data`` (no ATen write)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("average", torch.zeros(WIDTH))
+
+    def forward(self, x):
+        h = self.linear(x)
+        if self.training:
+            self.average.data = 0.9 * self.average + 0.1 * h.mean(0).detach()
+        return h + self.average
+
+
+def test_a_buffer_rebound_through_data_in_train_mode(monkeypatch):
+    step = Step([EmaBuffer() for _ in range(4)])
+    step.train()
+    _check(monkeypatch, step, *_xy())
+
+
+class LlamaStep(nn.Module):
+    def __init__(self, lora: bool) -> None:
+        super().__init__()
+        import transformers
+
+        from tests.helpers import tiny_llama_config
+
+        config = tiny_llama_config(num_hidden_layers=4)
+        self.model = transformers.LlamaModel(config).requires_grad_(False)
+        if lora:
+            import peft
+
+            targets = ["q_proj", "v_proj"]
+            self.model = peft.get_peft_model(
+                self.model, peft.LoraConfig(r=2, target_modules=targets)
+            )
+            for name, param in self.model.named_parameters():
+                if "lora_B" in name:
+                    nn.init.normal_(param, generator=torch.Generator().manual_seed(len(name)))
+        self.head = nn.Linear(config.hidden_size, 1)
+
+    def forward(self, ids, y):
+        hidden = self.model(input_ids=ids).last_hidden_state
+        return F.mse_loss(self.head(hidden[:, -1]), y)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="no transformers")
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_tiny_llama_in_train_mode(monkeypatch, lora):
+    if lora and importlib.util.find_spec("peft") is None:
+        pytest.skip("peft not installed")
+    ids = torch.randint(0, 64, (4, 6), generator=torch.Generator().manual_seed(0))
+    model = LlamaStep(lora)
+    model.train()
+    assert _check(monkeypatch, model, ids, _batch(4, 1)) > 0
