@@ -1069,14 +1069,19 @@ def test_a_buffer_rebound_through_data_in_train_mode(monkeypatch):
 
 
 class LlamaStep(nn.Module):
-    def __init__(self, lora: bool) -> None:
+    def __init__(self, variant: str) -> None:
         super().__init__()
         import transformers
 
         from tests.helpers import tiny_llama_config
 
-        config = tiny_llama_config(num_hidden_layers=4)
+        dropout = 0.5 if variant == "attention_dropout" else 0.0
+        config = tiny_llama_config(num_hidden_layers=4, attention_dropout=dropout)
+        config._attn_implementation = "eager"
         self.model = transformers.LlamaModel(config).requires_grad_(False)
+        if variant == "checkpointing":
+            self.model.gradient_checkpointing_enable({"use_reentrant": False})
+        lora = variant == "lora"
         if lora:
             import peft
 
@@ -1094,13 +1099,13 @@ class LlamaStep(nn.Module):
         return F.mse_loss(self.head(hidden[:, -1]), y)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the first one pays transformers' import (about 2.5 s)
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="no transformers")
-@pytest.mark.parametrize("lora", [False, True])
-def test_a_tiny_llama_in_train_mode(monkeypatch, lora):
-    if lora and importlib.util.find_spec("peft") is None:
+@pytest.mark.parametrize("variant", ["plain", "lora", "checkpointing", "attention_dropout"])
+def test_a_tiny_llama_in_train_mode(monkeypatch, variant):
+    if variant == "lora" and importlib.util.find_spec("peft") is None:
         pytest.skip("peft not installed")
     ids = torch.randint(0, 64, (4, 6), generator=torch.Generator().manual_seed(0))
-    model = LlamaStep(lora)
+    model = LlamaStep(variant)
     model.train()
     assert _check(monkeypatch, model, ids, _batch(4, 1)) > 0
