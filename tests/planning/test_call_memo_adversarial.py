@@ -1109,3 +1109,30 @@ def test_a_tiny_llama_in_train_mode(monkeypatch, variant):
     model = LlamaStep(variant)
     model.train()
     assert _check(monkeypatch, model, ids, _batch(4, 1)) > 0
+
+
+class DiffusersAttentions(nn.Module):
+    """diffusers' ``Attention`` blocks, the third with another processor (a helper object
+    keyed by its class and attributes) and a scale of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from diffusers.models.attention_processor import Attention, AttnProcessor
+
+        self.blocks = nn.ModuleList(
+            [Attention(WIDTH, heads=2, dim_head=4) for _ in range(4)]
+        ).requires_grad_(False)
+        self.blocks[2].set_processor(AttnProcessor())
+        self.blocks[3].scale = 0.25
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        h = x.view(x.shape[0], 2, WIDTH // 2).repeat(1, 1, 2)
+        for block in self.blocks:
+            h = block(h) + h
+        return F.mse_loss(self.head(h.sum(1)), y)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("diffusers") is None, reason="no diffusers")
+def test_diffusers_attention_with_another_processor_in_one_block(monkeypatch):
+    assert _check(monkeypatch, DiffusersAttentions(), *_xy()) > 0
