@@ -43,6 +43,7 @@ so every ``split()`` pays its own.
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Callable
 from types import BuiltinFunctionType, FunctionType, MethodType
 from typing import Any
@@ -207,7 +208,7 @@ def _node_signature(
     memo: CallMemo, head: Any, module: nn.Module | None, record: bool, arguments: tuple
 ) -> Any:
     try:
-        described = (head, record, _key(arguments, _DEPTH))
+        described = (head, record, _sameness(arguments, module), _key(arguments, _DEPTH))
     except TypeError:
         return None
     if described not in memo.seen:
@@ -223,7 +224,11 @@ def _node_signature(
 def _signature(memo: CallMemo, module: nn.Module, args: tuple, kwargs: dict) -> tuple[Any, Any]:
     """``(call signature, the node's op recorder)``; signature None: run the call plainly."""
     try:
-        arguments = (type(module), _key((args, kwargs), _DEPTH))
+        arguments = (
+            type(module),
+            _sameness((args, kwargs), module),
+            _key((args, kwargs), _DEPTH),  # last: the watch compares it again after the run
+        )
     except TypeError:
         return None, None
     if arguments not in memo.seen:
@@ -327,9 +332,14 @@ def _key(value: Any, depth: int, *, tensors: bool = True) -> Any:
     if _isinstance(value, dict):
         return (kind, *[_key(item, depth - 1, tensors=tensors) for item in value.items()])
     if _isinstance(value, (set, frozenset)):
-        return (kind, frozenset(_key(item, depth - 1, tensors=tensors) for item in value))
+        # A multiset of the items' keys: two equal helpers in a set are not one.
+        counts = Counter(_key(item, depth - 1, tensors=tensors) for item in value)
+        return (kind, frozenset(counts.items()))
     if _isinstance(value, enum.Enum):
         return value
+    if kind is FunctionType and (value.__closure__ or value.__defaults__ or value.__kwdefaults__):
+        # What a closure's cells (or its defaults) hold steers the call as much as the code.
+        return (value, _function_state(value, depth - 1))
     if _isinstance(value, _BY_IDENTITY):
         return value
     if _isinstance(value, (torch.Tensor, nn.Module, MethodType)):
@@ -338,6 +348,50 @@ def _key(value: Any, depth: int, *, tensors: bool = True) -> Any:
         # A helper object (an attention processor, a config): by its class and attributes.
         return (kind, _key(vars(value), depth - 1, tensors=False))
     raise TypeError(f"no key for {kind.__name__}")
+
+
+def _function_state(function: FunctionType, depth: int) -> tuple:
+    """The values a function carries besides its code: its closure's cells and its defaults
+    (a cell holding a tensor or a module has no key: ``TypeError``)."""
+    cells = tuple(
+        _key(cell.cell_contents, depth, tensors=False) if _cell_filled(cell) else _MISSING_KEY
+        for cell in function.__closure__ or ()
+    )
+    defaults = _key(function.__defaults__ or (), depth, tensors=False)
+    keyword_defaults = _key(function.__kwdefaults__ or {}, depth, tensors=False)
+    return (cells, defaults, keyword_defaults)
+
+
+def _cell_filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+_MISSING_KEY = ("empty cell",)
+
+
+def _sameness(arguments: tuple, module: nn.Module | None) -> tuple:
+    """Which tensors among the arguments are the same object, and which are the module's own
+    parameters or buffers: code may branch on ``context is x`` or ``w is self.weight``
+    (``nn.MultiheadAttention`` takes its packed path when query, key and value are one
+    tensor), which the tensors' metadata does not say."""
+    tensors: list[torch.Tensor] = []
+    _collect_tensors(arguments, tensors, _DEPTH)
+    if not tensors:
+        return ()
+    own: dict[int, str] = {}
+    if module is not None:
+        for name, tensor in (*module._parameters.items(), *module._buffers.items()):
+            if tensor is not None:
+                own[id(tensor)] = name
+    first: dict[int, int] = {}
+    return tuple(
+        own.get(id(tensor)) or first.setdefault(id(tensor), index)
+        for index, tensor in enumerate(tensors)
+    )
 
 
 def _state_in_dict(kind: type) -> bool:
@@ -398,7 +452,7 @@ def _role(name: str) -> object:
         role = _SKIPPED
     elif name in _CALL_HOOKS:
         role = _CALL_HOOK
-    elif "hooks" in name:
+    elif name in _STATE_DICT_HOOKS:
         role = _SKIPPED
     else:
         role = _STATE
@@ -407,6 +461,15 @@ def _role(name: str) -> object:
 
 
 _SKIPPED, _CALL_HOOK, _STATE = object(), object(), object()
+# torch's own hook tables that no call runs (any other name is state, ``skip_hooks`` too).
+_STATE_DICT_HOOKS = frozenset(
+    {
+        "_state_dict_hooks",
+        "_state_dict_pre_hooks",
+        "_load_state_dict_pre_hooks",
+        "_load_state_dict_post_hooks",
+    }
+)
 _ROLES: dict[str, object] = {}
 
 

@@ -816,9 +816,10 @@ def test_peft_disable_adapter_around_the_third_call(monkeypatch):
     _check(monkeypatch, Calls(), *_xy())
 
 
-# -- found: what the call signature cannot see ---------------------------------------------------
-# Each test below fails today (strict xfail): the memo answers a call from an entry learnt under
-# other circumstances its key does not tell apart.
+# -- found by review: what the call signature must also see ---------------------------------------
+# Each test below failed before the signature held it (argument identity, attributes named like
+# hooks, closure cells, sets as multisets): the memo answered a call from an entry learnt under
+# other circumstances. The global flag is still a documented assumption (strict xfail).
 class SelfOrCrossAttention(nn.Module):
     """``context is x`` picks the path (``F.multi_head_attention_forward`` does the same with
     ``query is key`` / ``key is value``); the cross path mixes the samples of ``context``."""
@@ -844,12 +845,6 @@ class SelfThenCross(nn.Module):
         return F.mse_loss(self.head(h), y)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the key holds each tensor argument's metadata but not which arguments are the same "
-    "object: the third node (x, context) is answered with (x, x)'s record at both batch sizes, "
-    "so its mean over the batch is missed and the mixing value is cached per sample",
-)
 def test_which_arguments_are_the_same_tensor_is_part_of_the_signature(monkeypatch):
     model = SelfThenCross()
     x, y = _xy()
@@ -857,12 +852,6 @@ def test_which_arguments_are_the_same_tensor_is_part_of_the_signature(monkeypatc
     assert _plan(memoised) == _plan(plain)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="what the identity miss above costs: the memoised plan caches the attention's "
-    "batch-mixing result per sample, so a batch cut from another batch's cache gives stage 2 "
-    "another loss than eager on those samples",
-)
 def test_a_cache_cut_to_two_samples_gives_eager_loss_on_them():
     model = SelfThenCross()
     x, y = _xy()
@@ -887,11 +876,6 @@ class PackedOrSeparateAttention(nn.Module):
         return F.mse_loss(self.head(sum(outs).sum(1)), y)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="nn.MultiheadAttention(x, memory, memory) is answered with the op record of "
-    "(x, x, x) (one packed in-projection instead of two): 114 ops recorded instead of 136",
-)
 def test_multihead_attention_self_and_cross_calls_keep_their_records(monkeypatch):
     memoised, plain, _hits = _memoised_and_plain(monkeypatch, PackedOrSeparateAttention(), _xy())
     assert _plan(memoised) == _plan(plain)
@@ -921,12 +905,6 @@ class TogglesAFlagNamedHooks(nn.Module):
         return sum(outs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_role() skips every attribute whose name contains 'hooks' (meant for the state-dict "
-    "hook tables): a user's flag `skip_hooks` read in forward is not in the key, so the third "
-    "call is answered with the record of the first two (its aten.mean missing)",
-)
 def test_an_attribute_named_like_hooks_is_part_of_the_signature(monkeypatch):
     memoised, plain, _hits = _memoised_and_plain(
         monkeypatch, Step([TogglesAFlagNamedHooks()]), _xy()
@@ -962,11 +940,6 @@ class SetsTheClosuresState(nn.Module):
         return sum(outs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a function held as an attribute is keyed by identity: what its closure cells hold "
-    "is not in the key, so the third call (the cell now says mix) is answered unmixed",
-)
 def test_a_closure_whose_cell_changes_between_calls(monkeypatch):
     memoised, plain, _hits = _memoised_and_plain(monkeypatch, Step([SetsTheClosuresState()]), _xy())
     assert _plan(memoised) == _plan(plain)
@@ -1037,11 +1010,6 @@ class AddsAProcessor(nn.Module):
         return sum(outs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_key() of a set is the frozenset of its items' keys: two helper objects with equal "
-    "attributes collapse into one, so a set of two processors has the key of a set of one",
-)
 def test_a_set_of_equal_helpers_is_not_a_set_of_one(monkeypatch):
     memoised, plain, _hits = _memoised_and_plain(monkeypatch, Step([AddsAProcessor()]), _xy())
     assert _plan(memoised) == _plan(plain)
