@@ -3,9 +3,11 @@
 Glossary:
     call signature: what a module call's result on meta can depend on: the module's class;
         the state of every module under it (each one's class, plain attributes, the
-        metadata of its parameters and buffers, its children, recursively); the metadata of
-        its tensor arguments (shape, stride, storage offset, dtype, device) and the values of
-        the others; and torch's global modes (grad, autocast, default dtype, the mode stacks,
+        metadata of its parameters and buffers, its children, recursively; functions held
+        with their closure cells and defaults); the metadata of its tensor arguments (shape,
+        stride, storage offset, dtype, device), which of them are one object or the module's
+        own parameters (code branches on ``context is x``), and the values of the others;
+        and torch's global modes (grad, autocast, default dtype, the mode stacks,
         which say whether an op recorder is on). A node's signature is the same with its
         function or tensor method in place of the module (and the module's state for a
         ``call_module`` node), plus whether its ops are recorded.
