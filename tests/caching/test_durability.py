@@ -123,13 +123,18 @@ def test_a_malformed_boot_id_is_a_manifest_error_naming_the_field(unsynced):
 # ------------------------------------------------------------------------------- resuming
 
 
-def test_killed_then_resumed_without_fsync_ends_byte_identical(tmp_path, monkeypatch, fsyncs):
-    whole = write(tmp_path / "whole")
-    folder = tmp_path / "resumed"
+def killed_after_three_shards_unsynced(folder, monkeypatch):
+    """A ``durable=False`` run interrupted after its third shard (as ``kill -9`` would)."""
     with monkeypatch.context() as patch:
         interrupt_after(patch, 3)
         with pytest.raises(Interrupt):
             write(folder, durable=False)
+
+
+def test_killed_then_resumed_without_fsync_ends_byte_identical(tmp_path, monkeypatch, fsyncs):
+    whole = write(tmp_path / "whole")
+    folder = tmp_path / "resumed"
+    killed_after_three_shards_unsynced(folder, monkeypatch)
     fsyncs.clear()
     info = cache(make_split(), loader(), folder, shard_bytes=SMALL, progress=False, durable=False)
     assert (info.reused_shards, info.written_shards) == (3, 3)
@@ -140,10 +145,7 @@ def test_killed_then_resumed_without_fsync_ends_byte_identical(tmp_path, monkeyp
 
 def test_a_durable_resume_fsyncs_the_shards_an_unsynced_run_left(tmp_path, monkeypatch, fsyncs):
     folder = tmp_path / "mixed"
-    with monkeypatch.context() as patch:
-        interrupt_after(patch, 3)
-        with pytest.raises(Interrupt):
-            write(folder, durable=False)
+    killed_after_three_shards_unsynced(folder, monkeypatch)
     info = cache(make_split(), loader(), folder, shard_bytes=SMALL, progress=False)
     assert info.reused_shards == 3
     reused = {str(folder / f"shard-0000{i}.safetensors") for i in range(3)}
@@ -154,10 +156,7 @@ def test_a_durable_resume_fsyncs_the_shards_an_unsynced_run_left(tmp_path, monke
 def test_a_resume_redoes_the_shards_a_power_cut_damaged(tmp_path, monkeypatch):
     whole = write(tmp_path / "whole")
     folder = tmp_path / "cut"
-    with monkeypatch.context() as patch:
-        interrupt_after(patch, 3)
-        with pytest.raises(Interrupt):
-            write(folder, durable=False)
+    killed_after_three_shards_unsynced(folder, monkeypatch)
     flip_last_byte(folder / "shard-00001.safetensors")  # its record survived, its bytes did not
     info = cache(make_split(), loader(), folder, shard_bytes=SMALL, progress=False)
     assert (info.reused_shards, info.written_shards) == (2, 4)
