@@ -48,6 +48,7 @@ from graphsplit.planning.cut import (
     facts,
     module_owner,
 )
+from graphsplit.planning.grad_modes import check_grad_modes
 from graphsplit.planning.inputs import (
     ONE_SAMPLE,
     check_one_sample,
@@ -249,6 +250,7 @@ def _trace_once(
     if examples.batch_sizes == ONE_SAMPLE:
         _one_sample_facts(traced.graph)
     resolve_params(traced, model, param_names)
+    check_grad_modes(traced.graph, trainable)
     check_opaque_nodes(traced.graph, trainable)
     check_value_reads(traced.graph, trainable)
     notes = _opaque_notes(traced.graph) + _value_read_notes(traced.graph)

@@ -46,6 +46,7 @@ from torch import nn
 from graphsplit.artifacts import Guard, Traced
 from graphsplit.errors import TensorValueError, TraceError, user_error
 from graphsplit.planning.checkpoint import CHECKPOINT, CheckpointRegion
+from graphsplit.planning.grad_modes import check_autocast, current_modes, mark_switched
 from graphsplit.planning.guards import GUARDS
 from graphsplit.planning.inplace import functionalize_inplace
 from graphsplit.planning.interpret import TracingInterpreter
@@ -219,6 +220,9 @@ class _Tracer(fx.Tracer):
         # Which nodes get an op record while traced (see TracingInterpreter).
         self.record: Callable[[fx.Node], bool] | None = None
         self.interpreter: TracingInterpreter | None = None
+        # The caller's grad mode and autocast: a node created under others was inside a `with`
+        # block of the step, which stage code would not have (planning/grad_modes.py).
+        self.ambient_modes = current_modes()
 
     # -- graph construction -------------------------------------------------------------
     def proxy(self, node: fx.Node) -> _Proxy:
@@ -246,6 +250,7 @@ class _Tracer(fx.Tracer):
             node.meta["val"] = self._meta_value(node)
         elif kind != "output":
             node.meta["source"], node.meta["source_code"] = current_location()
+            mark_switched(node, self.ambient_modes)
             node.meta["val"] = self._meta_value(node)
         return node
 
@@ -503,6 +508,7 @@ def trace_step(
             fix="draw with torch (torch.rand, torch.randint, torch.randn_like, ...), or move "
             "the Python/NumPy draw into the data pipeline and pass the result as an input",
         )
+    check_autocast(graph)
     restore_input_names(graph, model)
     functionalize_inplace(graph)
     for guard in tracer.guards:  # for stage code to recheck (planning/guards.py)

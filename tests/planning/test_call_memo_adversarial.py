@@ -604,18 +604,6 @@ def test_autocast_in_the_step_around_repeated_leaf_calls_plans_alike(monkeypatch
     assert _plan(memoised) == _plan(plain)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not the memo (also without it, and on main ba75bc5): stage 1's code calls the "
-    "block without the step's `with torch.autocast(...)`, so it computes in float32",
-)
-def test_autocast_in_the_step_is_kept_by_stage_code():
-    model = AutocastInTheStep()
-    x, y = _xy()
-    comparisons = graphsplit.verify(model, graphsplit.split(model, (x, y)), (x, y), seed=0)
-    assert all(comparison.ok for comparison in comparisons)
-
-
 def test_no_grad_around_repeated_leaf_calls(monkeypatch):
     class Step2(nn.Module):
         def __init__(self) -> None:
