@@ -131,17 +131,21 @@ def test_metadata_of_trainable_work_read_under_no_grad_is_exact():
     split_and_verify(ReadsShape(), _xy())
 
 
+class EnablesGrad(nn.Module):
+    """``torch.enable_grad()`` around trainable work: a no-op under grad mode, a switch under a
+    caller's ``no_grad``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(WIDTH, 1)
+
+    def forward(self, x, y):
+        with torch.enable_grad():
+            out = self.head(x)
+        return F.mse_loss(out, y)
+
+
 def test_enable_grad_under_grad_enabled_changes_nothing():
-    class EnablesGrad(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.head = nn.Linear(WIDTH, 1)
-
-        def forward(self, x, y):
-            with torch.enable_grad():
-                out = self.head(x)
-            return F.mse_loss(out, y)
-
     split_and_verify(EnablesGrad(), _xy())
 
 
@@ -321,16 +325,6 @@ def test_set_grad_enabled_false_around_trainable_work_is_refused():
 
 
 def test_enable_grad_under_the_callers_no_grad_around_trainable_work_is_refused():
-    class EnablesGrad(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.head = nn.Linear(WIDTH, 1)
-
-        def forward(self, x, y):
-            with torch.enable_grad():
-                out = self.head(x)
-            return F.mse_loss(out, y)
-
     with torch.no_grad():
         message = _refusal(EnablesGrad(), _xy())
     assert "enables gradients (torch.enable_grad())" in message
