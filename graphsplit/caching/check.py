@@ -27,6 +27,7 @@ from safetensors import safe_open
 
 from graphsplit.caching import files
 from graphsplit.caching.checksums import algorithm_of
+from graphsplit.caching.durability import restart_cause
 from graphsplit.caching.format import (
     CONSTANTS_FILE,
     MANIFEST_FILE,
@@ -125,12 +126,14 @@ def check_cache(path: str | os.PathLike[str]) -> CacheReport:
         return CacheReport(folder, 0, 0, 0, (CacheProblem(MANIFEST_FILE, str(error)),))
     problems: list[CacheProblem] = []
     checked = 0
+    cause = restart_cause(manifest)  # a cache written without fsync, before a restart
     if manifest.constants is not None:
         problem = file_problem(folder, manifest.constants, checksum=True)
         if problem is None:
             problem = _constants_problem(folder, manifest)
         if problem is not None:
-            problems.append(CacheProblem(CONSTANTS_FILE, problem + " (every batch needs it)"))
+            reason = problem + cause + " (every batch needs it)"
+            problems.append(CacheProblem(CONSTANTS_FILE, reason))
         else:
             checked += manifest.constants.bytes
     for record in manifest.shards:
@@ -140,7 +143,7 @@ def check_cache(path: str | os.PathLike[str]) -> CacheReport:
         if problem is None:
             checked += record.bytes
         else:
-            problems.append(CacheProblem(record.file, problem, record.keys))
+            problems.append(CacheProblem(record.file, problem + cause, record.keys))
     return CacheReport(folder, manifest.num_samples, len(manifest.shards), checked, tuple(problems))
 
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from graphsplit.caching.check import file_problem, open_problem, open_shard, some_keys
-from graphsplit.caching.durability import restarted_since
+from graphsplit.caching.durability import restart_cause, restarted_since
 from graphsplit.caching.fingerprint import (
     BINDING_PARTS,
     UNKNOWN_WEIGHTS,
@@ -287,19 +287,11 @@ class CachedDataset(torch.utils.data.Dataset):
         record = self.manifest.shards[shard]
         return CorruptCacheError(
             f"shard {record.file} of the cache at {self.path} is damaged: {problem}"
-            f"{self._restart_cause()}. It holds {len(record.keys)} samples: "
+            f"{restart_cause(self.manifest)}. It holds {len(record.keys)} samples: "
             f"{some_keys(record.keys)}; the other shards still read.\n"
             "  fix: run graphsplit.check_cache(path) to list every damaged shard, then rebuild "
             "the cache (run cache again with {remedy})",
             remedy=Remedy.OVERWRITE,
-        )
-
-    def _restart_cause(self) -> str:
-        if not restarted_since(self.manifest):
-            return ""
-        return (
-            " (the cache was written with durable=False, without fsync, and the machine has "
-            "restarted since: the restart lost bytes not yet on the disk)"
         )
 
     def _load_constants(self) -> dict[str, torch.Tensor]:
@@ -330,7 +322,7 @@ class CachedDataset(torch.utils.data.Dataset):
         if problem is not None:
             raise CorruptCacheError(
                 f"{CONSTANTS_FILE} of the cache at {self.path} is damaged: {problem}"
-                f"{self._restart_cause()}; every batch needs it.\n"
+                f"{restart_cause(self.manifest)}; every batch needs it.\n"
                 "  fix: rebuild the cache (run cache again with {remedy})",
                 remedy=Remedy.OVERWRITE,
             )

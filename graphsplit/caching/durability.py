@@ -23,6 +23,7 @@ In and out::
     boot_id() -> str                                  # "" when unknown
     unsynced_record(folder, *, durable) -> Unsynced | None    # what the manifest records
     restarted_since(manifest) -> bool                 # its files need their checksums checked
+    restart_cause(manifest) -> str                    # " (...)" for a damaged file's message
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 from graphsplit.caching.format import BOOT_ID, Manifest, Unsynced
 from graphsplit.caching.remote import RemotePath
 
-__all__ = ["BOOT_ID_FILE", "boot_id", "restarted_since", "unsynced_record"]
+__all__ = ["BOOT_ID_FILE", "boot_id", "restart_cause", "restarted_since", "unsynced_record"]
 
 BOOT_ID_FILE = Path("/proc/sys/kernel/random/boot_id")
 
@@ -61,3 +62,13 @@ def restarted_since(manifest: Manifest) -> bool:
     cannot be told apart from this one), so its files must be verified before use."""
     unsynced = manifest.unsynced
     return unsynced is not None and (not unsynced.boot_id or unsynced.boot_id != boot_id())
+
+
+def restart_cause(manifest: Manifest) -> str:
+    """What to add to a damaged file's message when a restart explains it ("" otherwise)."""
+    if not restarted_since(manifest):
+        return ""
+    return (
+        " (the cache was written with durable=False, without fsync, and the machine has "
+        "restarted since: the restart lost bytes not yet on the disk)"
+    )

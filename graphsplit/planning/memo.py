@@ -101,6 +101,9 @@ def _impure(func: Any) -> bool:
     return known
 
 
+_IMPURE: dict[Any, bool] = {}
+
+
 def _written_arguments(func: Any) -> tuple[tuple[int, str], ...] | None:
     """``(position, name)`` of each argument a mutating op writes (``add_``'s ``self``,
     ``out=``), from its schema; None when a written argument is not a plain tensor."""
@@ -127,9 +130,6 @@ def _identities(tensor: torch.Tensor) -> frozenset[Any]:
         base = tensor._base
         found += [("tensor", id(base)), base.untyped_storage()._cdata]
     return frozenset(found)
-
-
-_IMPURE: dict[Any, bool] = {}
 
 
 def _memoisable_view(func: Any) -> bool:

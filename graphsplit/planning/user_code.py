@@ -74,8 +74,8 @@ def frame_location_of(filename: str, line: int) -> tuple[str, str]:
 
 
 def _shown_path(filename: str) -> str:
-    """``filename`` relative to the cwd when inside it (``os.path.relpath`` per node cost a
-    tenth of a chain's trace: it is kept per cwd and name)."""
+    """``filename`` relative to the cwd when inside it (``os.path.relpath`` per node was about
+    3% of a 10k-node chain's split in a sampling profile: it is kept per cwd and name)."""
     key = (os.getcwd(), filename)
     shown = _SHOWN.get(key)
     if shown is None:

@@ -198,6 +198,15 @@ def test_after_a_restart_a_damaged_shard_is_refused_naming_the_cause(unsynced, r
     assert "overwrite=True" in message
     report = check_cache(unsynced)
     assert not report.ok and "shard-00002.safetensors" in str(report)
+    assert "written with durable=False" in report.problems[0].reason
+
+
+def test_check_cache_names_no_restart_for_a_durable_cache(tmp_path):
+    folder = write(tmp_path / "durable")
+    flip_last_byte(folder / "shard-00002.safetensors")
+    report = check_cache(folder)
+    assert not report.ok and "checksum differs" in report.problems[0].reason
+    assert "durable=False" not in str(report)
 
 
 def test_after_a_restart_damaged_constants_are_refused_naming_the_cause(unsynced, restarted):
