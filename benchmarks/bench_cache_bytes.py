@@ -21,7 +21,7 @@ import torch.fx as fx
 
 import graphsplit
 from benchmarks.common import markdown_table, parser, write_results
-from graphsplit.planning.cut import module_owner
+from graphsplit.planning.cut.boundary import module_owner
 
 
 def _tensors(value) -> list[torch.Tensor]:

@@ -1,7 +1,7 @@
 """Weight fingerprint speed: GB/s of ``fingerprint(split)`` per core, by weights digest.
 
 The fingerprint of a split reads every frozen tensor stage 1 holds (see
-:mod:`graphsplit.caching.fingerprint`); this times it on a stage 1 holding ``--mb`` MiB of
+:mod:`graphsplit.caching.format.fingerprint`); this times it on a stage 1 holding ``--mb`` MiB of
 random float32 and bfloat16 weights in tensors of ``--tensor-mb`` MiB (a transformer's layer
 sizes), in the page cache of RAM, on one torch thread. Variants, interleaved round by round:
 
@@ -38,7 +38,7 @@ from benchmarks.common import (
     torch_threads,
     write_results,
 )
-from graphsplit.caching.fingerprint import WEIGHT_HASHES, fingerprint
+from graphsplit.caching.format.fingerprint import WEIGHT_HASHES, fingerprint
 
 VARIANTS = ("xxh3", "xxh3_remembered", "crc32", "sha256", "raw_xxh3")
 

@@ -266,7 +266,7 @@ def _caching(mix: Mix, split: Any, dataset: Any, device: torch.device, folder: P
                 split.stage1(**_inputs(batch, split.input_names, device))
         _synchronize(device)
         stage1_seconds = time.perf_counter() - started
-    from graphsplit.caching.fingerprint import fingerprint
+    from graphsplit.caching.format.fingerprint import fingerprint
 
     started = time.perf_counter()
     fingerprint(split)  # what cache() pays once per call, before its first batch

@@ -21,14 +21,14 @@ import torch.fx as fx
 from torch import nn
 
 from graphsplit.artifacts import BoundarySpec, Cut
-from graphsplit.planning.callable import as_step_module
-from graphsplit.planning.codegen import build_stage1, build_stage2, standalone_source
-from graphsplit.planning.cut import boundary_specs, choose_boundary
-from graphsplit.planning.frozen import FrozenSpec, resolve_frozen
-from graphsplit.planning.inputs import bind_examples
-from graphsplit.planning.recompute import Recompute, check_recompute
-from graphsplit.planning.rewrites import restore_devices
-from graphsplit.planning.rounds import trace_and_analyze
+from graphsplit.planning.codegen.stages import build_stage1, build_stage2, standalone_source
+from graphsplit.planning.cut.boundary import boundary_specs, choose_boundary
+from graphsplit.planning.cut.recompute import Recompute, check_recompute
+from graphsplit.planning.leaf_rounds import trace_and_analyze
+from graphsplit.planning.step.callables import as_step_module
+from graphsplit.planning.step.example_inputs import bind_examples
+from graphsplit.planning.step.frozen import FrozenSpec, resolve_frozen
+from graphsplit.planning.trace.rewrites import restore_devices
 from graphsplit.report import plan_json, render_report
 
 

@@ -13,12 +13,13 @@ Glossary:
 
 The pipeline, and the artifact each step hands to the next::
 
-    planning.inputs.bind_examples(model, args, kwargs) -> ExampleInputs
-    planning.trace.trace_step(model, values, leaves)    -> Traced (graph, guards, constants)
-    planning.analyze.analyze(traced, model, examples)   -> node.meta["facts"] = NodeFacts
-    planning.cut.choose_boundary(graph, trainable)      -> Cut (boundary, stages, Taint per node,
+    planning.step.example_inputs.bind_examples(model, args, kwargs) -> ExampleInputs
+    planning.trace.tracer.trace_step(model, values, leaves)    -> Traced (graph, guards, constants)
+    planning.analyse.node_facts.analyze(traced, model, examples)   -> node.meta["facts"] = NodeFacts
+    planning.cut.boundary.choose_boundary(graph, trainable)      -> Cut (boundary, stages, Taint per
+    node,
                                                            Recomputation: frozen work redone)
-    planning.codegen.build_stage1 / build_stage2        -> torch.fx.GraphModule each
+    planning.codegen.stages.build_stage1 / build_stage2        -> torch.fx.GraphModule each
 
 Node facts are never mutated: an update is ``dataclasses.replace(facts, ...)`` written back to
 ``node.meta["facts"]``. :class:`BoundarySpec` is public and serialises to JSON.
@@ -122,7 +123,8 @@ class Traced:
     input_names: tuple[str, ...]
     notes: tuple[str, ...] = ()
     # The batch sizes the plan was analysed at, when not the example's probe sizes: (1, 1) for
-    # a plan that runs one sample per batch (see graphsplit.planning.inputs.ONE_SAMPLE).
+    # a plan that runs one sample per batch (see
+    # graphsplit.planning.step.example_inputs.ONE_SAMPLE).
     batch_sizes: tuple[int, int] | None = None
 
 
@@ -131,7 +133,7 @@ class AtenOp:
     """One ATen op a node ran on meta tensors, as recorded for the analysis.
 
     ``dims`` holds the ``dim``/``dims`` argument of ops that work along a dimension (see
-    :data:`graphsplit.planning.mixing.ALONG_DIM_OPS`), empty for the others.
+    :data:`graphsplit.planning.rules.mixing.ALONG_DIM_OPS`), empty for the others.
     """
 
     name: str
@@ -200,7 +202,8 @@ class NodeFacts:
     params: frozenset[str] = frozenset()  # parameters the node reads directly (qualified names)
     is_batch_size: bool = False  # a Python int equal to the batch size in both runs
     # A Python int (or tuple / torch.Size of ints) equal in both runs: a resolution, a frame
-    # count, never the batch size; None for anything else (see graphsplit.planning.numbers).
+    # count, never the batch size; None for anything else (see
+    # graphsplit.planning.rules.baked_sizes).
     number: int | tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:

@@ -128,8 +128,8 @@ class TraceError(GraphsplitError):
 class TensorValueError(TraceError):
     """The step reads a tensor's value while it is traced (``.item()``, ``.tolist()``, control
     flow, a data-dependent shape). A typed reason: the planning retries frozen code that does
-    this as one opaque stage-1 step (:mod:`graphsplit.planning.opaque`), or, planned one sample
-    per batch, answers the read itself (:mod:`graphsplit.planning.value_reads`).
+    this as one opaque stage-1 step (:mod:`graphsplit.planning.opaque.sites`), or, planned one
+    sample per batch, answers the read itself (:mod:`graphsplit.planning.opaque.value_reads`).
 
     ``read_at`` is the user's ``file:line  code`` that read the value, where the user's own code
     read it (None when an opaque call's example run raised it: its caller is tried next).
@@ -147,7 +147,7 @@ class TrainableSideError(OpaqueCallError):
     """The example run refused an opaque call because it belongs to the trainable side: it
     reads a trainable parameter, its inputs depend on one or on a random draw, or it draws
     random numbers. A typed reason: the planning then answers the value read that made the
-    call opaque, when it can (:mod:`graphsplit.planning.value_reads`). ``site`` is the
+    call opaque, when it can (:mod:`graphsplit.planning.opaque.value_reads`). ``site`` is the
     refused call's site (an ``OpaqueSite``)."""
 
     site: object = None
@@ -238,7 +238,8 @@ def user_error(
 
 
 # storage errors
-# -- caches on fsspec filesystems (s3://, gs://, hf://): see graphsplit.caching.remote ---------
+# -- caches on fsspec filesystems (s3://, gs://, hf://): see graphsplit.caching.store.remote
+# ---------
 class UnsupportedStorageError(CacheError):
     """A cache path graphsplit cannot open: a URL fsspec does not know or lacks the package
     for, or a local path that is a URL whose '//' was lost."""

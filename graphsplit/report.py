@@ -19,8 +19,8 @@ import torch.fx as fx
 from torch import nn
 
 from graphsplit.artifacts import Cut, MixingCause, Recomputation, Taint, TaintKind
-from graphsplit.planning.cut import facts, is_banned, module_owner
-from graphsplit.planning.guards import expression
+from graphsplit.planning.cut.boundary import facts, is_banned, module_owner
+from graphsplit.planning.rules.size_guards import expression
 from graphsplit.units import human_bytes, human_flops
 
 if TYPE_CHECKING:

@@ -93,7 +93,7 @@ def check_value(tensor: Any, read: str, expected: Any, where: str) -> None:
 
     The step read a Python value off a tensor computed from data and frozen weights only
     (``mask.sum(dim=1).tolist()``); the plan holds the example batch's value as a literal
-    (:mod:`graphsplit.planning.value_reads`). On meta and fake tensors (the planning's own
+    (:mod:`graphsplit.planning.opaque.value_reads`). On meta and fake tensors (the planning's own
     runs) there is nothing to read and nothing is checked.
     """
     if not isinstance(tensor, torch.Tensor) or tensor.is_meta or _is_fake(tensor):

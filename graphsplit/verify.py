@@ -17,7 +17,7 @@ from torch import nn
 
 from graphsplit.api import Split
 from graphsplit.errors import VerifyError
-from graphsplit.planning.callable import as_step_module
+from graphsplit.planning.step.callables import as_step_module
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, default_collate
 
 import graphsplit
 import graphsplit.runtime
-from graphsplit.caching.fingerprint import fingerprint
+from graphsplit.caching.format.fingerprint import fingerprint
 
 RUNTIME_NAMES = [
     "LEGACY_NAMES",

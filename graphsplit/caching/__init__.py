@@ -24,9 +24,9 @@ cache is written and read:
     check         check_cache, CacheReport
 """
 
-from graphsplit.caching.check import CacheReport, check_cache
-from graphsplit.caching.dataset import CachedDataset, collate, verify_inputs
-from graphsplit.caching.run import CacheInfo, cache
+from graphsplit.caching.read.check import CacheReport, check_cache
+from graphsplit.caching.read.dataset import CachedDataset, collate, verify_inputs
+from graphsplit.caching.write.cache_run import CacheInfo, cache
 
 __all__ = [
     "CacheInfo",

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 
 from graphsplit.api import Split, split
 from graphsplit.caching import cache
-from graphsplit.caching.remote import location
+from graphsplit.caching.store.remote import location
 from graphsplit.errors import (
     GraphsplitError,
     UnsupportedStorageError,

@@ -10,7 +10,7 @@ Glossary:
         writes its share); see :mod:`graphsplit.tools.cache_command`.
     check-cache: verify every file of a cache folder.
     export: write a cache as a Hugging Face ``datasets`` dataset (a ``save_to_disk`` folder or a
-        parquet file) to push to the Hub or stream; see :mod:`graphsplit.caching.hf_export`.
+        parquet file) to push to the Hub or stream; see :mod:`graphsplit.caching.read.hf_export`.
     CLI words: every error's typed remedy (:class:`graphsplit.errors.Remedy`) is rendered as
         its flag (``--overwrite``), since ``main`` runs inside ``speaking(Wording.CLI)``.
     exit code: 0 success; 1 the operation failed (the step cannot be split, the cache is
@@ -94,7 +94,7 @@ def _check_cache(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from graphsplit.caching.hf_export import export_cache
+    from graphsplit.caching.read.hf_export import export_cache
 
     out = export_cache(args.dir, args.out, overwrite=args.overwrite, parquet=args.parquet)
     print(f"wrote the cache at {args.dir} as a datasets dataset to {out}")
@@ -108,7 +108,8 @@ def _add_export(commands: argparse._SubParsersAction) -> None:
         description="Write the cache DIR as a datasets dataset, one row per sample, with the "
         "cache's fingerprint in its features metadata: a save_to_disk folder "
         "(datasets.load_from_disk) or, with --parquet, one parquet file. Read it back for "
-        "stage 2 with graphsplit.caching.hf_export.HFCachedDataset. Needs the datasets package.",
+        "stage 2 with graphsplit.caching.read.hf_export.HFCachedDataset. Needs the datasets "
+        "package.",
     )
     export.add_argument("dir", metavar="DIR", help="the cache folder")
     export.add_argument("--out", required=True, help="the folder (or parquet file) to write")

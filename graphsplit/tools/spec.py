@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from graphsplit.errors import GraphsplitError
-from graphsplit.planning.frozen import FrozenSpec
+from graphsplit.planning.step.frozen import FrozenSpec
 
 __all__ = ["SpecError", "StepSpec", "load_spec"]
 

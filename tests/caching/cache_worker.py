@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
-from graphsplit.caching.dataset import CachedDataset, collate
-from graphsplit.caching.run import cache
-from graphsplit.caching.shards import ShardWriter
+from graphsplit.caching.read.dataset import CachedDataset, collate
+from graphsplit.caching.write.cache_run import cache
+from graphsplit.caching.write.shards import ShardWriter
 from tests.caching.fixtures import Pictures, loader, make_split
 
 WRITTEN: list[int] = []  # the shards this process wrote

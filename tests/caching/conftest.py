@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from graphsplit.caching.run import cache
+from graphsplit.caching.write.cache_run import cache
 from tests.caching.fixtures import SMALL, Pictures, loader, make_split
 from tests.caching.s3_server import bucket, s3, s3_endpoint  # noqa: F401 (fixtures)
 

@@ -174,7 +174,7 @@ def cache_contents(path: Path) -> dict[str, Any]:
 
 def rows_by_key(path: Path) -> dict[str, dict[str, torch.Tensor]]:
     """Every sample's rows, by key (layout independent)."""
-    from graphsplit.caching.dataset import CachedDataset
+    from graphsplit.caching.read.dataset import CachedDataset
 
     cached = CachedDataset(path)
     return {item["key"]: {k: v for k, v in item.items() if k != "key"} for item in cached}
@@ -207,7 +207,7 @@ class Interrupt(Exception):
 
 def interrupt_after(monkeypatch: Any, shards: int) -> None:
     """Make the writer fail after ``shards`` shards were committed, like a crash."""
-    from graphsplit.caching.shards import ShardWriter
+    from graphsplit.caching.write.shards import ShardWriter
 
     original = ShardWriter.commit
     done = []

@@ -10,7 +10,8 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from graphsplit.caching import checksums, files
+from graphsplit.caching.format import checksums
+from graphsplit.caching.store import files
 from graphsplit.errors import CacheError
 
 

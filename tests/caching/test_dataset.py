@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import graphsplit.caching.dataset as dataset_module
+import graphsplit.caching.read.dataset as dataset_module
 from graphsplit.artifacts import BoundarySpec
-from graphsplit.caching.check import check_cache
-from graphsplit.caching.dataset import CachedDataset, CachedSample, collate, verify_inputs
-from graphsplit.caching.files import checksum_file
-from graphsplit.caching.run import cache
+from graphsplit.caching.read.check import check_cache
+from graphsplit.caching.read.dataset import CachedDataset, CachedSample, collate, verify_inputs
+from graphsplit.caching.store.files import checksum_file
+from graphsplit.caching.write.cache_run import cache
 from graphsplit.errors import CacheError, CorruptCacheError, StaleCacheError
 from tests.caching.fixtures import (
     Pictures,

@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from graphsplit.caching import files
-from graphsplit.caching.dataset import CachedDataset
-from graphsplit.caching.run import cache
+from graphsplit.caching.read.dataset import CachedDataset
+from graphsplit.caching.store import files
+from graphsplit.caching.write.cache_run import cache
 from graphsplit.errors import CacheError, ManifestError, StaleCacheError
 from tests.caching.fixtures import (
     SMALL,

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphsplit.caching import durability
-from graphsplit.caching.check import check_cache
-from graphsplit.caching.dataset import CachedDataset
-from graphsplit.caching.format import Manifest, Unsynced, read_manifest
-from graphsplit.caching.remote import RemotePath
-from graphsplit.caching.run import cache
+from graphsplit.caching.format.layout import Manifest, Unsynced, read_manifest
+from graphsplit.caching.read.check import check_cache
+from graphsplit.caching.read.dataset import CachedDataset
+from graphsplit.caching.store import durability
+from graphsplit.caching.store.remote import RemotePath
+from graphsplit.caching.write.cache_run import cache
 from graphsplit.errors import CorruptCacheError, ManifestError
 from graphsplit.tools.cli import main
 from tests.caching.fixtures import (

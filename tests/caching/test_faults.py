@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphsplit.caching import files
-from graphsplit.caching.check import check_cache
-from graphsplit.caching.dataset import CachedDataset
-from graphsplit.caching.run import cache
+from graphsplit.caching.read.check import check_cache
+from graphsplit.caching.read.dataset import CachedDataset
+from graphsplit.caching.store import files
+from graphsplit.caching.write.cache_run import cache
 from graphsplit.errors import (
     CacheError,
     CorruptCacheError,

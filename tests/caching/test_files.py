@@ -11,7 +11,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 
-from graphsplit.caching import files
+from graphsplit.caching.store import files
 from graphsplit.errors import CacheError, DiskFullError
 
 

@@ -13,9 +13,8 @@ import torch
 import xxhash
 
 from graphsplit.artifacts import BoundarySpec
-from graphsplit.caching import fingerprint as fingerprint_module
-from graphsplit.caching.dataset import CachedDataset
-from graphsplit.caching.fingerprint import (
+from graphsplit.caching.format import fingerprint as fingerprint_module
+from graphsplit.caching.format.fingerprint import (
     WEIGHT_HASHES,
     _digest_tensors,
     batch_input_digests,
@@ -23,7 +22,8 @@ from graphsplit.caching.fingerprint import (
     fingerprint,
     item_input_digest,
 )
-from graphsplit.caching.run import cache
+from graphsplit.caching.read.dataset import CachedDataset
+from graphsplit.caching.write.cache_run import cache
 from graphsplit.errors import CacheError, StaleCacheError
 from tests.caching.fixtures import (
     ROOT,
@@ -181,7 +181,7 @@ def test_the_weights_fingerprint_is_the_same_in_another_process():
     split = make_split(Model(seed=5))
     here = fingerprint(split).weights
     script = (
-        "from graphsplit.caching.fingerprint import fingerprint\n"
+        "from graphsplit.caching.format.fingerprint import fingerprint\n"
         "from tests.caching.fixtures import Model, make_split\n"
         "print(fingerprint(make_split(Model(seed=5))).weights)\n"
     )
@@ -198,7 +198,7 @@ def test_the_weights_fingerprint_is_the_same_in_another_process():
 
 def _row_by_row(batch, names, size):
     """The digests as graphsplit <= 0.2 computed them: each row cut out and hashed alone."""
-    from graphsplit.caching.fingerprint import _digest_values, _row
+    from graphsplit.caching.format.fingerprint import _digest_values, _row
 
     return [
         _digest_values((name, _row(batch[name], index, size)) for name in names)

@@ -10,9 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphsplit.caching.check import check_cache
-from graphsplit.caching.dataset import CachedDataset
-from graphsplit.caching.format import (
+from graphsplit.caching.format.layout import (
     read_constants_progress,
     read_manifest,
     read_resume_header,
@@ -21,7 +19,9 @@ from graphsplit.caching.format import (
     write_progress,
     write_resume_header,
 )
-from graphsplit.caching.run import cache
+from graphsplit.caching.read.check import check_cache
+from graphsplit.caching.read.dataset import CachedDataset
+from graphsplit.caching.write.cache_run import cache
 from graphsplit.errors import CorruptCacheError, ManifestError
 from tests.caching.fixtures import (
     SMALL,

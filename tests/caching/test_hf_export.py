@@ -10,16 +10,16 @@ import sys
 import pytest
 import torch
 
-from graphsplit.caching.dataset import CachedDataset, collate
-from graphsplit.caching.format import read_manifest
-from graphsplit.caching.run import cache
+from graphsplit.caching.format.layout import read_manifest
+from graphsplit.caching.read.dataset import CachedDataset, collate
+from graphsplit.caching.write.cache_run import cache
 from graphsplit.errors import ManifestError, StaleCacheError
 from tests.caching.fixtures import SMALL, Model, Pictures, bucket_batches, loader, make_split
 
 datasets = pytest.importorskip(
     "datasets", reason="the optional `datasets` package is not installed (graphsplit[datasets])"
 )
-from graphsplit.caching.hf_export import (  # noqa: E402 (after the skip)
+from graphsplit.caching.read.hf_export import (  # noqa: E402 (after the skip)
     HFCachedDataset,
     HFCachedIterable,
     HFExportError,

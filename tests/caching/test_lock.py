@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from graphsplit.caching import run
-from graphsplit.caching.lock import FolderLock
-from graphsplit.caching.run import cache
+from graphsplit.caching.store.lock import FolderLock
+from graphsplit.caching.write import cache_run as run
+from graphsplit.caching.write.cache_run import cache
 from graphsplit.errors import CacheLockedError, UnsafeFileError
 from tests.caching.fixtures import loader
 

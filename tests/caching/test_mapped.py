@@ -13,10 +13,10 @@ import torch
 from safetensors import safe_open
 
 from graphsplit.artifacts import BoundarySpec
-from graphsplit.caching.dataset import CachedDataset, collate
-from graphsplit.caching.files import checksum_file
-from graphsplit.caching.mapped import MappedShard, _layout
-from graphsplit.caching.run import cache
+from graphsplit.caching.read.dataset import CachedDataset, collate
+from graphsplit.caching.store.files import checksum_file
+from graphsplit.caching.store.mapped import MappedShard, _layout
+from graphsplit.caching.write.cache_run import cache
 from tests.caching.fixtures import ChannelsLastEncoder, Pictures, loader, make_split, trace
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from graphsplit.caching.memory_order import memory_order
+from graphsplit.caching.format.memory_order import memory_order
 
 
 def test_memory_order_of_common_layouts():

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from graphsplit.caching.dataset import CachedDataset
-from graphsplit.caching.fingerprint import fingerprint
-from graphsplit.caching.processes import Processes
-from graphsplit.caching.run import cache
+from graphsplit.caching.format.fingerprint import fingerprint
+from graphsplit.caching.read.dataset import CachedDataset
+from graphsplit.caching.write.cache_run import cache
+from graphsplit.caching.write.processes import Processes
 from graphsplit.errors import CacheError, StaleCacheError
 from tests.caching.fixtures import (
     SMALL,

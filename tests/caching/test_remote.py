@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphsplit.caching.check import check_cache
-from graphsplit.caching.dataset import CachedDataset, collate
-from graphsplit.caching.remote import RemotePath, location
-from graphsplit.caching.remote_lock import RemoteLock
-from graphsplit.caching.run import cache
+from graphsplit.caching.read.check import check_cache
+from graphsplit.caching.read.dataset import CachedDataset, collate
+from graphsplit.caching.store.remote import RemotePath, location
+from graphsplit.caching.store.remote_lock import RemoteLock
+from graphsplit.caching.write.cache_run import cache
 from graphsplit.errors import (
     CacheLockedError,
     CorruptCacheError,
@@ -213,7 +213,7 @@ def test_the_lock_object_refuses_a_second_writer_and_takes_over_a_dead_one(s3, b
 
 
 def test_a_run_whose_lock_was_taken_publishes_nothing(s3, bucket, monkeypatch):
-    from graphsplit.caching import run
+    from graphsplit.caching.write import cache_run as run
 
     def steal(self):
         s3.pipe_file(f"{bucket}/cache/.lock", b'{"pid": 1, "host": "thief", "token": "other"}')
@@ -287,7 +287,7 @@ def test_a_remote_cache_of_another_split_is_refused_then_overwritten(s3, bucket)
 
 @pytest.mark.parametrize("umask", [0o002, 0o022])
 def test_shards_and_manifest_share_one_mode_that_honours_the_umask(tmp_path, umask):
-    from graphsplit.caching.lock import FolderLock
+    from graphsplit.caching.store.lock import FolderLock
 
     previous = os.umask(umask)
     try:

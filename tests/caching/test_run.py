@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from graphsplit.caching.dataset import CachedDataset, collate
-from graphsplit.caching.format import read_manifest
-from graphsplit.caching.run import CacheInfo, cache
+from graphsplit.caching.format.layout import read_manifest
+from graphsplit.caching.read.dataset import CachedDataset, collate
+from graphsplit.caching.write.cache_run import CacheInfo, cache
 from tests.caching.fixtures import (
     SMALL,
     Pictures,

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphsplit.caching import files
-from graphsplit.caching.dataset import CachedDataset, collate
-from graphsplit.caching.fingerprint import batch_input_digests
-from graphsplit.caching.format import read_manifest
-from graphsplit.caching.run import cache
-from graphsplit.caching.shards import ShardWriter
+from graphsplit.caching.format.fingerprint import batch_input_digests
+from graphsplit.caching.format.layout import read_manifest
+from graphsplit.caching.read.dataset import CachedDataset, collate
+from graphsplit.caching.store import files
+from graphsplit.caching.write.cache_run import cache
+from graphsplit.caching.write.shards import ShardWriter
 from graphsplit.errors import CacheError
 from tests.caching.fixtures import (
     SMALL,
@@ -211,7 +211,9 @@ def test_input_digests_are_those_of_each_batch_as_yielded(split, tmp_path, monke
         assert refilling.refilled[len(calls) - 1].wait(timeout=60)
         return batch_input_digests(batch, names, size)
 
-    monkeypatch.setattr("graphsplit.caching.shards.batch_input_digests", digests_once_refilled)
+    monkeypatch.setattr(
+        "graphsplit.caching.write.shards.batch_input_digests", digests_once_refilled
+    )
     info = cache(split, refilling, tmp_path, progress=False)
     names = split.input_names
     expected = [d for batch in loader(dataset) for d in batch_input_digests(batch, names, 2)]
@@ -223,7 +225,7 @@ def test_a_failing_input_digest_stops_the_run_with_its_error(split, tmp_path, mo
     def failing(*args):
         raise CacheError("cannot digest this input")
 
-    monkeypatch.setattr("graphsplit.caching.shards.batch_input_digests", failing)
+    monkeypatch.setattr("graphsplit.caching.write.shards.batch_input_digests", failing)
     with pytest.raises(CacheError, match="cannot digest this input"):
         cache(split, loader(), tmp_path, progress=False)
     assert not (tmp_path / "manifest.json").exists()

@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load
 
-from graphsplit.caching import files
-from graphsplit.caching.tensor_file import SAFETENSORS_DTYPES, layout, rows_of, serialise
+from graphsplit.caching.format.tensor_file import SAFETENSORS_DTYPES, layout, rows_of, serialise
+from graphsplit.caching.store import files
 
 
 def _parts(tensors, metadata):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphsplit.caching.validate import JsonReader, json_field, json_names, to_json
+from graphsplit.caching.format.records import JsonReader, json_field, json_names, to_json
 from graphsplit.errors import ManifestError
 
 

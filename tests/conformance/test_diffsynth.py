@@ -38,7 +38,7 @@ if not DIFFSYNTH:
 
 import graphsplit
 from examples.diffsynth.steps import wan_batch, wan_t2v_lora_step
-from graphsplit.planning.opaque_call import OPAQUE, is_opaque
+from graphsplit.planning.rules.opaque_call import OPAQUE, is_opaque
 from tests.helpers import line_of, split_and_verify
 
 pytestmark = pytest.mark.slow

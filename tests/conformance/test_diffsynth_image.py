@@ -18,7 +18,7 @@ the two are never resident together.
 Qwen-Image's ``model_fn_qwen_image`` (the trainable side: it calls the DiT) reads
 ``txt_seq_lens = prompt_emb_mask.sum(dim=1).tolist()`` off the frozen prompt mask; planned one
 sample per batch, the plan holds the example's value (187 prompt tokens here) and stage 1 checks
-it on every batch (:mod:`graphsplit.planning.value_reads`): a prompt of another length is
+it on every batch (:mod:`graphsplit.planning.opaque.value_reads`): a prompt of another length is
 refused there, naming DiffSynth's line. One plan serves one prompt length.
 """
 
@@ -44,7 +44,7 @@ from examples.diffsynth.image_steps import (
     qwen_image_batch,
     qwen_image_lora_step,
 )
-from graphsplit.planning.value_reads import answered_reads
+from graphsplit.planning.opaque.value_reads import answered_reads
 from tests.helpers import line_of, param_names, split_and_verify
 
 pytestmark = pytest.mark.slow

@@ -40,7 +40,7 @@ from diffusers.training_utils import (  # noqa: E402
 )
 
 import graphsplit  # noqa: E402
-from graphsplit.planning.opaque_call import OPAQUE, is_opaque  # noqa: E402
+from graphsplit.planning.rules.opaque_call import OPAQUE, is_opaque  # noqa: E402
 
 VOCAB = 256
 TOKENS = 10

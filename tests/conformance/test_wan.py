@@ -30,7 +30,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 from diffusers.training_utils import compute_density_for_timestep_sampling  # noqa: E402
 
-from graphsplit.planning.opaque_call import OPAQUE, is_opaque  # noqa: E402
+from graphsplit.planning.rules.opaque_call import OPAQUE, is_opaque  # noqa: E402
 
 VOCAB = 64
 MAX_SEQUENCE_LENGTH = 8

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphsplit.artifacts import TaintKind
-from graphsplit.planning.cut import facts
+from graphsplit.planning.cut.boundary import facts
 from tests.helpers import (
     batch,
     boundary_summary,

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import graphsplit
-from graphsplit.planning.inputs import ONE_SAMPLE, bind_examples, one_sample_examples
+from graphsplit.planning.step.example_inputs import ONE_SAMPLE, bind_examples, one_sample_examples
 from tests.helpers import boundary_summary, frozen, line_of, split_and_verify
 
 

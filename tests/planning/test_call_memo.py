@@ -14,9 +14,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 import graphsplit
-from graphsplit.planning import call_memo, meta
-from graphsplit.planning.interpret import TracingInterpreter, _recorded, fetch
-from graphsplit.planning.meta import analysis_view, meta_execution, module_called
+from graphsplit.planning.meta import analysis_view as meta
+from graphsplit.planning.meta import call_memo
+from graphsplit.planning.meta.analysis_view import analysis_view, meta_execution, module_called
+from graphsplit.planning.meta.interpreters import TracingInterpreter, _recorded, fetch
 
 
 class Block(nn.Module):

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import graphsplit
-from graphsplit.planning import call_memo
+from graphsplit.planning.meta import call_memo
 
 WIDTH = 8
 
@@ -599,7 +599,8 @@ class AutocastInTheStep(nn.Module):
 
 
 def test_autocast_in_the_step_around_repeated_leaf_calls_is_refused_alike(monkeypatch):
-    # The step's own autocast is refused (planning/grad_modes.py), with the memo as without it.
+    # The step's own autocast is refused (planning/rules/grad_modes.py), with the memo as without
+    # it.
     memoised, plain, hits = _memoised_and_plain(monkeypatch, AutocastInTheStep(), _xy())
     assert hits > 0
     assert isinstance(memoised, tuple) and memoised == plain

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphsplit
-from graphsplit.planning.callable import as_step_module
+from graphsplit.planning.step.callables import as_step_module
 from tests.helpers import batch, frozen, split_and_verify
 
 X, Y = batch(3, 8), batch(3, 1, seed=1)

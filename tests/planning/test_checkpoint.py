@@ -230,7 +230,7 @@ def test_a_checkpoint_function_taken_before_the_trace_is_kept(use_reentrant):
     args = (batch(2, 5, 8), batch(2, 5, 8, seed=1))
     split = split_and_verify(model, args)
     # The reentrant engine is called through graphsplit's reentrant_checkpoint (it makes sure
-    # an input requires grad, see graphsplit.planning.checkpoint), then torch's checkpoint.
+    # an input requires grad, see graphsplit.planning.rules.checkpoint), then torch's checkpoint.
     call = "reentrant_checkpoint(" if use_reentrant else "torch.utils.checkpoint.checkpoint("
     assert split.stage2.code.count(call) == 2
     assert f"use_reentrant = {use_reentrant}" in split.stage2.code

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from torch.utils.checkpoint import checkpoint as checkpoint_taken_early
 
 import graphsplit
-from graphsplit.planning.outline import outline
+from graphsplit.planning.rules.outline import outline
 from tests.helpers import batch, frozen, split_and_verify
 from tests.planning.test_checkpoint import Block
 

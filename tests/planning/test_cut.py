@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from graphsplit.artifacts import TaintKind
-from graphsplit.planning.cut import facts, is_banned
+from graphsplit.planning.cut.boundary import facts, is_banned
 from tests.helpers import (
     batch,
     boundary_summary,

@@ -34,9 +34,15 @@ from torch import nn
 
 import graphsplit
 from graphsplit.artifacts import Taint
-from graphsplit.planning.cut import choose_boundary, facts, is_banned, is_storable, storage_cost
-from graphsplit.planning.numbers import is_fixed_number
-from graphsplit.planning.recompute import CostModel, Prices, candidates, price
+from graphsplit.planning.cut.boundary import (
+    choose_boundary,
+    facts,
+    is_banned,
+    is_storable,
+    storage_cost,
+)
+from graphsplit.planning.cut.recompute import CostModel, Prices, candidates, price
+from graphsplit.planning.rules.baked_sizes import is_fixed_number
 from tests.helpers import batch, param_names
 
 BATCH = 3

@@ -1,4 +1,4 @@
-"""Grad mode and autocast switched inside the traced step (planning/grad_modes.py).
+"""Grad mode and autocast switched inside the traced step (planning/rules/grad_modes.py).
 
 torch.fx records no node for a ``with`` block, so stage code runs the step's ops under the
 caller's modes. Accepted where that is exact (verified bit for bit against eager), refused
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphsplit
-from graphsplit.planning.grad_modes import (
+from graphsplit.planning.rules.grad_modes import (
     AUTOCAST_FIX,
     ENABLE_GRAD_FIX,
     INFERENCE_MODE_FIX,

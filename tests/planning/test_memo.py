@@ -8,8 +8,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.flop_counter import FlopCounterMode
 
-from graphsplit.planning.interpret import _recorded
-from graphsplit.planning.meta import META, analysis_view, meta_execution
+from graphsplit.planning.meta.analysis_view import META, analysis_view, meta_execution
+from graphsplit.planning.meta.interpreters import _recorded
 
 
 def _metadata(tensor: torch.Tensor) -> tuple:
@@ -17,7 +17,7 @@ def _metadata(tensor: torch.Tensor) -> tuple:
 
 
 def _memo():
-    from graphsplit.planning import meta
+    from graphsplit.planning.meta import analysis_view as meta
 
     return meta._fake_mode_and_memo()[1]
 
@@ -100,7 +100,7 @@ def test_flops_match_flop_counter_mode():
 
 
 def test_each_analysis_has_its_own_memo():
-    from graphsplit.planning import meta
+    from graphsplit.planning.meta import analysis_view as meta
 
     with analysis_view(nn.Module()):
         first = meta._fake_mode_and_memo()
@@ -129,7 +129,7 @@ def _fake_description(tensor: torch.Tensor) -> tuple:
 def test_quick_construction_makes_the_constructors_fake_tensor():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from graphsplit.planning.memo import OpMemo
+    from graphsplit.planning.meta.op_memo import OpMemo
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     memo = OpMemo(mode)
@@ -144,7 +144,7 @@ def test_quick_construction_makes_the_constructors_fake_tensor():
 def test_fake_twins_equal_the_converters_and_share_storages_as_it_does():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from graphsplit.planning.memo import OpMemo
+    from graphsplit.planning.meta.op_memo import OpMemo
 
     with META:
         tensors = [

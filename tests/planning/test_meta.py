@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from graphsplit.planning.meta import analysis_view, meta_execution
+from graphsplit.planning.meta.analysis_view import analysis_view, meta_execution
 from tests.helpers import frozen, split_and_verify
 
 

@@ -7,7 +7,7 @@ import random
 import networkx as nx
 import pytest
 
-from graphsplit.planning.min_cut import Unbounded, sink_side
+from graphsplit.planning.cut.min_cut import Unbounded, sink_side
 
 
 def _random_network(seed: int, nodes: int = 30) -> dict[tuple[str, str], int | None]:

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphsplit
-from graphsplit.caching.fingerprint import differences, fingerprint
+from graphsplit.caching.format.fingerprint import differences, fingerprint
 from graphsplit.errors import TensorValueError
-from graphsplit.planning.opaque_call import OPAQUE, is_opaque
+from graphsplit.planning.rules.opaque_call import OPAQUE, is_opaque
 from tests.helpers import frozen, line_of, split_and_verify
 from tests.planning import opaque_functions
 from tests.planning.opaque_functions import trim_to_lengths

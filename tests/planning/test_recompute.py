@@ -17,8 +17,8 @@ from torch import nn
 
 import graphsplit
 from graphsplit.errors import SplitError
-from graphsplit.planning.cut import choose_boundary
-from graphsplit.planning.recompute import AUTO, CostModel, candidates
+from graphsplit.planning.cut.boundary import choose_boundary
+from graphsplit.planning.cut.recompute import AUTO, CostModel, candidates
 from tests.helpers import (
     batch,
     boundary_summary,

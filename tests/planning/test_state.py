@@ -8,9 +8,13 @@ from types import SimpleNamespace
 
 import torch
 
-from graphsplit.planning.meta import meta_execution
-from graphsplit.planning.python_builtins import python_builtins_as_eager
-from graphsplit.planning.state import is_helper_object, module_state_restored, restore_attributes
+from graphsplit.planning.meta.analysis_view import meta_execution
+from graphsplit.planning.patching.module_state import (
+    is_helper_object,
+    module_state_restored,
+    restore_attributes,
+)
+from graphsplit.planning.patching.traced_builtins import python_builtins_as_eager
 
 
 class _Scheduler:

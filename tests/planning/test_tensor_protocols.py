@@ -16,7 +16,7 @@ from torch import nn
 
 import graphsplit
 from graphsplit.errors import TraceError
-from graphsplit.planning.guards import GUARDS
+from graphsplit.planning.rules.size_guards import GUARDS
 from tests.helpers import batch, frozen, line_of, param_names, split_and_verify
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 import graphsplit
 from graphsplit.errors import TensorValueError
-from graphsplit.planning.value_reads import answered_reads, value_checks
+from graphsplit.planning.opaque.value_reads import answered_reads, value_checks
 from tests.helpers import frozen, line_of, split_and_verify
 
 VOCAB, TOKENS, WIDTH = 16, 6, 4

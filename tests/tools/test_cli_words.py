@@ -82,7 +82,7 @@ def test_export_writes_a_dataset_and_refuses_to_replace_it_in_cli_words(
     tiny_cache, tmp_path, capsys
 ):
     datasets = pytest.importorskip("datasets", reason="the optional datasets package is missing")
-    from graphsplit.caching.hf_export import HFCachedDataset, HFExportError, export_cache
+    from graphsplit.caching.read.hf_export import HFCachedDataset, HFExportError, export_cache
 
     dest = tmp_path / "exported"
     assert main(["export", str(tiny_cache), "--out", str(dest)]) == 0
@@ -118,7 +118,7 @@ def test_export_never_replaces_what_is_not_an_export(tiny_cache, tmp_path, capsy
 
 def test_export_to_parquet_streams_back(tiny_cache, tmp_path, capsys):
     datasets = pytest.importorskip("datasets", reason="the optional datasets package is missing")
-    from graphsplit.caching.hf_export import HFCachedIterable
+    from graphsplit.caching.read.hf_export import HFCachedIterable
 
     dest = tmp_path / "cache.parquet"
     assert main(["export", str(tiny_cache), "--out", str(dest), "--parquet"]) == 0

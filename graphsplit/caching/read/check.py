@@ -1,0 +1,252 @@
+"""Audit a cache folder: is every file there, whole, and holding what the manifest lists?
+
+Glossary:
+    problem: one damaged file of a cache (missing, another size, another checksum, tensors other
+        than the manifest lists) and the samples it holds; the other files still read.
+    tensor problem: a shard whose safetensors header names other tensors, shapes or dtypes
+        than the manifest's rows (read from the header alone, no tensor data).
+
+In and out::
+
+    check_cache(path) -> CacheReport                     # every checksum, size and tensor header
+    file_problem(folder, record, *, checksum) -> str | None
+    shard_tensors_problem(handle, record, manifest) -> str | None
+    some_keys(keys, limit=5) -> "'a', 'b' and 3 more"    # for messages
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+from graphsplit.caching.format.checksums import algorithm_of
+from graphsplit.caching.format.layout import (
+    CONSTANTS_FILE,
+    MANIFEST_FILE,
+    FileRecord,
+    Manifest,
+    ShardRecord,
+    read_manifest,
+    tensor_name,
+)
+from graphsplit.caching.format.memory_order import row_order
+from graphsplit.caching.store import files
+from graphsplit.caching.store.durability import restart_cause
+from graphsplit.caching.store.ranged import RangedShard
+from graphsplit.caching.store.remote import RemotePath, location
+from graphsplit.errors import CacheError, ManifestError, Remedy, StorageError, UnsafeFileError
+
+__all__ = [
+    "CacheProblem",
+    "CacheReport",
+    "check_cache",
+    "file_problem",
+    "open_problem",
+    "open_shard",
+    "shard_tensors_problem",
+    "some_keys",
+]
+
+_SAFETENSORS_DTYPES = {code: dtype for dtype, code in files.SAFETENSORS_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class CacheProblem:
+    """One damaged file of a cache and the samples it affects."""
+
+    file: str
+    reason: str
+    keys: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        affected = f" ({len(self.keys)} samples: {some_keys(self.keys)})" if self.keys else ""
+        return f"{self.file}: {self.reason}{affected}"
+
+
+@dataclass(frozen=True)
+class CacheReport:
+    """What :func:`check_cache` found; ``ok`` when every file is intact."""
+
+    path: Path | RemotePath
+    num_samples: int
+    num_shards: int
+    checked_bytes: int
+    problems: tuple[CacheProblem, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def damaged_keys(self) -> list[str]:
+        """The keys of every sample that cannot be read."""
+        return [key for problem in self.problems for key in problem.keys]
+
+    def __str__(self) -> str:
+        if self.ok:
+            return (
+                f"cache {self.path}: OK ({self.num_samples} samples, {self.num_shards} shards, "
+                f"{self.checked_bytes:,} bytes verified)"
+            )
+        lines = [
+            f"cache {self.path}: {len(self.problems)} problem(s), "
+            f"{len(self.damaged_keys)} of {self.num_samples} samples unreadable"
+        ]
+        lines += [f"  {problem}" for problem in self.problems]
+        lines.append(f"  fix: rebuild the cache (run cache again with {Remedy.OVERWRITE.words()})")
+        return "\n".join(lines)
+
+
+def check_cache(path: str | os.PathLike[str]) -> CacheReport:
+    """Verify a cache folder: the manifest, and every file's size, checksum and tensor header.
+
+    Reads every byte of the cache once. Problems are collected, not raised, so one call
+    lists every damaged shard and the samples it holds. ``path`` may be a URL of any fsspec
+    filesystem (``s3://bucket/cache``): every object is then streamed once, and each shard's
+    header read by ranges.
+
+    Raises:
+        UnsupportedStorageError: a URL fsspec cannot open; StorageError: the store failed.
+
+    Example:
+        >>> report = check_cache(path)  # doctest: +SKIP
+        >>> report.ok, report.damaged_keys  # doctest: +SKIP
+        (True, [])
+    """
+    folder = location(path)
+    try:
+        manifest = read_manifest(folder)
+    except ManifestError as error:
+        return CacheReport(folder, 0, 0, 0, (CacheProblem(MANIFEST_FILE, str(error)),))
+    problems: list[CacheProblem] = []
+    checked = 0
+    cause = restart_cause(manifest)  # a cache written without fsync, before a restart
+    if manifest.constants is not None:
+        problem = file_problem(folder, manifest.constants, checksum=True)
+        if problem is None:
+            problem = _constants_problem(folder, manifest)
+        if problem is not None:
+            reason = problem + cause + " (every batch needs it)"
+            problems.append(CacheProblem(CONSTANTS_FILE, reason))
+        else:
+            checked += manifest.constants.bytes
+    for record in manifest.shards:
+        problem = file_problem(folder, record, checksum=True)
+        if problem is None:
+            _, problem = open_problem(folder, record, manifest)
+        if problem is None:
+            checked += record.bytes
+        else:
+            problems.append(CacheProblem(record.file, problem + cause, record.keys))
+    return CacheReport(folder, manifest.num_samples, len(manifest.shards), checked, tuple(problems))
+
+
+def file_problem(folder: Path | RemotePath, record: FileRecord, *, checksum: bool) -> str | None:
+    """What is wrong with a recorded file (missing, not a regular file, another size or
+    checksum), or None."""
+    path = folder / record.file
+    try:
+        size = files.regular_size(path)
+        if size is None:
+            return "the file is missing"
+        if size != record.bytes:
+            return f"it has {size:,} bytes, the manifest records {record.bytes:,}"
+        if checksum:
+            algorithm = algorithm_of(record.checksum)
+            if files.checksum_file(path, algorithm) != record.checksum:
+                return f"its {algorithm} checksum differs from the manifest's (the bytes changed)"
+    except UnsafeFileError as error:
+        return "it " + str(error).split(";")[0].removeprefix(f"{path} ")
+    except OSError as error:
+        return f"the file cannot be read ({error.strerror or error})"
+    return None
+
+
+def open_problem(
+    folder: Path | RemotePath, record: ShardRecord, manifest: Manifest
+) -> tuple[Any, str | None]:
+    """Open a shard that :func:`file_problem` passed: its safetensors handle (a
+    :class:`RangedShard` on an object store), or a problem."""
+    try:
+        handle = open_shard(folder / record.file, record.bytes)
+    except StorageError:
+        raise
+    except (UnsafeFileError, CacheError) as error:
+        return None, str(error).split(";")[0]
+    except Exception as error:  # safetensors raises its own error types
+        return None, f"safetensors cannot open it ({error})"
+    return handle, shard_tensors_problem(handle, record, manifest)
+
+
+def shard_tensors_problem(handle: Any, record: ShardRecord, manifest: Manifest) -> str | None:
+    """Whether a shard's tensors are exactly the rows the manifest lists, in their shapes."""
+    header = manifest.header
+    specs = header.sample_specs
+    expected = {}
+    for row, (shapes, orders) in enumerate(zip(record.shapes, record.row_orders)):
+        for spec, shape, order in zip(specs, shapes, orders):
+            if order is not None:  # stored in memory order
+                assert spec.batch_dim is not None
+                shape = tuple(shape[d] for d in row_order(order, spec.batch_dim))
+            expected[tensor_name(row, spec.name)] = (shape, header.stored_dtype(spec))
+    names = set(handle.keys())
+    if names != set(expected):
+        unexpected = sorted(names - set(expected))
+        absent = sorted(set(expected) - names)
+        return (
+            f"its tensors differ from the manifest's (absent: {absent[:3]}, "
+            f"extra: {unexpected[:3]})"
+        )
+    for name, (shape, dtype) in expected.items():
+        tensor = handle.get_slice(name)
+        found_dtype = _SAFETENSORS_DTYPES.get(tensor.get_dtype())
+        if tuple(tensor.get_shape()) != shape or found_dtype != dtype:
+            return (
+                f"tensor {name!r} is {tensor.get_dtype()} {tuple(tensor.get_shape())}, the "
+                f"manifest records {dtype} {shape}"
+            )
+    try:
+        embedded = json.loads((handle.metadata() or {}).get("graphsplit_keys", "null"))
+    except ValueError:
+        embedded = None
+    if embedded != list(record.keys):
+        return (
+            "the sample keys written inside it differ from the manifest's (a shard of another "
+            "cache, or of another place in this one)"
+        )
+    return None
+
+
+def open_shard(path: Path | RemotePath, size: int) -> Any:
+    """A safetensors handle of a shard: ``safe_open`` on a local file, ranged on a remote one."""
+    if isinstance(path, RemotePath):
+        return RangedShard(path, size)
+    with files.pinned(path) as name:
+        return safe_open(name, framework="pt", device="cpu")
+
+
+def _constants_problem(folder: Path | RemotePath, manifest: Manifest) -> str | None:
+    header = manifest.header
+    assert manifest.constants is not None
+    try:
+        names = set(open_shard(folder / CONSTANTS_FILE, manifest.constants.bytes).keys())
+        wanted = {spec.name for spec in header.constant_specs}
+        if names != wanted:
+            return f"it holds {sorted(names)}, the manifest lists {sorted(wanted)}"
+    except StorageError:
+        raise
+    except Exception as error:
+        return f"safetensors cannot open it ({error})"
+    return None
+
+
+def some_keys(keys: Sequence[str], limit: int = 5) -> str:
+    """The first ``limit`` keys, quoted, and how many more there are."""
+    shown = ", ".join(repr(key) for key in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")

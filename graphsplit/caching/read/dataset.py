@@ -1,0 +1,513 @@
+"""Read a cache written by :func:`graphsplit.cache`, refuse a stale one, and batch it for stage 2.
+
+Glossary:
+    item: one sample of a :class:`CachedDataset`: ``{"key": str, name: row tensor, ...}`` for
+        the boundary tensors that have a batch dim, in their storage dtype.
+    constants: the boundary tensors without a batch dim, stored once; :func:`collate` adds them
+        to every batch.
+    stale: made from other frozen weights, stage-1 code or boundary than a given split (the
+        fingerprint tells), or from other inputs than a given dataset (the input digests tell).
+
+In and out::
+
+    CachedDataset(path, split=None, *, dataset=None, expected_keys=None, verify=True)
+        cached[i] -> CachedSample    cached.shapes(i) -> {name: shape}    cached.buckets()
+    collate(items) -> dict[str, Tensor]            # the keyword arguments of split.stage2
+    verify_inputs(cached, dataset) -> None         # raises StaleCacheError naming changed keys
+
+Nothing here unpickles: shards are checked with safetensors' ``safe_open`` and read as views
+of their memory maps (:mod:`graphsplit.caching.store.mapped`: an item copies nothing, a batch is one
+copy), and the manifest is strictly validated JSON. Auditing a whole cache is
+:mod:`graphsplit.caching.read.check`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from graphsplit.caching.format.fingerprint import (
+    BINDING_PARTS,
+    UNKNOWN_WEIGHTS,
+    Fingerprint,
+    describe_differences,
+    fingerprint,
+    in_terms_of,
+    item_input_digest,
+    warn_about_versions,
+)
+from graphsplit.caching.format.layout import CONSTANTS_FILE, Manifest, read_manifest, tensor_name
+from graphsplit.caching.format.memory_order import Order, inverse, row_order
+from graphsplit.caching.read.check import file_problem, open_problem, open_shard, some_keys
+from graphsplit.caching.read.samples import describe_changes
+from graphsplit.caching.store.durability import restart_cause, restarted_since
+from graphsplit.caching.store.mapped import open_mapped
+from graphsplit.caching.store.read_through import LocalCopies
+from graphsplit.caching.store.remote import RemotePath, location
+from graphsplit.errors import CacheError, CorruptCacheError, Remedy, StaleCacheError, StorageError
+
+if TYPE_CHECKING:
+    from graphsplit.api import Split
+
+__all__ = ["CachedDataset", "CachedSample", "collate", "verify_inputs"]
+
+_MAX_OPEN_SHARDS = 64
+
+
+@dataclass(frozen=True)
+class _Collation:
+    """What :func:`collate` needs to batch items of one cache: batch dims, dtypes, constants."""
+
+    path: Path | RemotePath
+    rows: tuple[tuple[str, int, torch.dtype], ...]  # (name, batch dim, dtype stage 2 takes)
+    constants: Mapping[str, torch.Tensor]
+    order: tuple[str, ...]
+
+
+class CachedSample(dict):
+    """One item of a :class:`CachedDataset`: a plain dict that also knows how to batch it.
+
+    ``dim_orders`` holds, per row tensor, the memory order of the batch it was computed in
+    (None: plain contiguous), so :func:`collate` rebuilds batches with stage 1's strides.
+    """
+
+    collation: _Collation | None = None
+    dim_orders: tuple[Order | None, ...] | None = None
+
+
+class CachedDataset(torch.utils.data.Dataset):
+    """A map-style dataset over a cache folder; item ``i`` is sample ``i``'s rows.
+
+    Shards are opened lazily and memory-mapped (at most 64 at a time per process; a forked
+    DataLoader worker keeps the ones already open); an item's tensors are views of the map, so
+    :func:`collate`'s stack is the only copy (writing into an item changes only this process's
+    view of that row, never the file). Unless ``verify=False``, each shard is checked against
+    its checksum the first time it is opened: a damaged shard raises :class:`CorruptCacheError`
+    naming it and its samples, while the other shards still read.
+
+    A cache on an fsspec filesystem (``"s3://bucket/cache"``, ``"gs://..."``, ``"hf://..."``)
+    is read by byte ranges (each shard's header once, then one request per tensor; nothing is
+    mapped), or, with ``local_cache``, through a local read-through copy of each shard.
+
+    Args:
+        path: the cache folder, or its URL.
+        split: when given, refuse a cache made from other frozen weights, stage-1 code or
+            boundary (:class:`StaleCacheError` naming what differs); other library versions
+            only warn.
+        dataset: when given, rehash every item's stage-1 inputs and refuse a cache whose
+            samples changed, were added or were removed (reads the whole dataset once; see
+            :func:`verify_inputs`).
+        expected_keys: when given, refuse a cache whose sample keys are not exactly these
+            (a cheap check for added or removed samples).
+        verify: check each shard's checksum on first use (reads each shard once more). With
+            ``verify=False`` each shard's size, tensor names, shapes and dtypes, and the sample
+            keys written inside it are still checked against the manifest (cheap: its header
+            only), so a truncated or swapped shard is refused; changed bytes inside a tensor
+            are found only by the checksum (or :func:`graphsplit.check_cache`). On an object
+            store without ``local_cache`` the checksum streams each shard once per process.
+            A cache written with ``cache(..., durable=False)`` is verified regardless once
+            the machine that wrote it has restarted (a power cut may have lost its bytes);
+            running ``cache`` again verifies it once and records it as durable.
+        local_cache: for a remote cache, a local folder to keep verified copies of its shards
+            in (:mod:`graphsplit.caching.store.read_through`), downloaded on first use and then
+            memory-mapped: the fast way to train from a bucket. Ignored for a local cache.
+
+    Example:
+        >>> import tempfile, graphsplit
+        >>> from graphsplit.caching.write.cache_run import cache
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        >>> _ = model[0].requires_grad_(False)  # frozen: its output is cached
+        >>> split = graphsplit.split(model, args=(torch.randn(2, 4),))
+        >>> data = [{"input": torch.randn(4)} for _ in range(6)]
+        >>> path = tempfile.mkdtemp()
+        >>> _ = cache(split, torch.utils.data.DataLoader(data, batch_size=2), path, progress=False)
+        >>> cached = CachedDataset(path, split)
+        >>> loader = torch.utils.data.DataLoader(cached, batch_size=3, shuffle=True,
+        ...                                      collate_fn=collate)
+        >>> split.stage2(**next(iter(loader))).shape
+        torch.Size([3, 1])
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        split: Split | None = None,
+        *,
+        dataset: Any = None,
+        expected_keys: Iterable[Any] | None = None,
+        verify: bool = True,
+        local_cache: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.path = location(path)
+        self.manifest: Manifest = read_manifest(self.path)
+        self._copies: LocalCopies | None = None
+        if local_cache is not None and isinstance(self.path, RemotePath):
+            self._copies = LocalCopies(local_cache, self.path)
+        # Unsynced and written before a restart: no file is trusted before its checksum.
+        self.verify = verify or restarted_since(self.manifest)
+        header = self.manifest.header
+        self.boundary = {spec.name: spec for spec in header.boundary}
+        self.keys: list[str] = [key for shard in self.manifest.shards for key in shard.keys]
+        self._starts: list[int] = [0]
+        for shard in self.manifest.shards:
+            self._starts.append(self._starts[-1] + len(shard.keys))
+        self._sample_names = tuple(spec.name for spec in header.sample_specs)
+        most_rows = max((len(shard.keys) for shard in self.manifest.shards), default=0)
+        self._tensor_names = [
+            tuple(zip(self._sample_names, [tensor_name(row, n) for n in self._sample_names]))
+            for row in range(most_rows)
+        ]
+        self._handles: dict[int, Any] = {}
+        self._verified: set[int] = set()
+        self._corrupt: dict[int, str] = {}
+        if split is not None:
+            cached = self.manifest.header.fingerprint
+            current = in_terms_of(fingerprint(split, allow_meta=True), cached, split)
+            _check_fingerprint(self.manifest, current, self.path)
+        if expected_keys is not None:
+            self._check_keys(expected_keys)
+        self.collation = _Collation(
+            path=self.path,
+            rows=tuple((spec.name, spec.batch_dim, spec.dtype) for spec in header.sample_specs),
+            constants=self._load_constants(),
+            order=tuple(self.boundary),
+        )
+        if dataset is not None:
+            verify_inputs(self, dataset)
+
+    @property
+    def constants(self) -> Mapping[str, torch.Tensor]:
+        """The per-dataset constants, in the dtypes stage 2 takes."""
+        return self.collation.constants
+
+    @property
+    def max_abs_error(self) -> Mapping[str, float]:
+        """The largest error lower-precision storage introduced, per tensor (empty: lossless)."""
+        return self.manifest.max_abs_error
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, index: int) -> CachedSample:
+        shard, row = self._locate(index)
+        handle = self._handles.get(shard)
+        if handle is None:
+            handle = self._open(shard)
+        item = CachedSample(key=self.keys[self._starts[shard] + row])
+        item.collation = self.collation
+        orders = self.manifest.shards[shard].row_orders[row]
+        try:
+            for name, stored_name in self._tensor_names[row]:
+                item[name] = handle.get_tensor(stored_name)
+        except Exception as error:  # safetensors raises its own error types
+            raise self._corrupt_error(shard, f"reading row {row} failed ({error})") from None
+        if any(orders):
+            item.dim_orders = orders
+            for (name, batch_dim, _), order in zip(self.collation.rows, orders):
+                if order is not None:
+                    item[name] = item[name].permute(inverse(row_order(order, batch_dim)))
+        return item
+
+    def shapes(self, index: int) -> dict[str, tuple[int, ...]]:
+        """The shape of each of sample ``index``'s rows, without reading the shard."""
+        shard, row = self._locate(index)
+        return dict(zip(self._sample_names, self.manifest.shards[shard].shapes[row]))
+
+    @cached_property
+    def sample_shapes(self) -> list[dict[str, tuple[int, ...]]]:
+        """``shapes(i)`` for every sample, for bucketing samplers."""
+        return [
+            dict(zip(self._sample_names, shapes))
+            for shard in self.manifest.shards
+            for shapes in shard.shapes
+        ]
+
+    def buckets(self) -> dict[tuple[tuple[int, ...], ...], list[int]]:
+        """Sample indices grouped by their rows' shapes: each group collates into batches.
+
+        Example:
+            >>> batches = [group[i : i + 8] for group in cached.buckets().values()
+            ...            for i in range(0, len(group), 8)]  # doctest: +SKIP
+            >>> loader = DataLoader(cached, batch_sampler=batches, collate_fn=graphsplit.collate)
+            ... # doctest: +SKIP
+        """
+        groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+        index = 0
+        for shard in self.manifest.shards:
+            for shapes in shard.shapes:
+                groups.setdefault(shapes, []).append(index)
+                index += 1
+        return groups
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_handles"] = {}  # open files do not cross processes (forked ones may)
+        return state
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        if index < 0:
+            index += len(self.keys)
+        if not 0 <= index < len(self.keys):
+            raise IndexError(f"sample {index} is out of range for a cache of {len(self.keys)}")
+        shard = bisect.bisect_right(self._starts, index) - 1
+        return shard, index - self._starts[shard]
+
+    def _open(self, shard: int) -> Any:
+        if shard in self._corrupt:
+            raise self._corrupt_error(shard, self._corrupt[shard])
+        record = self.manifest.shards[shard]
+        verify = self.verify and shard not in self._verified
+        if self._copies is not None:  # a verified local copy, then read as a local cache
+            problem = self._copies.fetch(record, verify=verify)
+            if problem is None:
+                handle, problem = open_mapped(self._copies.folder, record, self.manifest)
+        else:
+            problem = file_problem(self.path, record, checksum=verify)
+            if problem is None:
+                opener = open_problem if isinstance(self.path, RemotePath) else open_mapped
+                handle, problem = opener(self.path, record, self.manifest)
+        if problem is not None:
+            self._corrupt[shard] = problem
+            raise self._corrupt_error(shard, problem)
+        self._verified.add(shard)
+        if len(self._handles) >= _MAX_OPEN_SHARDS:
+            del self._handles[next(iter(self._handles))]  # the longest open
+        self._handles[shard] = handle
+        return handle
+
+    def _corrupt_error(self, shard: int, problem: str) -> CorruptCacheError:
+        record = self.manifest.shards[shard]
+        return CorruptCacheError(
+            f"shard {record.file} of the cache at {self.path} is damaged: {problem}"
+            f"{restart_cause(self.manifest)}. It holds {len(record.keys)} samples: "
+            f"{some_keys(record.keys)}; the other shards still read.\n"
+            "  fix: run graphsplit.check_cache(path) to list every damaged shard, then rebuild "
+            "the cache (run cache again with {remedy})",
+            remedy=Remedy.OVERWRITE,
+        )
+
+    def _load_constants(self) -> dict[str, torch.Tensor]:
+        header = self.manifest.header
+        record = self.manifest.constants
+        if record is None:
+            return {}
+        folder = self.path
+        if self._copies is not None:
+            problem = self._copies.fetch(record, verify=self.verify)
+            folder = self._copies.folder
+        else:
+            problem = file_problem(self.path, record, checksum=self.verify)
+        constants: dict[str, torch.Tensor] = {}
+        if problem is None:
+            try:
+                handle = open_shard(folder / record.file, record.bytes)
+                for spec in header.constant_specs:
+                    value = handle.get_tensor(spec.name)
+                    order = record.dim_orders.get(spec.name)
+                    if order is not None:
+                        value = value.permute(inverse(order))
+                    constants[spec.name] = value.to(spec.dtype)
+            except StorageError:
+                raise
+            except Exception as error:
+                problem = f"it cannot be read ({error})"
+        if problem is not None:
+            raise CorruptCacheError(
+                f"{CONSTANTS_FILE} of the cache at {self.path} is damaged: {problem}"
+                f"{restart_cause(self.manifest)}; every batch needs it.\n"
+                "  fix: rebuild the cache (run cache again with {remedy})",
+                remedy=Remedy.OVERWRITE,
+            )
+        return constants
+
+    def _check_keys(self, expected_keys: Iterable[Any]) -> None:
+        expected = [str(key) for key in expected_keys]
+        cached = set(self.keys)
+        missing = [key for key in expected if key not in cached]
+        wanted = set(expected)
+        extra = [key for key in self.keys if key not in wanted]
+        if missing or extra:
+            raise StaleCacheError(
+                f"the cache at {self.path} holds other samples than expected: "
+                + describe_changes(missing=missing, removed=extra)
+                + ".\n  fix: rebuild the cache (run cache again with {remedy})",
+                remedy=Remedy.OVERWRITE,
+            )
+
+
+def collate(items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """Stack :class:`CachedDataset` items into the keyword arguments of ``split.stage2``.
+
+    Each row is stacked along its tensor's batch dim, straight from the shard's memory map
+    into the batch in the dtype stage 2 takes (a lower ``storage_dtype`` is undone in the same
+    copy); the cache's constants are added. Samples in
+    one batch must have rows of the same shapes: group them with :meth:`CachedDataset.buckets`.
+
+    Example:
+        >>> loader = DataLoader(cached, batch_size=8, collate_fn=graphsplit.collate)
+        ... # doctest: +SKIP
+        >>> loss = split.stage2(**next(iter(loader)))  # doctest: +SKIP
+    """
+    if not items:
+        raise ValueError("graphsplit.collate needs at least one item")
+    collation = getattr(items[0], "collation", None)
+    if collation is None:
+        raise CacheError(
+            f"graphsplit.collate got a {type(items[0]).__name__}, not an item of a "
+            "graphsplit.CachedDataset (those carry the batch dims and constants it needs).\n"
+            "  fix: index a CachedDataset, or stack the tensors yourself"
+        )
+    if any(getattr(item, "collation", None) is not collation for item in items):
+        paths = {str(getattr(getattr(item, "collation", None), "path", "?")) for item in items}
+        raise CacheError(
+            f"graphsplit.collate got items of different caches {sorted(paths)}; batch each cache "
+            "apart"
+        )
+    batch: dict[str, torch.Tensor] = {}
+    for column, (name, batch_dim, dtype) in enumerate(collation.rows):
+        rows = [item[name] for item in items]
+        if len({tuple(row.shape) for row in rows}) > 1:
+            raise CacheError(_mixed_shapes_message(name, items, rows))
+        order = _batch_order(name, column, batch_dim, items)
+        if order is None:
+            batch[name] = _stack(rows, batch_dim, dtype)
+        else:  # stack in memory order, then view in logical order: stage 1's strides
+            within = row_order(order, batch_dim)
+            physical = [row.permute(within) for row in rows]
+            stacked = _stack(physical, order.index(batch_dim), dtype)
+            batch[name] = stacked.permute(inverse(order))
+    batch.update(collation.constants)
+    return {name: batch[name] for name in collation.order}
+
+
+def _stack(rows: Sequence[torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.stack(rows, dim).to(dtype)`` in one pass: rows in a lower storage dtype are
+    widened as they are copied from the shard's map into the batch, not stacked then cast."""
+    if rows[0].dtype == dtype:
+        return torch.stack(rows, dim=dim)
+    shape = list(rows[0].shape)
+    shape.insert(dim, len(rows))
+    return torch.stack(rows, dim=dim, out=torch.empty(shape, dtype=dtype))
+
+
+def _batch_order(
+    name: str, column: int, batch_dim: int, items: Sequence[Mapping[str, Any]]
+) -> Order | None:
+    """The memory order of a batch of ``items``' rows of tensor ``name``.
+
+    Rows must share their own memory order. Batches of one sample record no place for the
+    batch dim (its stride means nothing), so a recorded order wins over None.
+    """
+    orders = [
+        None if getattr(item, "dim_orders", None) is None else item.dim_orders[column]
+        for item in items
+    ]
+    within = {None if order is None else row_order(order, batch_dim) for order in orders}
+    within = {None if order == tuple(sorted(order or ())) else order for order in within}
+    if len(within) > 1:
+        raise CacheError(
+            f"cannot batch {name!r}: its samples were stored in different memory layouts "
+            f"({sorted(map(str, within))}).\n  fix: batch samples of one bucket together; if "
+            "they are, report this with the step that produced them"
+        )
+    recorded = [order for order in orders if order is not None]
+    return max(recorded, key=recorded.count) if recorded else None
+
+
+def _mixed_shapes_message(
+    name: str, items: Sequence[Mapping[str, Any]], rows: Sequence[torch.Tensor]
+) -> str:
+    by_shape: dict[tuple[int, ...], list[str]] = {}
+    for item, row in zip(items, rows):
+        by_shape.setdefault(tuple(row.shape), []).append(str(item.get("key")))
+    listed = "; ".join(f"{shape} for {some_keys(keys, 3)}" for shape, keys in by_shape.items())
+    return (
+        f"cannot batch {name!r}: the samples have different shapes: {listed}.\n  fix: put only "
+        "samples of one shape in a batch, e.g. with a batch sampler over "
+        "CachedDataset.buckets() (aspect-ratio bucketing)"
+    )
+
+
+def _check_fingerprint(manifest: Manifest, current: Fingerprint, path: Path) -> None:
+    """Refuse a cache made from other weights, code or boundary; warn on other versions."""
+    cached = manifest.header.fingerprint
+    binding = describe_differences(cached, current, parts=BINDING_PARTS)
+    if binding:
+        raise StaleCacheError(
+            f"the cache at {path} was not made by this split: {binding}.\n  fix: rebuild the "
+            "cache (run cache again with {remedy})",
+            remedy=Remedy.OVERWRITE,
+        )
+    if current.weights == UNKNOWN_WEIGHTS:
+        warnings.warn(
+            f"the frozen weights of this split are on the meta device, so the cache at {path} "
+            "is checked for code and boundary only; its weights were fingerprinted when it "
+            "was written (graphsplit.cache refuses stale weights then).",
+            stacklevel=3,
+        )
+    warn_about_versions(cached, current, path, stacklevel=3)
+
+
+def verify_inputs(cached: CachedDataset | str | os.PathLike[str], dataset: Any) -> None:
+    """Refuse a cache whose samples' stage-1 inputs differ from ``dataset``'s items.
+
+    Every item's inputs (the fields ``split.input_names``, as ``default_collate`` would batch
+    them) are hashed and compared with the digest recorded when the cache was written; items
+    are matched by their ``"key"`` field, or by index when they have none. This reads the whole
+    dataset once.
+
+    Raises:
+        StaleCacheError: naming the changed, added and removed sample keys.
+
+    Example:
+        >>> verify_inputs(path, CaptionedImages(16))  # doctest: +SKIP
+    """
+    if not isinstance(cached, CachedDataset):
+        cached = CachedDataset(cached, verify=False)
+    names = cached.manifest.header.inputs
+    recorded = {
+        key: digest
+        for shard in cached.manifest.shards
+        for key, digest in zip(shard.keys, shard.input_sha256)
+    }
+    changed: list[str] = []
+    added: list[str] = []
+    seen: set[str] = set()
+    for index in range(len(dataset)):
+        item = dataset[index]
+        if not isinstance(item, Mapping):
+            item = dict(zip(names, item))
+        missing = [name for name in names if name not in item]
+        if missing:
+            raise CacheError(
+                f"item {index} of the dataset lacks {missing}; stage 1 of the cache at "
+                f"{cached.path} takes {list(names)}"
+            )
+        key = str(item["key"]) if "key" in item else str(index)
+        seen.add(key)
+        if key not in recorded:
+            added.append(key)
+        elif item_input_digest(item, names) != recorded[key]:
+            changed.append(key)
+    removed = [key for key in recorded if key not in seen]
+    if changed or added or removed:
+        hint = ""
+        if changed and len(changed) == len(recorded):
+            hint = (
+                " (every sample differs: if the loader's collate_fn transforms items, e.g. "
+                "pads them, inputs cannot be compared item by item)"
+            )
+        raise StaleCacheError(
+            f"the cache at {cached.path} was made from other data: "
+            + describe_changes(changed=changed, added=added, removed=removed)
+            + f"{hint}.\n  fix: rebuild the cache (run cache again with {{remedy}})",
+            remedy=Remedy.OVERWRITE,
+        )

@@ -1,0 +1,257 @@
+"""Where the batches to cache come from: the user's loader, numbered and checked.
+
+Glossary:
+    batch source: the loader seen as numbered batches; it loads only the batches a process
+        computes where it can, and checks that a resumed run sees the same samples.
+    position: a sample's place in the loader's order: its dataset index for a map-style
+        ``DataLoader``, else the running count of samples the loader yielded.
+    key: the sample's name in the cache: ``batch["key"][row]`` when the loader gives one, else
+        ``str(position)``.
+
+In and out::
+
+    source_for(loader, input_names) -> BatchSource    # refuses shuffling and prepared loaders
+        .num_samples, .num_batches (None until known)   .batch_size() -> int | None
+        .count(wanted) -> samples in the wanted batches, where known in advance
+        .batches(wanted, finished, batches_per_shard) -> Iterator[Batch]
+        .check_resumed_order(finished, batches_per_shard)
+    as_mapping(batch, names) -> {name: value}         batch_keys(batch, positions) -> [key]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphsplit.caching.format.layout import ShardProgress
+from graphsplit.errors import CacheError, Remedy, StaleCacheError
+
+__all__ = ["Batch", "BatchSource", "as_mapping", "batch_keys", "source_for"]
+
+Wanted = Callable[[int], bool]  # whether this process computes the batch of that index
+Finished = Mapping[int, ShardProgress]  # the finished shards of an interrupted run, by index
+
+
+@dataclass
+class Batch:
+    """One loader batch: its index in the loader, its samples' positions, and its data."""
+
+    index: int
+    positions: list[int]
+    data: Any
+
+
+class BatchSource:
+    """The loader's batches, numbered; only the wanted ones are loaded where possible."""
+
+    num_samples: int | None = None
+    num_batches: int | None = None
+
+    def batch_size(self) -> int | None:
+        raise NotImplementedError
+
+    def count(self, wanted: Wanted) -> int | None:
+        """How many samples the wanted batches hold, where known in advance."""
+        return None
+
+    def batches(self, wanted: Wanted, finished: Finished, per_shard: int) -> Iterator[Batch]:
+        raise NotImplementedError
+
+    def check_resumed_order(self, finished: Finished, per_shard: int) -> None:
+        """Refuse to resume when finished shards hold other positions than the loader gives."""
+
+
+class IndexedSource(BatchSource):
+    """A DataLoader over a map-style dataset: every batch's dataset indices are known upfront,
+    so a process loads only the batches it computes, through a loader built like the user's."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.index_lists = [list(indices) for indices in loader.batch_sampler]
+        self.num_batches = len(self.index_lists)
+        self.num_samples = sum(len(indices) for indices in self.index_lists)
+
+    def batch_size(self) -> int | None:
+        return self.loader.batch_size or (len(self.index_lists[0]) if self.index_lists else None)
+
+    def count(self, wanted: Wanted) -> int | None:
+        return sum(len(indices) for j, indices in enumerate(self.index_lists) if wanted(j))
+
+    def batches(self, wanted: Wanted, finished: Finished, per_shard: int) -> Iterator[Batch]:
+        from torch.utils.data import DataLoader
+
+        chosen = [j for j in range(self.num_batches) if wanted(j)]
+        if not chosen:
+            return
+        loader = self.loader
+        options: dict[str, Any] = {
+            "num_workers": loader.num_workers,
+            "collate_fn": loader.collate_fn,
+            "pin_memory": loader.pin_memory,
+            "timeout": loader.timeout,
+            "worker_init_fn": loader.worker_init_fn,
+            "multiprocessing_context": loader.multiprocessing_context,
+            "generator": loader.generator,
+        }
+        if loader.num_workers > 0:
+            options["prefetch_factor"] = loader.prefetch_factor
+        subset = DataLoader(
+            loader.dataset, batch_sampler=[self.index_lists[j] for j in chosen], **options
+        )
+        for j, data in zip(chosen, subset):
+            yield Batch(j, self.index_lists[j], data)
+
+    def check_resumed_order(self, finished: Finished, per_shard: int) -> None:
+        for shard, progress in finished.items():
+            lists = self.index_lists[shard * per_shard : (shard + 1) * per_shard]
+            expected = [position for indices in lists for position in indices]
+            if list(progress.positions) != expected:
+                raise _order_changed(shard)
+
+
+class StreamSource(BatchSource):
+    """Any other iterable of batches: every process iterates all of it and skips what it
+    does not compute (loading it, but not running stage 1 on it)."""
+
+    def __init__(self, loader: Any, input_names: Sequence[str]) -> None:
+        self.loader = loader
+        self.input_names = tuple(input_names)
+        self._peeked: tuple[Any, Iterator[Any]] | None = None
+        dataset = getattr(loader, "dataset", None)
+        with contextlib.suppress(TypeError):
+            self.num_samples = len(dataset) if dataset is not None else None
+
+    def batch_size(self) -> int | None:
+        if self._peeked is None:
+            iterator = iter(self.loader)
+            try:
+                first = next(iterator)
+            except StopIteration:
+                raise CacheError(
+                    "the loader yielded no batches; there is nothing to cache"
+                ) from None
+            self._peeked = (first, iterator)
+        return _batch_length(self._peeked[0], self.input_names)
+
+    def batches(self, wanted: Wanted, finished: Finished, per_shard: int) -> Iterator[Batch]:
+        if self._peeked is not None:
+            first, rest = self._peeked
+            self._peeked = None
+            iterator: Iterator[Any] = itertools.chain([first], rest)
+        else:
+            iterator = iter(self.loader)
+        position = 0
+        skipped: dict[int, list[str]] = {}
+        count = 0
+        for j, data in enumerate(iterator):
+            size = _batch_length(data, self.input_names)
+            positions = list(range(position, position + size))
+            position += size
+            count = j + 1
+            shard = j // per_shard
+            if shard in finished:
+                expected = finished[shard].shard.keys
+                skipped.setdefault(shard, []).extend(batch_keys(data, positions))
+                if len(skipped[shard]) >= len(expected) and skipped.pop(shard) != list(expected):
+                    raise _order_changed(shard)
+            if wanted(j):
+                yield Batch(j, positions, data)
+        if skipped:
+            raise _order_changed(min(skipped))
+        self.num_batches = count
+
+
+def source_for(loader: Any, input_names: Sequence[str]) -> BatchSource:
+    """The batch source of ``loader``; refuses loaders whose order is not the same every run."""
+    from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+    from torch.utils.data.distributed import DistributedSampler
+
+    if type(loader).__module__.startswith("accelerate"):
+        raise CacheError(
+            "graphsplit.cache got a loader returned by accelerator.prepare, which already "
+            "splits the data between processes.\n  fix: pass the plain DataLoader and the "
+            "accelerator: graphsplit.cache(split, loader, path, accelerator=accelerator)"
+        )
+    if isinstance(loader, DataLoader):
+        batch_sampler = loader.batch_sampler
+        samplers = [loader.sampler, getattr(batch_sampler, "sampler", None)]
+        if any(isinstance(sampler, (RandomSampler, DistributedSampler)) for sampler in samplers):
+            raise CacheError(
+                "the loader shuffles or splits its dataset (its sampler is a "
+                f"{type(loader.sampler).__name__}); caching needs the same order on every run "
+                "and in every process.\n  fix: build the loader with shuffle=False and no "
+                "sampler (shuffle the cached dataset when training instead)"
+            )
+        if not isinstance(loader.dataset, IterableDataset) and batch_sampler is not None:
+            return IndexedSource(loader)
+    return StreamSource(loader, input_names)
+
+
+def as_mapping(batch: Any, names: Sequence[str]) -> dict[str, Any]:
+    """A batch's stage-1 inputs by name, from a dict batch or a tuple in ``names`` order."""
+    if isinstance(batch, Mapping):
+        missing = [name for name in names if name not in batch]
+        if missing:
+            raise CacheError(
+                f"the loader's batches lack {missing}; stage 1 takes {list(names)} and the "
+                f"batches hold {sorted(map(str, batch))}.\n  fix: return these fields from "
+                "the dataset (or the collate function)"
+            )
+        return {name: batch[name] for name in names}
+    if isinstance(batch, (list, tuple)) and len(batch) == len(names):
+        return dict(zip(names, batch))
+    raise CacheError(
+        f"a batch is a {type(batch).__name__}; graphsplit.cache needs a dict holding "
+        f"{list(names)} (and optionally 'key').\n  fix: make the dataset return dicts"
+    )
+
+
+def batch_keys(batch: Any, positions: Sequence[int]) -> list[str]:
+    """The sample keys of a batch: its ``"key"`` list, else the positions as strings."""
+    raw = batch.get("key") if isinstance(batch, Mapping) else None
+    if raw is None:
+        return [str(position) for position in positions]
+    if isinstance(raw, torch.Tensor):
+        raw = raw.tolist()
+    if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or len(raw) != len(positions):
+        raise CacheError(
+            f"the batch's 'key' is {type(raw).__name__} {raw!r:.60}; it must be a list with one "
+            f"key per sample ({len(positions)} here)"
+        )
+    return [str(key) for key in raw]
+
+
+def _batch_length(batch: Any, names: Sequence[str]) -> int:
+    sizes = [
+        int(value.shape[0])
+        for value in as_mapping(batch, names).values()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    ]
+    if isinstance(batch, Mapping) and "key" in batch:
+        keys = len(batch["key"])
+        if sizes and sizes[0] != keys:
+            raise CacheError(
+                f"the batch's 'key' lists {keys} key(s) but its inputs hold {sizes[0]} samples."
+                "\n  fix: give one key per sample"
+            )
+        return keys
+    if sizes:
+        return sizes[0]
+    raise CacheError(
+        "cannot tell how many samples a batch holds: it has no 'key' list and no batched "
+        f"tensor among {list(names)}.\n  fix: give each batch a 'key' list"
+    )
+
+
+def _order_changed(shard: int) -> CacheError:
+    return StaleCacheError(
+        f"the loader yields other samples for shard {shard} than the interrupted run did "
+        "(its order or dataset changed), so the run cannot resume.\n  fix: use the same loader "
+        "without shuffling, or pass {remedy} to start the cache afresh",
+        remedy=Remedy.OVERWRITE,
+    )

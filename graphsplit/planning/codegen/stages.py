@@ -1,0 +1,338 @@
+"""Generate stage 1 and stage 2 as ``torch.fx.GraphModule``s from a cut of the traced graph.
+
+Stage 1 is the traced graph restricted to the ancestors of the boundary; it takes the step's
+inputs and returns ``{key: tensor}``. Stage 2 is the graph from the boundary to the output; it
+takes the boundary as keyword arguments and returns what the step returned. Each stage holds only
+the attributes its nodes reference, as the *same objects* as the model (an optimizer built on the
+model still works, checkpoints keep their names), so stage 2 never holds the frozen modules whose
+work moved to stage 1 and they may stay on ``meta`` in a training process.
+
+In: traced graph, :class:`~graphsplit.artifacts.Cut`, boundary keys, the model and trace
+constants.
+Out: two GraphModules.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from graphsplit.artifacts import Cut
+from graphsplit.errors import MetaParameterError, SplitError
+from graphsplit.planning.codegen.stage_passes import (
+    finish_stage1,
+    finish_stage2,
+    finish_stage2_module,
+)
+from graphsplit.planning.meta.interpreters import fetch
+from graphsplit.planning.rules.baked_sizes import bake_numbers
+from graphsplit.planning.rules.opaque_call import OPAQUE, OpaqueCall, is_opaque, recheck_shapes
+
+
+def _refuse_meta_tensors(stage: nn.Module, args: Any) -> None:
+    """Forward pre-hook: a stage must not run while it holds a tensor on ``meta``."""
+    for kind, tensors in (
+        ("parameter", stage.named_parameters()),
+        ("buffer", stage.named_buffers()),
+    ):
+        for name, tensor in tensors:
+            if tensor.is_meta:
+                raise MetaParameterError(
+                    f"{type(stage).__name__} holds the {kind} {name!r} on the meta device, so it"
+                    " cannot run.\n"
+                    "  fix:    load real weights into the modules this stage uses (e.g. "
+                    "load_state_dict(..., assign=True) or build them on a real device); "
+                    "graphsplit only leaves the *other* stage's modules on meta"
+                )
+
+
+def _module(
+    graph: fx.Graph, model: nn.Module, constants: dict[str, Any], name: str
+) -> fx.GraphModule:
+    constants = name_constants(graph, model, constants)
+    targets = sorted(
+        {node.target for node in graph.nodes if node.op in ("get_attr", "call_module")},
+        key=lambda target: (target.count("."), target),
+    )
+    root = {target: fetch(model, constants, target) for target in targets}
+    stage = fx.GraphModule(root, graph, class_name=name)
+    _hold_opaque_reads(stage, graph, model)
+    for target, value in constants.items():
+        if target in root and isinstance(value, torch.Tensor):
+            # A traced constant is not the model's state: kept out of the state dict, so the
+            # stage's keys are the model's own (checkpoints load both ways, strict).
+            delattr(stage, target)
+            stage.register_buffer(target, value, persistent=False)
+    _follow_model_order(stage, model)
+    stage.register_forward_pre_hook(_refuse_meta_tensors)
+    return stage
+
+
+def _hold_opaque_reads(stage: nn.Module, graph: fx.Graph, model: nn.Module) -> None:
+    """Register the frozen tensors opaque calls read on ``stage``, at the model's own paths.
+
+    An opaque call runs the user's function on the objects it was called with, so nothing in
+    the graph names the weights it uses; held by the stage, they are in its state dict and its
+    weights fingerprint (a changed text encoder invalidates the cache), move with ``.to()``,
+    and the stage refuses to run while one is on ``meta``.
+    """
+    for node in graph.nodes:
+        if not is_opaque(node):
+            continue
+        for target in node.meta[OPAQUE].reads:
+            *path, attribute = target.split(".")
+            owner, holder = model, stage
+            for part in path:
+                owner = getattr(owner, part)
+                if part not in holder._modules:
+                    holder.add_module(part, nn.Module())
+                holder = holder._modules[part]
+            if attribute in holder._parameters or attribute in holder._buffers:
+                continue
+            tensor = getattr(owner, attribute)
+            if isinstance(tensor, nn.Parameter):
+                holder.register_parameter(attribute, tensor)
+            else:
+                persistent = attribute not in owner._non_persistent_buffers_set
+                holder.register_buffer(attribute, tensor, persistent=persistent)
+
+
+def name_constants(graph: fx.Graph, model: nn.Module, constants: dict[str, Any]) -> dict[str, Any]:
+    """Rename the graph's traced constants after where they came from; the renamed table.
+
+    fx calls a tensor it met outside the model's parameters and buffers ``_tensor_constant0``;
+    when it is an attribute of a helper object the model holds (``scheduler.alphas_cumprod``)
+    it becomes ``scheduler_alphas_cumprod``, else ``constant_0``.
+    """
+    origins: dict[int, str] | None = None  # scanned only if a constant needs a name
+    new_names: dict[str, str] = {}
+    taken = {n.target for n in graph.nodes if n.op in ("get_attr", "call_module")}
+    for node in graph.nodes:
+        if node.op != "get_attr" or node.target not in constants:
+            continue
+        if node.target not in new_names:
+            new_names[node.target] = node.target
+            if node.target.startswith("_tensor_constant"):
+                origins = _constant_origins(model) if origins is None else origins
+                base = origins.get(id(constants[node.target]), "constant")
+                candidate, index = base, 0
+                while candidate in taken or hasattr(model, candidate):
+                    candidate, index = f"{base}_{index}", index + 1
+                taken.add(candidate)
+                new_names[node.target] = candidate
+        if new_names[node.target] != node.target:
+            node.target = new_names[node.target]
+            node._rename(node.target)
+    return {new: constants[old] for old, new in new_names.items()}
+
+
+def _constant_origins(model: nn.Module) -> dict[int, str]:
+    """``id(tensor) -> "scheduler_alphas_cumprod"`` for tensors of the model's helper objects.
+
+    Every attribute of every module is looked at (an SDXL step: 7,922 modules), so the cheap
+    tests come first: the exact type of a plain value, then a private name.
+    """
+    found: dict[int, str] = {}
+    for prefix, module in model.named_modules():
+        for name, value in vars(module).items():
+            if type(value) in _PLAIN_VALUES or name.startswith("_"):
+                continue
+            if isinstance(value, (nn.Module, torch.Tensor, type)):
+                continue
+            for attribute, tensor in getattr(value, "__dict__", {}).items():
+                if isinstance(tensor, torch.Tensor):
+                    path = ".".join(part for part in (prefix, name, attribute) if part)
+                    found.setdefault(id(tensor), path.replace(".", "_").strip("_"))
+    return found
+
+
+# Attribute values that hold no tensor attributes (``in_features``, ``training``, ``eps``).
+_PLAIN_VALUES = frozenset({int, float, bool, str, type(None), tuple, list, dict, set})
+
+
+def _follow_model_order(stage: nn.Module, model: nn.Module) -> None:
+    """Order the stage's parameters, buffers and submodules as the model registers them.
+
+    fx registers a stage's attributes in graph order; an optimizer's state dict addresses
+    parameters by position, so one made on the model's parameters would map onto the wrong
+    stage parameters after a reload unless both iterate in the same order. Entries the model
+    has no counterpart for keep their order, after the others.
+    """
+    _order_like(stage, model)
+
+
+def _order_like(module: nn.Module, counterpart: nn.Module | None) -> None:
+    """Order ``module``'s tables as ``counterpart`` (the model's module at the same path)
+    orders its own, and likewise below.
+
+    A stage module that *is* the model's module at that path is skipped with everything under
+    it: its tables are the model's own, already in the model's order. So only the containers
+    fx made for the stage are visited, not the thousands of modules they hold.
+    """
+    if module is counterpart:
+        return
+    if counterpart is not None:
+        # Parameters, then buffers, then submodules: the order of the model's registration.
+        tensors = {name: index for index, name in enumerate(counterpart._parameters)}
+        for name in counterpart._buffers:
+            tensors.setdefault(name, len(tensors))
+        children = {  # an empty slot (None) is not registered: the model walk skips it
+            name: index
+            for index, name in enumerate(
+                name for name, child in counterpart._modules.items() if child is not None
+            )
+        }
+        for table, position in (
+            (module._parameters, tensors),
+            (module._buffers, tensors),
+            (module._modules, children),
+        ):
+            if len(table) > 1:
+                ordered = sorted(
+                    table.items(), key=lambda item: position.get(item[0], len(position))
+                )
+                table.clear()
+                table.update(ordered)
+    for name, child in module._modules.items():
+        if child is not None:
+            below = counterpart._modules.get(name) if counterpart is not None else None
+            _order_like(child, below)
+
+
+def build_stage1(
+    graph: fx.Graph, cut: Cut, keys: list[str], model: nn.Module, constants: dict[str, Any]
+) -> fx.GraphModule:
+    """Inputs -> ``{key: boundary tensor}``."""
+    stage = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in graph.nodes:
+        if node.op == "placeholder" or node in cut.stage1:
+            env[node] = stage.node_copy(node, env.__getitem__)
+    held = finish_stage1(stage, graph, cut, env)  # checks of sizes only stage 1 can read
+    stage.output({key: env[node] for key, node in zip(keys, cut.boundary)})
+    recheck_shapes(graph, cut.stage2)  # opaque outputs whose sizes stage 1 baked in
+    return _module(stage, model, {**constants, **held}, "Stage1")
+
+
+def build_stage2(
+    graph: fx.Graph, cut: Cut, keys: list[str], model: nn.Module, constants: dict[str, Any]
+) -> fx.GraphModule:
+    """``**boundary`` -> what the step returned."""
+    stage = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for key, node in zip(keys, cut.boundary):
+        env[node] = stage.placeholder(key)
+        env[node].meta = dict(node.meta)
+    bake_numbers(stage, cut, env)  # sizes read from frozen-only data: literals, not inputs
+    for node in graph.nodes:
+        if node in cut.reanchored:
+            # The batch size, read off a cached tensor instead of the input it came from.
+            batch_dim = cut.anchor.meta["facts"].batch_dim
+            env[node] = stage.create_node(
+                "call_method", "size", (env[cut.anchor], batch_dim), name=node.name
+            )
+            env[node].meta = dict(node.meta)
+        elif node in cut.stage2 or node.op == "output":
+            env[node] = stage.node_copy(node, env.__getitem__)
+    finish_stage2(stage, graph, cut, env)  # size guards
+    return finish_stage2_module(_module(stage, model, constants, "Stage2"))  # checkpoints
+
+
+# -- saved code ---------------------------------------------------------------------------------
+_LOADER = '''
+
+def _load(module: str, qualname: str) -> Any:
+    value = importlib.import_module(module)
+    for part in qualname.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _bind(stage: torch.nn.Module, root: torch.nn.Module, target: str) -> None:
+    """Make ``root``'s attribute ``target`` (a dotted path) ``stage``'s, the same object."""
+    *path, name = target.split(".")
+    source, owner = root, stage
+    for part in path:
+        source = getattr(source, part)
+        if not hasattr(owner, part):
+            owner.add_module(part, torch.nn.Module())
+        owner = getattr(owner, part)
+    value = getattr(source, name)
+    if isinstance(value, torch.nn.Module):
+        owner.add_module(name, value)
+    else:
+        setattr(owner, name, value)
+'''
+
+
+def standalone_source(stage: fx.GraphModule, class_name: str, header: str) -> str:
+    """``stage``'s generated code as a module that runs on its own.
+
+    ``GraphModule.code`` refers to globals fx keeps beside it (``_torch_Tensor_``, helper
+    functions); here each is imported by name, and the code becomes the ``forward`` of a class
+    whose constructor takes the module the attributes come from (the live stage, or a model
+    with the same attribute paths) and holds the same objects.
+    """
+    code = stage.graph.python_code(root_module="self")
+    targets = sorted(
+        {node.target for node in stage.graph.nodes if node.op in ("get_attr", "call_module")}
+    )
+    lines = [header.rstrip("\n"), "from __future__ import annotations", ""]
+    lines += ["import importlib", "import math", "from typing import Any", "", "import torch"]
+    lines += [_LOADER.rstrip("\n"), ""]
+    opaque = sorted(name for name, value in code.globals.items() if isinstance(value, OpaqueCall))
+    lines += [
+        f"{name} = {_global_expression(value)}"
+        for name, value in sorted(code.globals.items())
+        if name != "torch" and name not in opaque  # torch: imported above
+    ]
+    # An opaque call holds the live objects it was traced with (self, the pipeline): bound from
+    # the stage given to __init__, whose generated forward names it the same.
+    lines += [f"{name} = None  # an opaque call, bound by __init__ from root" for name in opaque]
+    source = code.src.strip("\n").splitlines()
+    body = "\n".join("    " + line if line.strip() else "" for line in source)
+    lines += [
+        "",
+        "",
+        f"class {class_name}(torch.nn.Module):",
+        f"    TARGETS = {tuple(targets)!r}",
+        f"    OPAQUE_CALLS = {tuple(opaque)!r}",
+        "",
+        "    def __init__(self, root: torch.nn.Module) -> None:",
+        "        super().__init__()",
+        "        for target in self.TARGETS:",
+        "            _bind(self, root, target)",
+        "        for name in self.OPAQUE_CALLS:",
+        "            globals()[name] = root.forward.__globals__[name]",
+        "",
+        body.rstrip(),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _global_expression(value: Any) -> str:
+    """Python source that evaluates to ``value`` in the saved module."""
+    if isinstance(value, float):
+        return {"inf": "math.inf", "-inf": "-math.inf", "nan": "math.nan"}.get(
+            repr(value), repr(value)
+        )
+    if value is type(None):
+        return "type(None)"
+    if isinstance(value, types.ModuleType):
+        return f"importlib.import_module({value.__name__!r})"
+    if isinstance(value, str):  # an annotation fx spelled as a dotted name, e.g. "torch.Tensor"
+        module, _, name = value.rpartition(".")
+        return f"_load({module!r}, {name!r})" if module else repr(value)
+    module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", "")
+    if module is None or "<" in qualname:
+        raise SplitError(
+            f"the generated code refers to {value!r}, which cannot be imported by name, so it "
+            "cannot be saved as a standalone file.\n"
+            "  fix:    define functions the step calls (and codecs) at module level"
+        )
+    return f"_load({module!r}, {qualname!r})"

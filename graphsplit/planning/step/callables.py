@@ -1,0 +1,527 @@
+"""Turn what the user wrote (a function, a closure, a bound method) into the step module.
+
+Training scripts hold their models as locals, globals or attributes of a trainer and run the
+step as a loop body, not as one ``nn.Module``. :func:`as_step_module` finds the modules such a
+callable reaches and wraps it into a module the planning steps take unchanged: its ``forward``
+has the callable's signature and calls the callable, and its children are the *same* module
+objects the callable's code uses, so stage 2 calls them too (an optimizer built on the user's
+modules trains stage 2).
+
+Glossary:
+    step callable: what :func:`graphsplit.split` is given. An ``nn.Module`` is used as is; a
+        Python function (``def`` or lambda, closures included), a bound method, or an object
+        whose class defines ``__call__`` in Python is wrapped.
+    reached object: a value the callable's code can see without being passed it: its closure
+        cells, the globals its code loads (also those of nested code and of helper functions
+        defined in the same Python module), ``self``'s attributes for a bound method, and the
+        arguments of the example batch that are modules.
+    step module: the wrapper, a subclass of :class:`FunctionStep` named after the callable.
+    helper object: a reached non-module object with attributes (a diffusers scheduler); the
+        step module holds it as a plain attribute, so the analysis restores whatever tracing
+        rebinds on it (``add_noise`` rebinds ``alphas_cumprod``).
+
+What a reached module is called (its parameters' and stage 2's state-dict keys start with it):
+
+    ==========================================  =====================================
+    the code uses                               names
+    ==========================================  =====================================
+    a global or closure variable ``unet``       ``unet.*``
+    ``self.unet`` in a bound method             ``unet.*`` (``self`` is not a prefix)
+    a method of an ``nn.Module`` ``model``      ``model.state_dict()``'s own keys
+    an argument ``unet`` that is a module       ``unet.*`` (it leaves the batch inputs)
+    ``models["unet"]`` (a dict / list / tuple)  ``models.unet.*`` / ``models.0.*``
+    ``pipe.unet`` (a plain object holding it)   ``pipe.unet.*``
+    ==========================================  =====================================
+
+A module reachable under two names keeps the first (arguments, then ``self``, closure cells,
+globals in the order the code loads them); one inside another reached module keeps the
+outer module's path.
+
+In: the step callable and the example batch. Out: :class:`StepCall`:
+
+    as_step_module(step, args, kwargs) -> StepCall(module, args, kwargs)
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import inspect
+import keyword
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphsplit.errors import SplitError
+from graphsplit.planning.rules.user_lines import frame_location_of
+
+_FIX_SHAPE = (
+    "pass the function that runs one training step and returns the loss, e.g. "
+    "graphsplit.split(training_step, (pixel_values, input_ids)), or an nn.Module whose forward "
+    "does"
+)
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """The step module and the example batch it takes (module arguments removed)."""
+
+    module: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+class FunctionStep(nn.Module):
+    """Base class of step modules: a user's callable and the modules it reaches.
+
+    ``step_callable`` is the wrapped callable; calling the step module with the batch (without
+    module arguments) calls it with the same objects.
+    """
+
+    step_callable: Any
+
+
+def _takes_a_dict_batch(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether ``module(*args, **kwargs)`` passes a dict holding tensors to ``forward``."""
+    try:
+        bound = inspect.signature(module.forward).bind(
+            *(args if isinstance(args, tuple) else (args,)), **kwargs
+        )
+    except TypeError:
+        return False  # bind_examples names the mismatch
+    return any(
+        isinstance(value, dict) and any(isinstance(v, torch.Tensor) for v in value.values())
+        for value in bound.arguments.values()
+    )
+
+
+def as_step_module(step: Any, args: Any, kwargs: dict[str, Any]) -> StepCall:
+    """``step`` as a module whose ``forward`` takes the batch; ``step`` itself if a module.
+
+    Raises:
+        SplitError: ``step`` is not a callable graphsplit can trace (a class, a builtin, a
+            generator, a ``functools.partial``), or it reaches no ``nn.Module``.
+    """
+    if isinstance(step, nn.Module):
+        if not _takes_a_dict_batch(step, args, kwargs):
+            return StepCall(step, args, kwargs)
+        # ``forward(self, batch)`` with a dict of tensors: its fields must be inputs of their
+        # own (each batched along dim 0), so the bound method is split, which spreads them.
+        step = step.forward
+    function, owner = _python_function(step)
+    if not isinstance(args, tuple):
+        args = (args,)
+    signature = _signature(step, function)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise SplitError(
+            f"The example batch does not match {_describe(function)}: {exc}.\n"
+            "  fix:    pass args/kwargs exactly as you would call the function"
+        ) from None
+    module_arguments = {
+        name: value for name, value in bound.arguments.items() if isinstance(value, nn.Module)
+    }
+    reached = _Reached()
+    for name, value in module_arguments.items():
+        reached.add(name, value)
+    if owner is not None:
+        reached.add_owner(owner)
+    _reach_code(function, reached, set())
+    if not reached.modules:
+        raise SplitError(
+            f"{_describe(function)} reaches no torch.nn.Module, so there is nothing to freeze, "
+            "train or split.\n"
+            "  fix:    use the models in the step's own code (as globals, closure variables, "
+            "attributes of self, or arguments); a lambda that calls a function holding the "
+            "models hides them: pass that function instead"
+        )
+    spread = _spread_dicts(function, signature, bound.arguments)
+    # Parameters the example batch leaves out keep their defaults: they are not step inputs.
+    passed = inspect.Signature([signature.parameters[name] for name in bound.arguments])
+    module = _build(step, function, owner, passed, module_arguments, spread, reached)
+    positional, batch = [], {}
+    for name, value in bound.arguments.items():
+        if name in module_arguments:
+            continue
+        if name in spread:
+            batch.update(value)
+        elif passed.parameters[name].kind is inspect.Parameter.POSITIONAL_ONLY:
+            positional.append(value)
+        else:
+            batch[name] = value
+    return StepCall(module, tuple(positional), batch)
+
+
+def _spread_dicts(
+    function: types.FunctionType, signature: inspect.Signature, arguments: dict[str, Any]
+) -> dict[str, tuple[str, ...]]:
+    """Parameters given a dict batch (``batch["pixel_values"]``): ``{parameter: its keys}``.
+
+    The step module takes such a dict's fields as parameters of their own and rebuilds the
+    dict, so the batch a ``DataLoader`` yields is what ``stage1(**batch)`` takes, and the
+    batch dimension of each field is seen. A plain dict holding a tensor is spread; its keys
+    must be identifiers that no other parameter uses.
+    """
+    taken = set(signature.parameters)
+    spread: dict[str, tuple[str, ...]] = {}
+    for name, value in arguments.items():
+        if type(value) is not dict or not any(isinstance(v, torch.Tensor) for v in value.values()):
+            continue
+        keys = tuple(value)
+        bad = [
+            key
+            for key in keys
+            if not (isinstance(key, str) and _usable_name(key))
+            or key in taken - {name}
+            or key.startswith("_graphsplit")
+        ]
+        if bad:
+            raise SplitError(
+                f"{_describe(function)} takes the dict {name!r}, whose fields become stage 1's "
+                f"inputs, but its keys {bad!r} are not Python names or are already parameter "
+                "names.\n"
+                "  fix:    rename those fields in the dataset / collate_fn (or the parameters), "
+                "e.g. 'pixel_values', 'input_ids'"
+            )
+        spread[name] = keys
+        taken |= set(keys)
+    return spread
+
+
+# -- which callables ----------------------------------------------------------------------------
+def _python_function(step: Any) -> tuple[types.FunctionType, Any]:
+    """``(function, self or None)`` behind ``step``; a SplitError naming the fix otherwise."""
+    if isinstance(step, type):
+        raise SplitError(
+            f"graphsplit.split got the class {step.__qualname__}, not a training step.\n"
+            f"  fix:    pass an instance (graphsplit.split({step.__name__}(...), args)) or the "
+            "function that runs the step"
+        )
+    if isinstance(step, functools.partial):
+        raise SplitError(
+            f"graphsplit.split got functools.partial({_describe(step.func)}, ...); the values it "
+            "binds are hidden from the trace.\n"
+            "  fix:    pass a def function that takes the batch and reads the other values as "
+            "globals or closure variables (or pass them as part of args)"
+        )
+    if inspect.ismethod(step):
+        function, owner = step.__func__, step.__self__
+    elif isinstance(step, types.FunctionType):
+        function, owner = step, None
+    elif isinstance(_class_call(step), types.FunctionType):
+        function, owner = _class_call(step), step
+    else:
+        kind = "builtin " if isinstance(step, types.BuiltinFunctionType) else ""
+        raise SplitError(
+            f"graphsplit.split got the {kind}{type(step).__name__} {_name_of(step)}, which has "
+            "no Python code to trace.\n"
+            f"  fix:    {_FIX_SHAPE}"
+        )
+    if not isinstance(function, types.FunctionType):
+        raise SplitError(
+            f"graphsplit.split got {_name_of(step)}, whose code is not Python.\n"
+            f"  fix:    {_FIX_SHAPE}"
+        )
+    if isinstance(owner, type):
+        owner = None  # a classmethod: the class is not a holder of models
+    for test, kind in (
+        (inspect.isgeneratorfunction, "a generator function (it yields)"),
+        (inspect.iscoroutinefunction, "an async function"),
+        (inspect.isasyncgenfunction, "an async generator function"),
+    ):
+        if test(function):
+            raise SplitError(
+                f"{_describe(function)} is {kind}; graphsplit traces one call that returns "
+                "the step's outputs.\n"
+                "  fix:    make it a plain function that runs one step and returns the loss "
+                "(keep the loop over batches outside it)"
+            )
+    return function, owner
+
+
+def _class_call(step: Any) -> Any:
+    """The ``__call__`` ``step``'s class defines (or inherits), looked up on the class."""
+    for klass in type(step).__mro__:
+        if "__call__" in vars(klass):
+            return vars(klass)["__call__"]
+    return None
+
+
+def _signature(step: Any, function: types.FunctionType) -> inspect.Signature:
+    """The parameters the caller passes; refuses ``*args`` / ``**kwargs``."""
+    signature = inspect.signature(step)  # without self for a bound method or callable object
+    for parameter in signature.parameters.values():
+        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            star = "*" if parameter.kind is parameter.VAR_POSITIONAL else "**"
+            raise SplitError(
+                f"{_describe(function)} takes {star}{parameter.name}; graphsplit needs named "
+                "inputs (they become stage 1's parameters and the cache's fields).\n"
+                "  fix:    give the function explicit parameters, one per batch field"
+            )
+    return signature
+
+
+def _name_of(value: Any) -> str:
+    return getattr(value, "__qualname__", None) or getattr(value, "__name__", None) or repr(value)
+
+
+def _describe(function: Any) -> str:
+    """``training_step (train.py:42)``: the callable as the user knows it."""
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return _name_of(function)
+    place, _ = frame_location_of(code.co_filename, code.co_firstlineno)
+    return f"{_name_of(function)} ({place})"
+
+
+# -- what the code reaches ------------------------------------------------------------------------
+class _Reached:
+    """Reached modules, tensors and helper objects by name, each object once."""
+
+    def __init__(self) -> None:
+        self.modules: dict[str, nn.Module] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.helpers: dict[str, Any] = {}
+        self._seen: set[int] = set()
+
+    def _claim(self, name: str, value: Any) -> bool:
+        taken = name in self.modules or name in self.tensors or name in self.helpers
+        if id(value) in self._seen or taken or not _usable_name(name):
+            return False
+        self._seen.add(id(value))
+        return True
+
+    def add(self, name: str, value: Any) -> None:
+        if isinstance(value, nn.Module):
+            if self._claim(name, value):
+                self.modules[name] = value
+        elif isinstance(value, torch.Tensor):
+            if self._claim(name, value):
+                self.tensors[name] = value
+        elif isinstance(value, (dict, list, tuple)):
+            holder = _holder(value)
+            if holder is not None and self._claim(name, value):
+                self.modules[name] = holder
+        elif _holds_attributes(value):
+            holder = _holder(value)  # a pipeline-like object (callable or not) holding modules
+            if holder is not None:
+                if self._claim(name, value):
+                    self.modules[name] = holder
+            elif _is_helper_object(value) and self._claim(name, value):
+                self.helpers[name] = value
+
+    def add_owner(self, owner: Any) -> None:
+        """``self`` of a bound method: its attributes, under their own names."""
+        if isinstance(owner, nn.Module):  # its own tensors are shared, see _share_tensors
+            for name, child in owner._modules.items():
+                if child is not None:
+                    self.add(name, child)
+            self._seen |= {id(tensor) for tensor in (*owner._parameters.values(),)}
+            self._seen |= {id(tensor) for tensor in owner._buffers.values()}
+        for name, value in vars(owner).items():
+            if not name.startswith("_"):
+                self.add(name, value)
+
+
+def _usable_name(name: str) -> bool:
+    return name.isidentifier() and not keyword.iskeyword(name) and not name.startswith("__")
+
+
+def _holds_attributes(value: Any) -> bool:
+    """An instance with its own attributes: not a class, Python module, function or method."""
+    plain = (type, types.ModuleType, types.FunctionType, types.MethodType, functools.partial)
+    return hasattr(value, "__dict__") and not isinstance(value, plain)
+
+
+def _is_helper_object(value: Any) -> bool:
+    if isinstance(value, (type, types.ModuleType, torch.Tensor)) or callable(value):
+        return False
+    return hasattr(value, "__dict__")
+
+
+class _Holder(nn.Module):
+    """Holds the modules of a dict, list, tuple or plain object under the keys the code uses."""
+
+
+def _holder(value: Any) -> nn.Module | None:
+    """A module holding ``value``'s modules (and its helper objects), or None if it has none."""
+    if isinstance(value, dict):
+        items = [(key, item) for key, item in value.items() if isinstance(key, str)]
+    elif isinstance(value, (list, tuple)):
+        items = [(str(index), item) for index, item in enumerate(value)]
+    else:
+        items = list(vars(value).items())
+    modules = [
+        (key, item)
+        for key, item in items
+        if isinstance(item, nn.Module) and key and "." not in key and not key.startswith("_")
+    ]
+    if not modules:
+        return None
+    holder = _Holder()
+    for key, module in modules:
+        holder.add_module(key, module)
+    if not isinstance(value, (dict, list, tuple)):
+        for key, item in items:  # kept so the analysis restores what tracing rebinds on them
+            if _is_helper_object(item) and key.isidentifier() and not hasattr(holder, key):
+                setattr(holder, key, item)
+    return holder
+
+
+def _reach_code(function: types.FunctionType, reached: _Reached, visited: set[int]) -> None:
+    """Closure cells, then loaded globals (nested code and same-module helpers included)."""
+    if id(function) in visited:
+        return
+    visited.add(id(function))
+    code = function.__code__
+    for name, cell in zip(code.co_freevars, function.__closure__ or ()):
+        try:
+            reached.add(name, cell.cell_contents)
+        except ValueError:  # an empty cell: assigned after the function was defined
+            continue
+    namespace = function.__globals__
+    for name in _loaded_globals(code):
+        if name not in namespace:
+            continue
+        value = namespace[name]
+        if isinstance(value, types.FunctionType) and value.__globals__ is namespace:
+            _reach_code(value, reached, visited)  # a helper defined beside the step
+        else:
+            reached.add(name, value)
+
+
+def _loaded_globals(code: types.CodeType) -> list[str]:
+    """Names ``code`` (and the code nested in it) loads as globals, in first-load order."""
+    names: list[str] = []
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            name = str(instruction.argval).removesuffix(" + NULL").removeprefix("NULL + ")
+            if name not in names:
+                names.append(name)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names += [name for name in _loaded_globals(constant) if name not in names]
+    return names
+
+
+# -- the step module ------------------------------------------------------------------------------
+def _build(
+    step: Any,
+    function: types.FunctionType,
+    owner: Any,
+    signature: inspect.Signature,
+    module_arguments: dict[str, nn.Module],
+    spread: dict[str, tuple[str, ...]],
+    reached: _Reached,
+) -> nn.Module:
+    forward = _forward(step, function, signature, module_arguments, spread)
+    name = function.__name__ if function.__name__.isidentifier() else "function_step"
+    cls = type(name, (FunctionStep,), {"forward": forward, "__doc__": function.__doc__})
+    module = cls()
+    module.step_callable = step
+    for key, child in reached.modules.items():
+        module.add_module(key, child)
+    if isinstance(owner, nn.Module):
+        _share_tensors(module, owner, function, reached)
+    else:
+        for key, tensor in reached.tensors.items():
+            if isinstance(tensor, nn.Parameter):
+                module.register_parameter(key, tensor)
+            else:  # a global tensor is not the model's state: kept out of state dicts
+                module.register_buffer(key, tensor, persistent=False)
+    for key, helper in reached.helpers.items():
+        setattr(module, key, helper)
+    _drop_nested(module)
+    return module
+
+
+def _share_tensors(
+    module: nn.Module, owner: nn.Module, function: types.FunctionType, reached: _Reached
+) -> None:
+    """A module's method: the step module shares ``self``'s own parameter and buffer tables.
+
+    The analysis swaps tensors in those tables for meta twins while it traces; sharing them
+    means ``self.bias`` in the method reads the twin, and the keys stay the module's own.
+    """
+    module._parameters = owner._parameters
+    module._buffers = owner._buffers
+    module._non_persistent_buffers_set = owner._non_persistent_buffers_set
+    for key, tensor in reached.tensors.items():
+        if isinstance(tensor, nn.Parameter):  # registering it would change the user's module
+            raise SplitError(
+                f"{_describe(function)} uses the parameter {key!r}, which is neither "
+                f"registered on {type(owner).__name__} nor an attribute of one of its modules.\n"
+                f"  fix:    register it on the module (self.{key} = nn.Parameter(...) in "
+                "__init__), so it has a name and trains"
+            )
+    # Other tensors become the stage's traced constants, held out of its state dict.
+
+
+def _drop_nested(module: nn.Module) -> None:
+    """A reached module inside another reached module keeps only the outer path."""
+    children = dict(module._modules)
+    inner = {
+        id(sub) for key, child in children.items() for sub in child.modules() if sub is not child
+    }
+    for key, child in children.items():
+        if id(child) in inner:
+            del module._modules[key]
+
+
+def _forward(
+    step: Any,
+    function: types.FunctionType,
+    signature: inspect.Signature,
+    module_arguments: dict[str, nn.Module],
+    spread: dict[str, tuple[str, ...]],
+) -> Any:
+    """``def forward(self, <the callable's batch parameters>): return step(...)`` on one line.
+
+    Compiled with the callable's file and first line, so reports point placeholders (the step's
+    inputs) at the user's ``def``. Every argument is passed by name except positional-only ones.
+    """
+    parameters: list[str] = []
+    call: list[str] = []
+    defaults: dict[str, Any] = {}
+    keyword_only = had_default = False
+
+    def declare(name: str, default: Any, kind: inspect._ParameterKind) -> None:
+        nonlocal keyword_only, had_default
+        needs_star = kind is inspect.Parameter.KEYWORD_ONLY or (
+            had_default and default is inspect.Parameter.empty
+        )
+        if needs_star and not keyword_only:
+            parameters.append("*")
+            keyword_only = True
+        if default is inspect.Parameter.empty:
+            parameters.append(name)
+        else:
+            had_default = True
+            defaults[name] = default
+            parameters.append(f"{name}=__defaults[{name!r}]")
+
+    for parameter in signature.parameters.values():
+        name, kind = parameter.name, parameter.kind
+        if name in module_arguments:
+            value = f"__modules[{name!r}]"
+        elif name in spread:
+            for key in spread[name]:
+                declare(key, inspect.Parameter.empty, kind)
+            value = "{" + ", ".join(f"{key!r}: {key}" for key in spread[name]) + "}"
+        else:
+            declare(name, parameter.default, kind)
+            value = name
+        call.append(value if kind is parameter.POSITIONAL_ONLY else f"{name}={value}")
+    head = ", ".join(["_graphsplit_step", *parameters])
+    source = f"def forward({head}): return __step({', '.join(call)})\n"
+    namespace = {"__step": step, "__modules": dict(module_arguments), "__defaults": defaults}
+    code = function.__code__
+    exec(compile(source, code.co_filename, "exec"), namespace)
+    forward = namespace["forward"]
+    forward.__code__ = forward.__code__.replace(co_firstlineno=code.co_firstlineno)
+    forward.__qualname__ = f"{function.__qualname__}.forward"
+    return forward

@@ -1,0 +1,569 @@
+"""Trace a training step into a torch.fx graph at the level of the user's code.
+
+Glossary:
+    leaf module: a submodule recorded as one ``call_module`` node instead of being traced into.
+        Modules whose parameters are all frozen or all trainable are leaves (so stage 2 calls
+        the user's own trainable modules: their forward, hooks and checkpointing stay theirs).
+        Modules that mix both are traced into when :func:`trace_step` is asked to.
+    leaf method call: ``vae.encode(x)`` on a leaf module, recorded as ``get_attr(vae)`` followed
+        by ``call_method(encode)``, just like ``forward`` (see
+        :mod:`graphsplit.planning.patching.patches`); methods of a mixed module
+        (``dit.patchify(x)``) are traced into instead.
+    meta value: every node carries ``node.meta["val"]``, the value its op produced on ``meta``
+        tensors (computed by :class:`~graphsplit.planning.meta.interpreters.TracingInterpreter`).
+        Python control flow on shapes, ranks, dtypes and devices reads these values; control flow on
+        tensor *values* raises :class:`~graphsplit.errors.TraceError`.
+    guard: a Python value the trace read from a meta value (a ``len``, ``bool``, ``int``,
+        ``__index__``), kept so the analysis can check it does not change with the batch size;
+        also listed in ``node.meta["guards"]``, where stage 2 finds the sizes to recheck
+        (:mod:`graphsplit.planning.rules.size_guards`).
+    traced value: a proxy that answers ``isinstance``, ``callable`` and ``len`` as its meta
+        value would, so library code runs the branch eager runs
+        (:mod:`graphsplit.planning.patching.traced_builtins`).
+    checkpoint region: nodes traced inside ``torch.utils.checkpoint.checkpoint``, tagged
+        ``node.meta["checkpoint"]`` (:mod:`graphsplit.planning.rules.checkpoint`).
+
+In: the model, example inputs as meta values, the names of modules to trace into.
+Out: :class:`~graphsplit.artifacts.Traced` — the graph, the constants it references, its guards:
+
+    trace_step(model, example_values, leaf_names, *, record=None) -> Traced
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import inspect
+import math
+import operator
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from graphsplit.artifacts import Guard, Traced
+from graphsplit.errors import TensorValueError, TraceError, user_error
+from graphsplit.planning.meta.analysis_view import module_called
+from graphsplit.planning.meta.interpreters import TracingInterpreter
+from graphsplit.planning.opaque.value_reads import NOT_ANSWERED, Read, answer
+from graphsplit.planning.patching.module_state import module_state_restored
+from graphsplit.planning.patching.patches import (
+    checkpoints_recorded,
+    einops_calls_recorded,
+    leaf_methods_recorded,
+    legacy_constructor_recorded,
+    tensor_checks_assumed,
+    traced_factories,
+    traced_range,
+    traced_torch_calls,
+)
+from graphsplit.planning.patching.traced_builtins import python_builtins_as_eager
+from graphsplit.planning.rules.checkpoint import CHECKPOINT, CheckpointRegion
+from graphsplit.planning.rules.grad_modes import check_autocast, current_modes, mark_switched
+from graphsplit.planning.rules.random_draws import (
+    changed_generators,
+    generator_states,
+    locate_random_draw,
+    set_generator_states,
+)
+from graphsplit.planning.rules.size_guards import GUARDS
+from graphsplit.planning.rules.user_lines import (
+    current_line,
+    current_location,
+    frame_location,
+    frame_location_of,
+    user_frame,
+)
+from graphsplit.planning.trace.inplace import functionalize_inplace
+from graphsplit.planning.trace.rewrites import restore_input_names
+
+_len = builtins.len  # the real one: ``len`` is replaced while tracing (python_builtins)
+_MAX_NAME = 48
+_STATIC_TENSOR_ATTRIBUTES = frozenset({"dtype", "is_floating_point", "is_complex"})
+_OWN_ATTRIBUTES = frozenset({"node", "_node", "root", "attr", "tracer"})
+# Python reads of a tensor's value the planning can answer (planning/opaque/value_reads.py).
+_VALUE_READS = {bool: Read.BOOL, int: Read.INT, float: Read.FLOAT, operator.index: Read.INDEX}
+_METHOD_READS = {"tolist": Read.TOLIST, "item": Read.ITEM}
+
+
+class _Proxy(fx.Proxy):
+    """A proxy that answers Python's questions the way its meta value would.
+
+    - ``isinstance``, ``callable`` and ``len`` answer from :meth:`eager_value` (see
+      :mod:`graphsplit.planning.patching.traced_builtins`): library code that branches on them
+      (DiffSynth's ``transfer_data_to_device`` casts only tensors; einops picks its torch
+      backend; transformers calls a check's condition if it is callable) must run the
+      program eager runs;
+    - ``bool``, ``int``, ``float``, ``__index__`` (a slice bound, ``[0] * n``) and ``len``
+      called from C code read the meta value and record a guard (see
+      :meth:`_Tracer.concrete`).
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _OWN_ATTRIBUTES:  # not set yet (during construction): never a graph node
+            raise AttributeError(name)
+        value = self.node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            if name in _STATIC_TENSOR_ATTRIBUTES:
+                # A traced op's dtype is fixed by the trace; code such as torch.finfo(x.dtype)
+                # needs the real object. (Under autocast, split with the same autocast on.)
+                return getattr(value, name)
+            if name.startswith("_") and not hasattr(value, name):
+                # Probes such as Parameter's isinstance check (getattr(x, "_is_param", False))
+                # must see what a tensor says: no such attribute.
+                raise AttributeError(name)
+        return _Attribute(self, name)
+
+    def eager_value(self) -> Any:
+        """The value eager would hold here: the node's meta value."""
+        return self.node.meta.get("val")
+
+    def __len__(self) -> int:
+        return self.tracer.concrete(self, _len)
+
+    def __int__(self) -> int:
+        return self.tracer.concrete(self, int)
+
+    def __float__(self) -> float:
+        return self.tracer.concrete(self, float)
+
+    def __index__(self) -> int:
+        return self.tracer.concrete(self, operator.index, pending=True)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.tracer.iter(self)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        # Recorded in place, then rewritten as a copy by inplace.functionalize_inplace.
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+    def _augmented(self, method: str, operation: Callable[[Any, Any], Any], other: Any) -> Any:
+        """``h += 1``: in place on a tensor (as eager does), a new value for a Python number."""
+        if isinstance(self.node.meta.get("val"), torch.Tensor):
+            return self.tracer.create_proxy("call_method", method, (self, other), {})
+        return self.tracer.create_proxy("call_function", operation, (self, other), {})
+
+    def __iadd__(self, other: Any) -> Any:
+        return self._augmented("add_", operator.add, other)
+
+    def __isub__(self, other: Any) -> Any:
+        return self._augmented("sub_", operator.sub, other)
+
+    def __imul__(self, other: Any) -> Any:
+        return self._augmented("mul_", operator.mul, other)
+
+    def __itruediv__(self, other: Any) -> Any:
+        return self._augmented("div_", operator.truediv, other)
+
+    def __ifloordiv__(self, other: Any) -> Any:
+        return self._augmented("floor_divide_", operator.floordiv, other)
+
+    def __ipow__(self, other: Any) -> Any:
+        return self._augmented("pow_", operator.pow, other)
+
+
+class _Attribute(_Proxy):
+    """``proxy.name``: a method call if called, else a lazily created ``getattr`` node."""
+
+    def __init__(self, root: _Proxy, attr: str) -> None:
+        self.root = root
+        self.attr = attr
+        self.tracer = root.tracer
+        self._node: fx.Node | None = None
+
+    @property
+    def node(self) -> fx.Node:  # type: ignore[override]
+        if self._node is None:
+            self._node = self.tracer.create_proxy(
+                "call_function", getattr, (self.root, self.attr), {}
+            ).node
+        return self._node
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        read = _METHOD_READS.get(self.attr)
+        reads_value = read is not None and not args and not kwargs  # x.tolist(), x.item()
+        if reads_value and isinstance(self.root.eager_value(), torch.Tensor):
+            answered = answer(self.tracer, self.root, read)
+            if answered is not NOT_ANSWERED:
+                return answered  # frozen data, one sample per batch (value_reads.py)
+        return self.tracer.create_proxy("call_method", self.attr, (self.root, *args), kwargs)
+
+    def eager_value(self) -> Any:
+        """The attribute of the root's meta value, without creating a node for it."""
+        if self._node is not None:
+            return self._node.meta.get("val")
+        return getattr(self.root.eager_value(), self.attr, None)
+
+
+class _Tracer(fx.Tracer):
+    """fx tracer whose proxies carry meta values and whose leaves include method calls."""
+
+    def __init__(self, leaf_names: frozenset[str], example_values: dict[str, Any]) -> None:
+        super().__init__(autowrap_modules=(math,), param_shapes_constant=False)
+        # A buffer read in traced code is a get_attr node, as a parameter is: fx's default
+        # hands the tensor itself to the code, and ``self.table[:4]`` then ran on the analysis
+        # view's meta twin, its result a meta constant stage 1 could never run with.
+        self.proxy_buffer_attributes = True
+        self.leaf_names = leaf_names
+        self.example_values = example_values
+        self.guards: list[Guard] = []
+        # __index__ guards and the user instruction that read them (see concrete()).
+        self.pending_guards: list[tuple[Guard, tuple[int, int]]] = []
+        # The checkpoint() call being traced, if any (see patches.checkpoints_recorded).
+        self.checkpoint: CheckpointRegion | None = None
+        self.checkpoint_count = 0
+        self.computing_meta = False
+        self.module_proxies: dict[str, _Proxy] = {}
+        self.forward_location: tuple[str, str] = ("<unknown>", "")
+        # Which nodes get an op record while traced (see TracingInterpreter).
+        self.record: Callable[[fx.Node], bool] | None = None
+        self.interpreter: TracingInterpreter | None = None
+        # The caller's grad mode and autocast: a node created under others was inside a `with`
+        # block of the step, which stage code would not have (planning/rules/grad_modes.py).
+        self.ambient_modes = current_modes()
+
+    # -- graph construction -------------------------------------------------------------
+    def proxy(self, node: fx.Node) -> _Proxy:
+        return _Proxy(node, self)
+
+    def create_arg(self, a: Any) -> Any:
+        # A proxy first: it claims to be a torch.Tensor (see python_builtins), and fx would
+        # otherwise store it away as a tensor constant.
+        if isinstance(a, fx.Proxy):
+            return a.node
+        return super().create_arg(a)
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return qualified_name in self.leaf_names or super().is_leaf_module(module, qualified_name)
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        self.keep_pending_guards()
+        if name is None:
+            name = _descriptive_name(kind, target, args)
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if self.checkpoint is not None and kind not in ("placeholder", "output"):
+            node.meta[CHECKPOINT] = self.checkpoint
+        if kind == "placeholder":
+            node.meta["source"], node.meta["source_code"] = self.forward_location
+            node.meta["val"] = self._meta_value(node)
+        elif kind != "output":
+            node.meta["source"], node.meta["source_code"] = current_location()
+            mark_switched(node, self.ambient_modes)
+            node.meta["val"] = self._meta_value(node)
+        return node
+
+    def call_module(self, module, forward, args, kwargs):
+        if self.computing_meta:  # a module inside a node's meta run (or a real run)
+            return module_called(module, lambda: forward(*args, **kwargs), args, kwargs)
+        if self.submodule_paths is not None and module not in self.submodule_paths:
+            return self._call_foreign_module(module, forward, args, kwargs)
+        return super().call_module(module, forward, args, kwargs)
+
+    def _call_foreign_module(self, module, forward, args, kwargs):
+        """A module the step holds nowhere in its tree (``loss_fct = CrossEntropyLoss()``
+        created inside ``forward``): traced through, so the graph holds what it computes.
+
+        A ``call_module`` node needs a path in the model, and stage code would have no module
+        to call. Without parameters, tracing through its forward is exact (its buffers, if any,
+        become constants of the graph); with parameters, its weights would be frozen into the
+        plan as constants and never trained, so that is refused.
+        """
+        owned = next((name for name, _ in module.named_parameters()), None)
+        if owned is not None:
+            kind = type(module).__name__
+            raise user_error(
+                TraceError,
+                f"The step calls a {kind} that is not a submodule of the model, and it holds "
+                f"parameters ({owned}, ...): graphsplit would freeze them into the plan as "
+                "constants, and stage 2 could not train them.",
+                source=current_line(),
+                fix=f"create it once, as an attribute of the model (self.name = {kind}(...) in "
+                "__init__; for a function step, a global or an argument of the function), so "
+                "it is a submodule graphsplit can place in a stage",
+            )
+        return forward(*args, **kwargs)
+
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        if self.computing_meta:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def record_call(self, function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """One ``call_function`` node for a torch call that holds no traced value.
+
+        Generators become attributes of the root (read by ``get_attr``): stage code draws from
+        the user's own generator object, as the step did.
+        """
+        args, kwargs = torch.utils._pytree.tree_map_only(
+            torch.Generator, self._generator_attribute, (args, kwargs)
+        )
+        return self.create_proxy("call_function", function, args, kwargs)
+
+    def _generator_attribute(self, generator: torch.Generator) -> _Proxy:
+        for name, value in vars(self.root).items():
+            if value is generator:
+                return self.create_proxy("get_attr", name, (), {})
+        name = f"_generator_{sum(isinstance(v, torch.Generator) for v in vars(self.root).values())}"
+        setattr(self.root, name, generator)
+        return self.create_proxy("get_attr", name, (), {})
+
+    def open_checkpoint(self, options: dict[str, Any] | None) -> CheckpointRegion | None:
+        """Start tagging nodes with a new checkpoint region (unless one is open already)."""
+        if self.checkpoint is not None:
+            return None
+        if options is not None:
+            self.checkpoint = CheckpointRegion(self.checkpoint_count, options)
+            self.checkpoint_count += 1
+        return self.checkpoint
+
+    def close_checkpoint(self, token: CheckpointRegion | None) -> None:
+        if token is not None and token is self.checkpoint:
+            self.checkpoint = None
+
+    @contextlib.contextmanager
+    def rolled_back_on_error(self) -> Iterator[None]:
+        """Undo a failed attempt to trace into a call (its nodes, guards, handles); no raise."""
+        count = len(self.graph.nodes)
+        guards, pending = len(self.guards), len(self.pending_guards)
+        handles, region = dict(self.module_proxies), self.checkpoint
+        try:
+            yield
+        except Exception:
+            for node in reversed(list(self.graph.nodes)[count:]):
+                self.graph.erase_node(node)
+            del self.guards[guards:]
+            del self.pending_guards[pending:]
+            self.module_proxies, self.checkpoint = handles, region
+
+    def module_proxy(self, qualified_name: str) -> _Proxy:
+        """One ``get_attr`` node per leaf module whose methods the step calls."""
+        if qualified_name not in self.module_proxies:
+            self.module_proxies[qualified_name] = self.create_proxy(
+                "get_attr", qualified_name, (), {}
+            )
+        return self.module_proxies[qualified_name]
+
+    # -- meta values ----------------------------------------------------------------------
+    def _meta_value(self, node: fx.Node) -> Any:
+        if self.interpreter is None:  # the root and graph exist once tracing has started
+            self.interpreter = TracingInterpreter(
+                self.root, self.graph, self.example_values, self.record
+            )
+        self.computing_meta = True
+        try:
+            return self.interpreter.value_of(node)
+        finally:
+            self.computing_meta = False
+
+    # -- Python conversions of traced values ---------------------------------------------
+    def concrete(
+        self, proxy: _Proxy, convert: Callable[[Any], Any], *, pending: bool = False
+    ) -> Any:
+        """Resolve a Python conversion from the meta value; refuse it on tensor data.
+
+        ``pending`` (``__index__``): torch's argument parser also calls ``__index__`` on the
+        items of an int list (``torch.randint(0, 10, (x.shape[0],))``) just to see whether
+        they are ints, before the call reaches the tracer, which records it with the size
+        still traced. Such a guard waits in ``pending_guards`` until the next traced event:
+        the tracer's torch-call handler drops those its call's arguments explain, read at the
+        instruction that makes the call (:meth:`drop_pending_guards`); anything else keeps
+        them, so ``[0] * n`` just before ``torch.zeros(n)`` stays guarded.
+        """
+        node = proxy.node
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and convert is not _len:  # len() reads the shape
+            read = _VALUE_READS.get(convert)
+            answered = NOT_ANSWERED if read is None else answer(self, proxy, read)
+            if answered is not NOT_ANSWERED:
+                return (
+                    answered  # frozen data, one sample per batch (planning/opaque/value_reads.py)
+                )
+            error = user_error(
+                TensorValueError,
+                "Python control flow depends on the value of a tensor, which differs per "
+                "batch and cannot be decided while tracing.",
+                node=node,
+                source=current_line(),
+                fix="express it with tensor ops (torch.where, masking, clamp) or move it "
+                "into the data pipeline, before the step is called",
+            )
+            error.read_at = current_line()
+            raise error
+        result = convert(value)
+        frame = user_frame()
+        guard = Guard(node, convert, result, frame_location(frame)[0])
+        if pending:
+            self.pending_guards.append((guard, _instruction(frame)))
+        else:
+            self.keep_pending_guards()
+            self.guards.append(guard)
+        return result
+
+    def keep_pending_guards(self) -> None:
+        """Pending ``__index__`` guards were real Python ints: keep them."""
+        self.guards.extend(guard for guard, _ in self.pending_guards)
+        self.pending_guards.clear()
+
+    def drop_pending_guards(self, args: Any) -> None:
+        """Drop the parser's probes of this call: pending guards on proxies inside ``args``,
+        read at the instruction that makes the call."""
+        if not self.pending_guards:  # the usual case: no stack walk per traced call
+            return
+        nodes = {_node_if_created(leaf) for leaf in torch.utils._pytree.tree_leaves(args)}
+        here = _instruction(user_frame())
+        self.pending_guards[:] = [
+            (guard, at)
+            for guard, at in self.pending_guards
+            if guard.node not in nodes or at != here
+        ]
+
+    def to_bool(self, obj: _Proxy) -> bool:
+        return self.concrete(obj, bool)
+
+    def iter(self, obj: _Proxy) -> Iterator[Any]:
+        value = obj.node.meta.get("val")
+        if isinstance(value, dict):
+            return iter(list(value.keys()))
+        length = self.concrete(obj, _len)
+        return iter([obj[index] for index in range(length)])
+
+    def keys(self, obj: _Proxy) -> Any:
+        value = obj.node.meta.get("val")
+        if hasattr(value, "keys"):
+            return list(value.keys())
+        return super().keys(obj)
+
+
+def _instruction(frame: FrameType | None) -> tuple[int, int]:
+    """Which user frame, at which bytecode instruction (a call's probes share both)."""
+    return (id(frame), frame.f_lasti) if frame is not None else (0, -1)
+
+
+def _node_if_created(value: Any) -> fx.Node | None:
+    """A proxy's node, without creating an attribute's node (that would be a traced event)."""
+    if isinstance(value, _Attribute):
+        return value._node
+    return value.node if isinstance(value, fx.Proxy) else None
+
+
+def _descriptive_name(kind: str, target: Any, args: tuple) -> str | None:
+    """Names that read like the user's code: ``vae_encode``, ``latent_dist``, ``text_encoder_0``."""
+    base = args[0] if args else None
+    if not isinstance(base, fx.Node):
+        return None
+    if (
+        kind == "call_method"
+        and base.op == "get_attr"
+        and isinstance(base.meta.get("val"), nn.Module)
+    ):
+        name = f"{base.name}_{target}"
+    elif kind == "call_function" and target is getattr and len(args) > 1:
+        name = f"{base.name}_{args[1]}" if base.op != "placeholder" else str(args[1])
+    elif kind == "call_function" and target is operator.getitem and isinstance(args[1], (int, str)):
+        name = f"{base.name}_{args[1]}"
+    else:
+        return None
+    return name[-_MAX_NAME:].lstrip("_") or None
+
+
+# -- entry point ----------------------------------------------------------------------------
+def trace_step(
+    model: nn.Module,
+    example_values: dict[str, Any],
+    leaf_names: frozenset[str],
+    *,
+    record: Callable[[fx.Node], bool] | None = None,
+) -> Traced:
+    """Trace ``model.forward`` into a graph whose nodes carry meta values.
+
+    Must run inside :func:`graphsplit.planning.meta.analysis_view.analysis_view` (the model's
+    tensors are meta). ``example_values`` maps each forward parameter name to its meta example
+    value. Nodes that ``record`` accepts get ``node.meta["op_record"]`` for the analysis to reuse.
+    """
+    states = generator_states()
+    before = set(vars(model))
+    try:
+        with module_state_restored(model):
+            tracer, graph = _trace_graph(model, example_values, leaf_names, record)
+            constants = {
+                name: vars(model)[name]
+                for name in set(vars(model)) - before
+                if isinstance(vars(model)[name], (torch.Tensor, torch.Generator))
+            }
+    except BaseException:
+        set_generator_states(states)  # a failed trace must not move the user's generators
+        raise
+    changed = changed_generators(states, generator_states())
+    if changed:
+        set_generator_states(states)  # the user's generators must not move because we traced
+        with module_state_restored(model):
+            location = locate_random_draw(lambda: _trace_graph(model, example_values, leaf_names))
+        set_generator_states(states)
+        raise user_error(
+            TraceError,
+            f"Random numbers were drawn while tracing ({', '.join(changed)} generator); the "
+            "draw would be frozen into the plan instead of happening every step. graphsplit "
+            "replays torch's random functions in stage 2, not Python's or NumPy's.",
+            source=location,
+            fix="draw with torch (torch.rand, torch.randint, torch.randn_like, ...), or move "
+            "the Python/NumPy draw into the data pipeline and pass the result as an input",
+        )
+    check_autocast(graph)
+    restore_input_names(graph, model)
+    functionalize_inplace(graph)
+    for guard in tracer.guards:  # for stage code to recheck (planning/rules/size_guards.py)
+        guard.node.meta.setdefault(GUARDS, []).append(guard)
+    input_names = tuple(n.target for n in graph.nodes if n.op == "placeholder")
+    return Traced(graph, constants, tuple(tracer.guards), input_names)
+
+
+def _trace_graph(
+    model: nn.Module,
+    example_values: dict[str, Any],
+    leaf_names: frozenset[str],
+    record: Callable[[fx.Node], bool] | None = None,
+) -> tuple[_Tracer, fx.Graph]:
+    tracer = _Tracer(leaf_names, example_values)
+    tracer.record = record
+    tracer.forward_location = _definition_of(type(model).forward)
+    to_int = lambda size: tracer.concrete(size, operator.index)  # noqa: E731
+    # Python conversions of traced values (int(), __index__, range()) are guarded ints; one
+    # that depends on the batch size is refused by the analysis (analyze._check_guards).
+    with (
+        leaf_methods_recorded(tracer, model, leaf_names),
+        traced_range(to_int),
+        traced_factories(),
+        traced_torch_calls(tracer),
+        checkpoints_recorded(tracer),
+        einops_calls_recorded(tracer),
+        legacy_constructor_recorded(tracer),
+        tensor_checks_assumed(),
+        python_builtins_as_eager((_Proxy, _Attribute)),
+    ):
+        graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
+    tracer.keep_pending_guards()
+    return tracer, graph
+
+
+def _definition_of(function: Any) -> tuple[str, str]:
+    """``("file:line", "def forward(...)")`` of the step's forward: where inputs come from."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    if code is None:
+        return "<unknown>", ""
+    return frame_location_of(code.co_filename, code.co_firstlineno)
+
+
+def _concrete_args(model: nn.Module, example_values: dict[str, Any]) -> dict[str, Any] | None:
+    """Parameters of ``forward`` the caller did not pass keep their defaults as constants."""
+    signature = inspect.signature(model.forward)
+    missing = {
+        name: parameter.default
+        for name, parameter in signature.parameters.items()
+        if name not in example_values
+        and parameter.default is not inspect.Parameter.empty
+        and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+    }
+    return missing or None
