@@ -28,7 +28,7 @@ from graphsplit.errors import (
     TraceError,
     VerifyError,
 )
-from graphsplit.planning.analyse.codecs import register_codec
+from graphsplit.planning.analyse.boundary_codecs import register_codec
 from graphsplit.tools.spec import StepSpec
 from graphsplit.verify import verify
 from graphsplit.version import __version__

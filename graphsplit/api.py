@@ -28,7 +28,7 @@ from graphsplit.planning.leaf_rounds import trace_and_analyze
 from graphsplit.planning.step.callables import as_step_module
 from graphsplit.planning.step.example_inputs import bind_examples
 from graphsplit.planning.step.frozen import FrozenSpec, resolve_frozen
-from graphsplit.planning.trace.rewrites import restore_devices
+from graphsplit.planning.tracing.rewrites import restore_devices
 from graphsplit.report import plan_json, render_report
 
 

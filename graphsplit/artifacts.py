@@ -14,10 +14,10 @@ Glossary:
 The pipeline, and the artifact each step hands to the next::
 
     planning.step.example_inputs.bind_examples(model, args, kwargs) -> ExampleInputs
-    planning.trace.tracer.trace_step(model, values, leaves)    -> Traced (graph, guards, constants)
-    planning.analyse.node_facts.analyze(traced, model, examples)   -> node.meta["facts"] = NodeFacts
-    planning.cut.boundary.choose_boundary(graph, trainable)      -> Cut (boundary, stages, Taint per
-    node,
+    planning.tracing.tracer.trace_step(model, values, leaves)    -> Traced (graph, guards,
+    constants) planning.analyse.node_facts.analyze(traced, model, examples)   -> node.meta["facts"]
+    = NodeFacts planning.cut.boundary.choose_boundary(graph, trainable)      -> Cut (boundary,
+    stages, Taint per node,
                                                            Recomputation: frozen work redone)
     planning.codegen.stages.build_stage1 / build_stage2        -> torch.fx.GraphModule each
 

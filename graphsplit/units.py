@@ -1,8 +1,10 @@
-"""Sizes and counts for humans: the one place graphsplit formats bytes and FLOPs."""
+"""Sizes and counts for humans: the one place graphsplit formats bytes, FLOPs and key lists."""
 
 from __future__ import annotations
 
-__all__ = ["human_bytes", "human_flops"]
+from collections.abc import Sequence
+
+__all__ = ["human_bytes", "human_flops", "some_keys"]
 
 
 def human_bytes(count: float) -> str:
@@ -21,3 +23,9 @@ def human_flops(count: float) -> str:
             return f"{count:.3g} {unit}FLOP"
         count /= 1000
     raise AssertionError("unreachable")
+
+
+def some_keys(keys: Sequence[str], limit: int = 5) -> str:
+    """``["a", "b", "c"], 2 -> "'a', 'b' and 1 more"``: the first ``limit`` keys, quoted."""
+    shown = ", ".join(repr(key) for key in keys[:limit])
+    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphsplit
-import graphsplit.planning.analyse.codecs
+import graphsplit.planning.analyse.boundary_codecs
 from graphsplit import MetaParameterError, SplitError, TraceError, VerifyError
 from tests.helpers import batch, split_and_verify
 
@@ -224,7 +224,7 @@ def decode_latents(values: torch.Tensor) -> Latents:
 @pytest.fixture
 def codec_registry():
     """Codecs registered by a test are forgotten after it."""
-    with graphsplit.planning.analyse.codecs.scoped_registry():
+    with graphsplit.planning.analyse.boundary_codecs.scoped_registry():
         yield
 
 

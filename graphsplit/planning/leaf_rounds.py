@@ -1,7 +1,7 @@
 """Trace and analyse in rounds: trace into mixed modules whose inputs are cacheable, repeat.
 
 Glossary:
-    round: one trace (:func:`~graphsplit.planning.trace.tracer.trace_step`), codec insertion and
+    round: one trace (:func:`~graphsplit.planning.tracing.tracer.trace_step`), codec insertion and
         analysis (:func:`~graphsplit.planning.analyse.node_facts.analyze`) with a given set of
         leaves.
     initial leaves: every submodule that holds parameters; modules are traced into only when
@@ -41,7 +41,7 @@ from torch import nn
 
 from graphsplit.artifacts import BatchLayout, ExampleInputs, TaintKind, Traced
 from graphsplit.errors import SplitError, TensorValueError, TraceError, TrainableSideError
-from graphsplit.planning.analyse.codecs import insert_codecs
+from graphsplit.planning.analyse.boundary_codecs import insert_codecs
 from graphsplit.planning.analyse.node_facts import analyze, resolve_params
 from graphsplit.planning.cut.boundary import (
     choose_boundary,
@@ -73,7 +73,7 @@ from graphsplit.planning.step.example_inputs import (
     example_batch_size,
     one_sample_examples,
 )
-from graphsplit.planning.trace.tracer import trace_step
+from graphsplit.planning.tracing.tracer import trace_step
 
 MAX_ROUNDS = 8
 MAX_OPAQUE_SITES = 16

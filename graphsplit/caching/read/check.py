@@ -11,14 +11,12 @@ In and out::
     check_cache(path) -> CacheReport                     # every checksum, size and tensor header
     file_problem(folder, record, *, checksum) -> str | None
     shard_tensors_problem(handle, record, manifest) -> str | None
-    some_keys(keys, limit=5) -> "'a', 'b' and 3 more"    # for messages
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +39,7 @@ from graphsplit.caching.store.durability import restart_cause
 from graphsplit.caching.store.ranged import RangedShard
 from graphsplit.caching.store.remote import RemotePath, location
 from graphsplit.errors import CacheError, ManifestError, Remedy, StorageError, UnsafeFileError
+from graphsplit.units import some_keys
 
 __all__ = [
     "CacheProblem",
@@ -50,7 +49,6 @@ __all__ = [
     "open_problem",
     "open_shard",
     "shard_tensors_problem",
-    "some_keys",
 ]
 
 _SAFETENSORS_DTYPES = {code: dtype for dtype, code in files.SAFETENSORS_DTYPES.items()}
@@ -244,9 +242,3 @@ def _constants_problem(folder: Path | RemotePath, manifest: Manifest) -> str | N
     except Exception as error:
         return f"safetensors cannot open it ({error})"
     return None
-
-
-def some_keys(keys: Sequence[str], limit: int = 5) -> str:
-    """The first ``limit`` keys, quoted, and how many more there are."""
-    shown = ", ".join(repr(key) for key in keys[:limit])
-    return shown + (f" and {len(keys) - limit} more" if len(keys) > limit else "")

@@ -46,13 +46,14 @@ from graphsplit.caching.format.fingerprint import (
 )
 from graphsplit.caching.format.layout import CONSTANTS_FILE, Manifest, read_manifest, tensor_name
 from graphsplit.caching.format.memory_order import Order, inverse, row_order
-from graphsplit.caching.read.check import file_problem, open_problem, open_shard, some_keys
-from graphsplit.caching.read.samples import describe_changes
+from graphsplit.caching.loader.samples import describe_changes
+from graphsplit.caching.read.check import file_problem, open_problem, open_shard
 from graphsplit.caching.store.durability import restart_cause, restarted_since
 from graphsplit.caching.store.mapped import open_mapped
 from graphsplit.caching.store.read_through import LocalCopies
 from graphsplit.caching.store.remote import RemotePath, location
 from graphsplit.errors import CacheError, CorruptCacheError, Remedy, StaleCacheError, StorageError
+from graphsplit.units import some_keys
 
 if TYPE_CHECKING:
     from graphsplit.api import Split

@@ -6,7 +6,7 @@
     2. decide        lock the folder (caching.store.lock); nothing to do, resume, or start afresh
                      (caching.write.folder_decision)
     3. write shards  every process computes and writes the shards it owns (caching.write.shards,
-                     batches from caching.write.sources, processes from caching.write.processes)
+                     batches from caching.loader.batches, processes from caching.write.processes)
     4. finish        the main process merges the progress records into the manifest (here)
 
 The folder's files are described in :mod:`graphsplit.caching.format.layout`.
@@ -47,6 +47,7 @@ from graphsplit.caching.format.layout import (
     read_shard_progress,
     write_manifest,
 )
+from graphsplit.caching.loader.batches import BatchSource, source_for
 from graphsplit.caching.store import files
 from graphsplit.caching.store.durability import unsynced_record
 from graphsplit.caching.store.lock import FolderLock
@@ -55,7 +56,6 @@ from graphsplit.caching.store.remote_lock import RemoteLock
 from graphsplit.caching.write.folder_decision import Decision, decide, remove_progress
 from graphsplit.caching.write.processes import Processes
 from graphsplit.caching.write.shards import write_shards
-from graphsplit.caching.write.sources import BatchSource, source_for
 from graphsplit.errors import CacheError, Remedy
 from graphsplit.units import human_bytes
 

@@ -57,10 +57,10 @@ from graphsplit.caching.format.layout import (
     write_manifest,
     write_resume_header,
 )
-from graphsplit.caching.read.samples import SampleChanges, loader_samples, merge, record_samples
+from graphsplit.caching.loader.batches import BatchSource
+from graphsplit.caching.loader.samples import SampleChanges, loader_samples, merge, record_samples
 from graphsplit.caching.store import files
 from graphsplit.caching.store.durability import restarted_since
-from graphsplit.caching.write.sources import BatchSource
 from graphsplit.errors import (
     CacheError,
     CorruptCacheError,

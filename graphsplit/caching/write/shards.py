@@ -52,9 +52,9 @@ from graphsplit.caching.format.layout import (
 from graphsplit.caching.format.memory_order import Order, memory_order
 from graphsplit.caching.format.records import to_json
 from graphsplit.caching.format.tensor_file import TensorBytes, rows_of
+from graphsplit.caching.loader.batches import BatchSource, as_mapping, batch_keys
 from graphsplit.caching.store import files
 from graphsplit.caching.write.processes import Processes
-from graphsplit.caching.write.sources import BatchSource, as_mapping, batch_keys
 from graphsplit.errors import CacheError, Remedy
 from graphsplit.units import human_bytes
 

@@ -27,8 +27,8 @@ Glossary:
         exact key (a tensor attribute, an object of unknown kind, a hook): it always runs.
 
 In: :func:`call` from the tracer's module calls while it computes a node's meta value
-(:meth:`graphsplit.planning.trace.tracer._Tracer.call_module`) and from the probes' ``call_module``
-nodes; :func:`node_run` from every node's meta run
+(:meth:`graphsplit.planning.tracing.tracer._Tracer.call_module`) and from the probes'
+``call_module`` nodes; :func:`node_run` from every node's meta run
 (:meth:`graphsplit.planning.meta.interpreters._MetaInterpreter.run_on_meta`). Out: what a run gives
 (fresh objects).
 

@@ -59,7 +59,8 @@ from graphsplit.planning.rules.opaque_call import is_opaque, probe_value
 
 # Where the tracer leaves a node's op record for the analysis's first probe run.
 OP_RECORD = "op_record"
-# Where it lists the input nodes whose tensors the node wrote into (see planning/trace/inplace.py).
+# Where it lists the input nodes whose tensors the node wrote into (see
+# planning/tracing/inplace.py).
 WRITES = "writes"
 
 

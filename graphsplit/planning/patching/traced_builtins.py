@@ -12,7 +12,7 @@ would, and fall through to the builtins for everything else. ``list(x)`` of a tr
 node instead of a Python loop over the batch, which would fix the batch size.
 
 Glossary:
-    traced value: a proxy of the step's tracer (:mod:`graphsplit.planning.trace.tracer`); its
+    traced value: a proxy of the step's tracer (:mod:`graphsplit.planning.tracing.tracer`); its
         ``eager_value()`` is the meta value eager would hold in its place (a tensor, an
         ``int`` size, a list, a ``ModelOutput``).
     step code: the user's code and the libraries it calls. The tracer's own code (torch.fx,

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from graphsplit.caching.format.fingerprint import batch_input_digests
 from graphsplit.caching.format.layout import ShardRecord
-from graphsplit.caching.read.check import some_keys
-from graphsplit.caching.write.sources import BatchSource, as_mapping, batch_keys
+from graphsplit.caching.loader.batches import BatchSource, as_mapping, batch_keys
+from graphsplit.units import some_keys
 
 __all__ = ["SampleChanges", "describe_changes", "loader_samples", "merge", "record_samples"]
 

@@ -1,6 +1,6 @@
 """Rewrites of the traced graph, in place, so the cut and the stages see plain dataflow.
 
-In-place writes are rewritten by :mod:`graphsplit.planning.trace.inplace`.
+In-place writes are rewritten by :mod:`graphsplit.planning.tracing.inplace`.
 
 In: a traced ``torch.fx.Graph`` (and the model, or the step's real device).
 Out: the same graph, rewritten:

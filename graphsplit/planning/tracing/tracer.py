@@ -77,8 +77,8 @@ from graphsplit.planning.rules.user_lines import (
     frame_location_of,
     user_frame,
 )
-from graphsplit.planning.trace.inplace import functionalize_inplace
-from graphsplit.planning.trace.rewrites import restore_input_names
+from graphsplit.planning.tracing.inplace import functionalize_inplace
+from graphsplit.planning.tracing.rewrites import restore_input_names
 
 _len = builtins.len  # the real one: ``len`` is replaced while tracing (python_builtins)
 _MAX_NAME = 48
