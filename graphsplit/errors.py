@@ -1,9 +1,13 @@
 """graphsplit's exceptions and the one helper that formats every user-facing error.
 
 Every error a user can fix names four things: the graph node, the user's source line, the
-reason, and the fix. :func:`user_error` builds that message so all of them read alike.
+reason, and the fix. :func:`user_error` is the one way to build such an error: every raise of a
+:class:`GraphsplitError` in the package goes through it (``tests/test_errors_built_one_way.py``
+fails on any other), so all of them read alike and carry their fix as a typed value.
 
 Glossary:
+    fix (:class:`Fix`): what the user can do, in words, and the option it names when it is one.
+        An error carries it as ``error.fix``.
     remedy (:class:`Remedy`): a fix that is one option of both the Python API and the command
         line (``overwrite=True`` is ``--overwrite``). An error carries it as a typed field,
         ``error.remedy``, so code decides by it and never by the message's text.
@@ -12,17 +16,20 @@ Glossary:
         ``--overwrite`` inside ``speaking(Wording.CLI)``, which the ``graphsplit`` command wraps
         around everything it runs; ``error.args[0]`` always holds the Python wording.
 
-    >>> error = GraphsplitError("fix: pass {remedy}", remedy=Remedy.OVERWRITE)
-    >>> str(error)
-    'fix: pass overwrite=True'
+    >>> error = user_error(CacheError, "the folder holds a cache", fix=Remedy.OVERWRITE)
+    >>> print(error)
+    the folder holds a cache
+      fix:    pass overwrite=True
     >>> with speaking(Wording.CLI):
-    ...     str(error)
-    'fix: pass --overwrite'
+    ...     print(error)
+    the folder holds a cache
+      fix:    pass --overwrite
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -34,6 +41,7 @@ __all__ = [
     "CacheLockedError",
     "CorruptCacheError",
     "DiskFullError",
+    "Fix",
     "GraphsplitError",
     "ManifestError",
     "MetaParameterError",
@@ -80,6 +88,27 @@ class Remedy(enum.Enum):
         return self.cli if wording is Wording.CLI else self.python
 
 
+@dataclasses.dataclass(frozen=True)
+class Fix:
+    """What the user can do about an error.
+
+    ``words`` say it; where the fix is one option (``overwrite=True``), ``option`` names it and
+    ``words`` holds the slot ``{remedy}`` where it goes, so the command line can say
+    ``--overwrite`` instead. A bare :class:`Remedy` given as a fix reads "pass {remedy}".
+    """
+
+    words: str
+    option: Remedy | None = None
+
+    def __post_init__(self) -> None:
+        if (REMEDY_SLOT in self.words) != (self.option is not None):
+            raise ValueError(f"a Fix names its option with {REMEDY_SLOT} iff it has one")
+
+    @classmethod
+    def of(cls, fix: Fix | Remedy) -> Fix:
+        return fix if isinstance(fix, Fix) else cls(f"pass {REMEDY_SLOT}", fix)
+
+
 _WORDING: ContextVar[Wording] = ContextVar("graphsplit_wording", default=Wording.PYTHON)
 
 
@@ -104,6 +133,8 @@ class GraphsplitError(Exception):
     """
 
     remedy: Remedy | None = None
+    fix: Fix | None = None  # set by user_error
+    reason: str | None = None  # set by user_error: the first line, without node, source and fix
 
     def __init__(self, *args: object, remedy: Remedy | None = None) -> None:
         if remedy is not None:
@@ -213,16 +244,20 @@ def user_error(
     error_type: type[GraphsplitError],
     reason: str,
     *,
-    fix: str,
+    fix: Fix | Remedy,
     node: torch.fx.Node | None = None,
     source: str | None = None,
-    remedy: Remedy | None = None,
+    remedy: Remedy | None = None,  # MIGRATION: goes with str fixes once every call site is typed
 ) -> GraphsplitError:
     """Build an error whose message names the node, the user's source line, the reason and fix.
 
     ``source`` defaults to the ``file:line`` graphsplit recorded for ``node`` while tracing.
-    With ``remedy``, write ``{remedy}`` in ``fix`` where the option goes (see the glossary).
+    ``fix`` is a :class:`Fix` (or a :class:`Remedy`, the fix "pass that option"); the error
+    keeps it as ``error.fix`` and its option as ``error.remedy``.
     """
+    if isinstance(fix, str):  # MIGRATION: removed once every call site passes a typed fix
+        fix = Fix(fix, remedy)
+    fix = Fix.of(fix)
     if source is None and node is not None:
         source = node.meta.get("source")
         code = node.meta.get("source_code")
@@ -233,8 +268,11 @@ def user_error(
         lines.append(f"  node:   {describe_node(node)}")
     if source:
         lines.append(f"  source: {source}")
-    lines.append(f"  fix:    {fix}")
-    return error_type("\n".join(lines), remedy=remedy)
+    lines.append(f"  fix:    {fix.words}")
+    error = error_type("\n".join(lines), remedy=fix.option)
+    error.fix = fix
+    error.reason = reason
+    return error
 
 
 # storage errors
