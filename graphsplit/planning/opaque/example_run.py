@@ -14,7 +14,7 @@ Glossary (see :mod:`graphsplit.planning.opaque.sites` for how the calls are foun
         alone; each output must equal the samples' outputs stacked along one dim, bit for bit
         (its batch dim), or be the same for every sample; otherwise it mixes samples (a
         ``TensorValueError``: the caller is tried, and the last one tried is refused with the
-        fix: plan at batch 1).
+        advice to plan at batch 1).
 
 In: the model (real weights, captured before its analysis view), the example batch, the
 trainable names. Out: ``node.meta["val"]``, ``node.meta["opaque"]`` and the op record of each
@@ -38,11 +38,17 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from graphsplit.artifacts import ExampleInputs, OpRecord
-from graphsplit.errors import OpaqueCallError, TensorValueError, TrainableSideError, user_error
+from graphsplit.errors import (
+    Fix,
+    GraphsplitError,
+    OpaqueCallError,
+    TensorValueError,
+    TrainableSideError,
+    user_error,
+)
 from graphsplit.planning.meta.analysis_view import to_meta
 from graphsplit.planning.meta.interpreters import OP_RECORD, fetch
-from graphsplit.planning.opaque.sites import VALUE_FIX as _FIX
-from graphsplit.planning.opaque.sites import OpaqueSite
+from graphsplit.planning.opaque.site_types import VALUE_FIX, OpaqueSite, ValueSite
 from graphsplit.planning.patching.patches import RANDOM_FILLS, RANDOM_FUNCTIONS
 from graphsplit.planning.rules.opaque_call import OPAQUE, OpaqueCall, OpaqueFacts, reachable
 from graphsplit.planning.rules.random_draws import (
@@ -53,15 +59,6 @@ from graphsplit.planning.rules.random_draws import (
 from graphsplit.planning.rules.user_lines import describe
 from graphsplit.planning.step.example_inputs import example_batch_size
 from graphsplit.runtime import functional_inplace
-
-
-@dataclass(frozen=True)
-class ValueSite:
-    """A value read answered with its example value (:mod:`graphsplit.planning.opaque.value_reads`):
-    what the example run's refusals name, as an :class:`OpaqueSite` does."""
-
-    label: str
-    read_at: str
 
 
 @dataclass
@@ -138,7 +135,7 @@ class ExampleRun:
                 "run eagerly instead.",
                 node=node,
                 source=site.read_at,
-                fix=_FIX,
+                fix=VALUE_FIX,
             )
         dims = self._batch_dims(node, site, outputs)
         reads = tuple(sorted(self.reads.get(node, ())))
@@ -181,15 +178,18 @@ class ExampleRun:
         tainting = self.tainting_ancestor(_ancestors(node))
         if tainting is not None:
             ancestor, why = tainting
-            raise _trainable_side(
+            raise _naming_site(
                 site,
-                f"{site.label} reads tensor values, and its inputs depend on {why} "
-                f"({ancestor.name}, {describe((ancestor.meta.get('source', '?'), ''))}). "
-                "Value-dependent code can run eagerly in stage 1 only when every input is "
-                "frozen and free of random draws; it is never allowed on the trainable side.",
-                node=node,
-                source=site.read_at,
-                fix=_FIX + f", or compute {site.label}'s inputs without {why}",
+                user_error(
+                    TrainableSideError,
+                    f"{site.label} reads tensor values, and its inputs depend on {why} "
+                    f"({ancestor.name}, {describe((ancestor.meta.get('source', '?'), ''))}). "
+                    "Value-dependent code can run eagerly in stage 1 only when every input is "
+                    "frozen and free of random draws; it is never allowed on the trainable side.",
+                    node=node,
+                    source=site.read_at,
+                    fix=Fix(f"{VALUE_FIX.words}, or compute {site.label}'s inputs without {why}"),
+                ),
             )
 
     def _refuse_probe_sizes(self, node: fx.Node, site: OpaqueSite) -> None:
@@ -201,8 +201,10 @@ class ExampleRun:
                 f"holds {example} sample(s), but the step is traced at batch {traced}.",
                 node=node,
                 source=site.read_at,
-                fix="pass an example batch of one sample (planned one sample per batch) or of "
-                "two or more samples",
+                fix=Fix(
+                    "pass an example batch of one sample (planned one sample per batch) or of "
+                    "two or more samples"
+                ),
             )
 
     # -- running for real -------------------------------------------------------------------
@@ -234,7 +236,7 @@ class ExampleRun:
                 "running it once in stage 1 would not leave the inputs as the step leaves them.",
                 node=node,
                 source=site.read_at,
-                fix="write into a copy (x = x.clone()) inside the function",
+                fix=Fix("write into a copy (x = x.clone()) inside the function"),
             )
         return values[node]
 
@@ -288,19 +290,26 @@ class ExampleRun:
                 "per sample instead of every step. graphsplit undid the write.",
                 node=node,
                 source=site.read_at,
-                fix="put the frozen module in eval mode (module.eval(), as from_pretrained "
-                "returns it), or move the write out of the function",
+                fix=Fix(
+                    "put the frozen module in eval mode (module.eval(), as from_pretrained "
+                    "returns it), or move the write out of the function"
+                ),
             )
         if changed:
-            raise _trainable_side(
+            raise _naming_site(
                 site,
-                f"{site.label} reads tensor values, so it would run eagerly in stage 1, but it "
-                f"draws random numbers ({', '.join(changed)} generator): the draw would be "
-                "frozen into the cache instead of happening every step.",
-                node=node,
-                source=site.read_at,
-                fix="draw the random numbers outside this function, after the frozen work, "
-                "with torch (torch.randn_like, torch.randint, ...)",
+                user_error(
+                    TrainableSideError,
+                    f"{site.label} reads tensor values, so it would run eagerly in stage 1, but "
+                    f"it draws random numbers ({', '.join(changed)} generator): the draw would be "
+                    "frozen into the cache instead of happening every step.",
+                    node=node,
+                    source=site.read_at,
+                    fix=Fix(
+                        "draw the random numbers outside this function, after the frozen work, "
+                        "with torch (torch.randn_like, torch.randint, ...)"
+                    ),
+                ),
             )
 
     def _swap_in_real(self) -> list[tuple[dict[str, Any], str, Any]]:
@@ -350,16 +359,17 @@ class ExampleRun:
             "value would depend on the samples batched with it.",
             node=node,
             source=site.read_at,
-            fix="plan at batch 1: pass an example batch of one sample (graphsplit then plans "
-            "one sample per batch, as DiffSynth trains), or pad to a fixed length",
+            fix=Fix(
+                "plan at batch 1: pass an example batch of one sample (graphsplit then plans "
+                "one sample per batch, as DiffSynth trains), or pad to a fixed length"
+            ),
         )
 
 
-def _trainable_side(
-    site: OpaqueSite | ValueSite, reason: str, *, node: fx.Node, source: str, fix: str
-) -> TrainableSideError:
-    """A refusal because the call belongs to the trainable side, naming its site (typed)."""
-    error = user_error(TrainableSideError, reason, node=node, source=source, fix=fix)
+def _naming_site(site: OpaqueSite | ValueSite, error: GraphsplitError) -> GraphsplitError:
+    """``error`` (a :class:`TrainableSideError`: the call belongs to the trainable side), with
+    the refused call's site as a typed field, which the planning reads to answer the read."""
+    assert isinstance(error, TrainableSideError)
     error.site = site
     return error
 
@@ -475,14 +485,17 @@ class _Watched(TorchFunctionMode):
     def _error(self, name: str | None) -> OpaqueCallError:
         label = self.site.label
         if name in self.trainable:
-            return _trainable_side(
+            return _naming_site(
                 self.site,
-                f"{label} reads tensor values and reads the trainable parameter {name}: "
-                "value-dependent code runs eagerly in stage 1, and is never allowed on the "
-                "trainable side.",
-                node=self.node,
-                source=self.site.read_at,
-                fix=_FIX,
+                user_error(
+                    TrainableSideError,
+                    f"{label} reads tensor values and reads the trainable parameter {name}: "
+                    "value-dependent code runs eagerly in stage 1, and is never allowed on the "
+                    "trainable side.",
+                    node=self.node,
+                    source=self.site.read_at,
+                    fix=VALUE_FIX,
+                ),
             )
         what = f"the frozen tensor {name}" if name else "a tensor"
         return user_error(
@@ -492,6 +505,8 @@ class _Watched(TorchFunctionMode):
             "the meta device.",
             node=self.node,
             source=self.site.read_at,
-            fix="load the frozen weights this function uses (and pass a real example batch) "
-            "for split(); stage 2's process may still build them on meta",
+            fix=Fix(
+                "load the frozen weights this function uses (and pass a real example batch) "
+                "for split(); stage 2's process may still build them on meta"
+            ),
         )

@@ -55,10 +55,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsplit.errors import SplitError
+from graphsplit.errors import Fix, SplitError, user_error
 from graphsplit.planning.rules.user_lines import frame_location_of
 
-_FIX_SHAPE = (
+STEP_SHAPE_FIX = Fix(
     "pass the function that runs one training step and returns the loss, e.g. "
     "graphsplit.split(training_step, (pixel_values, input_ids)), or an nn.Module whose forward "
     "does"
@@ -118,9 +118,10 @@ def as_step_module(step: Any, args: Any, kwargs: dict[str, Any]) -> StepCall:
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
-        raise SplitError(
-            f"The example batch does not match {_describe(function)}: {exc}.\n"
-            "  fix:    pass args/kwargs exactly as you would call the function"
+        raise user_error(
+            SplitError,
+            f"The example batch does not match {_describe(function)}: {exc}.",
+            fix=Fix("pass args/kwargs exactly as you would call the function"),
         ) from None
     module_arguments = {
         name: value for name, value in bound.arguments.items() if isinstance(value, nn.Module)
@@ -132,12 +133,15 @@ def as_step_module(step: Any, args: Any, kwargs: dict[str, Any]) -> StepCall:
         reached.add_owner(owner)
     _reach_code(function, reached, set())
     if not reached.modules:
-        raise SplitError(
+        raise user_error(
+            SplitError,
             f"{_describe(function)} reaches no torch.nn.Module, so there is nothing to freeze, "
-            "train or split.\n"
-            "  fix:    use the models in the step's own code (as globals, closure variables, "
-            "attributes of self, or arguments); a lambda that calls a function holding the "
-            "models hides them: pass that function instead"
+            "train or split.",
+            fix=Fix(
+                "use the models in the step's own code (as globals, closure variables, "
+                "attributes of self, or arguments); a lambda that calls a function holding the "
+                "models hides them: pass that function instead"
+            ),
         )
     spread = _spread_dicts(function, signature, bound.arguments)
     # Parameters the example batch leaves out keep their defaults: they are not step inputs.
@@ -180,12 +184,15 @@ def _spread_dicts(
             or key.startswith("_graphsplit")
         ]
         if bad:
-            raise SplitError(
+            raise user_error(
+                SplitError,
                 f"{_describe(function)} takes the dict {name!r}, whose fields become stage 1's "
                 f"inputs, but its keys {bad!r} are not Python names or are already parameter "
-                "names.\n"
-                "  fix:    rename those fields in the dataset / collate_fn (or the parameters), "
-                "e.g. 'pixel_values', 'input_ids'"
+                "names.",
+                fix=Fix(
+                    "rename those fields in the dataset / collate_fn (or the parameters), "
+                    "e.g. 'pixel_values', 'input_ids'"
+                ),
             )
         spread[name] = keys
         taken |= set(keys)
@@ -196,17 +203,23 @@ def _spread_dicts(
 def _python_function(step: Any) -> tuple[types.FunctionType, Any]:
     """``(function, self or None)`` behind ``step``; a SplitError naming the fix otherwise."""
     if isinstance(step, type):
-        raise SplitError(
-            f"graphsplit.split got the class {step.__qualname__}, not a training step.\n"
-            f"  fix:    pass an instance (graphsplit.split({step.__name__}(...), args)) or the "
-            "function that runs the step"
+        raise user_error(
+            SplitError,
+            f"graphsplit.split got the class {step.__qualname__}, not a training step.",
+            fix=Fix(
+                f"pass an instance (graphsplit.split({step.__name__}(...), args)) or the "
+                "function that runs the step"
+            ),
         )
     if isinstance(step, functools.partial):
-        raise SplitError(
+        raise user_error(
+            SplitError,
             f"graphsplit.split got functools.partial({_describe(step.func)}, ...); the values it "
-            "binds are hidden from the trace.\n"
-            "  fix:    pass a def function that takes the batch and reads the other values as "
-            "globals or closure variables (or pass them as part of args)"
+            "binds are hidden from the trace.",
+            fix=Fix(
+                "pass a def function that takes the batch and reads the other values as "
+                "globals or closure variables (or pass them as part of args)"
+            ),
         )
     if inspect.ismethod(step):
         function, owner = step.__func__, step.__self__
@@ -216,15 +229,17 @@ def _python_function(step: Any) -> tuple[types.FunctionType, Any]:
         function, owner = _class_call(step), step
     else:
         kind = "builtin " if isinstance(step, types.BuiltinFunctionType) else ""
-        raise SplitError(
+        raise user_error(
+            SplitError,
             f"graphsplit.split got the {kind}{type(step).__name__} {_name_of(step)}, which has "
-            "no Python code to trace.\n"
-            f"  fix:    {_FIX_SHAPE}"
+            "no Python code to trace.",
+            fix=STEP_SHAPE_FIX,
         )
     if not isinstance(function, types.FunctionType):
-        raise SplitError(
-            f"graphsplit.split got {_name_of(step)}, whose code is not Python.\n"
-            f"  fix:    {_FIX_SHAPE}"
+        raise user_error(
+            SplitError,
+            f"graphsplit.split got {_name_of(step)}, whose code is not Python.",
+            fix=STEP_SHAPE_FIX,
         )
     if isinstance(owner, type):
         owner = None  # a classmethod: the class is not a holder of models
@@ -234,11 +249,14 @@ def _python_function(step: Any) -> tuple[types.FunctionType, Any]:
         (inspect.isasyncgenfunction, "an async generator function"),
     ):
         if test(function):
-            raise SplitError(
+            raise user_error(
+                SplitError,
                 f"{_describe(function)} is {kind}; graphsplit traces one call that returns "
-                "the step's outputs.\n"
-                "  fix:    make it a plain function that runs one step and returns the loss "
-                "(keep the loop over batches outside it)"
+                "the step's outputs.",
+                fix=Fix(
+                    "make it a plain function that runs one step and returns the loss "
+                    "(keep the loop over batches outside it)"
+                ),
             )
     return function, owner
 
@@ -257,10 +275,11 @@ def _signature(step: Any, function: types.FunctionType) -> inspect.Signature:
     for parameter in signature.parameters.values():
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             star = "*" if parameter.kind is parameter.VAR_POSITIONAL else "**"
-            raise SplitError(
+            raise user_error(
+                SplitError,
                 f"{_describe(function)} takes {star}{parameter.name}; graphsplit needs named "
-                "inputs (they become stage 1's parameters and the cache's fields).\n"
-                "  fix:    give the function explicit parameters, one per batch field"
+                "inputs (they become stage 1's parameters and the cache's fields).",
+                fix=Fix("give the function explicit parameters, one per batch field"),
             )
     return signature
 
@@ -452,11 +471,14 @@ def _share_tensors(
     module._non_persistent_buffers_set = owner._non_persistent_buffers_set
     for key, tensor in reached.tensors.items():
         if isinstance(tensor, nn.Parameter):  # registering it would change the user's module
-            raise SplitError(
+            raise user_error(
+                SplitError,
                 f"{_describe(function)} uses the parameter {key!r}, which is neither "
-                f"registered on {type(owner).__name__} nor an attribute of one of its modules.\n"
-                f"  fix:    register it on the module (self.{key} = nn.Parameter(...) in "
-                "__init__), so it has a name and trains"
+                f"registered on {type(owner).__name__} nor an attribute of one of its modules.",
+                fix=Fix(
+                    f"register it on the module (self.{key} = nn.Parameter(...) in "
+                    "__init__), so it has a name and trains"
+                ),
             )
     # Other tensors become the stage's traced constants, held out of its state dict.
 
