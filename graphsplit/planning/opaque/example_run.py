@@ -16,6 +16,9 @@ Glossary (see :mod:`graphsplit.planning.opaque.sites` for how the calls are foun
         ``TensorValueError``: the caller is tried, and the last one tried is refused with the
         advice to plan at batch 1).
 
+What each run reads of the model, and the refusals of meta tensors and writes, are seen by the
+watch of :mod:`graphsplit.planning.opaque.run_watch`.
+
 In: the model (real weights, captured before its analysis view), the example batch, the
 trainable names. Out: ``node.meta["val"]``, ``node.meta["opaque"]`` and the op record of each
 opaque node, through the tracer's interpreter:
@@ -26,7 +29,7 @@ opaque node, through the tracer's interpreter:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,13 +37,11 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from graphsplit.artifacts import ExampleInputs, OpRecord
 from graphsplit.errors import (
     Fix,
-    GraphsplitError,
     OpaqueCallError,
     TensorValueError,
     TrainableSideError,
@@ -48,6 +49,7 @@ from graphsplit.errors import (
 )
 from graphsplit.planning.meta.analysis_view import to_meta
 from graphsplit.planning.meta.interpreters import OP_RECORD, fetch
+from graphsplit.planning.opaque.run_watch import WatchedRun, naming_site
 from graphsplit.planning.opaque.site_types import VALUE_FIX, OpaqueSite, ValueSite
 from graphsplit.planning.patching.patches import RANDOM_FILLS, RANDOM_FUNCTIONS
 from graphsplit.planning.rules.opaque_call import OPAQUE, OpaqueCall, OpaqueFacts, reachable
@@ -178,7 +180,7 @@ class ExampleRun:
         tainting = self.tainting_ancestor(_ancestors(node))
         if tainting is not None:
             ancestor, why = tainting
-            raise _naming_site(
+            raise naming_site(
                 site,
                 user_error(
                     TrainableSideError,
@@ -272,7 +274,7 @@ class ExampleRun:
         swapped = self._swap_in_real()
         try:
             read = self.reads.setdefault(node, set())
-            watch = _Watched(names, self.trainable, node, site, self.real_names, read)
+            watch = WatchedRun(names, self.trainable, node, site, self.real_names, read)
             with torch.no_grad(), watch:
                 yield
         finally:
@@ -296,7 +298,7 @@ class ExampleRun:
                 ),
             )
         if changed:
-            raise _naming_site(
+            raise naming_site(
                 site,
                 user_error(
                     TrainableSideError,
@@ -366,14 +368,6 @@ class ExampleRun:
         )
 
 
-def _naming_site(site: OpaqueSite | ValueSite, error: GraphsplitError) -> GraphsplitError:
-    """``error`` (a :class:`TrainableSideError`: the call belongs to the trainable side), with
-    the refused call's site as a typed field, which the planning reads to answer the read."""
-    assert isinstance(error, TrainableSideError)
-    error.site = site
-    return error
-
-
 _MIXES = object()
 
 
@@ -407,15 +401,6 @@ def _version(value: Any) -> int | None:
     return value._version if isinstance(value, torch.Tensor) else None
 
 
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-for-bit equality (NaN equals NaN): the tensors' bytes."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dim() == 0:
-        a, b = a.reshape(1), b.reshape(1)
-    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
-
-
 def _ancestors(node: fx.Node) -> set[fx.Node]:
     return reachable(node, lambda current: current.all_input_nodes)
 
@@ -431,82 +416,3 @@ def _draws_random(node: fx.Node) -> bool:
     return node.target is functional_inplace and any(
         fill.__name__ == node.args[1] for fill in RANDOM_FILLS
     )
-
-
-class _Watched(TorchFunctionMode):
-    """The example run's torch calls: the model's frozen tensors each reads are noted in
-    ``read``; the first on a meta tensor is refused: a trainable parameter (kept on meta for
-    the run, so it is never read) or a frozen weight or input that has no real value."""
-
-    def __init__(
-        self,
-        names: Mapping[int, str],
-        trainable: frozenset[str],
-        node: fx.Node,
-        site: OpaqueSite | ValueSite,
-        real_names: Mapping[int, str],
-        read: set[str],
-    ) -> None:
-        super().__init__()
-        self.names, self.trainable, self.node, self.site = names, trainable, node, site
-        self.real_names, self.read = real_names, read
-        # Each model tensor the run touched: its version then, and a copy of a buffer's value
-        # (running statistics, caches: small) so that a write can be undone.
-        self.before: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for leaf in pytree.tree_leaves((args, kwargs)):
-            if not isinstance(leaf, torch.Tensor):
-                continue
-            if leaf.is_meta:
-                raise self._error(self.names.get(id(leaf)))
-            name = self.real_names.get(id(leaf))
-            if name is not None:
-                self.read.add(name)
-                if id(leaf) not in self.before:
-                    copy = None if isinstance(leaf, nn.Parameter) else leaf.detach().clone()
-                    self.before[id(leaf)] = (leaf, leaf._version, copy)
-        return func(*args, **kwargs)
-
-    def undo_writes(self) -> list[str]:
-        """Names of the model's tensors the run wrote into; buffers are put back as they were."""
-        written = []
-        for tensor, version, copy in self.before.values():
-            # Kernels may write without bumping the version (BatchNorm's running statistics are
-            # not marked as written in its schema), so a buffer's bytes are compared too.
-            if tensor._version != version or (copy is not None and not _same_bytes(tensor, copy)):
-                written.append(self.real_names[id(tensor)])
-                if copy is not None:
-                    with torch.no_grad():
-                        tensor.copy_(copy)
-        return sorted(written)
-
-    def _error(self, name: str | None) -> OpaqueCallError:
-        label = self.site.label
-        if name in self.trainable:
-            return _naming_site(
-                self.site,
-                user_error(
-                    TrainableSideError,
-                    f"{label} reads tensor values and reads the trainable parameter {name}: "
-                    "value-dependent code runs eagerly in stage 1, and is never allowed on the "
-                    "trainable side.",
-                    node=self.node,
-                    source=self.site.read_at,
-                    fix=VALUE_FIX,
-                ),
-            )
-        what = f"the frozen tensor {name}" if name else "a tensor"
-        return user_error(
-            OpaqueCallError,
-            f"{label} reads tensor values, so graphsplit runs it once on the example batch to "
-            f"learn its output's shapes, and that needs real weights and data; {what} is on "
-            "the meta device.",
-            node=self.node,
-            source=self.site.read_at,
-            fix=Fix(
-                "load the frozen weights this function uses (and pass a real example batch) "
-                "for split(); stage 2's process may still build them on meta"
-            ),
-        )
