@@ -135,18 +135,27 @@ def _where(name: str, node: ast.AST) -> str:
     return f"{name}:{node.lineno}"
 
 
+def direct_constructions(tree: ast.AST, errors: set[str]) -> list[tuple[ast.AST, str]]:
+    """``(node, what)`` for each call of an error class, and each raise of the class itself."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and _called_name(node) in errors:
+            found.append((node, f"{_called_name(node)}(...)"))
+        elif isinstance(node, ast.Raise) and isinstance(node.exc, ast.Name | ast.Attribute):
+            raised = node.exc.id if isinstance(node.exc, ast.Name) else node.exc.attr
+            if raised in errors:
+                found.append((node, f"raise {raised}"))
+    return found
+
+
 def test_no_error_is_constructed_directly():
     errors = error_class_names()
     assert {"SplitError", "CacheError", "SpecError", "LaunchError"} <= errors
-    direct = []
-    for name, tree in _checked_sources().items():
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and _called_name(node) in errors:
-                direct.append(f"{_where(name, node)}  {_called_name(node)}(...)")
-            elif isinstance(node, ast.Raise) and isinstance(node.exc, ast.Name | ast.Attribute):
-                raised = node.exc.id if isinstance(node.exc, ast.Name) else node.exc.attr
-                if raised in errors:
-                    direct.append(f"{_where(name, node)}  raise {raised}")
+    direct = [
+        f"{_where(name, node)}  {what}"
+        for name, tree in _checked_sources().items()
+        for node, what in direct_constructions(tree, errors)
+    ]
     assert not direct, "build these with user_error(...):\n" + "\n".join(direct)
 
 
@@ -193,16 +202,8 @@ def test_no_string_writes_a_fix_line_by_hand():
 def test_the_direct_construction_rule(source, caught):
     if caught is None:
         source = f"try:\n    pass\n{source}"
-    errors = error_class_names()
-    tree = ast.parse(source)
-    found = any(
-        (isinstance(node, ast.Call) and _called_name(node) in errors)
-        or (
-            isinstance(node, ast.Raise) and isinstance(node.exc, ast.Name) and node.exc.id in errors
-        )
-        for node in ast.walk(tree)
-    )
-    assert found is bool(caught)
+    found = direct_constructions(ast.parse(source), error_class_names())
+    assert bool(found) is bool(caught)
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,8 @@ Glossary:
         samples (padding to the batch's longest prompt, a list of one item per sample) and its
         caller is tried; when no caller is left it is refused: plan at batch 1.
 
-The example run itself lives in :mod:`graphsplit.planning.opaque.example_run`.
+The example run itself lives in :mod:`graphsplit.planning.opaque.example_run`, what a site is
+(:class:`OpaqueSite`, :data:`VALUE_FIX`) in :mod:`graphsplit.planning.opaque.site_types`.
 
 In: the exception of a failed trace; the traced graph after the analysis. Out:
 
