@@ -18,18 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
+from graphsplit.tools import picture_marks
 from graphsplit.tools.groups import Group, group_nodes, is_hidden
-from graphsplit.tools.picture_marks import (
-    STAGE_COLOURS,
-    TRAINABLE_BORDER,
-    boundary_label,
-    is_random,
-    is_trainable,
-    shape_text,
-    stage_of,
-    target_text,
-    visible_groups,
-)
 
 if TYPE_CHECKING:
     from graphsplit.api import Split
@@ -69,7 +59,7 @@ def to_html(
     """A self-contained page: the overview ``svg`` scaled to fit, each group in a collapsible
     section (its drawing from ``group_svgs``, else its nodes); without ``svg``, the nodes
     listed by group. Hidden values are listed last."""
-    style = _STYLE % {**STAGE_COLOURS, "trainable": TRAINABLE_BORDER}
+    style = _STYLE % {**picture_marks.STAGE_COLOURS, "trainable": picture_marks.TRAINABLE_BORDER}
     title = html.escape(f"graphsplit: {split.model_name}")
     parts = [
         "<!DOCTYPE html>",
@@ -90,7 +80,7 @@ def to_html(
             f'<div class="graph">{_fit(svg)}</div>',
         ]
         group_svgs = group_svgs or {}
-        sections = visible_groups(split)
+        sections = picture_marks.visible_groups(split)
         if sections:
             parts.append("<h2>Groups</h2>")
         for group in sections:
@@ -106,7 +96,7 @@ def to_html(
             "<p>Graphviz's <code>dot</code> was not found, so the graph is listed instead; "
             "<code>split.dot</code> beside this page holds its source.</p>",
         ]
-        for group in [Group.STEP, *visible_groups(split)]:
+        for group in [Group.STEP, *picture_marks.visible_groups(split)]:
             members = [node for node in drawn if groups[node] == group]
             if members:
                 label = f"{group.label}: {len(members)} nodes"
@@ -134,7 +124,9 @@ def _css_class(stage: str) -> str:
 
 
 def _legend_html() -> str:
-    cells = "".join(f'<td class="{_css_class(stage)}">{stage}</td>' for stage in STAGE_COLOURS)
+    cells = "".join(
+        f'<td class="{_css_class(stage)}">{stage}</td>' for stage in picture_marks.STAGE_COLOURS
+    )
     cells += '<td class="random">random</td><td class="trainable">trainable</td>'
     return f"<table><tr><th>legend</th>{cells}</tr></table>"
 
@@ -163,24 +155,30 @@ def _boundary_table(split: Split) -> str:
 def _node_table(split: Split, members: list[fx.Node]) -> str:
     boundary = set(split.cut.boundary)
     rows = ["<table><tr><th>stage</th><th>node</th><th>op</th><th>shape</th><th>marks</th></tr>"]
-    order = list(STAGE_COLOURS)
+    order = list(picture_marks.STAGE_COLOURS)
     nodes = sorted(
         enumerate(members),
-        key=lambda item: (order.index(stage_of(split, item[1])), item[0]),
+        key=lambda item: (order.index(picture_marks.stage_of(split, item[1])), item[0]),
     )
     for _, node in nodes:
-        stage = stage_of(split, node)
+        stage = picture_marks.stage_of(split, node)
         marks = []
         classes = [_css_class(stage)]
         if node in boundary:
-            marks.append("boundary: " + boundary_label(split, node))
-        if is_random(node):
+            marks.append("boundary: " + picture_marks.boundary_label(split, node))
+        if picture_marks.is_random(node):
             marks.append("random: " + ", ".join(node.meta["facts"].random_ops))
             classes.append("random")
-        if is_trainable(split, node):
+        if picture_marks.is_trainable(split, node):
             marks.append("trainable")
             classes.append("trainable")
-        cells = [stage, node.name, target_text(node), shape_text(node), "; ".join(marks)]
+        cells = [
+            stage,
+            node.name,
+            picture_marks.target_text(node),
+            picture_marks.shape_text(node),
+            "; ".join(marks),
+        ]
         rows.append(
             f'<tr class="{" ".join(classes)}">'
             + "".join(f"<td>{html.escape(c)}</td>" for c in cells)
