@@ -54,7 +54,7 @@ class Split:
 
     def report(self) -> str:
         """The plan for a human: boundary, parameters per stage, FLOPs moved, random ops."""
-        return render_report(self)
+        return render_report(self, self._model)
 
     def to_json(self) -> dict[str, Any]:
         """The plan as JSON-ready data (what :meth:`save_code` writes to ``plan.json``)."""

@@ -1,7 +1,11 @@
-"""Render a :class:`~graphsplit.api.Split` for humans (``report()``) and as JSON (``plan.json``).
+"""Render a split's plan for humans (``report()``) and as JSON (``plan.json``).
 
-    render_report(split) -> str
+    render_report(split, model) -> str
     plan_json(split) -> dict    # what Split.save_code writes as plan.json
+
+``split`` is a :class:`SplitPlan`: what the report reads of a :class:`~graphsplit.api.Split`
+(its stages, boundary and cut), named here so that this module sits below ``api`` and never
+imports it; ``model`` is the model that was split (None when the split does not hold it).
 
 The report answers what a careful user asks before trusting a plan: what is cached (and how
 big per sample), which parameters each stage holds, how much frozen work leaves the training
@@ -12,19 +16,32 @@ could not be cached and why.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
 from torch import nn
 
-from graphsplit.artifacts import Cut, MixingCause, Recomputation, Taint, TaintKind
+from graphsplit.artifacts import BoundarySpec, Cut, MixingCause, Recomputation, Taint, TaintKind
 from graphsplit.planning.cut.boundary import facts, is_banned, module_owner
 from graphsplit.planning.rules.size_guards import expression
 from graphsplit.units import human_bytes, human_flops
 
-if TYPE_CHECKING:
-    from graphsplit.api import Split
+
+class SplitPlan(Protocol):
+    """What the report reads of a split (:class:`graphsplit.api.Split` is one)."""
+
+    stage1: nn.Module
+    stage2: nn.Module
+    boundary: Mapping[str, BoundarySpec]
+    input_names: tuple[str, ...]
+    trainable: frozenset[str]
+    graph: fx.Graph
+    cut: Cut
+    batch_sizes: tuple[int, int]
+    model_name: str
+    notes: list[str]
 
 
 def _param_summary(params: list[tuple[str, torch.Tensor]], trainable: frozenset[str]) -> str:
@@ -43,7 +60,7 @@ def _qualified(stage: nn.Module, model: nn.Module) -> list[tuple[str, torch.Tens
     return [(names.get(id(p), n), p) for n, p in stage.named_parameters()]
 
 
-def moved_flops(split: Split) -> int:
+def moved_flops(split: SplitPlan) -> int:
     """FLOPs per sample that stage 1 runs and stage 2 does not."""
     total = sum(facts(node).flops for node in split.cut.stage1 - split.cut.stage2)
     return total // max(split.batch_sizes[0], 1)
@@ -103,11 +120,11 @@ def recomputation_json(trade: Recomputation | None) -> dict[str, Any] | None:
     }
 
 
-def random_nodes(split: Split) -> list[fx.Node]:
+def random_nodes(split: SplitPlan) -> list[fx.Node]:
     return [node for node in split.graph.nodes if node.op != "output" and facts(node).random_ops]
 
 
-def uncached_roots(split: Split) -> list[tuple[fx.Node, Taint]]:
+def uncached_roots(split: SplitPlan) -> list[tuple[fx.Node, Taint]]:
     """Values that would have been cacheable but for their own sample mixing, and frozen
     modules that draw random numbers. Plain draws (``randn_like``) are listed as random draws.
     """
@@ -147,8 +164,8 @@ def trap_hint(node: fx.Node, taint: Taint, trainable: frozenset[str]) -> str:
     )
 
 
-def render_report(split: Split) -> str:
-    model = split._model
+def render_report(split: SplitPlan, model: nn.Module | None) -> str:
+    """The plan for a human; ``model`` (the model that was split) adds the parameters table."""
     if split.batch_sizes == (1, 1):
         traced_at = "traced at batch 1: one sample per batch"
     else:
@@ -223,7 +240,7 @@ def baked_lines(cut: Cut) -> list[str]:
     return lines
 
 
-def plan_json(split: Split) -> dict[str, Any]:
+def plan_json(split: SplitPlan) -> dict[str, Any]:
     return {
         "model": split.model_name,
         "batch_sizes": list(split.batch_sizes),

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from graphsplit.errors import SplitError
+from graphsplit.errors import Fix, SplitError, user_error
 
 __all__ = [
     "LEGACY_NAMES",
@@ -67,12 +67,14 @@ def check_size(value: Any, expected: int | tuple[int, ...], what: str, where: st
     else:
         actual = int(value)
     if actual != expected:
-        raise SplitError(
-            f"this plan was made for {what} = {expected}, got {actual}; split again for this "
-            "size.\n"
-            f"  source: {where}\n"
-            "  fix:    call graphsplit.split with an example batch of this size (one plan per "
-            "resolution or frame count: bucket the data by size)"
+        raise user_error(
+            SplitError,
+            f"this plan was made for {what} = {expected}, got {actual}; split again for this size.",
+            fix=Fix(
+                "call graphsplit.split with an example batch of this size (one plan per "
+                "resolution or frame count: bucket the data by size)"
+            ),
+            source=where,
         )
     return value
 
@@ -100,14 +102,17 @@ def check_value(tensor: Any, read: str, expected: Any, where: str) -> None:
         return
     actual = _VALUE_READS[read](tensor)
     if actual != expected and not _both_nan(actual, expected):
-        raise SplitError(
+        raise user_error(
+            SplitError,
             f"this plan was made for the value {expected!r} read from frozen data here "
             f"({_read_text(read)}), got {actual!r}; the plan holds the example batch's value, "
-            "and the trainable part's code depends on it.\n"
-            f"  source: {where}\n"
-            "  fix:    call graphsplit.split with an example batch that reads this value (one "
-            "plan per value: bucket the data by it, e.g. by prompt length), or compute it "
-            "with tensor ops so that it stays a tensor"
+            "and the trainable part's code depends on it.",
+            fix=Fix(
+                "call graphsplit.split with an example batch that reads this value (one "
+                "plan per value: bucket the data by it, e.g. by prompt length), or compute it "
+                "with tensor ops so that it stays a tensor"
+            ),
+            source=where,
         )
 
 

@@ -16,8 +16,15 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from graphsplit.api import Split
-from graphsplit.errors import VerifyError
+from graphsplit.errors import Fix, VerifyError, user_error
 from graphsplit.planning.step.callables import as_step_module
+
+# A mismatch is either a step that is not repeatable bit for bit, or a split that is wrong.
+MISMATCH_FIX = Fix(
+    "if the step itself differs from run to run (nondeterministic kernels), compare with a "
+    "tolerance (verify(..., rtol=..., atol=...)); otherwise do not train with this split, and "
+    "please report the step"
+)
 
 
 @dataclass(frozen=True)
@@ -89,9 +96,11 @@ def verify(
     if not all(comparison.ok for comparison in comparisons):
         header = f"  {'tensor':<60} {'shape':<20} {'max |diff|':<12} status"
         table = "\n".join([header] + [c.row() for c in comparisons])
-        raise VerifyError(
+        raise user_error(
+            VerifyError,
             f"The split stages do not reproduce {type(model).__name__} "
-            f"(seed={seed}, rtol={rtol}, atol={atol}):\n{table}"
+            f"(seed={seed}, rtol={rtol}, atol={atol}):\n{table}",
+            fix=MISMATCH_FIX,
         )
     return comparisons
 
@@ -118,9 +127,11 @@ def _compare_outputs(expected: Any, actual: Any, rtol: float, atol: float) -> li
     leaves_expected, spec_expected = pytree.tree_flatten(expected)
     leaves_actual, spec_actual = pytree.tree_flatten(actual)
     if spec_expected != spec_actual:
-        raise VerifyError(
-            f"The split returns a different structure than the model:\n"
-            f"  model: {spec_expected}\n  split: {spec_actual}"
+        raise user_error(
+            VerifyError,
+            "The split returns a different structure than the model:\n"
+            f"  model: {spec_expected}\n  split: {spec_actual}",
+            fix=MISMATCH_FIX,
         )
     comparisons = []
     for index, (a, b) in enumerate(zip(leaves_expected, leaves_actual)):

@@ -38,10 +38,7 @@ from torch.utils.data import DataLoader
 from graphsplit.api import Split, split
 from graphsplit.caching import cache
 from graphsplit.caching.store.remote import location
-from graphsplit.errors import (
-    GraphsplitError,
-    UnsupportedStorageError,
-)
+from graphsplit.errors import Fix, GraphsplitError, UnsupportedStorageError, user_error
 from graphsplit.tools.launch import LaunchError, launched_accelerator, world_size
 from graphsplit.tools.progress import line_log
 from graphsplit.tools.spec import SpecError, StepSpec, load_spec
@@ -114,11 +111,18 @@ def run_cache(args: argparse.Namespace) -> int:
 
 
 def _usage_problem(args: argparse.Namespace, spec: StepSpec) -> str | None:
+    """The message of the first way the command line and the spec do not fit, if any."""
     if spec.dataset is None and spec.loader is None:
-        return (
-            f"{args.spec} returned a StepSpec without a dataset or loader, so there is nothing "
-            "to cache.\n  fix:    pass dataset=... (items are dicts of the step's inputs, "
-            "optionally 'key') or loader=... (your DataLoader, not shuffled)"
+        return str(
+            user_error(
+                SpecError,
+                f"{args.spec} returned a StepSpec without a dataset or loader, so there is "
+                "nothing to cache.",
+                fix=Fix(
+                    "pass dataset=... (items are dicts of the step's inputs, optionally 'key') "
+                    "or loader=... (your DataLoader, not shuffled)"
+                ),
+            )
         )
     if spec.loader is not None:
         flags = [
@@ -130,19 +134,30 @@ def _usage_problem(args: argparse.Namespace, spec: StepSpec) -> str | None:
             if value is not None
         ]
         if flags:
-            return (
-                f"{' and '.join(flags)} cannot change the loader {args.spec} returned: it "
-                "already batches the data.\n  fix:    drop "
-                f"{' and '.join(flags)}, or give the spec dataset=... instead of loader=..."
+            return str(
+                user_error(
+                    SpecError,
+                    f"{' and '.join(flags)} cannot change the loader {args.spec} returned: it "
+                    "already batches the data.",
+                    fix=Fix(
+                        f"drop {' and '.join(flags)}, or give the spec dataset=... instead of "
+                        "loader=..."
+                    ),
+                )
             )
     try:
         out = location(args.out)
     except UnsupportedStorageError as error:
         return f"--out: {error}"
     if isinstance(out, Path) and out.exists() and not out.is_dir():
-        return (
-            f"--out {out} is an existing file, not a folder.\n  fix:    pass the path of a "
-            "folder (it is created if missing), or move the file away"
+        return str(
+            user_error(
+                SpecError,
+                f"--out {out} is an existing file, not a folder.",
+                fix=Fix(
+                    "pass the path of a folder (it is created if missing), or move the file away"
+                ),
+            )
         )
     return None
 
@@ -171,14 +186,19 @@ def _verify_first_batch(spec: StepSpec, parts: Split, loader: Any, main_process:
     """``graphsplit.verify`` on the loader's first batch, bit for bit; raises VerifyError."""
     batch = next(iter(loader), None)
     if batch is None:
-        raise SpecError("--verify: the loader yielded no batch.\n  fix:    check the dataset")
+        raise user_error(
+            SpecError,
+            "--verify: the loader yielded no batch.",
+            fix=Fix("check the dataset"),
+        )
     if isinstance(batch, Mapping):
         missing = [name for name in parts.input_names if name not in batch]
         if missing:
-            raise SpecError(
+            raise user_error(
+                SpecError,
                 f"--verify: the first batch has no {missing} (it has {sorted(batch)}), so the "
-                "step cannot be run on it.\n  fix:    make the batches dicts of the step's "
-                f"inputs {list(parts.input_names)}"
+                "step cannot be run on it.",
+                fix=Fix(f"make the batches dicts of the step's inputs {list(parts.input_names)}"),
             )
         args, kwargs = (), {name: batch[name] for name in parts.input_names}
     else:

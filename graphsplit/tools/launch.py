@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from graphsplit.errors import GraphsplitError
+from graphsplit.errors import Fix, GraphsplitError, user_error
 
 __all__ = ["LaunchError", "check_launch", "launched_accelerator", "world_size"]
 
-_FIX = (
+_FIX_WORDS = (  # {world}: the WORLD_SIZE the launcher set
     "launch with accelerate's multi-process mode, e.g. `accelerate launch --multi_gpu "
     "--num_processes {world} -m graphsplit cache ...` (on CPU too), or `accelerate config` with "
     "a distributed type other than NO; or unset WORLD_SIZE to cache from one process"
@@ -48,11 +48,12 @@ def check_launch(world: int, accelerator: Any) -> None:
     processes = int(getattr(accelerator, "num_processes", 1))
     if world > 1 and processes != world:
         kind = getattr(accelerator, "distributed_type", "unknown")
-        raise LaunchError(
+        raise user_error(
+            LaunchError,
             f"WORLD_SIZE={world}, but accelerate runs {processes} process(es) "
             f"(distributed type {getattr(kind, 'value', kind)}), so every process would cache "
-            "as if it were alone and they would contend for the cache folder's lock.\n"
-            f"  fix:    {_FIX.format(world=world)}"
+            "as if it were alone and they would contend for the cache folder's lock.",
+            fix=Fix(_FIX_WORDS.format(world=world)),
         )
 
 
@@ -64,16 +65,20 @@ def launched_accelerator() -> Any:
     try:
         from accelerate import Accelerator  # optional: the hf extra
     except ImportError:
-        raise LaunchError(
+        raise user_error(
+            LaunchError,
             f"WORLD_SIZE={world} but accelerate is not installed, so the processes cannot split "
-            "the work.\n  fix:    pip install accelerate (or graphsplit[hf]), or unset WORLD_SIZE"
+            "the work.",
+            fix=Fix("pip install accelerate (or graphsplit[hf]), or unset WORLD_SIZE"),
         ) from None
     try:
         accelerator = Accelerator(cpu=not torch.cuda.is_available())
     except (ValueError, RuntimeError) as error:
-        raise LaunchError(
+        raise user_error(
+            LaunchError,
             f"WORLD_SIZE={world}, but accelerate could not start the process group: "
-            f"{type(error).__name__}: {error}\n  fix:    {_FIX.format(world=world)}"
+            f"{type(error).__name__}: {error}",
+            fix=Fix(_FIX_WORDS.format(world=world)),
         ) from None
     check_launch(world, accelerator)
     return accelerator

@@ -21,14 +21,13 @@ In: a :class:`~graphsplit.api.Split`. Out: ``split.dot`` (every node, grouped) a
 ``split.html`` (no scripts, no network): it opens on the overview (groups collapsed) scaled to
 fit the window, with each group's own drawing in a collapsible section below (``<details>``);
 without Graphviz it lists the nodes by group instead. The output depends only on the split, so
-the same split always gives the same files.
+the same split always gives the same files. This module draws (Graphviz); the marks of each
+node are :mod:`graphsplit.tools.picture_marks`', the page :mod:`graphsplit.tools.picture_page`'s.
 """
 
 from __future__ import annotations
 
-import html
 import os
-import re
 import shutil
 import subprocess
 from collections.abc import Callable, Iterable
@@ -37,24 +36,26 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from graphsplit.artifacts import TaintKind
 from graphsplit.tools.groups import Group, group_nodes, is_hidden
-from graphsplit.units import human_bytes
+from graphsplit.tools.picture_marks import (
+    STAGE_COLOURS,
+    TRAINABLE_BORDER,
+    boundary_label,
+    is_random,
+    is_trainable,
+    shape_text,
+    stage_of,
+    target_text,
+    visible_groups,
+)
+from graphsplit.tools.picture_page import to_html
 
 if TYPE_CHECKING:
     from graphsplit.api import Split
 
-__all__ = ["STAGE_COLOURS", "render_split", "to_dot", "to_html"]
+__all__ = ["STAGE_COLOURS", "render_split", "stage_of", "to_dot", "to_html"]
 
-STAGE_COLOURS = {
-    "stage 1": "#cfe2ff",
-    "stage 2": "#ffd8a8",
-    "both": "#c8f0c8",
-    "unused": "#eeeeee",
-}
-_TRAINABLE_BORDER = "#c0392b"
 _BOUNDARY_EDGE = "#1f4e9c"
-_MAX_LABEL = 60
 
 
 def render_split(split: Split, path: str | os.PathLike[str]) -> Path:
@@ -83,59 +84,9 @@ def render_split(split: Split, path: str | os.PathLike[str]) -> Path:
         return page
     (folder / "split.svg").write_text(svg)
     overview = _run_graphviz(to_dot(split, collapsed=True))
-    groups = {group: _run_graphviz(to_dot(split, only=group)) for group in _visible_groups(split)}
+    groups = {group: _run_graphviz(to_dot(split, only=group)) for group in visible_groups(split)}
     page.write_text(to_html(split, svg=overview or svg, group_svgs=groups))
     return page
-
-
-def stage_of(split: Split, node: fx.Node) -> str:
-    """``'stage 1'``, ``'stage 2'``, ``'both'`` or ``'unused'`` for one node of ``split.graph``."""
-    if node.op == "output":
-        return "stage 2"
-    first, second = node in split.cut.stage1, node in split.cut.stage2
-    if first and second:
-        return "both"
-    if first:
-        return "stage 1"
-    if second:
-        return "stage 2"
-    return "unused"
-
-
-def _is_random(node: fx.Node) -> bool:
-    facts = node.meta.get("facts")
-    return bool(facts is not None and facts.random_ops)
-
-
-def _is_trainable(split: Split, node: fx.Node) -> bool:
-    taint = split.cut.taint.get(node)
-    return taint is not None and taint.kind is TaintKind.TRAINABLE and taint.origin is node
-
-
-def _target_text(node: fx.Node) -> str:
-    if node.op in ("placeholder", "output"):
-        return node.op
-    target = node.target
-    name = getattr(target, "__name__", None) or str(target)
-    text = f"{node.op}: {name}"
-    return text if len(text) <= _MAX_LABEL else text[: _MAX_LABEL - 3] + "..."
-
-
-def _shape_text(node: fx.Node) -> str:
-    facts = node.meta.get("facts")
-    if facts is None or not facts.is_tensor or facts.shape is None:
-        return ""
-    return "x".join(str(size) for size in facts.shape) or "scalar"
-
-
-def boundary_label(split: Split, node: fx.Node) -> str:
-    """``'shape 2x4, 16 B/sample'`` for a boundary node (``const`` for a per-dataset one)."""
-    spec = split.boundary.get(node.name)
-    if spec is None:
-        return ""
-    shape = "x".join(str(size) for size in spec.shape) or "scalar"
-    size = f"{human_bytes(spec.bytes_per_sample)}/sample" if spec.batch_dim is not None else "const"
-    return f"{shape} {str(spec.dtype).removeprefix('torch.')}, {size}"
 
 
 def _dot_string(text: str) -> str:
@@ -143,33 +94,23 @@ def _dot_string(text: str) -> str:
 
 
 def _node_attributes(split: Split, node: fx.Node) -> str:
-    lines = [node.name, _target_text(node)]
-    shape = _shape_text(node)
+    lines = [node.name, target_text(node)]
+    shape = shape_text(node)
     if shape:
         lines.append(shape)
-    if _is_random(node):
+    if is_random(node):
         lines.append("random: " + ", ".join(node.meta["facts"].random_ops))
     attributes = {
         "label": "\\n".join(line.replace("\\", "\\\\").replace('"', '\\"') for line in lines),
         "fillcolor": STAGE_COLOURS[stage_of(split, node)],
         "style": "filled",
-        "shape": "doubleoctagon" if _is_random(node) else "box",
+        "shape": "doubleoctagon" if is_random(node) else "box",
     }
-    if _is_trainable(split, node):
-        attributes.update(color=_TRAINABLE_BORDER, penwidth="3", style="filled,bold")
+    if is_trainable(split, node):
+        attributes.update(color=TRAINABLE_BORDER, penwidth="3", style="filled,bold")
     if node in split.cut.boundary:
         attributes["peripheries"] = "2"
     return ", ".join(f'{key}="{value}"' for key, value in attributes.items())
-
-
-def _visible_groups(split: Split) -> list[Group]:
-    """The groups other than the step's own code that hold a drawn node, in graph order."""
-    groups = group_nodes(split)
-    seen: dict[Group, None] = {}
-    for node in split.graph.nodes:
-        if not groups[node].is_step and not is_hidden(split, node):
-            seen.setdefault(groups[node])
-    return list(seen)
 
 
 def _group_id(index: int) -> str:
@@ -186,7 +127,7 @@ def to_dot(split: Split, *, collapsed: bool = False, only: Group | None = None) 
     groups = group_nodes(split)
     drawn = [node for node in split.graph.nodes if not is_hidden(split, node)]
     hidden = sum(1 for node in split.graph.nodes if is_hidden(split, node))
-    order = _visible_groups(split)
+    order = visible_groups(split)
     ids = {group: _group_id(index) for index, group in enumerate(order)}
     title = f"{split.model_name or 'step'}"
     if hidden:
@@ -293,7 +234,7 @@ def _group_attributes(split: Split, group: Group, members: list[fx.Node]) -> str
     """One node standing for a collapsed group: its name, size, stages (stripes), marks."""
     stages = [stage for stage in STAGE_COLOURS if any(stage_of(split, n) == stage for n in members)]
     lines = [group.label, f"{len(members)} nodes: {', '.join(stages)}"]
-    random_ops = sorted({op for n in members if _is_random(n) for op in n.meta["facts"].random_ops})
+    random_ops = sorted({op for n in members if is_random(n) for op in n.meta["facts"].random_ops})
     if random_ops:
         lines.append("random: " + ", ".join(random_ops))
     for node in members:  # an edge inside the box is not drawn: say what crosses there
@@ -306,8 +247,8 @@ def _group_attributes(split: Split, group: Group, members: list[fx.Node]) -> str
         "style": "filled" if len(stages) == 1 else "striped",
         "shape": "box3d" if len(stages) == 1 else "box",
     }
-    if any(_is_trainable(split, n) for n in members):
-        attributes.update(color=_TRAINABLE_BORDER, penwidth="3")
+    if any(is_trainable(split, n) for n in members):
+        attributes.update(color=TRAINABLE_BORDER, penwidth="3")
     if any(n in split.cut.boundary for n in members):
         attributes["peripheries"] = "2"
     return ", ".join(f'{key}="{value}"' for key, value in attributes.items())
@@ -323,7 +264,7 @@ def _legend_dot() -> list[str]:
         )
     lines.append('    legend_random [label="random", shape=doubleoctagon];')
     lines.append(
-        f'    legend_trainable [label="trainable", shape=box, color="{_TRAINABLE_BORDER}", '
+        f'    legend_trainable [label="trainable", shape=box, color="{TRAINABLE_BORDER}", '
         "penwidth=3];"
     )
     lines.append("  }")
@@ -346,157 +287,3 @@ def _run_graphviz(dot_text: str) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return result.stdout
-
-
-_STYLE = """
-body { font-family: sans-serif; margin: 1.5em; }
-table { border-collapse: collapse; margin-bottom: 1.5em; }
-th, td { border: 1px solid #999; padding: 2px 8px; font-size: 13px; text-align: left; }
-.stage-1 { background: %(stage 1)s; } .stage-2 { background: %(stage 2)s; }
-.both { background: %(both)s; } .unused { background: %(unused)s; }
-.trainable { border: 3px solid %(trainable)s; font-weight: bold; }
-.random { font-style: italic; }
-.graph svg { width: 100%%; height: auto; max-height: 85vh; }
-details { margin: 0.4em 0; } summary { cursor: pointer; }
-"""
-
-
-def _fit(svg: str) -> str:
-    """The ``<svg>`` element alone, without its fixed size, so it scales to fit the page."""
-    start = svg.find("<svg")
-    svg = svg[start:] if start >= 0 else svg
-    end = svg.find(">")
-    if end < 0:
-        return svg
-    opening = re.sub(r'\s(width|height)="[^"]*"', "", svg[:end])
-    return opening + svg[end:]
-
-
-def to_html(
-    split: Split,
-    *,
-    svg: str | None = None,
-    group_svgs: dict[Group, str | None] | None = None,
-) -> str:
-    """A self-contained page: the overview ``svg`` scaled to fit, each group in a collapsible
-    section (its drawing from ``group_svgs``, else its nodes); without ``svg``, the nodes
-    listed by group. Hidden values are listed last."""
-    style = _STYLE % {**STAGE_COLOURS, "trainable": _TRAINABLE_BORDER}
-    title = html.escape(f"graphsplit: {split.model_name}")
-    parts = [
-        "<!DOCTYPE html>",
-        '<html><head><meta charset="utf-8">',
-        f"<title>{title}</title><style>{style}</style></head><body>",
-        f"<h1>{title}</h1>",
-        _legend_html(),
-        "<h2>Boundary</h2>",
-        _boundary_table(split),
-    ]
-    groups = group_nodes(split)
-    drawn = [node for node in split.graph.nodes if not is_hidden(split, node)]
-    if svg is not None:
-        parts += [
-            "<h2>Graph</h2>",
-            "<p>Each module or function call is one box; open its section below to see "
-            "inside it.</p>",
-            f'<div class="graph">{_fit(svg)}</div>',
-        ]
-        group_svgs = group_svgs or {}
-        sections = _visible_groups(split)
-        if sections:
-            parts.append("<h2>Groups</h2>")
-        for group in sections:
-            members = [node for node in drawn if groups[node] == group]
-            inner = group_svgs.get(group)
-            body = (
-                f'<div class="graph">{_fit(inner)}</div>' if inner else _node_table(split, members)
-            )
-            parts.append(_details(f"{group.label}: {len(members)} nodes", body))
-    else:
-        parts += [
-            "<h2>Nodes by group</h2>",
-            "<p>Graphviz's <code>dot</code> was not found, so the graph is listed instead; "
-            "<code>split.dot</code> beside this page holds its source.</p>",
-        ]
-        for group in [Group.STEP, *_visible_groups(split)]:
-            members = [node for node in drawn if groups[node] == group]
-            if members:
-                label = f"{group.label}: {len(members)} nodes"
-                parts.append(_details(label, _node_table(split, members), opened=group.is_step))
-    hidden = [node for node in split.graph.nodes if is_hidden(split, node)]
-    if hidden:
-        parts.append(
-            _details(
-                f"{len(hidden)} values nothing uses (shape queries Python read), hidden from "
-                "the drawings",
-                _node_table(split, hidden),
-            )
-        )
-    parts.append("</body></html>")
-    return "\n".join(parts) + "\n"
-
-
-def _details(summary: str, body: str, *, opened: bool = False) -> str:
-    state = " open" if opened else ""
-    return f"<details{state}><summary>{html.escape(summary)}</summary>\n{body}\n</details>"
-
-
-def _css_class(stage: str) -> str:
-    return stage.replace(" ", "-")
-
-
-def _legend_html() -> str:
-    cells = "".join(f'<td class="{_css_class(stage)}">{stage}</td>' for stage in STAGE_COLOURS)
-    cells += '<td class="random">random</td><td class="trainable">trainable</td>'
-    return f"<table><tr><th>legend</th>{cells}</tr></table>"
-
-
-def _boundary_table(split: Split) -> str:
-    rows = [
-        "<table><tr><th>name</th><th>shape</th><th>dtype</th><th>batch dim</th>"
-        "<th>bytes/sample</th><th>source</th></tr>"
-    ]
-    for spec in split.boundary.values():
-        shape = "x".join(str(size) for size in spec.shape) or "scalar"
-        batch = "const" if spec.batch_dim is None else str(spec.batch_dim)
-        cells = [
-            spec.name,
-            shape,
-            str(spec.dtype).removeprefix("torch."),
-            batch,
-            str(spec.bytes_per_sample),
-            spec.source,
-        ]
-        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
-    rows.append("</table>")
-    return "\n".join(rows)
-
-
-def _node_table(split: Split, members: list[fx.Node]) -> str:
-    boundary = set(split.cut.boundary)
-    rows = ["<table><tr><th>stage</th><th>node</th><th>op</th><th>shape</th><th>marks</th></tr>"]
-    order = list(STAGE_COLOURS)
-    nodes = sorted(
-        enumerate(members),
-        key=lambda item: (order.index(stage_of(split, item[1])), item[0]),
-    )
-    for _, node in nodes:
-        stage = stage_of(split, node)
-        marks = []
-        classes = [_css_class(stage)]
-        if node in boundary:
-            marks.append("boundary: " + boundary_label(split, node))
-        if _is_random(node):
-            marks.append("random: " + ", ".join(node.meta["facts"].random_ops))
-            classes.append("random")
-        if _is_trainable(split, node):
-            marks.append("trainable")
-            classes.append("trainable")
-        cells = [stage, node.name, _target_text(node), _shape_text(node), "; ".join(marks)]
-        rows.append(
-            f'<tr class="{" ".join(classes)}">'
-            + "".join(f"<td>{html.escape(c)}</td>" for c in cells)
-            + "</tr>"
-        )
-    rows.append("</table>")
-    return "\n".join(rows)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsplit.errors import GraphsplitError
+from graphsplit.errors import Fix, GraphsplitError, user_error
 from graphsplit.planning.step.frozen import FrozenSpec
 
 __all__ = ["SpecError", "StepSpec", "load_spec"]
@@ -104,21 +104,24 @@ def load_spec(text: str) -> StepSpec:
     module = _import(location)
     function = getattr(module, function_name, None)
     if function is None or not callable(function):
-        raise SpecError(
-            f"{location} has no function {function_name!r}.\n"
-            f"  fix: define `def {function_name}(): return graphsplit.StepSpec(...)` there"
+        raise user_error(
+            SpecError,
+            f"{location} has no function {function_name!r}.",
+            fix=Fix(f"define `def {function_name}(): return graphsplit.StepSpec(...)` there"),
         )
     try:
         result = function()
     except Exception as error:
-        raise SpecError(
-            f"calling {text} failed: {type(error).__name__}: {error}.\n"
-            "  fix: call the function in Python to see the full traceback"
+        raise user_error(
+            SpecError,
+            f"calling {text} failed: {type(error).__name__}: {error}.",
+            fix=Fix("call the function in Python to see the full traceback"),
         ) from None
     if not _looks_like_spec(result):
-        raise SpecError(
-            f"{text} returned a {type(result).__name__}, not a graphsplit.StepSpec.\n"
-            "  fix: return StepSpec(model, example_args=(...), dataset=...)"
+        raise user_error(
+            SpecError,
+            f"{text} returned a {type(result).__name__}, not a graphsplit.StepSpec.",
+            fix=Fix("return StepSpec(model, example_args=(...), dataset=...)"),
         )
     if not isinstance(result, StepSpec):
         result = StepSpec(
@@ -133,9 +136,11 @@ def load_spec(text: str) -> StepSpec:
             getattr(result, "storage_dtype", None),
         )
     if not isinstance(result.model, nn.Module):
-        raise SpecError(
+        raise user_error(
+            SpecError,
             f"{text} returned a StepSpec whose model is a {type(result.model).__name__}, "
-            "not a torch.nn.Module.\n  fix: pass the module that runs the training step"
+            "not a torch.nn.Module.",
+            fix=Fix("pass the module that runs the training step"),
         )
     _check_data(text, result)
     return result
@@ -149,22 +154,25 @@ def _check_data(text: str, spec: StepSpec) -> None:
     if spec.loader is not None:
         given = [name for name in ("dataset", "collate_fn", "num_workers") if getattr(spec, name)]
         if given:
-            raise SpecError(
+            raise user_error(
+                SpecError,
                 f"{text} returned a StepSpec with a loader and {', '.join(given)}: the loader "
-                "already decides how the data is read and batched.\n"
-                f"  fix: drop {', '.join(given)}, or drop loader and give dataset=..."
+                "already decides how the data is read and batched.",
+                fix=Fix(f"drop {', '.join(given)}, or drop loader and give dataset=..."),
             )
     if spec.num_workers is not None and (
         not isinstance(spec.num_workers, int) or spec.num_workers < 0
     ):
-        raise SpecError(
-            f"{text} returned a StepSpec with num_workers={spec.num_workers!r}.\n"
-            "  fix: pass a whole number >= 0 (0 loads in the main process)"
+        raise user_error(
+            SpecError,
+            f"{text} returned a StepSpec with num_workers={spec.num_workers!r}.",
+            fix=Fix("pass a whole number >= 0 (0 loads in the main process)"),
         )
     if spec.storage_dtype is not None and spec.storage_dtype not in STORAGE_DTYPES:
-        raise SpecError(
-            f"{text} returned a StepSpec with storage_dtype={spec.storage_dtype!r}.\n"
-            "  fix: pass None (lossless), torch.bfloat16 or torch.float16"
+        raise user_error(
+            SpecError,
+            f"{text} returned a StepSpec with storage_dtype={spec.storage_dtype!r}.",
+            fix=Fix("pass None (lossless), torch.bfloat16 or torch.float16"),
         )
 
 
@@ -177,9 +185,10 @@ def _looks_like_spec(value: Any) -> bool:
 def _parse(text: str) -> tuple[str, str]:
     location, separator, function_name = text.rpartition(":")
     if not separator or not location or not function_name.isidentifier():
-        raise SpecError(
-            f"{text!r} is not a step spec.\n"
-            "  fix: write path/to/file.py:function or package.module:function"
+        raise user_error(
+            SpecError,
+            f"{text!r} is not a step spec.",
+            fix=Fix("write path/to/file.py:function or package.module:function"),
         )
     return location, function_name
 
@@ -190,19 +199,28 @@ def _import(location: str) -> Any:
         try:
             return importlib.import_module(location)
         except ImportError as error:
-            raise SpecError(
-                f"cannot import module {location!r}: {error}.\n"
-                "  fix: check the module name and that it is on PYTHONPATH, or pass a file path"
+            raise user_error(
+                SpecError,
+                f"cannot import module {location!r}: {error}.",
+                fix=Fix("check the module name and that it is on PYTHONPATH, or pass a file path"),
             ) from None
         except Exception as error:
             raise _import_failed(location, error) from None
     path = Path(location)
     if not path.is_file():
-        raise SpecError(f"no such file: {location}.\n  fix: check the path to the spec file")
+        raise user_error(
+            SpecError,
+            f"no such file: {location}.",
+            fix=Fix("check the path to the spec file"),
+        )
     name = f"_graphsplit_spec_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise SpecError(f"cannot load {location} as Python.\n  fix: pass a .py file")
+        raise user_error(
+            SpecError,
+            f"cannot load {location} as Python.",
+            fix=Fix("pass a .py file"),
+        )
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
@@ -213,8 +231,9 @@ def _import(location: str) -> Any:
     return module
 
 
-def _import_failed(location: str, error: Exception) -> SpecError:
-    return SpecError(
-        f"importing {location} failed: {type(error).__name__}: {error}.\n"
-        "  fix: run the file with python to see the full traceback"
+def _import_failed(location: str, error: Exception) -> GraphsplitError:
+    return user_error(
+        SpecError,
+        f"importing {location} failed: {type(error).__name__}: {error}.",
+        fix=Fix("run the file with python to see the full traceback"),
     )

@@ -9,6 +9,7 @@ import pytest
 
 from graphsplit.errors import (
     CacheError,
+    Fix,
     GraphsplitError,
     Remedy,
     StaleCacheError,
@@ -21,19 +22,31 @@ from tests.tools.specs import TINY_STEP
 
 
 def test_a_remedy_renders_in_the_callers_words():
-    error = user_error(
-        StaleCacheError,
-        "the folder holds another cache",
-        fix="pass {remedy} to replace it, or choose another path",
-        remedy=Remedy.OVERWRITE,
-    )
-    assert error.remedy is Remedy.OVERWRITE
+    fix = Fix("pass {remedy} to replace it, or choose another path", Remedy.OVERWRITE)
+    error = user_error(StaleCacheError, "the folder holds another cache", fix=fix)
+    assert error.remedy is Remedy.OVERWRITE and error.fix == fix
+    assert error.reason == "the folder holds another cache"
     assert str(error).endswith("fix:    pass overwrite=True to replace it, or choose another path")
     assert error.args[0] == str(error)  # args hold the Python words, as code reading it expects
     with speaking(Wording.CLI):
         assert str(error).endswith("fix:    pass --overwrite to replace it, or choose another path")
         assert "overwrite=True" not in str(error)
     assert "overwrite=True" in str(error)  # the block restored the Python words
+
+
+def test_a_bare_remedy_is_the_fix_pass_that_option():
+    error = user_error(CacheError, "the workers cannot start", fix=Remedy.NUM_WORKERS_0)
+    assert str(error).splitlines() == ["the workers cannot start", "  fix:    pass num_workers=0"]
+    with speaking(Wording.CLI):
+        assert str(error).splitlines()[-1] == "  fix:    pass --num-workers 0"
+
+
+def test_a_fix_without_an_option_reads_the_same_in_both_words():
+    error = user_error(CacheError, "no room", fix=Fix("free some disk space and resume"))
+    assert error.remedy is None
+    with speaking(Wording.CLI):
+        assert str(error) == "no room\n  fix:    free some disk space and resume"
+    assert str(error) == "no room\n  fix:    free some disk space and resume"
 
 
 @pytest.mark.parametrize("remedy", list(Remedy))

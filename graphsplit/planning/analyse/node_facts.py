@@ -41,7 +41,7 @@ from graphsplit.artifacts import (
     OpRecord,
     Traced,
 )
-from graphsplit.errors import GraphsplitError, TraceError, user_error
+from graphsplit.errors import Fix, GraphsplitError, TraceError, user_error
 from graphsplit.planning.meta.interpreters import OP_RECORD, NodeMode, ProbeInterpreter
 from graphsplit.planning.rules.baked_sizes import fixed_number
 from graphsplit.planning.rules.mixing import mixing_of
@@ -200,8 +200,10 @@ def _check_guards(
                 "the traced step would only be valid for one batch size.",
                 node=guard.node,
                 source=guard.source,
-                fix="use shapes inside tensor ops (x.view(x.shape[0], -1), torch.randn_like) "
-                "instead of converting the batch size to a Python number or loop count",
+                fix=Fix(
+                    "use shapes inside tensor ops (x.view(x.shape[0], -1), torch.randn_like) "
+                    "instead of converting the batch size to a Python number or loop count"
+                ),
             )
 
 

@@ -22,7 +22,7 @@ import torch.fx as fx
 from torch import nn
 
 from graphsplit.artifacts import Cut
-from graphsplit.errors import MetaParameterError, SplitError
+from graphsplit.errors import Fix, MetaParameterError, SplitError, user_error
 from graphsplit.planning.codegen.stage_passes import (
     finish_stage1,
     finish_stage2,
@@ -41,12 +41,15 @@ def _refuse_meta_tensors(stage: nn.Module, args: Any) -> None:
     ):
         for name, tensor in tensors:
             if tensor.is_meta:
-                raise MetaParameterError(
+                raise user_error(
+                    MetaParameterError,
                     f"{type(stage).__name__} holds the {kind} {name!r} on the meta device, so it"
-                    " cannot run.\n"
-                    "  fix:    load real weights into the modules this stage uses (e.g. "
-                    "load_state_dict(..., assign=True) or build them on a real device); "
-                    "graphsplit only leaves the *other* stage's modules on meta"
+                    " cannot run.",
+                    fix=Fix(
+                        "load real weights into the modules this stage uses (e.g. "
+                        "load_state_dict(..., assign=True) or build them on a real device); "
+                        "graphsplit only leaves the *other* stage's modules on meta"
+                    ),
                 )
 
 
@@ -330,9 +333,10 @@ def _global_expression(value: Any) -> str:
         return f"_load({module!r}, {name!r})" if module else repr(value)
     module, qualname = getattr(value, "__module__", None), getattr(value, "__qualname__", "")
     if module is None or "<" in qualname:
-        raise SplitError(
+        raise user_error(
+            SplitError,
             f"the generated code refers to {value!r}, which cannot be imported by name, so it "
-            "cannot be saved as a standalone file.\n"
-            "  fix:    define functions the step calls (and codecs) at module level"
+            "cannot be saved as a standalone file.",
+            fix=Fix("define functions the step calls (and codecs) at module level"),
         )
     return f"_load({module!r}, {qualname!r})"

@@ -55,7 +55,7 @@ import torch.fx as fx
 from torch import nn
 
 from graphsplit.artifacts import BoundarySpec, Cut, Recomputation, Taint
-from graphsplit.errors import SplitError, user_error
+from graphsplit.errors import Fix, SplitError, user_error
 from graphsplit.planning.cut.min_cut import Unbounded, sink_side
 from graphsplit.planning.cut.recompute import (
     AUTO,
@@ -354,7 +354,14 @@ def _infeasible(graph: fx.Graph, taint: Mapping[fx.Node, Taint]) -> SplitError:
         culprit = _unreachable_input(start, taint, seen)
         if culprit is not None:
             return _explain(culprit)
-    return SplitError("no exact split exists for this step (internal: unexplained infinite cut)")
+    return user_error(
+        SplitError,
+        "no exact split exists for this step (internal: unexplained infinite cut)",
+        fix=Fix(
+            "please report the step; freezing fewer modules (frozen=...) may leave a cut "
+            "graphsplit can explain"
+        ),
+    )
 
 
 def _unreachable_input(
@@ -382,16 +389,20 @@ def _explain(node: fx.Node) -> SplitError:
             f"Stage 2 needs this value, a {node_facts.type_name}, but it is not a tensor, so it "
             "cannot be cached, and recomputing it would rerun frozen work in stage 2.",
             node=node,
-            fix="register a codec for the type with graphsplit.register_codec(type, encode, "
-            "decode), or make the step pass tensors (e.g. use .sample / [0] on outputs)",
+            fix=Fix(
+                "register a codec for the type with graphsplit.register_codec(type, encode, "
+                "decode), or make the step pass tensors (e.g. use .sample / [0] on outputs)"
+            ),
         )
     return user_error(
         SplitError,
         f"Stage 2 needs this tensor (shape {tuple(node_facts.shape or ())}), but it does not hold"
         " one row per sample along a single batch dimension, so it cannot be cached per sample.",
         node=node,
-        fix="keep the batch as its own dimension in frozen code (avoid folding it into other "
-        "dims or repeating it, e.g. for classifier-free guidance) before the trainable part",
+        fix=Fix(
+            "keep the batch as its own dimension in frozen code (avoid folding it into other "
+            "dims or repeating it, e.g. for classifier-free guidance) before the trainable part"
+        ),
     )
 
 

@@ -43,7 +43,7 @@ from typing import Literal
 import torch.fx as fx
 
 from graphsplit.artifacts import Taint
-from graphsplit.errors import SplitError
+from graphsplit.errors import Fix, SplitError, user_error
 from graphsplit.planning.rules.opaque_call import is_opaque
 from graphsplit.planning.rules.taint import facts, is_banned, module_owner
 
@@ -87,11 +87,14 @@ class Prices:
 def check_recompute(recompute: object) -> None:
     """Raise :class:`SplitError` unless ``recompute`` is one of :data:`RECOMPUTE_CHOICES`."""
     if recompute not in RECOMPUTE_CHOICES:
-        raise SplitError(
-            f"recompute={recompute!r} is not a choice.\n"
-            '  fix:    pass recompute="never" (cache all frozen work; the default) or '
-            'recompute="auto" (stage 2 may redo a frozen layer when that saves more cache than '
-            "it costs)"
+        raise user_error(
+            SplitError,
+            f"recompute={recompute!r} is not a choice.",
+            fix=Fix(
+                'pass recompute="never" (cache all frozen work; the default) or '
+                'recompute="auto" (stage 2 may redo a frozen layer when that saves more cache than '
+                "it costs)"
+            ),
         )
 
 

@@ -14,7 +14,10 @@ Glossary (see :mod:`graphsplit.planning.opaque.sites` for how the calls are foun
         alone; each output must equal the samples' outputs stacked along one dim, bit for bit
         (its batch dim), or be the same for every sample; otherwise it mixes samples (a
         ``TensorValueError``: the caller is tried, and the last one tried is refused with the
-        fix: plan at batch 1).
+        advice to plan at batch 1).
+
+What each run reads of the model, and the refusals of meta tensors and writes, are seen by the
+watch of :mod:`graphsplit.planning.opaque.run_watch`.
 
 In: the model (real weights, captured before its analysis view), the example batch, the
 trainable names. Out: ``node.meta["val"]``, ``node.meta["opaque"]`` and the op record of each
@@ -26,7 +29,7 @@ opaque node, through the tracer's interpreter:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,15 +37,20 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from graphsplit.artifacts import ExampleInputs, OpRecord
-from graphsplit.errors import OpaqueCallError, TensorValueError, TrainableSideError, user_error
+from graphsplit.errors import (
+    Fix,
+    OpaqueCallError,
+    TensorValueError,
+    TrainableSideError,
+    user_error,
+)
 from graphsplit.planning.meta.analysis_view import to_meta
 from graphsplit.planning.meta.interpreters import OP_RECORD, fetch
-from graphsplit.planning.opaque.sites import VALUE_FIX as _FIX
-from graphsplit.planning.opaque.sites import OpaqueSite
+from graphsplit.planning.opaque.run_watch import WatchedRun, naming_site
+from graphsplit.planning.opaque.site_types import VALUE_FIX, OpaqueSite, ValueSite
 from graphsplit.planning.patching.patches import RANDOM_FILLS, RANDOM_FUNCTIONS
 from graphsplit.planning.rules.opaque_call import OPAQUE, OpaqueCall, OpaqueFacts, reachable
 from graphsplit.planning.rules.random_draws import (
@@ -53,15 +61,6 @@ from graphsplit.planning.rules.random_draws import (
 from graphsplit.planning.rules.user_lines import describe
 from graphsplit.planning.step.example_inputs import example_batch_size
 from graphsplit.runtime import functional_inplace
-
-
-@dataclass(frozen=True)
-class ValueSite:
-    """A value read answered with its example value (:mod:`graphsplit.planning.opaque.value_reads`):
-    what the example run's refusals name, as an :class:`OpaqueSite` does."""
-
-    label: str
-    read_at: str
 
 
 @dataclass
@@ -138,7 +137,7 @@ class ExampleRun:
                 "run eagerly instead.",
                 node=node,
                 source=site.read_at,
-                fix=_FIX,
+                fix=VALUE_FIX,
             )
         dims = self._batch_dims(node, site, outputs)
         reads = tuple(sorted(self.reads.get(node, ())))
@@ -181,15 +180,18 @@ class ExampleRun:
         tainting = self.tainting_ancestor(_ancestors(node))
         if tainting is not None:
             ancestor, why = tainting
-            raise _trainable_side(
+            raise naming_site(
                 site,
-                f"{site.label} reads tensor values, and its inputs depend on {why} "
-                f"({ancestor.name}, {describe((ancestor.meta.get('source', '?'), ''))}). "
-                "Value-dependent code can run eagerly in stage 1 only when every input is "
-                "frozen and free of random draws; it is never allowed on the trainable side.",
-                node=node,
-                source=site.read_at,
-                fix=_FIX + f", or compute {site.label}'s inputs without {why}",
+                user_error(
+                    TrainableSideError,
+                    f"{site.label} reads tensor values, and its inputs depend on {why} "
+                    f"({ancestor.name}, {describe((ancestor.meta.get('source', '?'), ''))}). "
+                    "Value-dependent code can run eagerly in stage 1 only when every input is "
+                    "frozen and free of random draws; it is never allowed on the trainable side.",
+                    node=node,
+                    source=site.read_at,
+                    fix=Fix(f"{VALUE_FIX.words}, or compute {site.label}'s inputs without {why}"),
+                ),
             )
 
     def _refuse_probe_sizes(self, node: fx.Node, site: OpaqueSite) -> None:
@@ -201,8 +203,10 @@ class ExampleRun:
                 f"holds {example} sample(s), but the step is traced at batch {traced}.",
                 node=node,
                 source=site.read_at,
-                fix="pass an example batch of one sample (planned one sample per batch) or of "
-                "two or more samples",
+                fix=Fix(
+                    "pass an example batch of one sample (planned one sample per batch) or of "
+                    "two or more samples"
+                ),
             )
 
     # -- running for real -------------------------------------------------------------------
@@ -234,7 +238,7 @@ class ExampleRun:
                 "running it once in stage 1 would not leave the inputs as the step leaves them.",
                 node=node,
                 source=site.read_at,
-                fix="write into a copy (x = x.clone()) inside the function",
+                fix=Fix("write into a copy (x = x.clone()) inside the function"),
             )
         return values[node]
 
@@ -270,7 +274,7 @@ class ExampleRun:
         swapped = self._swap_in_real()
         try:
             read = self.reads.setdefault(node, set())
-            watch = _Watched(names, self.trainable, node, site, self.real_names, read)
+            watch = WatchedRun(names, self.trainable, node, site, self.real_names, read)
             with torch.no_grad(), watch:
                 yield
         finally:
@@ -288,19 +292,26 @@ class ExampleRun:
                 "per sample instead of every step. graphsplit undid the write.",
                 node=node,
                 source=site.read_at,
-                fix="put the frozen module in eval mode (module.eval(), as from_pretrained "
-                "returns it), or move the write out of the function",
+                fix=Fix(
+                    "put the frozen module in eval mode (module.eval(), as from_pretrained "
+                    "returns it), or move the write out of the function"
+                ),
             )
         if changed:
-            raise _trainable_side(
+            raise naming_site(
                 site,
-                f"{site.label} reads tensor values, so it would run eagerly in stage 1, but it "
-                f"draws random numbers ({', '.join(changed)} generator): the draw would be "
-                "frozen into the cache instead of happening every step.",
-                node=node,
-                source=site.read_at,
-                fix="draw the random numbers outside this function, after the frozen work, "
-                "with torch (torch.randn_like, torch.randint, ...)",
+                user_error(
+                    TrainableSideError,
+                    f"{site.label} reads tensor values, so it would run eagerly in stage 1, but "
+                    f"it draws random numbers ({', '.join(changed)} generator): the draw would be "
+                    "frozen into the cache instead of happening every step.",
+                    node=node,
+                    source=site.read_at,
+                    fix=Fix(
+                        "draw the random numbers outside this function, after the frozen work, "
+                        "with torch (torch.randn_like, torch.randint, ...)"
+                    ),
+                ),
             )
 
     def _swap_in_real(self) -> list[tuple[dict[str, Any], str, Any]]:
@@ -350,18 +361,11 @@ class ExampleRun:
             "value would depend on the samples batched with it.",
             node=node,
             source=site.read_at,
-            fix="plan at batch 1: pass an example batch of one sample (graphsplit then plans "
-            "one sample per batch, as DiffSynth trains), or pad to a fixed length",
+            fix=Fix(
+                "plan at batch 1: pass an example batch of one sample (graphsplit then plans "
+                "one sample per batch, as DiffSynth trains), or pad to a fixed length"
+            ),
         )
-
-
-def _trainable_side(
-    site: OpaqueSite | ValueSite, reason: str, *, node: fx.Node, source: str, fix: str
-) -> TrainableSideError:
-    """A refusal because the call belongs to the trainable side, naming its site (typed)."""
-    error = user_error(TrainableSideError, reason, node=node, source=source, fix=fix)
-    error.site = site
-    return error
 
 
 _MIXES = object()
@@ -397,15 +401,6 @@ def _version(value: Any) -> int | None:
     return value._version if isinstance(value, torch.Tensor) else None
 
 
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-for-bit equality (NaN equals NaN): the tensors' bytes."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dim() == 0:
-        a, b = a.reshape(1), b.reshape(1)
-    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
-
-
 def _ancestors(node: fx.Node) -> set[fx.Node]:
     return reachable(node, lambda current: current.all_input_nodes)
 
@@ -421,77 +416,3 @@ def _draws_random(node: fx.Node) -> bool:
     return node.target is functional_inplace and any(
         fill.__name__ == node.args[1] for fill in RANDOM_FILLS
     )
-
-
-class _Watched(TorchFunctionMode):
-    """The example run's torch calls: the model's frozen tensors each reads are noted in
-    ``read``; the first on a meta tensor is refused: a trainable parameter (kept on meta for
-    the run, so it is never read) or a frozen weight or input that has no real value."""
-
-    def __init__(
-        self,
-        names: Mapping[int, str],
-        trainable: frozenset[str],
-        node: fx.Node,
-        site: OpaqueSite | ValueSite,
-        real_names: Mapping[int, str],
-        read: set[str],
-    ) -> None:
-        super().__init__()
-        self.names, self.trainable, self.node, self.site = names, trainable, node, site
-        self.real_names, self.read = real_names, read
-        # Each model tensor the run touched: its version then, and a copy of a buffer's value
-        # (running statistics, caches: small) so that a write can be undone.
-        self.before: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        for leaf in pytree.tree_leaves((args, kwargs)):
-            if not isinstance(leaf, torch.Tensor):
-                continue
-            if leaf.is_meta:
-                raise self._error(self.names.get(id(leaf)))
-            name = self.real_names.get(id(leaf))
-            if name is not None:
-                self.read.add(name)
-                if id(leaf) not in self.before:
-                    copy = None if isinstance(leaf, nn.Parameter) else leaf.detach().clone()
-                    self.before[id(leaf)] = (leaf, leaf._version, copy)
-        return func(*args, **kwargs)
-
-    def undo_writes(self) -> list[str]:
-        """Names of the model's tensors the run wrote into; buffers are put back as they were."""
-        written = []
-        for tensor, version, copy in self.before.values():
-            # Kernels may write without bumping the version (BatchNorm's running statistics are
-            # not marked as written in its schema), so a buffer's bytes are compared too.
-            if tensor._version != version or (copy is not None and not _same_bytes(tensor, copy)):
-                written.append(self.real_names[id(tensor)])
-                if copy is not None:
-                    with torch.no_grad():
-                        tensor.copy_(copy)
-        return sorted(written)
-
-    def _error(self, name: str | None) -> OpaqueCallError:
-        label = self.site.label
-        if name in self.trainable:
-            return _trainable_side(
-                self.site,
-                f"{label} reads tensor values and reads the trainable parameter {name}: "
-                "value-dependent code runs eagerly in stage 1, and is never allowed on the "
-                "trainable side.",
-                node=self.node,
-                source=self.site.read_at,
-                fix=_FIX,
-            )
-        what = f"the frozen tensor {name}" if name else "a tensor"
-        return user_error(
-            OpaqueCallError,
-            f"{label} reads tensor values, so graphsplit runs it once on the example batch to "
-            f"learn its output's shapes, and that needs real weights and data; {what} is on "
-            "the meta device.",
-            node=self.node,
-            source=self.site.read_at,
-            fix="load the frozen weights this function uses (and pass a real example batch) "
-            "for split(); stage 2's process may still build them on meta",
-        )

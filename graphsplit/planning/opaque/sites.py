@@ -24,7 +24,8 @@ Glossary:
         samples (padding to the batch's longest prompt, a list of one item per sample) and its
         caller is tried; when no caller is left it is refused: plan at batch 1.
 
-The example run itself lives in :mod:`graphsplit.planning.opaque.example_run`.
+The example run itself lives in :mod:`graphsplit.planning.opaque.example_run`, what a site is
+(:class:`OpaqueSite`, :data:`VALUE_FIX`) in :mod:`graphsplit.planning.opaque.site_types`.
 
 In: the exception of a failed trace; the traced graph after the analysis. Out:
 
@@ -39,9 +40,8 @@ import contextlib
 import functools
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from types import FrameType, FunctionType, ModuleType, TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.fx as fx
 import torch.utils._pytree as pytree
@@ -49,46 +49,14 @@ from torch import nn
 
 from graphsplit.errors import TraceError, user_error
 from graphsplit.planning.meta.interpreters import is_meta_run
+from graphsplit.planning.opaque.example_run import ExampleRun
+from graphsplit.planning.opaque.site_types import VALUE_FIX, OpaqueSite
 from graphsplit.planning.rules.opaque_call import OPAQUE, is_opaque
 from graphsplit.planning.rules.taint import compute_taint
 from graphsplit.planning.rules.user_lines import describe, frame_location_of, is_internal
 
-if TYPE_CHECKING:
-    from graphsplit.planning.opaque.example_run import ExampleRun
-
-VALUE_FIX = (
-    "replace .item()/.tolist()/nonzero-style code with tensor ops (torch.where, masking), or "
-    "move it into the data pipeline"
-)
-
 
 # -- where the value was read -------------------------------------------------------------------
-@dataclass(frozen=True, eq=False)
-class OpaqueSite:
-    """A function to record as one opaque node, and the attribute it is looked up by."""
-
-    owner: type | ModuleType
-    attribute: str
-    read_at: str  # "file:line  code" where it read a tensor value
-    # A frozen leaf module whose own method read the value: traced as a call, no longer a leaf.
-    leaf: str | None = None
-    # Other modules' globals bound to the same function (``from x import f``): patched too.
-    aliases: tuple[tuple[ModuleType, str], ...] = ()
-
-    @property
-    def raw(self) -> Any:
-        """What the owner holds: a function, ``staticmethod`` or ``classmethod``."""
-        return vars(self.owner)[self.attribute]
-
-    @property
-    def label(self) -> str:
-        owner = getattr(self.owner, "__qualname__", None) or self.owner.__name__
-        return f"{owner}.{self.attribute}"
-
-    def same(self, other: OpaqueSite) -> bool:
-        return self.owner is other.owner and self.attribute == other.attribute
-
-
 def site_of_failure(
     exc: BaseException, known: list[OpaqueSite], root: nn.Module, trainable: frozenset[str]
 ) -> OpaqueSite | None:

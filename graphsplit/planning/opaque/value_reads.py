@@ -44,21 +44,19 @@ import enum
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
 
 from graphsplit.errors import TensorValueError, user_error
-from graphsplit.planning.opaque.sites import VALUE_FIX
+from graphsplit.planning.opaque.example_run import ExampleRun
+from graphsplit.planning.opaque.site_types import VALUE_FIX, ValueSite
+from graphsplit.planning.rules.size_guards import CheckSources
 from graphsplit.planning.rules.taint import compute_taint
 from graphsplit.planning.rules.user_lines import current_line, describe
 from graphsplit.runtime import _VALUE_READS as VALUE_READS
 from graphsplit.runtime import check_value
-
-if TYPE_CHECKING:
-    from graphsplit.planning.opaque.example_run import ExampleRun
-    from graphsplit.planning.rules.size_guards import CheckSources
 
 # What a node's meta holds for an answered read (see the module docstring).
 VALUE_READ = "value_read"
@@ -142,8 +140,6 @@ def answer(tracer: Any, proxy: fx.Proxy, read: Read) -> Any:
         )
         error.read_at = read_at
         raise error
-    from graphsplit.planning.opaque.example_run import ValueSite
-
     tracer.computing_meta = True  # a real run: module calls run their forward, untraced
     try:
         real = run.real_value(node, ValueSite("this line", read_at))

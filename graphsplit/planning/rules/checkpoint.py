@@ -46,7 +46,7 @@ import torch.fx as fx
 import torch.utils.checkpoint
 
 from graphsplit.errors import SplitError, user_error
-from graphsplit.planning.rules.outline import Wrap, outline
+from graphsplit.planning.rules.outline import SAVE_STAGE2_FIX, Wrap, outline
 
 # Where the tracer tags the nodes traced inside a checkpoint() call.
 CHECKPOINT = "checkpoint"
@@ -122,8 +122,7 @@ def _refused_reduce(self: fx.GraphModule) -> Any:
         "Stage 2 cannot be pickled: it checkpoints module calls (checkpoint(self.block, ...)), "
         "and fx rebuilds a pickled stage by tracing its code again, which would run the "
         "blocks without checkpointing.",
-        fix="save stage 2's state_dict() (or the model's) and build the split again with "
-        "graphsplit.split(...) when loading, or write its code with split.save_code(folder)",
+        fix=SAVE_STAGE2_FIX,
     )
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from graphsplit.errors import TraceError, user_error
+from graphsplit.errors import Fix, TraceError, user_error
 
 MODES = "modes"  # node.meta key of a switched node
 # Device types whose autocast state is compared ("mps", "xpu" and the like would be the same
@@ -47,22 +47,22 @@ _AUTOCAST_DEVICES = ("cpu", "cuda")
 _OP_KINDS = frozenset({"call_function", "call_method", "call_module"})
 _METADATA_TYPES = (torch.device, torch.dtype, torch.Size, bool, int, float, str, type(None))
 
-AUTOCAST_FIX = (
+AUTOCAST_FIX = Fix(
     "put the autocast around the whole step instead: around graphsplit.split(...), around "
     "stage1 / the cache and around the training step that calls stage2, so the stages run "
     "under it as the step did; or move it inside the forward of a module that is called as a "
     "leaf (a module holding parameters, all frozen or all trainable): code inside a leaf's "
     "forward runs as written in the stages"
 )
-NO_GRAD_FIX = (
+NO_GRAD_FIX = Fix(
     "use .detach() on the result instead of torch.no_grad() (e.g. target = "
     "self.model(x).detach()): torch.fx traces detach, and it gives the gradients eager gives"
 )
-INFERENCE_MODE_FIX = (
+INFERENCE_MODE_FIX = Fix(
     "use torch.no_grad() around frozen work instead (graphsplit accepts it there), or "
     ".detach() on the result of trainable work"
 )
-ENABLE_GRAD_FIX = (
+ENABLE_GRAD_FIX = Fix(
     "call graphsplit.split, stage1 and stage2 with gradients enabled (not inside "
     "torch.no_grad() or torch.inference_mode()), as training does"
 )

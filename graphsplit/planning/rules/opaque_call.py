@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from graphsplit.errors import SplitError
+from graphsplit.errors import Fix, SplitError, user_error
 
 # node.meta key of an opaque node's OpaqueFacts.
 OPAQUE = "opaque"
@@ -92,13 +92,16 @@ class OpaqueCall:
         args, kwargs = pytree.tree_unflatten(leaves, self.spec)
         output = self.function(*args, **kwargs)
         if self.structure is not None and pytree.tree_structure(output) != self.structure:
-            raise SplitError(
+            raise user_error(
+                SplitError,
                 f"{self.__name__} (run eagerly by stage 1: it reads tensor values) returned "
                 f"{pytree.tree_structure(output)}, but this plan was made for its output "
                 f"structure {self.structure}: the traced code after it reads its items by "
-                "position.\n"
-                "  fix:    make the function return the same structure (one tensor per field, "
-                "not one per token or sample) for every batch, or split again"
+                "position.",
+                fix=Fix(
+                    "make the function return the same structure (one tensor per field, "
+                    "not one per token or sample) for every batch, or split again"
+                ),
             )
         if self.shapes is not None:
             self._check_shapes(output)
@@ -111,13 +114,16 @@ class OpaqueCall:
             if len(shape) != len(planned) or any(
                 want is not None and want != got for want, got in zip(planned, shape)
             ):
-                raise SplitError(
+                raise user_error(
+                    SplitError,
                     f"{self.__name__} (run eagerly by stage 1: it reads tensor values) returned "
                     f"a tensor of shape {shape}, but this plan was made for "
                     f"{tuple('B' if size is None else size for size in planned)}: the step read "
-                    "that size as a Python number after the call, so the plan holds for it only.\n"
-                    "  fix:    keep the output's size fixed (pad to a fixed length), or split "
-                    "again for each size (bucket the dataset by size)"
+                    "that size as a Python number after the call, so the plan holds for it only.",
+                    fix=Fix(
+                        "keep the output's size fixed (pad to a fixed length), or split "
+                        "again for each size (bucket the dataset by size)"
+                    ),
                 )
 
     def __repr__(self) -> str:

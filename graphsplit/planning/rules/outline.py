@@ -39,10 +39,16 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
-from graphsplit.errors import SplitError, user_error
+from graphsplit.errors import Fix, SplitError, user_error
 
 # Writes the stage's call of the region: (stage graph, get_attr of the region, inputs) -> node.
 Wrap = Callable[[fx.Graph, fx.Node, tuple[fx.Node, ...]], fx.Node]
+
+# What to do instead of pickling a stage 2 that checkpoints (its code cannot be traced again).
+SAVE_STAGE2_FIX = Fix(
+    "save stage 2's state_dict() (or the model's) and build the split again with "
+    "graphsplit.split(...) when loading, or write its code with split.save_code(folder)"
+)
 
 
 class OutlinedRegion(fx.GraphModule):
@@ -85,8 +91,7 @@ class OutlinedRegion(fx.GraphModule):
             f"Stage 2 cannot be pickled: its checkpointed region {type(self).__name__} refers "
             "to the stage, and fx rebuilds a pickled stage by tracing its code again, which "
             "would run the region without checkpointing.",
-            fix="save stage 2's state_dict() (or the model's) and build the split again with "
-            "graphsplit.split(...) when loading, or write its code with split.save_code(folder)",
+            fix=SAVE_STAGE2_FIX,
         )
 
 
@@ -165,8 +170,10 @@ def _nodes_after_the_region(
                     f"it reads {blocker.name}, computed outside the checkpoint from values "
                     "computed inside it.",
                     node=node,
-                    fix="checkpoint a function that takes what it needs as arguments (or one "
-                    "module), and please report the step",
+                    fix=Fix(
+                        "checkpoint a function that takes what it needs as arguments (or one "
+                        "module), and please report the step"
+                    ),
                 )
             if node is members[-1]:
                 break

@@ -35,7 +35,8 @@ What a reached module is called (its parameters' and stage 2's state-dict keys s
 
 A module reachable under two names keeps the first (arguments, then ``self``, closure cells,
 globals in the order the code loads them); one inside another reached module keeps the
-outer module's path.
+outer module's path. :mod:`graphsplit.planning.step.reached_objects` finds what the code
+reaches; this module checks the callable and builds the step module around it.
 
 In: the step callable and the example batch. Out: :class:`StepCall`:
 
@@ -44,10 +45,8 @@ In: the step callable and the example batch. Out: :class:`StepCall`:
 
 from __future__ import annotations
 
-import dis
 import functools
 import inspect
-import keyword
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -55,10 +54,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsplit.errors import SplitError
+from graphsplit.errors import Fix, SplitError, user_error
 from graphsplit.planning.rules.user_lines import frame_location_of
+from graphsplit.planning.step.reached_objects import Reached, reach_code, usable_name
 
-_FIX_SHAPE = (
+STEP_SHAPE_FIX = Fix(
     "pass the function that runs one training step and returns the loss, e.g. "
     "graphsplit.split(training_step, (pixel_values, input_ids)), or an nn.Module whose forward "
     "does"
@@ -118,26 +118,30 @@ def as_step_module(step: Any, args: Any, kwargs: dict[str, Any]) -> StepCall:
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as exc:
-        raise SplitError(
-            f"The example batch does not match {_describe(function)}: {exc}.\n"
-            "  fix:    pass args/kwargs exactly as you would call the function"
+        raise user_error(
+            SplitError,
+            f"The example batch does not match {_describe(function)}: {exc}.",
+            fix=Fix("pass args/kwargs exactly as you would call the function"),
         ) from None
     module_arguments = {
         name: value for name, value in bound.arguments.items() if isinstance(value, nn.Module)
     }
-    reached = _Reached()
+    reached = Reached()
     for name, value in module_arguments.items():
         reached.add(name, value)
     if owner is not None:
         reached.add_owner(owner)
-    _reach_code(function, reached, set())
+    reach_code(function, reached, set())
     if not reached.modules:
-        raise SplitError(
+        raise user_error(
+            SplitError,
             f"{_describe(function)} reaches no torch.nn.Module, so there is nothing to freeze, "
-            "train or split.\n"
-            "  fix:    use the models in the step's own code (as globals, closure variables, "
-            "attributes of self, or arguments); a lambda that calls a function holding the "
-            "models hides them: pass that function instead"
+            "train or split.",
+            fix=Fix(
+                "use the models in the step's own code (as globals, closure variables, "
+                "attributes of self, or arguments); a lambda that calls a function holding the "
+                "models hides them: pass that function instead"
+            ),
         )
     spread = _spread_dicts(function, signature, bound.arguments)
     # Parameters the example batch leaves out keep their defaults: they are not step inputs.
@@ -175,17 +179,20 @@ def _spread_dicts(
         bad = [
             key
             for key in keys
-            if not (isinstance(key, str) and _usable_name(key))
+            if not (isinstance(key, str) and usable_name(key))
             or key in taken - {name}
             or key.startswith("_graphsplit")
         ]
         if bad:
-            raise SplitError(
+            raise user_error(
+                SplitError,
                 f"{_describe(function)} takes the dict {name!r}, whose fields become stage 1's "
                 f"inputs, but its keys {bad!r} are not Python names or are already parameter "
-                "names.\n"
-                "  fix:    rename those fields in the dataset / collate_fn (or the parameters), "
-                "e.g. 'pixel_values', 'input_ids'"
+                "names.",
+                fix=Fix(
+                    "rename those fields in the dataset / collate_fn (or the parameters), "
+                    "e.g. 'pixel_values', 'input_ids'"
+                ),
             )
         spread[name] = keys
         taken |= set(keys)
@@ -196,17 +203,23 @@ def _spread_dicts(
 def _python_function(step: Any) -> tuple[types.FunctionType, Any]:
     """``(function, self or None)`` behind ``step``; a SplitError naming the fix otherwise."""
     if isinstance(step, type):
-        raise SplitError(
-            f"graphsplit.split got the class {step.__qualname__}, not a training step.\n"
-            f"  fix:    pass an instance (graphsplit.split({step.__name__}(...), args)) or the "
-            "function that runs the step"
+        raise user_error(
+            SplitError,
+            f"graphsplit.split got the class {step.__qualname__}, not a training step.",
+            fix=Fix(
+                f"pass an instance (graphsplit.split({step.__name__}(...), args)) or the "
+                "function that runs the step"
+            ),
         )
     if isinstance(step, functools.partial):
-        raise SplitError(
+        raise user_error(
+            SplitError,
             f"graphsplit.split got functools.partial({_describe(step.func)}, ...); the values it "
-            "binds are hidden from the trace.\n"
-            "  fix:    pass a def function that takes the batch and reads the other values as "
-            "globals or closure variables (or pass them as part of args)"
+            "binds are hidden from the trace.",
+            fix=Fix(
+                "pass a def function that takes the batch and reads the other values as "
+                "globals or closure variables (or pass them as part of args)"
+            ),
         )
     if inspect.ismethod(step):
         function, owner = step.__func__, step.__self__
@@ -216,15 +229,17 @@ def _python_function(step: Any) -> tuple[types.FunctionType, Any]:
         function, owner = _class_call(step), step
     else:
         kind = "builtin " if isinstance(step, types.BuiltinFunctionType) else ""
-        raise SplitError(
+        raise user_error(
+            SplitError,
             f"graphsplit.split got the {kind}{type(step).__name__} {_name_of(step)}, which has "
-            "no Python code to trace.\n"
-            f"  fix:    {_FIX_SHAPE}"
+            "no Python code to trace.",
+            fix=STEP_SHAPE_FIX,
         )
     if not isinstance(function, types.FunctionType):
-        raise SplitError(
-            f"graphsplit.split got {_name_of(step)}, whose code is not Python.\n"
-            f"  fix:    {_FIX_SHAPE}"
+        raise user_error(
+            SplitError,
+            f"graphsplit.split got {_name_of(step)}, whose code is not Python.",
+            fix=STEP_SHAPE_FIX,
         )
     if isinstance(owner, type):
         owner = None  # a classmethod: the class is not a holder of models
@@ -234,11 +249,14 @@ def _python_function(step: Any) -> tuple[types.FunctionType, Any]:
         (inspect.isasyncgenfunction, "an async generator function"),
     ):
         if test(function):
-            raise SplitError(
+            raise user_error(
+                SplitError,
                 f"{_describe(function)} is {kind}; graphsplit traces one call that returns "
-                "the step's outputs.\n"
-                "  fix:    make it a plain function that runs one step and returns the loss "
-                "(keep the loop over batches outside it)"
+                "the step's outputs.",
+                fix=Fix(
+                    "make it a plain function that runs one step and returns the loss "
+                    "(keep the loop over batches outside it)"
+                ),
             )
     return function, owner
 
@@ -257,10 +275,11 @@ def _signature(step: Any, function: types.FunctionType) -> inspect.Signature:
     for parameter in signature.parameters.values():
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             star = "*" if parameter.kind is parameter.VAR_POSITIONAL else "**"
-            raise SplitError(
+            raise user_error(
+                SplitError,
                 f"{_describe(function)} takes {star}{parameter.name}; graphsplit needs named "
-                "inputs (they become stage 1's parameters and the cache's fields).\n"
-                "  fix:    give the function explicit parameters, one per batch field"
+                "inputs (they become stage 1's parameters and the cache's fields).",
+                fix=Fix("give the function explicit parameters, one per batch field"),
             )
     return signature
 
@@ -278,136 +297,6 @@ def _describe(function: Any) -> str:
     return f"{_name_of(function)} ({place})"
 
 
-# -- what the code reaches ------------------------------------------------------------------------
-class _Reached:
-    """Reached modules, tensors and helper objects by name, each object once."""
-
-    def __init__(self) -> None:
-        self.modules: dict[str, nn.Module] = {}
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.helpers: dict[str, Any] = {}
-        self._seen: set[int] = set()
-
-    def _claim(self, name: str, value: Any) -> bool:
-        taken = name in self.modules or name in self.tensors or name in self.helpers
-        if id(value) in self._seen or taken or not _usable_name(name):
-            return False
-        self._seen.add(id(value))
-        return True
-
-    def add(self, name: str, value: Any) -> None:
-        if isinstance(value, nn.Module):
-            if self._claim(name, value):
-                self.modules[name] = value
-        elif isinstance(value, torch.Tensor):
-            if self._claim(name, value):
-                self.tensors[name] = value
-        elif isinstance(value, (dict, list, tuple)):
-            holder = _holder(value)
-            if holder is not None and self._claim(name, value):
-                self.modules[name] = holder
-        elif _holds_attributes(value):
-            holder = _holder(value)  # a pipeline-like object (callable or not) holding modules
-            if holder is not None:
-                if self._claim(name, value):
-                    self.modules[name] = holder
-            elif _is_helper_object(value) and self._claim(name, value):
-                self.helpers[name] = value
-
-    def add_owner(self, owner: Any) -> None:
-        """``self`` of a bound method: its attributes, under their own names."""
-        if isinstance(owner, nn.Module):  # its own tensors are shared, see _share_tensors
-            for name, child in owner._modules.items():
-                if child is not None:
-                    self.add(name, child)
-            self._seen |= {id(tensor) for tensor in (*owner._parameters.values(),)}
-            self._seen |= {id(tensor) for tensor in owner._buffers.values()}
-        for name, value in vars(owner).items():
-            if not name.startswith("_"):
-                self.add(name, value)
-
-
-def _usable_name(name: str) -> bool:
-    return name.isidentifier() and not keyword.iskeyword(name) and not name.startswith("__")
-
-
-def _holds_attributes(value: Any) -> bool:
-    """An instance with its own attributes: not a class, Python module, function or method."""
-    plain = (type, types.ModuleType, types.FunctionType, types.MethodType, functools.partial)
-    return hasattr(value, "__dict__") and not isinstance(value, plain)
-
-
-def _is_helper_object(value: Any) -> bool:
-    if isinstance(value, (type, types.ModuleType, torch.Tensor)) or callable(value):
-        return False
-    return hasattr(value, "__dict__")
-
-
-class _Holder(nn.Module):
-    """Holds the modules of a dict, list, tuple or plain object under the keys the code uses."""
-
-
-def _holder(value: Any) -> nn.Module | None:
-    """A module holding ``value``'s modules (and its helper objects), or None if it has none."""
-    if isinstance(value, dict):
-        items = [(key, item) for key, item in value.items() if isinstance(key, str)]
-    elif isinstance(value, (list, tuple)):
-        items = [(str(index), item) for index, item in enumerate(value)]
-    else:
-        items = list(vars(value).items())
-    modules = [
-        (key, item)
-        for key, item in items
-        if isinstance(item, nn.Module) and key and "." not in key and not key.startswith("_")
-    ]
-    if not modules:
-        return None
-    holder = _Holder()
-    for key, module in modules:
-        holder.add_module(key, module)
-    if not isinstance(value, (dict, list, tuple)):
-        for key, item in items:  # kept so the analysis restores what tracing rebinds on them
-            if _is_helper_object(item) and key.isidentifier() and not hasattr(holder, key):
-                setattr(holder, key, item)
-    return holder
-
-
-def _reach_code(function: types.FunctionType, reached: _Reached, visited: set[int]) -> None:
-    """Closure cells, then loaded globals (nested code and same-module helpers included)."""
-    if id(function) in visited:
-        return
-    visited.add(id(function))
-    code = function.__code__
-    for name, cell in zip(code.co_freevars, function.__closure__ or ()):
-        try:
-            reached.add(name, cell.cell_contents)
-        except ValueError:  # an empty cell: assigned after the function was defined
-            continue
-    namespace = function.__globals__
-    for name in _loaded_globals(code):
-        if name not in namespace:
-            continue
-        value = namespace[name]
-        if isinstance(value, types.FunctionType) and value.__globals__ is namespace:
-            _reach_code(value, reached, visited)  # a helper defined beside the step
-        else:
-            reached.add(name, value)
-
-
-def _loaded_globals(code: types.CodeType) -> list[str]:
-    """Names ``code`` (and the code nested in it) loads as globals, in first-load order."""
-    names: list[str] = []
-    for instruction in dis.get_instructions(code):
-        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
-            name = str(instruction.argval).removesuffix(" + NULL").removeprefix("NULL + ")
-            if name not in names:
-                names.append(name)
-    for constant in code.co_consts:
-        if isinstance(constant, types.CodeType):
-            names += [name for name in _loaded_globals(constant) if name not in names]
-    return names
-
-
 # -- the step module ------------------------------------------------------------------------------
 def _build(
     step: Any,
@@ -416,7 +305,7 @@ def _build(
     signature: inspect.Signature,
     module_arguments: dict[str, nn.Module],
     spread: dict[str, tuple[str, ...]],
-    reached: _Reached,
+    reached: Reached,
 ) -> nn.Module:
     forward = _forward(step, function, signature, module_arguments, spread)
     name = function.__name__ if function.__name__.isidentifier() else "function_step"
@@ -440,7 +329,7 @@ def _build(
 
 
 def _share_tensors(
-    module: nn.Module, owner: nn.Module, function: types.FunctionType, reached: _Reached
+    module: nn.Module, owner: nn.Module, function: types.FunctionType, reached: Reached
 ) -> None:
     """A module's method: the step module shares ``self``'s own parameter and buffer tables.
 
@@ -452,11 +341,14 @@ def _share_tensors(
     module._non_persistent_buffers_set = owner._non_persistent_buffers_set
     for key, tensor in reached.tensors.items():
         if isinstance(tensor, nn.Parameter):  # registering it would change the user's module
-            raise SplitError(
+            raise user_error(
+                SplitError,
                 f"{_describe(function)} uses the parameter {key!r}, which is neither "
-                f"registered on {type(owner).__name__} nor an attribute of one of its modules.\n"
-                f"  fix:    register it on the module (self.{key} = nn.Parameter(...) in "
-                "__init__), so it has a name and trains"
+                f"registered on {type(owner).__name__} nor an attribute of one of its modules.",
+                fix=Fix(
+                    f"register it on the module (self.{key} = nn.Parameter(...) in "
+                    "__init__), so it has a name and trains"
+                ),
             )
     # Other tensors become the stage's traced constants, held out of its state dict.
 

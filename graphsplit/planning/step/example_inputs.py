@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from graphsplit.artifacts import ExampleInputs
-from graphsplit.errors import SplitError
+from graphsplit.errors import Fix, SplitError, user_error
 from graphsplit.planning.meta.analysis_view import META, to_meta
 
 ONE_SAMPLE = (1, 1)
@@ -59,10 +59,11 @@ def one_sample_examples(examples: ExampleInputs) -> ExampleInputs:
     from the data as the one sample's (see ``rounds``), instead of comparing two batch sizes.
     """
     if example_batch_size(examples) != 1:
-        raise SplitError(
-            f"One sample per batch needs a batch-1 example; this one has "
-            f"{example_batch_size(examples)} rows.\n"
-            "  fix:    pass an example batch of one sample"
+        raise user_error(
+            SplitError,
+            "One sample per batch needs a batch-1 example; this one has "
+            f"{example_batch_size(examples)} rows.",
+            fix=Fix("pass an example batch of one sample"),
         )
     values = {name: to_meta(value) for name, value in examples.inputs.items()}
     return ExampleInputs(examples.inputs, ONE_SAMPLE, (values, values), examples.device)
@@ -80,13 +81,16 @@ def check_one_sample(value: torch.Tensor, name: str) -> torch.Tensor:
     would fail deep inside the user's code, or silently compute something else.
     """
     if value.dim() > 0 and value.shape[0] != 1:
-        raise SplitError(
+        raise user_error(
+            SplitError,
             f"The input {name!r} holds {value.shape[0]} samples (shape {tuple(value.shape)}), "
             "but this plan runs one sample per batch: the step only ran at batch size 1 when "
-            "it was split.\n"
-            "  fix:    feed one sample per batch (DataLoader(batch_size=1), or DiffSynth's "
-            "collate_fn=lambda x: x[0] with a batch dim of 1), or make the step run at "
-            "batch 2 and split it again"
+            "it was split.",
+            fix=Fix(
+                "feed one sample per batch (DataLoader(batch_size=1), or DiffSynth's "
+                "collate_fn=lambda x: x[0] with a batch dim of 1), or make the step run at "
+                "batch 2 and split it again"
+            ),
         )
     return value
 
@@ -97,15 +101,17 @@ def _bind_inputs(model: nn.Module, args: Any, kwargs: dict[str, Any]) -> dict[st
     try:
         bound = inspect.signature(model.forward).bind(*args, **kwargs)
     except TypeError as exc:
-        raise SplitError(
-            f"The example batch does not match {type(model).__name__}.forward: {exc}.\n"
-            "  fix:    pass args/kwargs exactly as you would call the model"
+        raise user_error(
+            SplitError,
+            f"The example batch does not match {type(model).__name__}.forward: {exc}.",
+            fix=Fix("pass args/kwargs exactly as you would call the model"),
         ) from None
     for name, parameter in inspect.signature(model.forward).parameters.items():
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
-            raise SplitError(
-                f"{type(model).__name__}.forward takes *{name}; graphsplit needs named inputs.\n"
-                "  fix:    give forward explicit parameters (one per batch field)"
+            raise user_error(
+                SplitError,
+                f"{type(model).__name__}.forward takes *{name}; graphsplit needs named inputs.",
+                fix=Fix("give forward explicit parameters (one per batch field)"),
             )
     return dict(bound.arguments)
 
@@ -114,9 +120,10 @@ def _example_batch_size(inputs: dict[str, Any]) -> int:
     for value in inputs.values():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             return int(value.shape[0])
-    raise SplitError(
-        "The example batch holds no tensor with a batch dimension.\n"
-        "  fix:    pass at least one batched tensor (batch along dim 0) in args/kwargs"
+    raise user_error(
+        SplitError,
+        "The example batch holds no tensor with a batch dimension.",
+        fix=Fix("pass at least one batched tensor (batch along dim 0) in args/kwargs"),
     )
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable
 
 from torch import nn
 
-from graphsplit.errors import SplitError
+from graphsplit.errors import Fix, SplitError, user_error
 
 FrozenSpec = None | Callable[[str, nn.Parameter], bool] | Iterable[nn.Module] | Iterable[str]
 
@@ -40,9 +40,10 @@ def resolve_frozen(
     if all(isinstance(item, nn.Module) for item in items):
         return _by_module(model, named, items)
     kinds = sorted({type(item).__name__ for item in items})
-    raise SplitError(
-        f"frozen= mixes or uses unsupported types ({', '.join(kinds)}).\n"
-        "  fix:    pass None, a predicate (name, param) -> bool, modules, or name prefixes"
+    raise user_error(
+        SplitError,
+        f"frozen= mixes or uses unsupported types ({', '.join(kinds)}).",
+        fix=Fix("pass None, a predicate (name, param) -> bool, modules, or name prefixes"),
     )
 
 
@@ -53,9 +54,10 @@ def _by_prefix(named: list[tuple[str, nn.Parameter]], prefixes: list[str]) -> fr
             name for name, _ in named if name == prefix or name.startswith(prefix.rstrip(".") + ".")
         }
         if not matched:
-            raise SplitError(
-                f"frozen= prefix {prefix!r} matches no parameter of the model.\n"
-                f"  fix:    use a qualified module path such as {_example_prefix(named)!r}"
+            raise user_error(
+                SplitError,
+                f"frozen= prefix {prefix!r} matches no parameter of the model.",
+                fix=Fix(f"use a qualified module path such as {_example_prefix(named)!r}"),
             )
         names |= matched
     return frozenset(names)
@@ -67,9 +69,10 @@ def _by_module(
     owned_ids: set[int] = set()
     for module in modules:
         if not any(module is candidate for candidate in model.modules()):
-            raise SplitError(
-                f"frozen= lists a {type(module).__name__} that is not a submodule of the model.\n"
-                "  fix:    pass the module objects the model itself holds"
+            raise user_error(
+                SplitError,
+                f"frozen= lists a {type(module).__name__} that is not a submodule of the model.",
+                fix=Fix("pass the module objects the model itself holds"),
             )
         owned_ids |= {id(param) for param in module.parameters()}
     return frozenset(name for name, param in named if id(param) in owned_ids)

@@ -43,12 +43,12 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from graphsplit.errors import TraceError, user_error
+from graphsplit.errors import Fix, TraceError, user_error
 from graphsplit.planning.meta.analysis_view import meta_execution
 from graphsplit.planning.meta.interpreters import WRITES
 from graphsplit.runtime import functional_inplace, functional_setitem
 
-_FIX = (
+WRITE_A_COPY_FIX = Fix(
     "compute a new tensor instead of writing into this one (h = h * 2, "
     "h = h.masked_fill(mask, 0), torch.where), or .clone() it before writing"
 )
@@ -170,7 +170,7 @@ def _refuse_unsupported(
             "buffer; split stages would change your batch or your model as a side effect, "
             "and a cached value would differ from the one the step read.",
             node=node,
-            fix=_FIX,
+            fix=WRITE_A_COPY_FIX,
         )
     observers = [alias for alias in aliases if _read_later(alias, node, order)]
     if kind is _WriteKind.OTHER and observers:
@@ -179,7 +179,7 @@ def _refuse_unsupported(
             f"This operation writes into its argument {target.name!r}, which the step reads "
             "again afterwards; graphsplit traces dataflow and cannot follow the write.",
             node=node,
-            fix=_FIX,
+            fix=WRITE_A_COPY_FIX,
         )
     for alias in observers:
         if _indexing_path(alias, chain[-1]) is None:
@@ -190,7 +190,7 @@ def _refuse_unsupported(
                 "indexing views (h[:, 0].mul_(2)) but not through other views "
                 "(.view(), .transpose(), .chunk(), ...).",
                 node=node,
-                fix=_FIX,
+                fix=WRITE_A_COPY_FIX,
             )
 
 

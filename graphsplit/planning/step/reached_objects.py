@@ -1,0 +1,166 @@
+"""What a step callable's code reaches: the modules, tensors and helper objects it can see.
+
+:func:`~graphsplit.planning.step.callables.as_step_module` wraps a user's function into the
+step module; this module finds what that module must hold, and under which names (the table
+in :mod:`graphsplit.planning.step.callables`' docstring).
+
+Glossary:
+    reached object: a value the callable's code can see without being passed it: its closure
+        cells, the globals its code loads (also those of nested code and of helper functions
+        defined in the same Python module), ``self``'s attributes for a bound method.
+    holder: a module made to hold the modules of a dict, list, tuple or plain object
+        (``models["unet"]``, ``pipe.unet``) under the keys the code uses.
+    helper object: a reached non-module object with attributes (a diffusers scheduler); the
+        step module holds it as a plain attribute, so the analysis restores whatever tracing
+        rebinds on it.
+
+Each object is reached once, under the first name it is seen by.
+
+In: the callable (a Python function) and its ``self``. Out:
+
+    reached = Reached(); reached.add_owner(owner); reach_code(function, reached, set())
+    reached.modules / .tensors / .helpers: dict[str, ...]
+    usable_name(name) -> bool     # a name a module attribute can have
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import keyword
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Reached", "reach_code", "usable_name"]
+
+
+class Reached:
+    """Reached modules, tensors and helper objects by name, each object once."""
+
+    def __init__(self) -> None:
+        self.modules: dict[str, nn.Module] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.helpers: dict[str, Any] = {}
+        self._seen: set[int] = set()
+
+    def _claim(self, name: str, value: Any) -> bool:
+        taken = name in self.modules or name in self.tensors or name in self.helpers
+        if id(value) in self._seen or taken or not usable_name(name):
+            return False
+        self._seen.add(id(value))
+        return True
+
+    def add(self, name: str, value: Any) -> None:
+        if isinstance(value, nn.Module):
+            if self._claim(name, value):
+                self.modules[name] = value
+        elif isinstance(value, torch.Tensor):
+            if self._claim(name, value):
+                self.tensors[name] = value
+        elif isinstance(value, (dict, list, tuple)):
+            holder = _holder(value)
+            if holder is not None and self._claim(name, value):
+                self.modules[name] = holder
+        elif _holds_attributes(value):
+            holder = _holder(value)  # a pipeline-like object (callable or not) holding modules
+            if holder is not None:
+                if self._claim(name, value):
+                    self.modules[name] = holder
+            elif _is_helper_object(value) and self._claim(name, value):
+                self.helpers[name] = value
+
+    def add_owner(self, owner: Any) -> None:
+        """``self`` of a bound method: its attributes, under their own names."""
+        if isinstance(owner, nn.Module):  # its own tensors are shared, see _share_tensors
+            for name, child in owner._modules.items():
+                if child is not None:
+                    self.add(name, child)
+            self._seen |= {id(tensor) for tensor in (*owner._parameters.values(),)}
+            self._seen |= {id(tensor) for tensor in owner._buffers.values()}
+        for name, value in vars(owner).items():
+            if not name.startswith("_"):
+                self.add(name, value)
+
+
+def usable_name(name: str) -> bool:
+    return name.isidentifier() and not keyword.iskeyword(name) and not name.startswith("__")
+
+
+def _holds_attributes(value: Any) -> bool:
+    """An instance with its own attributes: not a class, Python module, function or method."""
+    plain = (type, types.ModuleType, types.FunctionType, types.MethodType, functools.partial)
+    return hasattr(value, "__dict__") and not isinstance(value, plain)
+
+
+def _is_helper_object(value: Any) -> bool:
+    if isinstance(value, (type, types.ModuleType, torch.Tensor)) or callable(value):
+        return False
+    return hasattr(value, "__dict__")
+
+
+class _Holder(nn.Module):
+    """Holds the modules of a dict, list, tuple or plain object under the keys the code uses."""
+
+
+def _holder(value: Any) -> nn.Module | None:
+    """A module holding ``value``'s modules (and its helper objects), or None if it has none."""
+    if isinstance(value, dict):
+        items = [(key, item) for key, item in value.items() if isinstance(key, str)]
+    elif isinstance(value, (list, tuple)):
+        items = [(str(index), item) for index, item in enumerate(value)]
+    else:
+        items = list(vars(value).items())
+    modules = [
+        (key, item)
+        for key, item in items
+        if isinstance(item, nn.Module) and key and "." not in key and not key.startswith("_")
+    ]
+    if not modules:
+        return None
+    holder = _Holder()
+    for key, module in modules:
+        holder.add_module(key, module)
+    if not isinstance(value, (dict, list, tuple)):
+        for key, item in items:  # kept so the analysis restores what tracing rebinds on them
+            if _is_helper_object(item) and key.isidentifier() and not hasattr(holder, key):
+                setattr(holder, key, item)
+    return holder
+
+
+def reach_code(function: types.FunctionType, reached: Reached, visited: set[int]) -> None:
+    """Closure cells, then loaded globals (nested code and same-module helpers included)."""
+    if id(function) in visited:
+        return
+    visited.add(id(function))
+    code = function.__code__
+    for name, cell in zip(code.co_freevars, function.__closure__ or ()):
+        try:
+            reached.add(name, cell.cell_contents)
+        except ValueError:  # an empty cell: assigned after the function was defined
+            continue
+    namespace = function.__globals__
+    for name in _loaded_globals(code):
+        if name not in namespace:
+            continue
+        value = namespace[name]
+        if isinstance(value, types.FunctionType) and value.__globals__ is namespace:
+            reach_code(value, reached, visited)  # a helper defined beside the step
+        else:
+            reached.add(name, value)
+
+
+def _loaded_globals(code: types.CodeType) -> list[str]:
+    """Names ``code`` (and the code nested in it) loads as globals, in first-load order."""
+    names: list[str] = []
+    for instruction in dis.get_instructions(code):
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            name = str(instruction.argval).removesuffix(" + NULL").removeprefix("NULL + ")
+            if name not in names:
+                names.append(name)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            names += [name for name in _loaded_globals(constant) if name not in names]
+    return names
