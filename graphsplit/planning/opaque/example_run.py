@@ -40,7 +40,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from graphsplit.artifacts import ExampleInputs, OpRecord
 from graphsplit.errors import OpaqueCallError, TensorValueError, TrainableSideError, user_error
 from graphsplit.planning.meta.analysis_view import to_meta
-from graphsplit.planning.meta.interpreters import OP_RECORD, fetch
+from graphsplit.planning.meta.meta_interpreter import fetch
+from graphsplit.planning.meta.op_recorder import OP_RECORD
 from graphsplit.planning.opaque.sites import VALUE_FIX as _FIX
 from graphsplit.planning.opaque.sites import OpaqueSite
 from graphsplit.planning.patching.patches import RANDOM_FILLS, RANDOM_FUNCTIONS
