@@ -155,9 +155,10 @@ def current_call_memo() -> CallMemo | None:
 def module_called(module: nn.Module, call: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
     """``call()``, which calls ``module(*args, **kwargs)`` on meta, or the analysis's memoised
     answer (:mod:`graphsplit.planning.meta.call_memo`); outside an analysis, ``call()``."""
-    if not _FAKE_MODES:
+    memo = current_call_memo()
+    if memo is None:
         return call()
-    return call_memo.replay_or_call_module(_FAKE_MODES[-1][1].calls, module, call, args, kwargs)
+    return call_memo.replay_or_call_module(memo, module, call, args, kwargs)
 
 
 @contextlib.contextmanager

@@ -60,7 +60,7 @@ _TABLES = frozenset({"_parameters", "_buffers", "_modules"})
 
 # Functions and classes held as attributes are keyed by identity (what they are, not state).
 _BY_IDENTITY = (FunctionType, BuiltinFunctionType, type)
-# Plain tensors on meta (the example inputs' twins) hold no value either.
+# Plain tensors on meta (the example inputs' twins) hold no value: keyed by metadata too.
 _META_TENSORS = frozenset({torch.Tensor, nn.Parameter})
 DEPTH = 6  # nesting of plain containers and helper objects a key follows before refusing
 

@@ -113,7 +113,8 @@ class MetaInterpreter(fx.Interpreter):
         return self._run_node_plainly(node), None
 
     def run_on_meta(self, node: fx.Node, *, record: bool) -> tuple[Any, OpRecord | None]:
-        """Run one node on meta (recording its ops if asked); failures become TraceErrors.
+        """Run one node on meta (recording its ops if asked); a failure becomes a TraceError,
+        a TensorValueError where the failure's type says it read a value (:func:`meta_failure`).
 
         A node that repeats an earlier pure one (same function or module state, same
         argument metadata) is answered by the analysis's call memo

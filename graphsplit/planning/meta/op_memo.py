@@ -28,6 +28,10 @@ the analysis spends most of its time there. This mode sits just above the analys
 fake tensors of the recorded metadata, at a fraction of the cost. Results never leave one
 analysis (:class:`OpMemo` lives as long as its fake mode), so every ``split()`` pays its own
 first runs.
+
+Every op of a meta run passes this mode on its way to the fake mode, so it is also where an op
+that reads tensor values is told apart by type
+(:func:`~graphsplit.planning.meta.meta_failures.run_value_reading_op`).
 """
 
 from __future__ import annotations
