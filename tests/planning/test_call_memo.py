@@ -15,9 +15,11 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 import graphsplit
 from graphsplit.planning.meta import analysis_view as meta
-from graphsplit.planning.meta import call_memo
+from graphsplit.planning.meta import call_memo, call_signature
 from graphsplit.planning.meta.analysis_view import analysis_view, meta_execution, module_called
-from graphsplit.planning.meta.interpreters import TracingInterpreter, _recorded, fetch
+from graphsplit.planning.meta.meta_interpreter import fetch
+from graphsplit.planning.meta.op_recorder import recorded
+from graphsplit.planning.meta.tracing_interpreter import TracingInterpreter
 
 
 class Block(nn.Module):
@@ -45,7 +47,9 @@ class RepeatedBlocks(nn.Module):
 
 
 def _memo() -> call_memo.CallMemo:
-    return meta._FAKE_MODES[-1][1].calls
+    memo = meta.current_call_memo()
+    assert memo is not None
+    return memo
 
 
 def _call(module: nn.Module, *args: object) -> object:
@@ -69,7 +73,7 @@ def test_a_replayed_call_gives_the_metadata_and_op_record_of_a_run():
     block = Block().requires_grad_(False)
     x = torch.empty(4, 3, 8, device="meta")
     with analysis_view(block), meta_execution():
-        runs = [_recorded(lambda: _call(block, x)) for _ in range(4)]
+        runs = [recorded(lambda: _call(block, x)) for _ in range(4)]
         memo = _memo()
         assert (memo.misses, memo.hits) == (1, 2)  # first unwatched, then watched, then hits
     (first, first_record), *others = runs
@@ -85,15 +89,17 @@ def test_a_replayed_call_without_recorder_adds_no_ops_and_a_recorded_one_adds_th
     x = torch.empty(2, 8, device="meta")
     with analysis_view(block), meta_execution():
         _calls(block, x, times=2)  # learnt without a recorder
-        _, record = _recorded(lambda: _call(block, x))  # a new signature: recorder on
-        _, again = _recorded(lambda: _call(block, x))
-        _, last = _recorded(lambda: _call(block, x))
+        _, record = recorded(lambda: _call(block, x))  # a new signature: recorder on
+        _, again = recorded(lambda: _call(block, x))
+        _, last = recorded(lambda: _call(block, x))
     assert record == again == last and record.ops
 
 
 def _without_memo(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(call_memo, "call", lambda memo, module, run, args, kwargs: run())
-    monkeypatch.setattr(call_memo, "node_run", lambda memo, head, module, record, run, _: run())
+    monkeypatch.setattr(call_memo, "replay_or_call_module", lambda memo, module, call, a, k: call())
+    monkeypatch.setattr(
+        call_memo, "replay_or_run_node", lambda memo, head, module, record, run, _: run()
+    )
 
 
 def _hits_while(function) -> int:
@@ -350,7 +356,7 @@ def test_peft_reads_no_lora_layer_kwargs():
         if re.search(r"[\w)\]]\.kwargs\b", line) and not _ASSIGNED.search(line)
     ]
     assert reads == []
-    assert ("peft.tuners.lora.layer", "LoraLayer") in call_memo._UNREAD
+    assert ("peft.tuners.lora.layer", "LoraLayer") in call_signature._UNREAD
 
 
 # -- whole nodes ------------------------------------------------------------------------------
@@ -360,9 +366,12 @@ def _node_runs(head: object, function, arguments: tuple, times: int = 3) -> list
 
     def run():
         with meta_execution():
-            return _recorded(lambda: function(*args, **kwargs))
+            return recorded(lambda: function(*args, **kwargs))
 
-    return [meta.node_run(head, None, True, run, arguments) for _ in range(times)]
+    memo = meta.current_call_memo()
+    return [
+        call_memo.replay_or_run_node(memo, head, None, True, run, arguments) for _ in range(times)
+    ]
 
 
 def test_a_replayed_node_gives_the_value_metadata_and_record_of_a_run():

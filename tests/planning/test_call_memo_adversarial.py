@@ -1,10 +1,11 @@
 """Adversarial exactness tests of the call memo: real module patterns, each repeated at least
 three times with one call signature (the memo answers from the third call on).
 
-Every test splits the same step twice, with the memo and with it turned off (``call_memo.call``
-and ``call_memo.node_run`` always run), and checks that the two plans are the same (node facts,
-op records, generated stages, boundary) and that the memoised split reproduces eager bit for
-bit (``graphsplit.verify``). Where the step cannot be split, both must refuse it alike.
+Every test splits the same step twice, with the memo and with it turned off
+(``call_memo.replay_or_call_module`` and ``call_memo.replay_or_run_node`` always run), and
+checks that the two plans are the same (node facts, op records, generated stages, boundary)
+and that the memoised split reproduces eager bit for bit (``graphsplit.verify``). Where the
+step cannot be split, both must refuse it alike.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def _memoised_and_plain(monkeypatch, model: nn.Module, args: tuple) -> tuple[obj
         patch.setattr(call_memo.CallMemo, "__init__", counted)
         memoised = _split_or_error(model, args)
     with monkeypatch.context() as patch:
-        patch.setattr(call_memo, "call", lambda memo, module, run, args, kwargs: run())
-        patch.setattr(call_memo, "node_run", lambda memo, head, module, record, run, a: run())
+        patch.setattr(call_memo, "replay_or_call_module", lambda memo, module, call, a, k: call())
+        patch.setattr(call_memo, "replay_or_run_node", lambda memo, h, m, r, run, a: run())
         plain = _split_or_error(model, args)
     return memoised, plain, sum(memo.hits for memo in memos)
 

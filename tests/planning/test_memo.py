@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from graphsplit.planning.meta.analysis_view import META, analysis_view, meta_execution
-from graphsplit.planning.meta.interpreters import _recorded
+from graphsplit.planning.meta.op_recorder import recorded
 
 
 def _metadata(tensor: torch.Tensor) -> tuple:
@@ -76,8 +76,8 @@ def test_random_ops_are_recorded_every_time():
         return F.dropout(x, 0.5, training=True) + torch.randn_like(x)
 
     with analysis_view(nn.Module()), meta_execution():
-        _, first = _recorded(draws)
-        _, second = _recorded(draws)
+        _, first = recorded(draws)
+        _, second = recorded(draws)
     assert first == second
     assert sum(op.draws_random for op in first.ops) >= 2
 
@@ -92,7 +92,7 @@ def test_flops_match_flop_counter_mode():
         return F.scaled_dot_product_attention(q, q, q) @ torch.empty(5, 7)
 
     with analysis_view(model), meta_execution():
-        _, record = _recorded(step)
+        _, record = recorded(step)
         counter = FlopCounterMode(display=False)
         with counter:
             step()

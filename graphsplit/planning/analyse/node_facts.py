@@ -2,8 +2,8 @@
 
 Glossary:
     probe run: one run of the traced graph on meta tensors at one batch size
-        (:class:`~graphsplit.planning.meta.interpreters.ProbeInterpreter`). Two runs, at two batch
-        sizes, tell what follows the batch size.
+        (:class:`~graphsplit.planning.meta.probe_interpreter.ProbeInterpreter`). Two runs, at
+        two batch sizes, tell what follows the batch size.
     batch layout / batch dim: the one dim whose size follows the batch size holds one row per
         sample (``BatchLayout.PER_SAMPLE``, ``batch_dim`` that dim); values that do not change
         with it are ``CONSTANT`` (per-dataset constants); anything else is ``UNKNOWN``:
@@ -42,7 +42,8 @@ from graphsplit.artifacts import (
     Traced,
 )
 from graphsplit.errors import Fix, GraphsplitError, TraceError, user_error
-from graphsplit.planning.meta.interpreters import OP_RECORD, NodeMode, ProbeInterpreter
+from graphsplit.planning.meta.op_recorder import OP_RECORD
+from graphsplit.planning.meta.probe_interpreter import NodeMode, ProbeInterpreter
 from graphsplit.planning.rules.baked_sizes import fixed_number
 from graphsplit.planning.rules.mixing import mixing_of
 

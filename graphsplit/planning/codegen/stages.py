@@ -28,7 +28,7 @@ from graphsplit.planning.codegen.stage_passes import (
     finish_stage2,
     finish_stage2_module,
 )
-from graphsplit.planning.meta.interpreters import fetch
+from graphsplit.planning.meta.meta_interpreter import fetch
 from graphsplit.planning.rules.baked_sizes import bake_numbers
 from graphsplit.planning.rules.opaque_call import OPAQUE, OpaqueCall, is_opaque, recheck_shapes
 

@@ -36,8 +36,10 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 from graphsplit.planning.meta import call_memo
+from graphsplit.planning.meta.call_memo import CallMemo
 from graphsplit.planning.meta.op_memo import OpMemo
 from graphsplit.planning.patching.module_state import is_helper_object, restore_attributes
+from graphsplit.planning.patching.originals import PLAIN_VALUE_TYPES
 from graphsplit.planning.patching.traced_builtins import python_builtins_restored
 
 META = torch.device("meta")
@@ -115,16 +117,13 @@ def _devices_in(tree: Any) -> int:
         return found
     if isinstance(tree, torch.Tensor):
         return _ON_META if tree.device.type == "meta" else _ELSEWHERE
-    if kind in _ATOMS:
+    if kind in PLAIN_VALUE_TYPES:
         return 0
     found = 0
     for leaf in pytree.tree_leaves(tree):
         if isinstance(leaf, torch.Tensor):
             found |= _ON_META if leaf.device.type == "meta" else _ELSEWHERE
     return found
-
-
-_ATOMS = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.Size})
 
 
 # The fake mode of the analysis in progress (innermost last) and its op memo; see fake_mode().
@@ -147,26 +146,19 @@ def _fake_mode_and_memo() -> tuple[FakeTensorMode, OpMemo]:
     return mode, OpMemo(mode)
 
 
-def module_called(module: nn.Module, run: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
-    """``run()``, which calls ``module(*args, **kwargs)`` on meta, or the analysis's memoised
-    answer (:mod:`graphsplit.planning.meta.call_memo`); outside an analysis, ``run()``."""
-    if not _FAKE_MODES:
-        return run()
-    return call_memo.call(_FAKE_MODES[-1][1].calls, module, run, args, kwargs)
+def current_call_memo() -> CallMemo | None:
+    """The call memo of the analysis in progress (:mod:`graphsplit.planning.meta.call_memo`),
+    or None outside any analysis: a node's or module call's meta run is then run as it is."""
+    return _FAKE_MODES[-1][1].calls if _FAKE_MODES else None
 
 
-def node_run(
-    head: Any,
-    module: nn.Module | None,
-    record: bool,
-    run: Callable[[], tuple[Any, Any]],
-    arguments: tuple,
-) -> tuple[Any, Any]:
-    """``run()`` of one node on meta or the analysis's memoised answer
-    (:func:`graphsplit.planning.meta.call_memo.node_run`); outside an analysis, ``run()``."""
-    if not _FAKE_MODES:
-        return run()
-    return call_memo.node_run(_FAKE_MODES[-1][1].calls, head, module, record, run, arguments)
+def module_called(module: nn.Module, call: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
+    """``call()``, which calls ``module(*args, **kwargs)`` on meta, or the analysis's memoised
+    answer (:mod:`graphsplit.planning.meta.call_memo`); outside an analysis, ``call()``."""
+    memo = current_call_memo()
+    if memo is None:
+        return call()
+    return call_memo.replay_or_call_module(memo, module, call, args, kwargs)
 
 
 @contextlib.contextmanager

@@ -28,6 +28,10 @@ the analysis spends most of its time there. This mode sits just above the analys
 fake tensors of the recorded metadata, at a fraction of the cost. Results never leave one
 analysis (:class:`OpMemo` lives as long as its fake mode), so every ``split()`` pays its own
 first runs.
+
+Every op of a meta run passes this mode on its way to the fake mode, so it is also where an op
+that reads tensor values is told apart by type
+(:func:`~graphsplit.planning.meta.meta_failures.run_value_reading_op`).
 """
 
 from __future__ import annotations
@@ -39,20 +43,11 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphsplit.planning.meta.call_memo import CallMemo
+from graphsplit.planning.meta.meta_failures import reads_values, run_value_reading_op
+from graphsplit.planning.patching.originals import PLAIN_VALUE_TYPES
 
 _META = torch.device("meta")
 _DEVICE = torch.ops.prim.device.default  # the most frequent op: asked for first
-_SCALARS = (
-    int,
-    float,
-    bool,
-    str,
-    type(None),
-    torch.dtype,
-    torch.device,
-    torch.layout,
-    torch.memory_format,
-)
 _UNSAFE_TAGS = frozenset(
     {
         torch.Tag.nondeterministic_seeded,
@@ -70,19 +65,26 @@ _MEMOISABLE: dict[Any, bool] = {}
 def _memoisable(func: Any) -> bool:
     known = _MEMOISABLE.get(func)
     if known is None:
-        schema = func._schema
-        known = (
-            isinstance(func, torch._ops.OpOverload)
-            and not schema.is_mutable
-            and all(ret.alias_info is None for ret in schema.returns)
-            and all(ret.type.isSubtypeOf(torch._C.TensorType.get()) for ret in schema.returns)
-            and len(schema.returns) > 0
-            and not _UNSAFE_TAGS.intersection(func.tags)
-            and schema.name.split("::")[0] == "aten"
+        known = _MEMOISABLE[func] = (
+            _fresh_tensor_results(func)
+            and all(ret.alias_info is None for ret in func._schema.returns)
             and func not in _VIEWS_IN_DISGUISE
         )
-        _MEMOISABLE[func] = known
     return known
+
+
+def _fresh_tensor_results(func: Any) -> bool:
+    """What a memoisable op and a memoisable view share: an ATen overload that writes nothing,
+    returns tensors only, and is neither random nor data-dependent (:data:`_UNSAFE_TAGS`)."""
+    schema = func._schema
+    return (
+        isinstance(func, torch._ops.OpOverload)
+        and not schema.is_mutable
+        and len(schema.returns) > 0
+        and all(ret.type.isSubtypeOf(torch._C.TensorType.get()) for ret in schema.returns)
+        and not _UNSAFE_TAGS.intersection(func.tags)
+        and schema.name.split("::")[0] == "aten"
+    )
 
 
 def _impure(func: Any) -> bool:
@@ -136,18 +138,13 @@ def _memoisable_view(func: Any) -> bool:
     """A view of its first argument (``view``, ``t``, ``transpose``, ``expand``, ...)."""
     known = _MEMOISABLE_VIEW.get(func)
     if known is None:
-        schema = func._schema
-        known = (
+        known = _MEMOISABLE_VIEW[func] = (
             isinstance(func, torch._ops.OpOverload)
             and func.is_view
-            and not schema.is_mutable
-            and len(schema.returns) == 1
-            and schema.returns[0].type.isSubtypeOf(torch._C.TensorType.get())
-            and schema.arguments[0].alias_info is not None
-            and not _UNSAFE_TAGS.intersection(func.tags)
-            and schema.name.split("::")[0] == "aten"
+            and len(func._schema.returns) == 1
+            and func._schema.arguments[0].alias_info is not None
+            and _fresh_tensor_results(func)
         )
-        _MEMOISABLE_VIEW[func] = known
     return known
 
 
@@ -161,7 +158,7 @@ def _key_of(value: Any) -> Any:
     type first (a set lookup) and tensors read only what identifies their metadata.
     """
     kind = type(value)
-    if kind in _SCALAR_TYPES:
+    if kind in PLAIN_VALUE_TYPES:
         return (kind, value)
     if kind is tuple or kind is list:
         return (kind, tuple([_key_of(item) for item in value]))
@@ -176,14 +173,14 @@ def _key_of(value: Any) -> Any:
             value.stride(),
             value.storage_offset(),
         )
-    if isinstance(value, _SCALARS):
+    if isinstance(value, _PLAIN_VALUE_CLASSES):  # a subclass (an IntEnum): by type and value
         return (kind, value)
     if isinstance(value, (list, tuple)):
         return (kind, tuple(_key_of(item) for item in value))
     raise TypeError(f"no key for {kind.__name__}")
 
 
-_SCALAR_TYPES = frozenset(_SCALARS)
+_PLAIN_VALUE_CLASSES = tuple(PLAIN_VALUE_TYPES)
 
 
 class OpMemo(TorchDispatchMode):
@@ -292,6 +289,8 @@ class OpMemo(TorchDispatchMode):
         if not _memoisable(func):
             if _impure(func):
                 self.impure_ops += 1
+                if reads_values(func):  # a failure says so by its type (meta_failures.py)
+                    return run_value_reading_op(func, args, kwargs)
             elif func._schema.is_mutable:
                 self._note_writes(func, args, kwargs)
             return func(*args, **kwargs)

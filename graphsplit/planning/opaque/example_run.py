@@ -48,7 +48,8 @@ from graphsplit.errors import (
     user_error,
 )
 from graphsplit.planning.meta.analysis_view import to_meta
-from graphsplit.planning.meta.interpreters import OP_RECORD, fetch
+from graphsplit.planning.meta.meta_interpreter import fetch
+from graphsplit.planning.meta.op_recorder import OP_RECORD
 from graphsplit.planning.opaque.run_watch import WatchedRun, naming_site
 from graphsplit.planning.opaque.site_types import VALUE_FIX, OpaqueSite, ValueSite
 from graphsplit.planning.patching.patches import RANDOM_FILLS, RANDOM_FUNCTIONS

@@ -48,7 +48,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from graphsplit.errors import TraceError, user_error
-from graphsplit.planning.meta.interpreters import is_meta_run
+from graphsplit.planning.meta.meta_interpreter import is_meta_run
 from graphsplit.planning.opaque.example_run import ExampleRun
 from graphsplit.planning.opaque.site_types import VALUE_FIX, OpaqueSite
 from graphsplit.planning.rules.opaque_call import OPAQUE, is_opaque

@@ -3,9 +3,10 @@
 Glossary:
     write: a node that changed the values of one of its input tensors. The tracer sees it at
         the ATen level: the tensor's version counter moved while the node ran
-        (``node.meta["writes"]``, :mod:`graphsplit.planning.meta.interpreters`). This catches every
-        in-place op (``h.mul_(2)``, ``x[k] = v``, ``h += 1``, ``F.relu(h, inplace=True)``) and
-        modules that mutate their arguments, whatever their spelling.
+        (``node.meta["writes"]``, :mod:`graphsplit.planning.meta.tracing_interpreter`). This
+        catches every in-place op (``h.mul_(2)``, ``x[k] = v``, ``h += 1``,
+        ``F.relu(h, inplace=True)``) and modules that mutate their arguments, whatever their
+        spelling.
     aliases: graph values sharing the written tensor's memory (the tensor, its base, its
         views). Which node views which input is read once from the fake values the tracer
         computed (shared storage) and kept by argument position (:class:`_AliasMap`), so it
@@ -45,7 +46,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from graphsplit.errors import Fix, TraceError, user_error
 from graphsplit.planning.meta.analysis_view import meta_execution
-from graphsplit.planning.meta.interpreters import WRITES
+from graphsplit.planning.meta.tracing_interpreter import WRITES
 from graphsplit.runtime import functional_inplace, functional_setitem
 
 WRITE_A_COPY_FIX = Fix(

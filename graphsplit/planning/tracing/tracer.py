@@ -47,7 +47,7 @@ from torch import nn
 from graphsplit.artifacts import Guard, Traced
 from graphsplit.errors import TensorValueError, TraceError, user_error
 from graphsplit.planning.meta.analysis_view import module_called
-from graphsplit.planning.meta.interpreters import TracingInterpreter
+from graphsplit.planning.meta.tracing_interpreter import TracingInterpreter
 from graphsplit.planning.opaque.value_reads import NOT_ANSWERED, Read, answer
 from graphsplit.planning.patching.module_state import module_state_restored
 from graphsplit.planning.patching.patches import (

@@ -1,0 +1,109 @@
+"""What a failing op of a meta run becomes: a value read, told by its type, or a TraceError.
+
+Glossary:
+    value read: an op that needs a tensor's value, which a meta run does not have. Either its
+        result is a value (``aten._local_scalar_dense`` behind ``.item()``, ``.tolist()``,
+        ``bool()``, ``int()``; ``equal``, ``allclose``) or its output's shape depends on
+        values (``nonzero``, ``masked_select``, boolean-mask indexing, ``unique``,
+        ``repeat_interleave`` by a tensor). torch tags such ops ``data_dependent_output`` or
+        ``dynamic_output_shape`` (:func:`reads_values`).
+    where a value read is told: at the op, by type. On the analysis's fake tensors torch's fake
+        mode raises a typed exception there (:data:`VALUE_READ_FAILURES`), also for an op that
+        reads values inside its own decomposition (boolean-mask indexing runs ``nonzero``). On
+        a plain ``meta`` tensor, with the fake mode set aside (``unset_fake_temporarily``),
+        the op's meta kernel raises a plain ``RuntimeError`` instead; the op memo, which every
+        op of a meta run passes on its way to the fake mode, runs each value-reading op through
+        :func:`run_value_reading_op`, which raises the fake mode's typed exception for it.
+        No decision reads an error's message: a failure whose text says ``item()`` is no value
+        read unless its type says so.
+
+In: the op memo's value-reading ops; the exception of every node whose meta run failed.
+
+    reads_values(func) -> bool
+    run_value_reading_op(func, args, kwargs) -> Any   # a failure: one of VALUE_READ_FAILURES
+    meta_failure(node, exc) -> TraceError             # a TensorValueError for a value read
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+from graphsplit.errors import Fix, TensorValueError, TraceError, user_error
+
+# What torch raises at an op that needs a tensor's value: the fake mode for an op whose result
+# is a value, or whose output shape depends on values; a shape environment (none in the
+# analysis's fake mode, listed for a library that brings its own) for a branch on a value.
+VALUE_READ_FAILURES: tuple[type[Exception], ...] = (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    GuardOnDataDependentSymNode,
+)
+
+
+def reads_values(func: Any) -> bool:
+    """Whether the ATen op ``func`` needs its inputs' values (by its tags, once per op)."""
+    known = _READS_VALUES.get(func)
+    if known is None:
+        tags = getattr(func, "tags", ())
+        known = _READS_VALUES[func] = (
+            torch.Tag.data_dependent_output in tags or torch.Tag.dynamic_output_shape in tags
+        )
+    return known
+
+
+_READS_VALUES: dict[Any, bool] = {}
+
+
+def run_value_reading_op(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)`` for an op that :func:`reads_values`; failing, it raises what
+    the fake mode raises for it, also where the fake mode was set aside and the op's meta
+    kernel refused a plain meta tensor with a ``RuntimeError`` of its own."""
+    try:
+        return func(*args, **kwargs)
+    except VALUE_READ_FAILURES:
+        raise
+    except RuntimeError as exc:
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+            raise  # the fake mode ran it: any value read would have been typed
+        if torch.Tag.data_dependent_output in func.tags:
+            raise DataDependentOutputException(func) from exc
+        raise DynamicOutputShapeException(func) from exc
+
+
+def meta_failure(node: fx.Node, exc: Exception) -> TraceError:
+    """The error for ``node``, whose meta run raised ``exc``: a :class:`TensorValueError` when
+    ``exc`` is a value read (:data:`VALUE_READ_FAILURES`; the planning may retry the code
+    around it as one opaque step), else a :class:`TraceError` with the usual cause spelled out.
+    """
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, VALUE_READ_FAILURES):
+        error = user_error(
+            TensorValueError,
+            f"The step reads the value of a tensor ({message}); graphsplit decides the split "
+            "without real data, so values cannot steer the step.",
+            node=node,
+            fix=Fix(
+                "replace .item()/.tolist()/nonzero-style code with tensor ops (torch.where, "
+                "masking), or move it into the data pipeline"
+            ),
+        )
+        source, code = node.meta.get("source"), node.meta.get("source_code")
+        error.read_at = f"{source}  {code}" if source and code else source  # the user's line
+        return error
+    return user_error(
+        TraceError,
+        f"Running this operation on meta tensors failed: {type(exc).__name__}: {message}",
+        node=node,
+        fix=Fix(
+            "make the step device-agnostic (take devices from input tensors, avoid .cpu()/"
+            ".numpy()); if the failure is inside a library module, report it with this message"
+        ),
+    )
