@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from graphsplit.caching.format.fingerprint import batch_input_digests
-from graphsplit.caching.format.layout import read_manifest
 from graphsplit.caching.read.dataset import CachedDataset, collate
 from graphsplit.caching.store import files
+from graphsplit.caching.store.record_files import read_manifest
 from graphsplit.caching.write.cache_run import cache
 from graphsplit.caching.write.shards import ShardWriter
 from graphsplit.errors import CacheError

@@ -4,18 +4,17 @@ Glossary:
     problem: one damaged file of a cache (missing, another size, another checksum, tensors other
         than the manifest lists) and the samples it holds; the other files still read.
     tensor problem: a shard whose safetensors header names other tensors, shapes or dtypes
-        than the manifest's rows (read from the header alone, no tensor data).
+        than the manifest's rows (read from the header alone, no tensor data; compared by
+        :func:`~graphsplit.caching.format.shard_header.shard_tensors_problem`).
 
 In and out::
 
     check_cache(path) -> CacheReport                     # every checksum, size and tensor header
     file_problem(folder, record, *, checksum) -> str | None
-    shard_tensors_problem(handle, record, manifest) -> str | None
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,13 +29,12 @@ from graphsplit.caching.format.layout import (
     FileRecord,
     Manifest,
     ShardRecord,
-    read_manifest,
-    tensor_name,
 )
-from graphsplit.caching.format.memory_order import row_order
+from graphsplit.caching.format.shard_header import shard_tensors_problem
 from graphsplit.caching.store import files
 from graphsplit.caching.store.durability import restart_cause
 from graphsplit.caching.store.ranged import RangedShard
+from graphsplit.caching.store.record_files import read_manifest
 from graphsplit.caching.store.remote import RemotePath, location
 from graphsplit.errors import CacheError, ManifestError, Remedy, StorageError, UnsafeFileError
 from graphsplit.units import some_keys
@@ -48,10 +46,7 @@ __all__ = [
     "file_problem",
     "open_problem",
     "open_shard",
-    "shard_tensors_problem",
 ]
-
-_SAFETENSORS_DTYPES = {code: dtype for dtype, code in files.SAFETENSORS_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -180,45 +175,6 @@ def open_problem(
     except Exception as error:  # safetensors raises its own error types
         return None, f"safetensors cannot open it ({error})"
     return handle, shard_tensors_problem(handle, record, manifest)
-
-
-def shard_tensors_problem(handle: Any, record: ShardRecord, manifest: Manifest) -> str | None:
-    """Whether a shard's tensors are exactly the rows the manifest lists, in their shapes."""
-    header = manifest.header
-    specs = header.sample_specs
-    expected = {}
-    for row, (shapes, orders) in enumerate(zip(record.shapes, record.row_orders)):
-        for spec, shape, order in zip(specs, shapes, orders):
-            if order is not None:  # stored in memory order
-                assert spec.batch_dim is not None
-                shape = tuple(shape[d] for d in row_order(order, spec.batch_dim))
-            expected[tensor_name(row, spec.name)] = (shape, header.stored_dtype(spec))
-    names = set(handle.keys())
-    if names != set(expected):
-        unexpected = sorted(names - set(expected))
-        absent = sorted(set(expected) - names)
-        return (
-            f"its tensors differ from the manifest's (absent: {absent[:3]}, "
-            f"extra: {unexpected[:3]})"
-        )
-    for name, (shape, dtype) in expected.items():
-        tensor = handle.get_slice(name)
-        found_dtype = _SAFETENSORS_DTYPES.get(tensor.get_dtype())
-        if tuple(tensor.get_shape()) != shape or found_dtype != dtype:
-            return (
-                f"tensor {name!r} is {tensor.get_dtype()} {tuple(tensor.get_shape())}, the "
-                f"manifest records {dtype} {shape}"
-            )
-    try:
-        embedded = json.loads((handle.metadata() or {}).get("graphsplit_keys", "null"))
-    except ValueError:
-        embedded = None
-    if embedded != list(record.keys):
-        return (
-            "the sample keys written inside it differ from the manifest's (a shard of another "
-            "cache, or of another place in this one)"
-        )
-    return None
 
 
 def open_shard(path: Path | RemotePath, size: int) -> Any:

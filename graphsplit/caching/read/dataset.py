@@ -44,13 +44,14 @@ from graphsplit.caching.format.fingerprint import (
     item_input_digest,
     warn_about_versions,
 )
-from graphsplit.caching.format.layout import CONSTANTS_FILE, Manifest, read_manifest, tensor_name
+from graphsplit.caching.format.layout import CONSTANTS_FILE, Manifest, tensor_name
 from graphsplit.caching.format.memory_order import Order, inverse, row_order
 from graphsplit.caching.loader.samples import describe_changes
 from graphsplit.caching.read.check import file_problem, open_problem, open_shard
 from graphsplit.caching.store.durability import restart_cause, restarted_since
 from graphsplit.caching.store.mapped import open_mapped
 from graphsplit.caching.store.read_through import LocalCopies
+from graphsplit.caching.store.record_files import read_manifest
 from graphsplit.caching.store.remote import RemotePath, location
 from graphsplit.errors import CacheError, CorruptCacheError, Remedy, StaleCacheError, StorageError
 from graphsplit.units import some_keys

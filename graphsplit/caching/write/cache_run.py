@@ -43,14 +43,16 @@ from graphsplit.caching.format.layout import (
     Manifest,
     ShardProgress,
     ShardRecord,
-    read_constants_progress,
-    read_shard_progress,
-    write_manifest,
 )
 from graphsplit.caching.loader.batches import BatchSource, source_for
 from graphsplit.caching.store import files
 from graphsplit.caching.store.durability import unsynced_record
 from graphsplit.caching.store.lock import FolderLock
+from graphsplit.caching.store.record_files import (
+    read_constants_progress,
+    read_shard_progress,
+    write_manifest,
+)
 from graphsplit.caching.store.remote import RemotePath, location, make_folder
 from graphsplit.caching.store.remote_lock import RemoteLock
 from graphsplit.caching.write.folder_decision import Decision, decide, remove_progress

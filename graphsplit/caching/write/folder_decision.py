@@ -50,6 +50,12 @@ from graphsplit.caching.format.layout import (
     Manifest,
     ShardLayout,
     ShardProgress,
+)
+from graphsplit.caching.loader.batches import BatchSource
+from graphsplit.caching.loader.samples import SampleChanges, loader_samples, merge, record_samples
+from graphsplit.caching.store import files
+from graphsplit.caching.store.durability import restarted_since
+from graphsplit.caching.store.record_files import (
     read_constants_progress,
     read_manifest,
     read_resume_header,
@@ -57,10 +63,6 @@ from graphsplit.caching.format.layout import (
     write_manifest,
     write_resume_header,
 )
-from graphsplit.caching.loader.batches import BatchSource
-from graphsplit.caching.loader.samples import SampleChanges, loader_samples, merge, record_samples
-from graphsplit.caching.store import files
-from graphsplit.caching.store.durability import restarted_since
 from graphsplit.errors import (
     CacheError,
     CorruptCacheError,
