@@ -25,7 +25,8 @@ cache is written and read:
 """
 
 from graphsplit.caching.read.check import CacheReport, check_cache
-from graphsplit.caching.read.dataset import CachedDataset, collate, verify_inputs
+from graphsplit.caching.read.collation import collate
+from graphsplit.caching.read.dataset import CachedDataset, verify_inputs
 from graphsplit.caching.write.cache_run import CacheInfo, cache
 
 __all__ = [

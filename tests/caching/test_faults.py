@@ -160,7 +160,7 @@ def test_a_symlinked_manifest_is_refused_by_every_reader(path, tmp_path, target,
     outside = outside_copy(tmp_path, manifest) if target == "outside" else Path(target)
     manifest.unlink()
     manifest.symlink_to(outside)
-    message = r"(?s)manifest.json is a symlink.*fix: delete"
+    message = r"(?s)manifest.json is a symlink.*fix:    delete"
     with pytest.raises(ManifestError, match=message):
         CachedDataset(path)
     assert "is a symlink" in str(check_cache(path))
@@ -201,7 +201,7 @@ def test_a_symlinked_partial_folder_is_refused_and_left_alone(split, tmp_path):
     folder = tmp_path / "cache"
     folder.mkdir()
     (folder / ".partial").symlink_to(elsewhere)
-    with pytest.raises(UnsafeFileError, match=r"(?s)\.partial is a symlink.*fix: delete"):
+    with pytest.raises(UnsafeFileError, match=r"(?s)\.partial is a symlink.*fix:    delete"):
         cache(split, loader(), folder, progress=False)
     assert sorted(p.name for p in elsewhere.iterdir()) == [".x.tmp", "header.json"]
 

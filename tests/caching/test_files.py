@@ -11,7 +11,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 
-from graphsplit.caching.store import files
+from graphsplit.caching.store import files, regular_files
 from graphsplit.errors import CacheError, DiskFullError
 
 
@@ -30,12 +30,12 @@ def test_commit_file_renames_and_reports_size_and_checksum(tmp_path):
     size, sha = files.commit_file(temporary, tmp_path / "shard.bin")
     assert (size, sha) == (4, f"xxh3:{xxhash.xxh3_64_hexdigest(b'rows')}")
     assert not temporary.exists()
-    assert files.file_matches(tmp_path / "shard.bin", size=4, checksum=sha)
-    assert not files.file_matches(tmp_path / "shard.bin", size=5, checksum=sha)
-    assert not files.file_matches(tmp_path / "missing.bin", size=4, checksum=sha)
+    assert regular_files.file_matches(tmp_path / "shard.bin", size=4, checksum=sha)
+    assert not regular_files.file_matches(tmp_path / "shard.bin", size=5, checksum=sha)
+    assert not regular_files.file_matches(tmp_path / "missing.bin", size=4, checksum=sha)
     old = "sha256:" + hashlib.sha256(b"rows").hexdigest()  # as format-1 caches recorded it
-    assert files.file_matches(tmp_path / "shard.bin", size=4, checksum=old)
-    assert not files.file_matches(tmp_path / "shard.bin", size=4, checksum=old[:-1] + "0")
+    assert regular_files.file_matches(tmp_path / "shard.bin", size=4, checksum=old)
+    assert not regular_files.file_matches(tmp_path / "shard.bin", size=4, checksum=old[:-1] + "0")
 
 
 def test_remove_temporary_files_keeps_everything_else(tmp_path):
@@ -88,7 +88,7 @@ def test_save_tensors_writes_what_safetensors_reads(tmp_path):
         assert sorted(handle.keys()) == sorted(tensors)
         for name, value in tensors.items():
             assert torch.equal(handle.get_tensor(name), value)
-    assert size == path.stat().st_size and sha == computed == files.checksum_file(path)
+    assert size == path.stat().st_size and sha == computed == regular_files.checksum_file(path)
     assert sha == f"xxh3:{xxhash.xxh3_64_hexdigest(path.read_bytes())}"  # from memory, as on disk
 
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphsplit.caching.format.fingerprint import batch_input_digests
-from graphsplit.caching.read.dataset import CachedDataset, collate
+from graphsplit.caching.format.input_digests import batch_input_digests
+from graphsplit.caching.read.collation import collate
+from graphsplit.caching.read.dataset import CachedDataset
 from graphsplit.caching.store import files
 from graphsplit.caching.store.record_files import read_manifest
 from graphsplit.caching.write.cache_run import cache
@@ -126,9 +127,9 @@ def test_float16_overflow_is_refused(tmp_path):
     from graphsplit.errors import Remedy, Wording, speaking
 
     assert caught.value.remedy is Remedy.STORE_BFLOAT16  # decided by type, never by text
-    assert "fix: use storage_dtype=torch.bfloat16" in str(caught.value)
+    assert "fix:    use storage_dtype=torch.bfloat16" in str(caught.value)
     with speaking(Wording.CLI):
-        assert "fix: use --storage-dtype bfloat16" in str(caught.value)
+        assert "fix:    use --storage-dtype bfloat16" in str(caught.value)
 
 
 def test_duplicate_keys_are_refused(split, tmp_path):

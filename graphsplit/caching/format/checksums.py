@@ -30,7 +30,7 @@ import re
 import zlib
 from typing import Any
 
-from graphsplit.errors import CacheError
+from graphsplit.errors import CacheError, Fix, user_error
 
 try:
     import xxhash
@@ -52,9 +52,11 @@ class Running:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown checksum algorithm {algorithm!r}")
         if algorithm == "xxh3" and xxhash is None:
-            raise CacheError(
+            raise user_error(
+                CacheError,
                 "this cache's files carry xxh3 checksums, and the xxhash package that computes "
-                "them is not installed.\n  fix: pip install xxhash (graphsplit depends on it)"
+                "them is not installed.",
+                fix=Fix("pip install xxhash (graphsplit depends on it)"),
             )
         self.algorithm = algorithm
         self._crc = 0

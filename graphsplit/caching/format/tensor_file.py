@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from graphsplit.errors import CacheError
+from graphsplit.errors import CacheError, Fix, user_error
 
 __all__ = [
     "DTYPES_BY_CODE",
@@ -77,10 +77,13 @@ def safetensors_dtype(dtype: torch.dtype, name: str) -> str:
     """The safetensors name of ``dtype`` (``"F32"``), or a CacheError naming the tensor."""
     code = SAFETENSORS_DTYPES.get(dtype)
     if code is None:
-        raise CacheError(
-            f"the boundary tensor {name!r} is {dtype}, which the safetensors format cannot "
-            f"store.\n  fix: cast it in the training step to one of "
-            f"{sorted(str(d).removeprefix('torch.') for d in SAFETENSORS_DTYPES)}"
+        raise user_error(
+            CacheError,
+            f"the boundary tensor {name!r} is {dtype}, which the safetensors format cannot store.",
+            fix=Fix(
+                "cast it in the training step to one of "
+                f"{sorted(str(d).removeprefix('torch.') for d in SAFETENSORS_DTYPES)}"
+            ),
         )
     return code
 

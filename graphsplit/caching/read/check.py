@@ -31,12 +31,19 @@ from graphsplit.caching.format.layout import (
     ShardRecord,
 )
 from graphsplit.caching.format.shard_header import shard_tensors_problem
-from graphsplit.caching.store import files
+from graphsplit.caching.store import regular_files
 from graphsplit.caching.store.durability import restart_cause
 from graphsplit.caching.store.ranged import RangedShard
 from graphsplit.caching.store.record_files import read_manifest
 from graphsplit.caching.store.remote import RemotePath, location
-from graphsplit.errors import CacheError, ManifestError, Remedy, StorageError, UnsafeFileError
+from graphsplit.errors import (
+    CacheError,
+    GraphsplitError,
+    ManifestError,
+    Remedy,
+    StorageError,
+    UnsafeFileError,
+)
 from graphsplit.units import some_keys
 
 __all__ = [
@@ -145,17 +152,17 @@ def file_problem(folder: Path | RemotePath, record: FileRecord, *, checksum: boo
     checksum), or None."""
     path = folder / record.file
     try:
-        size = files.regular_size(path)
+        size = regular_files.regular_size(path)
         if size is None:
             return "the file is missing"
         if size != record.bytes:
             return f"it has {size:,} bytes, the manifest records {record.bytes:,}"
         if checksum:
             algorithm = algorithm_of(record.checksum)
-            if files.checksum_file(path, algorithm) != record.checksum:
+            if regular_files.checksum_file(path, algorithm) != record.checksum:
                 return f"its {algorithm} checksum differs from the manifest's (the bytes changed)"
     except UnsafeFileError as error:
-        return "it " + str(error).split(";")[0].removeprefix(f"{path} ")
+        return "it " + _first_clause(error).removeprefix(f"{path} ")
     except OSError as error:
         return f"the file cannot be read ({error.strerror or error})"
     return None
@@ -171,7 +178,7 @@ def open_problem(
     except StorageError:
         raise
     except (UnsafeFileError, CacheError) as error:
-        return None, str(error).split(";")[0]
+        return None, _first_clause(error)
     except Exception as error:  # safetensors raises its own error types
         return None, f"safetensors cannot open it ({error})"
     return handle, shard_tensors_problem(handle, record, manifest)
@@ -181,7 +188,7 @@ def open_shard(path: Path | RemotePath, size: int) -> Any:
     """A safetensors handle of a shard: ``safe_open`` on a local file, ranged on a remote one."""
     if isinstance(path, RemotePath):
         return RangedShard(path, size)
-    with files.pinned(path) as name:
+    with regular_files.pinned(path) as name:
         return safe_open(name, framework="pt", device="cpu")
 
 
@@ -198,3 +205,9 @@ def _constants_problem(folder: Path | RemotePath, manifest: Manifest) -> str | N
     except Exception as error:
         return f"safetensors cannot open it ({error})"
     return None
+
+
+def _first_clause(error: GraphsplitError) -> str:
+    """What went wrong, in the words of the error's reason up to its first ";" (a problem
+    names the file; the fix is said once, by the report)."""
+    return (error.reason or str(error)).split(";")[0]

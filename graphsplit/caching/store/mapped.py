@@ -31,7 +31,7 @@ from safetensors import safe_open
 from graphsplit.caching.format.layout import Manifest, ShardRecord
 from graphsplit.caching.format.shard_header import shard_tensors_problem
 from graphsplit.caching.format.tensor_file import TensorPlace, layout
-from graphsplit.caching.store import files
+from graphsplit.caching.store import regular_files
 from graphsplit.errors import UnsafeFileError
 
 __all__ = ["MappedShard", "open_mapped"]
@@ -60,11 +60,11 @@ def open_mapped(
     """Map a shard that :func:`~graphsplit.caching.read.check.file_problem` passed, after
     safetensors checked its header against the manifest: the shard, or a problem."""
     try:
-        with files.pinned_map(folder / record.file) as (name, mapped):
+        with regular_files.pinned_map(folder / record.file) as (name, mapped):
             handle = safe_open(name, framework="pt", device="cpu")
             problem = shard_tensors_problem(handle, record, manifest)
     except UnsafeFileError as error:
-        return None, str(error).split(";")[0]
+        return None, (error.reason or str(error)).split(";")[0]
     except Exception as error:  # safetensors raises its own error types; mmap a ValueError
         return None, f"safetensors cannot open it ({error})"
     if problem is not None:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from graphsplit.caching.format.checksums import algorithm_of
 from graphsplit.caching.format.layout import FileRecord
-from graphsplit.caching.store import files, remote
+from graphsplit.caching.store import files, regular_files, remote
 from graphsplit.caching.store.remote import RemotePath
 
 __all__ = ["LocalCopies"]
@@ -50,8 +50,8 @@ class LocalCopies:
         """Make ``folder/record.file`` a verified copy of the remote file; a problem if the
         remote file is missing or damaged (the local copy is then left as it was)."""
         local = self.folder / record.file
-        if files.regular_size(local) == record.bytes and (
-            not verify or files.checksum_file(local) == record.checksum
+        if regular_files.regular_size(local) == record.bytes and (
+            not verify or regular_files.checksum_file(local) == record.checksum
         ):
             return None
         source = self.url / record.file
@@ -63,7 +63,10 @@ class LocalCopies:
         try:
             with files.no_room(self.folder, record.file, record.bytes):
                 remote.download(source, temporary)
-            if files.checksum_file(temporary, algorithm_of(record.checksum)) != record.checksum:
+            if (
+                regular_files.checksum_file(temporary, algorithm_of(record.checksum))
+                != record.checksum
+            ):
                 return f"the copy downloaded from {source} has another checksum (the bytes changed)"
             os.replace(temporary, local)
         finally:

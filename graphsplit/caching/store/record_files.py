@@ -53,7 +53,8 @@ from graphsplit.caching.format.record_documents import (
     shard_progress_from,
 )
 from graphsplit.caching.format.records import DAMAGED, REBUILD, JsonReader
-from graphsplit.caching.store.files import exists, read_regular, real_folder, write_atomically
+from graphsplit.caching.store.files import real_folder, write_atomically
+from graphsplit.caching.store.regular_files import exists, read_regular
 from graphsplit.errors import Fix, ManifestError, Remedy, UnsafeFileError, user_error
 
 __all__ = [

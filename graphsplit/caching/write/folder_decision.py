@@ -51,9 +51,9 @@ from graphsplit.caching.format.layout import (
     ShardLayout,
     ShardProgress,
 )
-from graphsplit.caching.loader.batches import BatchSource
+from graphsplit.caching.loader.batches import BatchSource, empty_loader_error
 from graphsplit.caching.loader.samples import SampleChanges, loader_samples, merge, record_samples
-from graphsplit.caching.store import files
+from graphsplit.caching.store import files, regular_files
 from graphsplit.caching.store.durability import restarted_since
 from graphsplit.caching.store.record_files import (
     read_constants_progress,
@@ -66,10 +66,12 @@ from graphsplit.caching.store.record_files import (
 from graphsplit.errors import (
     CacheError,
     CorruptCacheError,
+    Fix,
     ManifestError,
     Remedy,
     StaleCacheError,
     TornFileError,
+    user_error,
 )
 from graphsplit.units import human_bytes
 
@@ -108,8 +110,8 @@ def decide(
     """
     files.remove_temporary_files(folder, folder / PARTIAL_DIR)
     if source.num_batches == 0:
-        raise CacheError("the loader yielded no batches; there is nothing to cache")
-    if files.exists(folder / MANIFEST_FILE):
+        raise empty_loader_error()
+    if regular_files.exists(folder / MANIFEST_FILE):
         complete = _complete_cache(folder, split, source, current, storage_dtype, overwrite)
         if complete is not None:
             return Decision(header=complete.header, complete=complete)
@@ -141,21 +143,27 @@ def _complete_cache(
     current = in_terms_of(current, manifest.header.fingerprint, split)
     reasons = _header_differences(manifest.header, current, storage)
     if reasons and not overwrite:
-        raise StaleCacheError(
-            f"the folder {folder} holds a graphsplit cache made differently: {reasons}.\n"
-            "  fix: pass {remedy} to replace it, or choose another path",
-            remedy=Remedy.OVERWRITE,
+        raise user_error(
+            StaleCacheError,
+            f"the folder {folder} holds a graphsplit cache made differently: {reasons}.",
+            fix=Fix(
+                "pass {remedy} to replace it, or choose another path",
+                Remedy.OVERWRITE,
+            ),
         )
     if overwrite:
         _remove_cache_files(folder)
         return None
     warn_about_versions(manifest.header.fingerprint, current, folder, stacklevel=6)
     if source.num_samples is not None and source.num_samples != manifest.num_samples:
-        raise StaleCacheError(
+        raise user_error(
+            StaleCacheError,
             f"the cache at {folder} holds {manifest.num_samples} samples but the loader yields "
-            f"{source.num_samples}: samples were added or removed since it was written.\n"
-            "  fix: pass {remedy} to rebuild it",
-            remedy=Remedy.OVERWRITE,
+            f"{source.num_samples}: samples were added or removed since it was written.",
+            fix=Fix(
+                "pass {remedy} to rebuild it",
+                Remedy.OVERWRITE,
+            ),
         )
     _check_files_present(folder, manifest)
     if restarted_since(manifest):
@@ -167,10 +175,14 @@ def _complete_cache(
         (row for shard in sorted(now) for row in now[shard]),
     )
     if not changes.empty:
-        raise StaleCacheError(
+        raise user_error(
+            StaleCacheError,
             f"the cache at {folder} was made from other data than the loader yields now: "
-            f"{changes}.\n  fix: pass {{remedy}} to rebuild it, or choose another path",
-            remedy=Remedy.OVERWRITE,
+            f"{changes}.",
+            fix=Fix(
+                "pass {remedy} to rebuild it, or choose another path",
+                Remedy.OVERWRITE,
+            ),
         )
     remove_progress(folder)  # left over if a run stopped right after writing the manifest
     return manifest
@@ -211,11 +223,13 @@ def _resumable_header(
     if overwrite:
         _remove_cache_files(folder)
         return None
-    raise StaleCacheError(
-        f"the folder {folder} holds an unfinished cache started differently: {described}.\n"
-        "  fix: rerun with the same split and options to finish it, or pass {remedy} "
-        "to discard it",
-        remedy=Remedy.OVERWRITE,
+    raise user_error(
+        StaleCacheError,
+        f"the folder {folder} holds an unfinished cache started differently: {described}.",
+        fix=Fix(
+            "rerun with the same split and options to finish it, or pass {remedy} to discard it",
+            Remedy.OVERWRITE,
+        ),
     )
 
 
@@ -272,7 +286,9 @@ def _finished_shards(folder: Path, header: CacheHeader) -> dict[int, ShardProgre
 
     def intact(progress: ShardProgress) -> bool:
         record = progress.shard
-        return files.file_matches(folder / record.file, size=record.bytes, checksum=record.checksum)
+        return regular_files.file_matches(
+            folder / record.file, size=record.bytes, checksum=record.checksum
+        )
 
     with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:  # hashing releases the GIL
         verdicts = list(pool.map(intact, [progress for _, progress in candidates]))
@@ -280,7 +296,7 @@ def _finished_shards(folder: Path, header: CacheHeader) -> dict[int, ShardProgre
     if header.constant_specs and 0 in finished:
         constants = read_constants_progress(folder, header)
         record = constants and constants.constants
-        if not record or not files.file_matches(
+        if not record or not regular_files.file_matches(
             folder / CONSTANTS_FILE, size=record.bytes, checksum=record.checksum
         ):
             del finished[0]  # shard 0's first batch also writes the constants: redo it
@@ -306,12 +322,15 @@ def _same_samples(
         if not change.empty:
             changes[shard] = change
     if changes and not overwrite:
-        raise StaleCacheError(
-            f"the unfinished cache at {folder} was started from other data than the loader "
-            f"yields now: {merge(changes)}, in finished shard(s) {sorted(changes)}.\n  fix: rerun "
-            "with the data the run started with, or pass {remedy} to redo the changed "
-            "shards",
-            remedy=Remedy.OVERWRITE,
+        raise user_error(
+            StaleCacheError,
+            f"the unfinished cache at {folder} was started from other data than the loader yields "
+            f"now: {merge(changes)}, in finished shard(s) {sorted(changes)}.",
+            fix=Fix(
+                "rerun with the data the run started with, or pass {remedy} to redo the changed "
+                "shards",
+                Remedy.OVERWRITE,
+            ),
         )
     return {shard: progress for shard, progress in finished.items() if shard not in changes}
 
@@ -331,11 +350,12 @@ def _check_disk_space(
             spec.dtype.is_floating_point and spec.dtype.itemsize > 2 for spec in header.sample_specs
         ):
             hint = f", or store in lower precision ({Remedy.STORE_BFLOAT16.words()})"
-        raise CacheError(
+        raise user_error(
+            CacheError,
             f"not enough disk space for the cache at {folder}: it needs about "
             f"{human_bytes(needed)} ({remaining} samples x {human_bytes(per_sample)}) but only "
-            f"{human_bytes(free)} are free there.\n"
-            f"  fix: free some space or choose another path{hint}"
+            f"{human_bytes(free)} are free there.",
+            fix=Fix(f"free some space or choose another path{hint}"),
         )
 
 
@@ -350,13 +370,16 @@ def _stored_bytes_per_sample(header: CacheHeader) -> int:
 def _check_files_present(folder: Path, manifest: Manifest) -> None:
     records = [*manifest.shards, *([manifest.constants] if manifest.constants else [])]
     for record in records:
-        size = files.regular_size(folder / record.file)
+        size = regular_files.regular_size(folder / record.file)
         if size != record.bytes:
             state = "is missing" if size is None else f"has {size} bytes, not {record.bytes}"
-            raise CorruptCacheError(
-                f"the cache at {folder} is damaged: {record.file} {state}.\n  fix: run "
-                "graphsplit.check_cache(path) for details, or rebuild it with {remedy}",
-                remedy=Remedy.OVERWRITE,
+            raise user_error(
+                CorruptCacheError,
+                f"the cache at {folder} is damaged: {record.file} {state}.",
+                fix=Fix(
+                    "run graphsplit.check_cache(path) for details, or rebuild it with {remedy}",
+                    Remedy.OVERWRITE,
+                ),
             )
 
 
@@ -373,18 +396,23 @@ def _verified_after_restart(folder: Path, manifest: Manifest) -> Manifest:
     records = [*manifest.shards, *([manifest.constants] if manifest.constants else [])]
 
     def intact(record: Any) -> bool:
-        return files.file_matches(folder / record.file, size=record.bytes, checksum=record.checksum)
+        return regular_files.file_matches(
+            folder / record.file, size=record.bytes, checksum=record.checksum
+        )
 
     with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:  # hashing releases the GIL
         damaged = [record.file for record, ok in zip(records, pool.map(intact, records)) if not ok]
     if damaged:
-        raise CorruptCacheError(
-            f"the cache at {folder} was written with durable=False (without fsync) and the "
-            f"machine has restarted since; {len(damaged)} of its files no longer match their "
-            f"checksums ({', '.join(damaged[:5])}): the restart lost bytes that were not yet "
-            "on the disk.\n  fix: rebuild it with {remedy} (pass durable=True for a cache "
-            "that survives a power cut)",
-            remedy=Remedy.OVERWRITE,
+        raise user_error(
+            CorruptCacheError,
+            f"the cache at {folder} was written with durable=False (without fsync) and the machine "
+            f"has restarted since; {len(damaged)} of its files no longer match their checksums "
+            f"({', '.join(damaged[:5])}): the restart lost bytes that were not yet on the disk.",
+            fix=Fix(
+                "rebuild it with {remedy} (pass durable=True for a cache that survives a power "
+                "cut)",
+                Remedy.OVERWRITE,
+            ),
         )
     for record in records:
         files.fsync_file(folder / record.file)

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from graphsplit.caching.format.fingerprint import batch_input_digests
+from graphsplit.caching.format.input_digests import batch_input_digests
 from graphsplit.caching.format.layout import (
     CONSTANTS_FILE,
     CONSTANTS_PROGRESS_FILE,
@@ -55,7 +55,7 @@ from graphsplit.caching.format.tensor_file import TensorBytes, rows_of
 from graphsplit.caching.loader.batches import BatchSource, as_mapping, batch_keys
 from graphsplit.caching.store import files
 from graphsplit.caching.write.processes import Processes
-from graphsplit.errors import CacheError, Remedy
+from graphsplit.errors import CacheError, Fix, Remedy, user_error
 from graphsplit.units import human_bytes
 
 __all__ = ["PendingShard", "ShardWriter", "write_shards"]
@@ -283,23 +283,30 @@ def _run_stage1(
         outputs = split.stage1(**inputs)
     if not isinstance(outputs, Mapping) or set(outputs) != set(split.boundary):
         found = sorted(outputs) if isinstance(outputs, Mapping) else type(outputs).__name__
-        raise CacheError(
-            f"stage 1 returned {found}; the boundary is {list(split.boundary)}.\n"
-            "  fix: pass the split whose stage 1 produced this boundary"
+        raise user_error(
+            CacheError,
+            f"stage 1 returned {found}; the boundary is {list(split.boundary)}.",
+            fix=Fix("pass the split whose stage 1 produced this boundary"),
         )
     for name, spec in split.boundary.items():
         value = outputs[name]
         if not isinstance(value, torch.Tensor):
-            raise CacheError(
-                f"stage 1 returned a {type(value).__name__} for {name!r}, not a tensor"
+            raise user_error(
+                CacheError,
+                f"stage 1 returned a {type(value).__name__} for {name!r}, not a tensor",
+                fix=Fix("pass the split whose stage 1 produced this boundary"),
             )
         if spec.batch_dim is not None and (
             value.dim() <= spec.batch_dim or value.shape[spec.batch_dim] != size
         ):
-            raise CacheError(
+            raise user_error(
+                CacheError,
                 f"stage 1 returned {name!r} with shape {tuple(value.shape)}, whose batch dim "
-                f"{spec.batch_dim} should hold the batch's {size} samples.\n  fix: batch every "
-                "input along dim 0 (as a DataLoader does), with one 'key' per sample"
+                f"{spec.batch_dim} should hold the batch's {size} samples.",
+                fix=Fix(
+                    "batch every input along dim 0 (as a DataLoader does), with one 'key' per "
+                    "sample"
+                ),
             )
     return dict(outputs)
 
@@ -327,10 +334,13 @@ def _cast(value: torch.Tensor, dtype: torch.dtype, name: str) -> tuple[torch.Ten
     finite = torch.isfinite(value)
     if not bool(torch.isfinite(back)[finite].all()):
         largest = float(value[finite].abs().max())
-        raise CacheError(
-            f"{name!r} holds values up to {largest:.4g}, beyond the range of {dtype}.\n"
-            "  fix: use {remedy} (same range as float32), or store losslessly",
-            remedy=Remedy.STORE_BFLOAT16,
+        raise user_error(
+            CacheError,
+            f"{name!r} holds values up to {largest:.4g}, beyond the range of {dtype}.",
+            fix=Fix(
+                "use {remedy} (same range as float32), or store losslessly",
+                Remedy.STORE_BFLOAT16,
+            ),
         )
     if value.numel() == 0:
         return stored, 0.0
@@ -354,10 +364,14 @@ def _handle_constants(
     if first is not None:
         for name, value in constants.items():
             if not torch.equal(value, first[name]):
-                raise CacheError(
+                raise user_error(
+                    CacheError,
                     f"the per-dataset constant {name!r} differs between batches, so it is not a "
-                    "constant.\n  fix: this is a graphsplit bug in finding batch dims; please "
-                    "report it with the step that triggers it"
+                    "constant.",
+                    fix=Fix(
+                        "this is a graphsplit bug in finding batch dims; please report it with "
+                        "the step that triggers it"
+                    ),
                 )
         return first
     if batch_index == 0:
@@ -444,11 +458,14 @@ def _add_rows(
 def _check_new_keys(keys: Sequence[str], positions: Sequence[int], seen: dict[str, int]) -> None:
     for key, position in zip(keys, positions):
         if key in seen:
-            raise CacheError(
+            raise user_error(
+                CacheError,
                 f"the loader gave the sample key {key!r} twice (positions {seen[key]} and "
-                f"{position}).\n  fix: give every sample a unique 'key' and rerun with "
-                "{remedy}",
-                remedy=Remedy.OVERWRITE,
+                f"{position}).",
+                fix=Fix(
+                    "give every sample a unique 'key' and rerun with {remedy}",
+                    Remedy.OVERWRITE,
+                ),
             )
         seen[key] = position
 
