@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from graphsplit.caching.read.check import check_cache
+from graphsplit.caching.read.audit import check_cache
 from graphsplit.caching.read.dataset import CachedDataset
 from graphsplit.caching.store.regular_files import checksum_file
 from graphsplit.errors import CorruptCacheError

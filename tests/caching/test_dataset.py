@@ -11,7 +11,7 @@ import torch
 
 import graphsplit.caching.read.dataset as dataset_module
 from graphsplit.artifacts import BoundarySpec
-from graphsplit.caching.read.check import check_cache
+from graphsplit.caching.read.audit import check_cache
 from graphsplit.caching.read.collation import CachedSample, collate
 from graphsplit.caching.read.dataset import CachedDataset, verify_inputs
 from graphsplit.caching.store.regular_files import checksum_file

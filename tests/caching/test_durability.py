@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from graphsplit.caching.format.layout import Manifest, Unsynced
-from graphsplit.caching.read.check import check_cache
+from graphsplit.caching.read.audit import check_cache
 from graphsplit.caching.read.dataset import CachedDataset
 from graphsplit.caching.store import durability
 from graphsplit.caching.store.record_files import read_manifest

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphsplit.caching.read.check import check_cache
+from graphsplit.caching.read.audit import check_cache
 from graphsplit.caching.read.dataset import CachedDataset
-from graphsplit.caching.store import files
+from graphsplit.caching.store import file_writes
 from graphsplit.caching.write.cache_run import cache
 from graphsplit.errors import (
     CacheError,
@@ -341,14 +341,14 @@ def test_flipped_bytes_are_the_checksums_job(path):
 
 def full_at(monkeypatch, name: str) -> None:
     """The disk runs full while writing the file whose name contains ``name``."""
-    write_all = files._write_all
+    write_all = file_writes._write_all
 
     def write(descriptor, data):
         if name in os.readlink(f"/proc/self/fd/{descriptor}"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return write_all(descriptor, data)
 
-    monkeypatch.setattr(files, "_write_all", write)
+    monkeypatch.setattr(file_writes, "_write_all", write)
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphsplit.caching.read.check import check_cache
+from graphsplit.caching.read.audit import check_cache
 from graphsplit.caching.read.dataset import CachedDataset
 from graphsplit.caching.store.record_files import (
     read_constants_progress,

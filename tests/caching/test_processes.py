@@ -113,4 +113,4 @@ def test_processes_with_other_weights_are_refused(monkeypatch):
     other = {**mine.to_json(), "weights": "sha256:" + "0" * 64}
     monkeypatch.setattr(utils, "gather_object", lambda objects: [objects[0], other])
     with pytest.raises(CacheError, match=r"(?s)process 1 has other weights.*seed random init"):
-        fake_processes(0).check_same_fingerprint(mine)
+        fake_processes(0).refuse_other_fingerprints(mine)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphsplit.caching.read.check import check_cache
+from graphsplit.caching.read.audit import check_cache
 from graphsplit.caching.read.collation import collate
 from graphsplit.caching.read.dataset import CachedDataset
 from graphsplit.caching.store.remote import RemotePath, location

@@ -177,7 +177,7 @@ def constants_progress_from(
 def _read_stamped(reader: JsonReader, document: dict[str, Any], cls: type) -> Any:
     """A document that opens with the stamp: check the stamp first, then read the rest."""
     stamp = ("format", "format_version")
-    reader.check_names(document, "", (*stamp, *json_names(cls)), optional=optional_names(cls))
+    reader.require_names(document, "", (*stamp, *json_names(cls)), optional=optional_names(cls))
     if document["format"] != FORMAT:
         reader.fail("format", f"is {document['format']!r}; expected {FORMAT!r}")
     version = document["format_version"]

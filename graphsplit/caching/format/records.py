@@ -218,10 +218,10 @@ class JsonReader:
     def read(self, cls: type, value: Any, where: str = "") -> Any:
         """``value`` as a ``cls``: exactly its fields, each of its type and rule."""
         document = self.mapping(value, where)
-        self.check_names(document, where, json_names(cls), optional=optional_names(cls))
+        self.require_names(document, where, json_names(cls), optional=optional_names(cls))
         return self._build(cls, document, where)
 
-    def check_names(
+    def require_names(
         self,
         document: Mapping[str, Any],
         where: str,

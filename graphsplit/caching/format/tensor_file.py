@@ -1,7 +1,7 @@
 """The safetensors format, as graphsplit writes and reads it without the library.
 
-graphsplit writes shards itself (:func:`graphsplit.caching.store.files.save_tensors`), so that every
-write goes through one path, and reads remote shards by byte ranges
+graphsplit writes shards itself (:func:`graphsplit.caching.store.file_writes.save_tensors`), so
+that every write goes through one path, and reads remote shards by byte ranges
 (:mod:`graphsplit.caching.store.ranged`); both need the format, described here once: an 8-byte
 little-endian header length, the JSON header (padded with spaces to 8 bytes), then each
 tensor's bytes at its ``data_offsets`` (relative to the end of the header).

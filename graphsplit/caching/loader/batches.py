@@ -14,7 +14,7 @@ In and out::
         .num_samples, .num_batches (None until known)   .batch_size() -> int | None
         .count(wanted) -> samples in the wanted batches, where known in advance
         .batches(wanted, finished, batches_per_shard) -> Iterator[Batch]
-        .check_resumed_order(finished, batches_per_shard)
+        .refuse_reordered_resume(finished, batches_per_shard)
     as_mapping(batch, names) -> {name: value}         batch_keys(batch, positions) -> [key]
 """
 
@@ -62,7 +62,7 @@ class BatchSource:
     def batches(self, wanted: Wanted, finished: Finished, per_shard: int) -> Iterator[Batch]:
         raise NotImplementedError
 
-    def check_resumed_order(self, finished: Finished, per_shard: int) -> None:
+    def refuse_reordered_resume(self, finished: Finished, per_shard: int) -> None:
         """Refuse to resume when finished shards hold other positions than the loader gives."""
 
 
@@ -106,7 +106,7 @@ class IndexedSource(BatchSource):
         for j, data in zip(chosen, subset):
             yield Batch(j, self.index_lists[j], data)
 
-    def check_resumed_order(self, finished: Finished, per_shard: int) -> None:
+    def refuse_reordered_resume(self, finished: Finished, per_shard: int) -> None:
         for shard, progress in finished.items():
             lists = self.index_lists[shard * per_shard : (shard + 1) * per_shard]
             expected = [position for indices in lists for position in indices]

@@ -18,7 +18,7 @@ In and out::
 Nothing here unpickles: shards are checked with safetensors' ``safe_open`` and read as views
 of their memory maps (:mod:`graphsplit.caching.store.mapped`: an item copies nothing, a batch is one
 copy), and the manifest is strictly validated JSON. Auditing a whole cache is
-:mod:`graphsplit.caching.read.check`.
+:mod:`graphsplit.caching.read.audit`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from graphsplit.caching.format.layout import CONSTANTS_FILE, Manifest, tensor_na
 from graphsplit.caching.format.memory_order import inverse, row_order
 from graphsplit.caching.format.records import REBUILD
 from graphsplit.caching.loader.samples import describe_changes
-from graphsplit.caching.read.check import file_problem, open_problem, open_shard
+from graphsplit.caching.read.audit import file_problem, open_problem, open_shard
 from graphsplit.caching.read.collation import CachedSample, Collation
 from graphsplit.caching.store.durability import restart_cause, restarted_since
 from graphsplit.caching.store.mapped import open_mapped
@@ -254,13 +254,13 @@ class CachedDataset(torch.utils.data.Dataset):
         if shard in self._corrupt:
             raise self._corrupt_error(shard, self._corrupt[shard])
         record = self.manifest.shards[shard]
-        verify = self.verify and shard not in self._checksummed
+        checksum = self.verify and shard not in self._checksummed
         if self._copies is not None:  # a verified local copy, then read as a local cache
-            problem = self._copies.fetch(record, verify=verify)
+            problem = self._copies.fetch(record, checksum=checksum)
             if problem is None:
                 handle, problem = open_mapped(self._copies.folder, record, self.manifest)
         else:
-            problem = file_problem(self.path, record, checksum=verify)
+            problem = file_problem(self.path, record, checksum=checksum)
             if problem is None:
                 opener = open_problem if isinstance(self.path, RemotePath) else open_mapped
                 handle, problem = opener(self.path, record, self.manifest)
@@ -294,7 +294,7 @@ class CachedDataset(torch.utils.data.Dataset):
             return {}
         folder = self.path
         if self._copies is not None:
-            problem = self._copies.fetch(record, verify=self.verify)
+            problem = self._copies.fetch(record, checksum=self.verify)
             folder = self._copies.folder
         else:
             problem = file_problem(self.path, record, checksum=self.verify)

@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from graphsplit.caching.store import files, regular_files
+from graphsplit.caching.store import file_writes, regular_files
 from graphsplit.errors import CacheError, CacheLockedError, Fix, UnsafeFileError, user_error
 
 try:
@@ -110,8 +110,8 @@ class FolderLock:
             | regular_files.CLOEXEC
         )
         try:
-            with files.no_room(self.path.parent, self.path.name, None):
-                descriptor = os.open(self.path, flags, files.FILE_MODE)
+            with file_writes.no_room(self.path.parent, self.path.name, None):
+                descriptor = os.open(self.path, flags, file_writes.FILE_MODE)
         except OSError as error:
             if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
                 regular_files.regular_size(self.path)  # names what is there
@@ -153,7 +153,7 @@ class FolderLock:
             "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
         data = json.dumps(owner).encode()
-        files.rewrite_descriptor(self.path, descriptor, data, durable=self.durable)
+        file_writes.rewrite_descriptor(self.path, descriptor, data, durable=self.durable)
 
     def _locked_error(self) -> CacheLockedError:
         holder = _holder(self.path)

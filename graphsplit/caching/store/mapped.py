@@ -57,7 +57,7 @@ class MappedShard:
 def open_mapped(
     folder: Path, record: ShardRecord, manifest: Manifest
 ) -> tuple[MappedShard | None, str | None]:
-    """Map a shard that :func:`~graphsplit.caching.read.check.file_problem` passed, after
+    """Map a shard that :func:`~graphsplit.caching.read.audit.file_problem` passed, after
     safetensors checked its header against the manifest: the shard, or a problem."""
     try:
         with regular_files.pinned_map(folder / record.file) as (name, mapped):

@@ -2,7 +2,7 @@
 
 What ``safe_open`` gives for a local file, for a
 :class:`~graphsplit.caching.store.remote.RemotePath`: the same names, dtypes, shapes and metadata
-(so :func:`~graphsplit.caching.read.check. shard_tensors_problem` checks a remote shard against the
+(so :func:`~graphsplit.caching.read.audit. shard_tensors_problem` checks a remote shard against the
 manifest exactly as a local one), read with two small ranged requests; each tensor is then one more
 request. Nothing is unpickled: the header is bounded JSON, the tensors raw bytes.
 

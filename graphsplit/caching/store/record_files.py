@@ -1,5 +1,5 @@
 """The cache's records on disk: the manifest, the resume header and the progress records, read
-and written through :mod:`graphsplit.caching.store.files` (so a local folder and a remote
+and written through :mod:`graphsplit.caching.store.file_writes` (so a local folder and a remote
 store alike).
 
 What the records hold and their JSON form are the format's
@@ -53,7 +53,7 @@ from graphsplit.caching.format.record_documents import (
     shard_progress_from,
 )
 from graphsplit.caching.format.records import DAMAGED, REBUILD, JsonReader
-from graphsplit.caching.store.files import real_folder, write_atomically
+from graphsplit.caching.store.file_writes import real_folder, write_atomically
 from graphsplit.caching.store.regular_files import exists, read_regular
 from graphsplit.errors import Fix, ManifestError, Remedy, UnsafeFileError, user_error
 

@@ -26,7 +26,7 @@ In and out::
     download(path, local)
     checksum(path, algorithm)   exists(path)    list_files(folder)    remove(path)
     make_folder(path)           staging_path(path) -> Path
-    @or_remote(remote_function)  # how caching.store.files sends a RemotePath here
+    @or_remote(remote_function)  # how caching.store.file_writes sends a RemotePath here
 """
 
 from __future__ import annotations
@@ -235,8 +235,9 @@ def _raise_storage_error(path: RemotePath, action: str, error: Exception) -> Non
 
 
 def or_remote(remote_function: Callable[..., Any]) -> Callable[[Callable], Callable]:
-    """Decorate a local file operation of :mod:`graphsplit.caching.store.files` so that a call whose
-    first argument is a :class:`RemotePath` goes to ``remote_function`` instead."""
+    """Decorate a local file operation (:mod:`graphsplit.caching.store.file_writes`,
+    :mod:`graphsplit.caching.store.regular_files`) so that a call whose first argument is a
+    :class:`RemotePath` goes to ``remote_function`` instead."""
 
     def wrap(local_function: Callable) -> Callable:
         @functools.wraps(local_function)

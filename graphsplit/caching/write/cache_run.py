@@ -45,7 +45,7 @@ from graphsplit.caching.format.layout import (
     ShardRecord,
 )
 from graphsplit.caching.loader.batches import BatchSource, empty_loader_error, source_for
-from graphsplit.caching.store import files, regular_files
+from graphsplit.caching.store import file_writes, regular_files
 from graphsplit.caching.store.durability import unsynced_record
 from graphsplit.caching.store.lock import FolderLock
 from graphsplit.caching.store.record_files import (
@@ -203,7 +203,7 @@ def cache(
 
     # 1. Fingerprint what produces the cache; every process must hold the same weights and code.
     current = fingerprint(split)
-    processes.check_same_fingerprint(current)
+    processes.refuse_other_fingerprints(current)
 
     # 2. The main process locks the folder and decides: nothing to do, resume, or start afresh.
     if isinstance(folder, RemotePath):
@@ -293,7 +293,7 @@ def _finish(
             )
         shards.append(progress.shard)
         _add_errors(errors, progress.max_abs_error)
-    _check_unique_keys(folder, shards)
+    _refuse_repeated_keys(folder, shards)
     constants = None
     if header.constant_specs:
         written = read_constants_progress(folder, header)
@@ -330,10 +330,10 @@ def _make_durable(folder: Path | RemotePath, manifest: Manifest, decision: Decis
     written them with ``durable=False``; an fsync of a file already on the disk is cheap),
     then the folder, so every rename survives a power cut."""
     for index in decision.finished:
-        files.fsync_file(folder / manifest.shards[index].file)
+        file_writes.fsync_file(folder / manifest.shards[index].file)
     if manifest.constants is not None and 0 in decision.finished:
-        files.fsync_file(folder / manifest.constants.file)
-    files.fsync_folder(folder)
+        file_writes.fsync_file(folder / manifest.constants.file)
+    file_writes.fsync_folder(folder)
 
 
 def _make_folder(folder: Path | RemotePath) -> None:
@@ -363,7 +363,7 @@ def _add_errors(errors: dict[str, float], more: Mapping[str, float]) -> None:
         errors[name] = max(errors.get(name, 0.0), error)
 
 
-def _check_unique_keys(folder: Path, shards: Sequence[ShardRecord]) -> None:
+def _refuse_repeated_keys(folder: Path, shards: Sequence[ShardRecord]) -> None:
     seen: dict[str, str] = {}
     repeated: list[str] = []
     for shard in shards:

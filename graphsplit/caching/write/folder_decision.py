@@ -53,7 +53,7 @@ from graphsplit.caching.format.layout import (
 )
 from graphsplit.caching.loader.batches import BatchSource, empty_loader_error
 from graphsplit.caching.loader.samples import SampleChanges, loader_samples, merge, record_samples
-from graphsplit.caching.store import files, regular_files
+from graphsplit.caching.store import file_writes, regular_files
 from graphsplit.caching.store.durability import restarted_since
 from graphsplit.caching.store.record_files import (
     read_constants_progress,
@@ -108,7 +108,7 @@ def decide(
             false; CorruptCacheError: a complete cache's file is missing, or (restarted) its
             checksum differs; CacheError: the disk lacks room, or the loader yields nothing.
     """
-    files.remove_temporary_files(folder, folder / PARTIAL_DIR)
+    file_writes.remove_temporary_files(folder, folder / PARTIAL_DIR)
     if source.num_batches == 0:
         raise empty_loader_error()
     if regular_files.exists(folder / MANIFEST_FILE):
@@ -121,9 +121,9 @@ def decide(
     # Finished shards of an interrupted run: their records and files must agree, and the
     # loader must still yield the same samples (order, keys and inputs) for them.
     finished = _finished_shards(folder, header)
-    source.check_resumed_order(finished, header.layout.batches_per_shard)
+    source.refuse_reordered_resume(finished, header.layout.batches_per_shard)
     finished = _same_samples(folder, source, header, finished, overwrite)
-    _check_disk_space(folder, header, source, finished)
+    _refuse_without_room(folder, header, source, finished)
     write_resume_header(folder, header, durable=durable)
     return Decision(header=header, finished=finished)
 
@@ -165,9 +165,9 @@ def _complete_cache(
                 Remedy.OVERWRITE,
             ),
         )
-    _check_files_present(folder, manifest)
+    _refuse_missing_files(folder, manifest)
     if restarted_since(manifest):
-        manifest = _verified_after_restart(folder, manifest)
+        manifest = _checksummed_after_restart(folder, manifest)
     per_shard = manifest.header.layout.batches_per_shard
     now = loader_samples(source, lambda shard: True, per_shard, manifest.header.inputs)
     changes = SampleChanges.between(
@@ -278,7 +278,7 @@ def _header_differences(header: CacheHeader, current: Fingerprint, storage: str 
 def _finished_shards(folder: Path, header: CacheHeader) -> dict[int, ShardProgress]:
     """The shards of an interrupted run whose record and file (checksum included) agree."""
     candidates = []
-    for name in files.list_files(folder / PARTIAL_DIR):
+    for name in file_writes.list_files(folder / PARTIAL_DIR):
         match = SHARD_PROGRESS_PATTERN.fullmatch(name)
         progress = match and read_shard_progress(folder, int(match.group(1)), header)
         if progress:
@@ -335,7 +335,7 @@ def _same_samples(
     return {shard: progress for shard, progress in finished.items() if shard not in changes}
 
 
-def _check_disk_space(
+def _refuse_without_room(
     folder: Path, header: CacheHeader, source: BatchSource, finished: Mapping[int, ShardProgress]
 ) -> None:
     if source.num_samples is None:
@@ -343,7 +343,7 @@ def _check_disk_space(
     remaining = source.num_samples - sum(len(done.shard.keys) for done in finished.values())
     per_sample = _stored_bytes_per_sample(header) + 64 * len(header.sample_specs) + 256
     needed = max(0, remaining) * per_sample
-    free = files.free_bytes(folder)
+    free = file_writes.free_bytes(folder)
     if free is not None and needed > free:
         hint = ""
         if header.storage_dtype is None and any(
@@ -367,7 +367,7 @@ def _stored_bytes_per_sample(header: CacheHeader) -> int:
     return total
 
 
-def _check_files_present(folder: Path, manifest: Manifest) -> None:
+def _refuse_missing_files(folder: Path, manifest: Manifest) -> None:
     records = [*manifest.shards, *([manifest.constants] if manifest.constants else [])]
     for record in records:
         size = regular_files.regular_size(folder / record.file)
@@ -383,7 +383,7 @@ def _check_files_present(folder: Path, manifest: Manifest) -> None:
             )
 
 
-def _verified_after_restart(folder: Path, manifest: Manifest) -> Manifest:
+def _checksummed_after_restart(folder: Path, manifest: Manifest) -> Manifest:
     """``manifest`` of a cache written without fsyncs before the machine restarted, once each
     of its files matches its checksum; then the files and the folder are fsync'd and the
     manifest rewritten without ``unsynced``, durably. After a restart the bytes just hashed
@@ -415,8 +415,8 @@ def _verified_after_restart(folder: Path, manifest: Manifest) -> Manifest:
             ),
         )
     for record in records:
-        files.fsync_file(folder / record.file)
-    files.fsync_folder(folder)
+        file_writes.fsync_file(folder / record.file)
+    file_writes.fsync_folder(folder)
     durable = dataclasses.replace(manifest, unsynced=None)
     write_manifest(folder, durable)
     return durable
@@ -424,25 +424,25 @@ def _verified_after_restart(folder: Path, manifest: Manifest) -> Manifest:
 
 def _remove_cache_files(folder: Path) -> None:
     """Delete the files graphsplit wrote (the manifest first), nothing else in the folder."""
-    files.remove(folder / MANIFEST_FILE)
-    for name in files.list_files(folder):
+    file_writes.remove(folder / MANIFEST_FILE)
+    for name in file_writes.list_files(folder):
         if (
             SHARD_FILE_PATTERN.fullmatch(name)
             or name == CONSTANTS_FILE
-            or files.TEMPORARY_FILE.fullmatch(name)
+            or file_writes.TEMPORARY_FILE.fullmatch(name)
         ):
-            files.remove(folder / name)
+            file_writes.remove(folder / name)
     remove_progress(folder)
 
 
 def remove_progress(folder: Path) -> None:
     """Delete ``.partial/`` and the records in it (the cache is complete, or discarded)."""
     partial = folder / PARTIAL_DIR
-    if isinstance(partial, Path) and not files.real_folder(partial, create=False):
+    if isinstance(partial, Path) and not file_writes.real_folder(partial, create=False):
         return
-    for name in files.list_files(partial):
-        if name.endswith(".json") or files.TEMPORARY_FILE.fullmatch(name):
-            files.remove(partial / name)
+    for name in file_writes.list_files(partial):
+        if name.endswith(".json") or file_writes.TEMPORARY_FILE.fullmatch(name):
+            file_writes.remove(partial / name)
     if isinstance(partial, Path):  # an object store has no empty folders to remove
         with contextlib.suppress(OSError):
             partial.rmdir()

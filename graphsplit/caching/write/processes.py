@@ -15,7 +15,7 @@ In and out::
     Processes(accelerator | None)
         .on_main(step) -> step()'s result, on every process (or its error, raised everywhere)
         .everywhere(step)                    # raises on all if it failed on any
-        .check_same_fingerprint(fingerprint) # CacheError if weights, code or boundary differ
+        .refuse_other_fingerprints(fingerprint) # CacheError if weights, code or boundary differ
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class Processes:
             if described is not None:
                 raise _remote_error(described, rank)
 
-    def check_same_fingerprint(self, current: Fingerprint) -> None:
+    def refuse_other_fingerprints(self, current: Fingerprint) -> None:
         """Refuse to go on when another process holds other weights, code or boundary."""
         if self.world == 1:
             return

@@ -53,7 +53,7 @@ from graphsplit.caching.format.memory_order import Order, memory_order
 from graphsplit.caching.format.records import to_json
 from graphsplit.caching.format.tensor_file import TensorBytes, rows_of
 from graphsplit.caching.loader.batches import BatchSource, as_mapping, batch_keys
-from graphsplit.caching.store import files
+from graphsplit.caching.store import file_writes
 from graphsplit.caching.write.processes import Processes
 from graphsplit.errors import CacheError, Fix, Remedy, user_error
 from graphsplit.units import human_bytes
@@ -124,7 +124,7 @@ def write_shards(
                 folder, header, stored, errors, batch.index, constants, durable=durable
             )
             keys = batch_keys(batch.data, batch.positions)
-            _check_new_keys(keys, batch.positions, seen_keys)
+            _refuse_seen_keys(keys, batch.positions, seen_keys)
             # A copy: the loader may refill its tensors for the next batch while they are hashed.
             inputs = _snapshot(as_mapping(batch.data, header.inputs))
             pending.digesting.append(
@@ -199,9 +199,9 @@ class ShardWriter:
         # One metadata entry only: safetensors writes a dict's entries in a random order per
         # process, and resumed or multi-process runs must write byte-identical shards.
         metadata = {"graphsplit_keys": json.dumps(shard.keys)}
-        checksum = files.save_tensors(shard.rows, self.folder / name, metadata)
+        checksum = file_writes.save_tensors(shard.rows, self.folder / name, metadata)
         shard.rows = {}
-        temporary = files.temporary_path(self.folder / name)
+        temporary = file_writes.temporary_path(self.folder / name)
         self._unsynced = [commit for commit in self._unsynced if not commit.done()]
         if len(self._unsynced) >= _UNSYNCED_SHARDS:
             wait(self._unsynced, return_when=FIRST_COMPLETED)
@@ -213,7 +213,7 @@ class ShardWriter:
         """Move a saved shard (with the ``checksum`` its bytes had in memory) into place and
         record it in ``.partial/``."""
         name = shard_file_name(shard.index)
-        size, checksum = files.commit_file(
+        size, checksum = file_writes.commit_file(
             temporary, self.folder / name, checksum=checksum, durable=self.durable
         )
         progress = ShardProgress(
@@ -392,9 +392,9 @@ def _write_constants(
         for name, value in constants.items()
     }
     path = folder / CONSTANTS_FILE
-    checksum = files.save_tensors(physical, path, {"format": "pt"})
-    temporary = files.temporary_path(path)
-    size, checksum = files.commit_file(temporary, path, checksum=checksum, durable=durable)
+    checksum = file_writes.save_tensors(physical, path, {"format": "pt"})
+    temporary = file_writes.temporary_path(path)
+    size, checksum = file_writes.commit_file(temporary, path, checksum=checksum, durable=durable)
     record = ConstantsRecord(file=CONSTANTS_FILE, checksum=checksum, bytes=size, dim_orders=orders)
     errors = {name: error for name, error in errors.items() if name in constants}
     _note_progress(folder, ConstantsProgress(constants=record, max_abs_error=errors))
@@ -414,9 +414,9 @@ def _note_progress(folder: Path, progress: ShardProgress | ConstantsProgress) ->
         name = Path(progress.shard.file).with_suffix(".json").name
     else:
         name = CONSTANTS_PROGRESS_FILE
-    files.real_folder(folder / PARTIAL_DIR, create=True)
+    file_writes.real_folder(folder / PARTIAL_DIR, create=True)
     data = json.dumps(to_json(progress)).encode()
-    files.write_atomically(folder / PARTIAL_DIR / name, data, durable=False)
+    file_writes.write_atomically(folder / PARTIAL_DIR / name, data, durable=False)
 
 
 def _add_rows(
@@ -455,7 +455,7 @@ def _add_rows(
             pending.max_abs_error[spec.name] = error
 
 
-def _check_new_keys(keys: Sequence[str], positions: Sequence[int], seen: dict[str, int]) -> None:
+def _refuse_seen_keys(keys: Sequence[str], positions: Sequence[int], seen: dict[str, int]) -> None:
     for key, position in zip(keys, positions):
         if key in seen:
             raise user_error(
