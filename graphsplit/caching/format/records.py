@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 REBUILD = "rebuild the cache (run cache again with {remedy})"
-# The fix of a record that does not read: damaged (a torn write, a bit flip) or foreign.
+# The fix for a cache file that does not read: damaged (a torn write, a bit flip) or foreign.
 DAMAGED = Fix(f"the file is damaged or was not written by graphsplit; {REBUILD}", Remedy.OVERWRITE)
 _RULE = "graphsplit.caching.format.records"  # the key of a field's rule in its metadata
 

@@ -317,10 +317,7 @@ class CachedDataset(torch.utils.data.Dataset):
                 CorruptCacheError,
                 f"{CONSTANTS_FILE} of the cache at {self.path} is damaged: "
                 f"{problem}{restart_cause(self.manifest)}; every batch needs it.",
-                fix=Fix(
-                    "rebuild the cache (run cache again with {remedy})",
-                    Remedy.OVERWRITE,
-                ),
+                fix=Fix(REBUILD, Remedy.OVERWRITE),
             )
         return constants
 
@@ -348,10 +345,7 @@ def refuse_other_split(manifest: Manifest, current: Fingerprint, path: Path) -> 
         raise user_error(
             StaleCacheError,
             f"the cache at {path} was not made by this split: {binding}.",
-            fix=Fix(
-                "rebuild the cache (run cache again with {remedy})",
-                Remedy.OVERWRITE,
-            ),
+            fix=Fix(REBUILD, Remedy.OVERWRITE),
         )
     if current.weights == UNKNOWN_WEIGHTS:
         warnings.warn(

@@ -41,9 +41,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from graphsplit.caching.format.checksums import ALGORITHM, Running, algorithm_of
+from graphsplit.caching.format.records import DAMAGED
 from graphsplit.caching.store import remote
 from graphsplit.caching.store.remote import or_remote
-from graphsplit.errors import Fix, Remedy, UnsafeFileError, user_error
+from graphsplit.errors import Fix, UnsafeFileError, user_error
 from graphsplit.units import human_bytes
 
 __all__ = [
@@ -101,11 +102,7 @@ def read_regular(path: Path, *, limit: int) -> bytes:
                 UnsafeFileError,
                 f"{path} holds {human_bytes(size)}, more than the {human_bytes(limit)} a "
                 "graphsplit cache file of its kind can hold.",
-                fix=Fix(
-                    "the file is damaged or not graphsplit's; rebuild the cache (run cache again "
-                    "with {remedy})",
-                    Remedy.OVERWRITE,
-                ),
+                fix=DAMAGED,
             )
         with os.fdopen(os.dup(descriptor), "rb") as handle:
             return handle.read(limit + 1)[:limit]

@@ -45,10 +45,10 @@ from pathlib import Path
 from typing import Any
 
 from graphsplit.caching.format.checksums import Running
+from graphsplit.caching.format.records import DAMAGED
 from graphsplit.errors import (
     Fix,
     GraphsplitError,
-    Remedy,
     StorageError,
     UnsafeFileError,
     UnsupportedStorageError,
@@ -391,11 +391,7 @@ def read_bytes(path: RemotePath, *, limit: int) -> bytes:
             UnsafeFileError,
             f"{path} holds {human_bytes(found)}, more than the {human_bytes(limit)} a graphsplit "
             "cache file of its kind can hold.",
-            fix=Fix(
-                "the file is damaged or not graphsplit's; rebuild the cache (run cache again with "
-                "{remedy})",
-                Remedy.OVERWRITE,
-            ),
+            fix=DAMAGED,
         )
     with _requests(path, "read"):
         return bytes(path.fs.cat_file(path.path))
