@@ -3,7 +3,7 @@
 The cache format's records (:mod:`graphsplit.caching.format.layout`) are plain frozen dataclasses;
 their fields, type hints and the rules :func:`json_field` attaches are the schema. This module
 reads a JSON document into such a dataclass, refusing anything else, and writes one back; no
-record is validated or written field by field by hand.
+record is read or written field by field by hand.
 
 Glossary:
     rule: what a field adds to its type: its JSON name, a minimum, a pattern, identifier-only,

@@ -30,6 +30,7 @@ from graphsplit.caching.format.layout import (
     Manifest,
     ShardRecord,
 )
+from graphsplit.caching.format.records import REBUILD
 from graphsplit.caching.format.shard_header import shard_tensors_problem
 from graphsplit.caching.store import regular_files
 from graphsplit.caching.store.durability import restart_cause
@@ -99,7 +100,8 @@ class CacheReport:
             f"{len(self.damaged_keys)} of {self.num_samples} samples unreadable"
         ]
         lines += [f"  {problem}" for problem in self.problems]
-        lines.append(f"  fix: rebuild the cache (run cache again with {Remedy.OVERWRITE.words()})")
+        # A report, not an error: its one fix line reads as user_error writes them.
+        lines.append("  fix:    " + REBUILD.format(remedy=Remedy.OVERWRITE.words()))
         return "\n".join(lines)
 
 

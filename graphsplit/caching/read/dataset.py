@@ -1,23 +1,27 @@
-"""Read a cache written by :func:`graphsplit.cache`, refuse a stale one, and batch it for stage 2.
+"""Read a cache written by :func:`graphsplit.cache` and refuse a stale one.
 
 Glossary:
     item: one sample of a :class:`CachedDataset`: ``{"key": str, name: row tensor, ...}`` for
         the boundary tensors that have a batch dim, in their storage dtype.
-    constants: the boundary tensors without a batch dim, stored once; :func:`collate` adds them
-        to every batch.
+    constants: the boundary tensors without a batch dim, stored once;
+        :func:`~graphsplit.caching.read.collation.collate` adds them to every batch.
     stale: made from other frozen weights, stage-1 code or boundary than a given split (the
         fingerprint tells), or from other inputs than a given dataset (the input digests tell).
+    checksum on first open: ``verify=True`` hashes each shard the first time it is opened
+        (the shards in ``_checksummed`` are done); a damaged one is refused with the samples
+        it holds, the others still read.
 
 In and out::
 
     CachedDataset(path, split=None, *, dataset=None, expected_keys=None, verify=True)
         cached[i] -> CachedSample    cached.shapes(i) -> {name: shape}    cached.buckets()
-    collate(items) -> dict[str, Tensor]            # the keyword arguments of split.stage2
     verify_inputs(cached, dataset) -> None         # raises StaleCacheError naming changed keys
+    refuse_other_split(manifest, current, path)    # StaleCacheError; other versions only warn
 
 Nothing here unpickles: shards are checked with safetensors' ``safe_open`` and read as views
 of their memory maps (:mod:`graphsplit.caching.store.mapped`: an item copies nothing, a batch is one
-copy), and the manifest is strictly validated JSON. Auditing a whole cache is
+copy), and the manifest is read strictly. Batching items is
+:mod:`graphsplit.caching.read.collation`; auditing a whole cache is
 :mod:`graphsplit.caching.read.audit`.
 """
 
@@ -106,7 +110,7 @@ class CachedDataset(torch.utils.data.Dataset):
             A cache written with ``cache(..., durable=False)`` is verified regardless once
             the machine that wrote it has restarted (a power cut may have lost its bytes);
             running ``cache`` again verifies it once and records it as durable.
-        local_cache: for a remote cache, a local folder to keep verified copies of its shards
+        local_cache: for a remote cache, a local folder to keep checksummed copies of its shards
             in (:mod:`graphsplit.caching.store.read_through`), downloaded on first use and then
             memory-mapped: the fast way to train from a bucket. Ignored for a local cache.
 
@@ -121,7 +125,7 @@ class CachedDataset(torch.utils.data.Dataset):
         >>> _ = cache(split, torch.utils.data.DataLoader(data, batch_size=2), path, progress=False)
         >>> cached = CachedDataset(path, split)
         >>> loader = torch.utils.data.DataLoader(cached, batch_size=3, shuffle=True,
-        ...                                      collate_fn=collate)
+        ...                                      collate_fn=graphsplit.collate)
         >>> split.stage2(**next(iter(loader))).shape
         torch.Size([3, 1])
     """
@@ -255,7 +259,7 @@ class CachedDataset(torch.utils.data.Dataset):
             raise self._corrupt_error(shard, self._corrupt[shard])
         record = self.manifest.shards[shard]
         checksum = self.verify and shard not in self._checksummed
-        if self._copies is not None:  # a verified local copy, then read as a local cache
+        if self._copies is not None:  # a checksummed local copy, read as a local cache
             problem = self._copies.fetch(record, checksum=checksum)
             if problem is None:
                 handle, problem = open_mapped(self._copies.folder, record, self.manifest)

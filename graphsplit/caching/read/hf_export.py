@@ -20,8 +20,8 @@ Glossary:
         exported as float32 (an exact widening) and narrowed back on import; every other dtype
         is exported as it is.
 
-Nothing here unpickles: the export record is strict JSON (validated like ``manifest.json``), the
-constants are safetensors bytes, rows are Arrow numbers.
+Nothing here unpickles: the export record is strict JSON (read as strictly as
+``manifest.json``), the constants are safetensors bytes, rows are Arrow numbers.
 
 ``datasets`` is an optional dependency, imported on first use; without it these functions raise
 :class:`HFExportError` naming the extra to install.

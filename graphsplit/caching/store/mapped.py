@@ -6,7 +6,7 @@ map of the shard, so the batch's ``torch.stack`` is the only copy; the page cach
 place.
 
 Glossary:
-    mapped shard: a shard validated by safetensors (names, dtypes, shapes, the keys inside it,
+    mapped shard: a shard accepted by safetensors (names, dtypes, shapes, the keys inside it,
         against the manifest) and mapped once; :meth:`MappedShard.get_tensor` returns a view.
 
 In and out::

@@ -103,7 +103,7 @@ def write_progress(folder: Path, progress: ShardProgress | ConstantsProgress) ->
 
 
 def read_manifest(folder: Path) -> Manifest:
-    """Read and strictly validate ``folder/manifest.json``.
+    """Read ``folder/manifest.json`` strictly (every field, type and rule).
 
     Raises:
         ManifestError: the folder holds no manifest, or it is malformed, of another format
