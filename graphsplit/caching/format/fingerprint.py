@@ -48,15 +48,11 @@ from typing import Any
 
 import torch
 
+from graphsplit.caching.format import checksums
 from graphsplit.caching.format.records import json_field, to_json
 from graphsplit.errors import CacheError, Fix, user_error
 from graphsplit.runtime import LEGACY_NAMES
 from graphsplit.version import __version__
-
-try:
-    import xxhash
-except ImportError:  # pragma: no cover - xxhash ships with graphsplit's dependencies
-    xxhash = None
 
 __all__ = [
     "PARTS",
@@ -76,7 +72,7 @@ PARTS = ("weights", "code", "boundary", "versions")
 BINDING_PARTS = ("weights", "code", "boundary")
 _CHUNK_BYTES = 64 << 20
 _CRC_BYTES = 1 << 20  # one CRC-32 per MiB of a tensor's bytes
-WEIGHTS_ALGORITHM = "crc32" if xxhash is None else "xxh3"
+WEIGHTS_ALGORITHM = "crc32" if checksums.xxhash is None else "xxh3"
 # xxh3: now; crc32: earlier 0.2 caches (and where xxhash is missing); sha256: graphsplit 0.1.
 _WEIGHTS_ALGORITHMS = ("xxh3", "crc32", "sha256")
 _WEIGHTS = re.compile(r"(?:xxh3|crc32|sha256):[0-9a-f]{64}")
@@ -300,7 +296,8 @@ def _resolve(module: torch.nn.Module, target: str) -> Any:
 
 
 def _digest_tensors(tensors: Iterable[tuple[str, torch.Tensor]], algorithm: str) -> str:
-    _need_xxhash(algorithm)
+    if algorithm == "xxh3":
+        checksums.require_xxhash("weights fingerprint is an XXH3 digest")
     digest = hashlib.sha256()
     for name, tensor in tensors:
         if tensor.device.type == "meta":
@@ -321,16 +318,6 @@ def _digest_tensors(tensors: Iterable[tuple[str, torch.Tensor]], algorithm: str)
             digest.update(_identity(tensor))
             digest.update(WEIGHT_HASHES.content_hash(tensor))
     return f"{algorithm}:" + digest.hexdigest()
-
-
-def _need_xxhash(algorithm: str) -> None:
-    if algorithm == "xxh3" and xxhash is None:
-        raise user_error(
-            CacheError,
-            "this cache's weights fingerprint is an XXH3 digest, and the xxhash package that "
-            "computes it is not installed.",
-            fix=Fix("pip install xxhash (graphsplit depends on it)"),
-        )
 
 
 def _identity(tensor: torch.Tensor) -> bytes:
@@ -396,7 +383,7 @@ class WeightHashes:
                 found = self._known.get(storage, {}).get(view)
             if found is not None and found[0] == state:
                 return found[1]
-        running = xxhash.xxh3_128()
+        running = checksums.xxhash.xxh3_128()
         for chunk in _chunks(tensor):
             running.update(chunk)
         value = running.digest()

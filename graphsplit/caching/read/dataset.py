@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import os
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,6 +62,7 @@ from graphsplit.errors import (
     CacheError,
     CorruptCacheError,
     Fix,
+    GraphsplitError,
     Remedy,
     StaleCacheError,
     StorageError,
@@ -390,14 +391,8 @@ def verify_inputs(cached: CachedDataset | str | os.PathLike[str], dataset: Any) 
         item = dataset[index]
         if not isinstance(item, Mapping):
             item = dict(zip(names, item))
-        missing = [name for name in names if name not in item]
-        if missing:
-            raise user_error(
-                CacheError,
-                f"item {index} of the dataset lacks {missing}; stage 1 of the cache at "
-                f"{cached.path} takes {list(names)}",
-                fix=Fix("pass the dataset the cache was made from (its items hold those inputs)"),
-            )
+        if any(name not in item for name in names):
+            raise _item_lacks_inputs(index, item, names, cached.path)
         key = str(item["key"]) if "key" in item else str(index)
         seen.add(key)
         if key not in recorded:
@@ -419,3 +414,16 @@ def verify_inputs(cached: CachedDataset | str | os.PathLike[str], dataset: Any) 
             + f"{hint}.",
             fix=Fix(REBUILD, Remedy.OVERWRITE),
         )
+
+
+def _item_lacks_inputs(
+    index: int, item: Mapping[str, Any], names: Sequence[str], path: Path | RemotePath
+) -> GraphsplitError:
+    """The error for dataset item ``index``, which lacks some of stage 1's inputs ``names``."""
+    missing = [name for name in names if name not in item]
+    return user_error(
+        CacheError,
+        f"item {index} of the dataset lacks {missing}; stage 1 of the cache at {path} takes "
+        f"{list(names)}",
+        fix=Fix("pass the dataset the cache was made from (its items hold those inputs)"),
+    )
