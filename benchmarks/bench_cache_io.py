@@ -52,7 +52,7 @@ from benchmarks.common import (
 )
 from graphsplit.artifacts import BoundarySpec
 from graphsplit.caching import CachedDataset, cache
-from graphsplit.caching.format.layout import read_manifest
+from graphsplit.caching.store.record_files import read_manifest
 
 # One Stable-Diffusion-like sample: 64x64 latents and a 77-token text embedding, float32.
 SHAPES = {"latents": (4, 64, 64), "text": (77, 768)}

@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 
-from graphsplit.caching.read.dataset import CachedDataset, collate
+from graphsplit.caching.read.collation import collate
+from graphsplit.caching.read.dataset import CachedDataset
 from graphsplit.caching.write.cache_run import cache
 from graphsplit.caching.write.shards import ShardWriter
 from tests.caching.fixtures import Pictures, loader, make_split

@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from graphsplit.caching.read.check import check_cache
+from graphsplit.caching.read.audit import check_cache
 from graphsplit.caching.read.dataset import CachedDataset
-from graphsplit.caching.store.files import checksum_file
+from graphsplit.caching.store.regular_files import checksum_file
 from graphsplit.errors import CorruptCacheError
 from tests.caching.fixtures import flip_last_byte, rewrite_manifest
 

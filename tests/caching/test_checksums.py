@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from graphsplit.caching.format import checksums
-from graphsplit.caching.store import files
+from graphsplit.caching.store import regular_files
 from graphsplit.errors import CacheError
 
 
@@ -35,16 +35,20 @@ def test_new_files_get_xxh3_and_older_checksums_still_verify(tmp_path):
     assert checksums.ALGORITHM == "xxh3"
     path = tmp_path / "shard.bin"
     path.write_bytes(b"rows of a shard")
-    recorded = [files.checksum_file(path, algorithm) for algorithm in checksums.ALGORITHMS]
+    recorded = [regular_files.checksum_file(path, algorithm) for algorithm in checksums.ALGORITHMS]
     assert [checksums.algorithm_of(checksum) for checksum in recorded] == list(checksums.ALGORITHMS)
-    assert all(files.file_matches(path, size=15, checksum=checksum) for checksum in recorded)
+    assert all(
+        regular_files.file_matches(path, size=15, checksum=checksum) for checksum in recorded
+    )
     path.write_bytes(b"rows of a shard"[:-1] + b"?")  # one byte changed, same size
-    assert not any(files.file_matches(path, size=15, checksum=checksum) for checksum in recorded)
+    assert not any(
+        regular_files.file_matches(path, size=15, checksum=checksum) for checksum in recorded
+    )
 
 
 def test_an_xxh3_cache_without_xxhash_asks_for_the_package(monkeypatch):
     monkeypatch.setattr(checksums, "xxhash", None)
-    with pytest.raises(CacheError, match=r"xxh3 checksums.*\n  fix: pip install xxhash"):
+    with pytest.raises(CacheError, match=r"xxh3 checksums.*\n  fix:    pip install xxhash"):
         checksums.Running("xxh3")
     assert checksums.of_buffer(b"x", "crc32") == f"crc32:{zlib.crc32(b'x'):08x}"
 

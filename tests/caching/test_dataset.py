@@ -11,9 +11,10 @@ import torch
 
 import graphsplit.caching.read.dataset as dataset_module
 from graphsplit.artifacts import BoundarySpec
-from graphsplit.caching.read.check import check_cache
-from graphsplit.caching.read.dataset import CachedDataset, CachedSample, collate, verify_inputs
-from graphsplit.caching.store.files import checksum_file
+from graphsplit.caching.read.audit import check_cache
+from graphsplit.caching.read.collation import CachedSample, collate
+from graphsplit.caching.read.dataset import CachedDataset, verify_inputs
+from graphsplit.caching.store.regular_files import checksum_file
 from graphsplit.caching.write.cache_run import cache
 from graphsplit.errors import CacheError, CorruptCacheError, StaleCacheError
 from tests.caching.fixtures import (

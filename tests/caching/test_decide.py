@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from graphsplit.caching.read.dataset import CachedDataset
-from graphsplit.caching.store import files
+from graphsplit.caching.store import file_writes
 from graphsplit.caching.write.cache_run import cache
 from graphsplit.errors import CacheError, ManifestError, StaleCacheError
 from tests.caching.fixtures import (
@@ -230,7 +230,7 @@ def test_kill_9_mid_run_then_resume_equals_an_uninterrupted_cache(tmp_path):
 
 
 def test_refuses_when_the_disk_lacks_room(split, tmp_path, monkeypatch):
-    monkeypatch.setattr(files, "free_bytes", lambda folder: 1000)
+    monkeypatch.setattr(file_writes, "free_bytes", lambda folder: 1000)
     with pytest.raises(CacheError, match=r"(?s)not enough disk space.*needs about.*only 1000 B"):
         cache(split, loader(), tmp_path, progress=False)
     assert not list(tmp_path.glob("shard-*"))
@@ -239,8 +239,8 @@ def test_refuses_when_the_disk_lacks_room(split, tmp_path, monkeypatch):
 def test_disk_estimate_is_bytes_per_sample_times_samples(split, tmp_path, monkeypatch):
     # per sample: 448 bytes of rows (specs) + 64 per tensor + 256 of headers and manifest
     needed = 12 * (448 + 2 * 64 + 256)
-    monkeypatch.setattr(files, "free_bytes", lambda folder: needed - 1)
+    monkeypatch.setattr(file_writes, "free_bytes", lambda folder: needed - 1)
     with pytest.raises(CacheError, match=r"12 samples x 832 B"):
         cache(split, loader(), tmp_path, progress=False)
-    monkeypatch.setattr(files, "free_bytes", lambda folder: needed)
+    monkeypatch.setattr(file_writes, "free_bytes", lambda folder: needed)
     assert cache(split, loader(), tmp_path, progress=False).num_samples == 12

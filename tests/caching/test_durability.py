@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphsplit.caching.format.layout import Manifest, Unsynced, read_manifest
-from graphsplit.caching.read.check import check_cache
+from graphsplit.caching.format.layout import Manifest, Unsynced
+from graphsplit.caching.read.audit import check_cache
 from graphsplit.caching.read.dataset import CachedDataset
 from graphsplit.caching.store import durability
+from graphsplit.caching.store.record_files import read_manifest
 from graphsplit.caching.store.remote import RemotePath
 from graphsplit.caching.write.cache_run import cache
 from graphsplit.errors import CorruptCacheError, ManifestError

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphsplit.caching.read.check import check_cache
+from graphsplit.caching.read.audit import check_cache
 from graphsplit.caching.read.dataset import CachedDataset
-from graphsplit.caching.store import files
+from graphsplit.caching.store import file_writes
 from graphsplit.caching.write.cache_run import cache
 from graphsplit.errors import (
     CacheError,
@@ -160,7 +160,7 @@ def test_a_symlinked_manifest_is_refused_by_every_reader(path, tmp_path, target,
     outside = outside_copy(tmp_path, manifest) if target == "outside" else Path(target)
     manifest.unlink()
     manifest.symlink_to(outside)
-    message = r"(?s)manifest.json is a symlink.*fix: delete"
+    message = r"(?s)manifest.json is a symlink.*fix:    delete"
     with pytest.raises(ManifestError, match=message):
         CachedDataset(path)
     assert "is a symlink" in str(check_cache(path))
@@ -201,7 +201,7 @@ def test_a_symlinked_partial_folder_is_refused_and_left_alone(split, tmp_path):
     folder = tmp_path / "cache"
     folder.mkdir()
     (folder / ".partial").symlink_to(elsewhere)
-    with pytest.raises(UnsafeFileError, match=r"(?s)\.partial is a symlink.*fix: delete"):
+    with pytest.raises(UnsafeFileError, match=r"(?s)\.partial is a symlink.*fix:    delete"):
         cache(split, loader(), folder, progress=False)
     assert sorted(p.name for p in elsewhere.iterdir()) == [".x.tmp", "header.json"]
 
@@ -341,14 +341,14 @@ def test_flipped_bytes_are_the_checksums_job(path):
 
 def full_at(monkeypatch, name: str) -> None:
     """The disk runs full while writing the file whose name contains ``name``."""
-    write_all = files._write_all
+    write_all = file_writes._write_all
 
     def write(descriptor, data):
         if name in os.readlink(f"/proc/self/fd/{descriptor}"):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return write_all(descriptor, data)
 
-    monkeypatch.setattr(files, "_write_all", write)
+    monkeypatch.setattr(file_writes, "_write_all", write)
 
 
 @pytest.mark.parametrize(

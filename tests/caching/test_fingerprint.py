@@ -13,15 +13,14 @@ import torch
 import xxhash
 
 from graphsplit.artifacts import BoundarySpec
-from graphsplit.caching.format import fingerprint as fingerprint_module
+from graphsplit.caching.format import checksums
 from graphsplit.caching.format.fingerprint import (
     WEIGHT_HASHES,
     _digest_tensors,
-    batch_input_digests,
     differences,
     fingerprint,
-    item_input_digest,
 )
+from graphsplit.caching.format.input_digests import batch_input_digests, item_input_digest
 from graphsplit.caching.read.dataset import CachedDataset
 from graphsplit.caching.write.cache_run import cache
 from graphsplit.errors import CacheError, StaleCacheError
@@ -123,9 +122,9 @@ def test_a_cache_with_older_weights_digests_still_matches(path, split, algorithm
 
 
 def test_an_xxh3_cache_without_xxhash_asks_for_the_package(path, split, monkeypatch):
-    monkeypatch.setattr(fingerprint_module, "xxhash", None)
+    monkeypatch.setattr(checksums, "xxhash", None)  # the one import of xxhash
     with pytest.raises(
-        CacheError, match=r"(?s)weights fingerprint is an XXH3 digest.*fix: pip install xxhash"
+        CacheError, match=r"(?s)weights fingerprint is an XXH3 digest.*fix:    pip install xxhash"
     ):
         CachedDataset(path, split)
 
@@ -198,7 +197,7 @@ def test_the_weights_fingerprint_is_the_same_in_another_process():
 
 def _row_by_row(batch, names, size):
     """The digests as graphsplit <= 0.2 computed them: each row cut out and hashed alone."""
-    from graphsplit.caching.format.fingerprint import _digest_values, _row
+    from graphsplit.caching.format.input_digests import _digest_values, _row
 
     return [
         _digest_values((name, _row(batch[name], index, size)) for name in names)

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphsplit.caching.format.layout import (
+from graphsplit.caching.read.audit import check_cache
+from graphsplit.caching.read.dataset import CachedDataset
+from graphsplit.caching.store.record_files import (
     read_constants_progress,
     read_manifest,
     read_resume_header,
@@ -19,8 +21,6 @@ from graphsplit.caching.format.layout import (
     write_progress,
     write_resume_header,
 )
-from graphsplit.caching.read.check import check_cache
-from graphsplit.caching.read.dataset import CachedDataset
 from graphsplit.caching.write.cache_run import cache
 from graphsplit.errors import CorruptCacheError, ManifestError
 from tests.caching.fixtures import (

@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
-from graphsplit.caching.format.layout import read_manifest
-from graphsplit.caching.read.dataset import CachedDataset, collate
+from graphsplit.caching.read.collation import collate
+from graphsplit.caching.read.dataset import CachedDataset
+from graphsplit.caching.store.record_files import read_manifest
 from graphsplit.caching.write.cache_run import cache
 from graphsplit.errors import ManifestError, StaleCacheError
 from tests.caching.fixtures import SMALL, Model, Pictures, bucket_batches, loader, make_split

@@ -142,7 +142,7 @@ def test_a_planted_lock_symlink_is_refused_and_its_target_untouched(split, tmp_p
     folder = tmp_path / "cache"
     folder.mkdir()
     (folder / ".lock").symlink_to(outside)
-    with pytest.raises(UnsafeFileError, match=r"(?s)\.lock is a symlink.*fix: delete"):
+    with pytest.raises(UnsafeFileError, match=r"(?s)\.lock is a symlink.*fix:    delete"):
         cache(split, loader(), folder, progress=False)
     assert outside.read_text() == "precious"
 

@@ -13,9 +13,10 @@ import torch
 from safetensors import safe_open
 
 from graphsplit.artifacts import BoundarySpec
-from graphsplit.caching.read.dataset import CachedDataset, collate
-from graphsplit.caching.store.files import checksum_file
+from graphsplit.caching.read.collation import collate
+from graphsplit.caching.read.dataset import CachedDataset
 from graphsplit.caching.store.mapped import MappedShard, _layout
+from graphsplit.caching.store.regular_files import checksum_file
 from graphsplit.caching.write.cache_run import cache
 from tests.caching.fixtures import ChannelsLastEncoder, Pictures, loader, make_split, trace
 

@@ -15,7 +15,7 @@ from graphsplit.caching.format.fingerprint import fingerprint
 from graphsplit.caching.read.dataset import CachedDataset
 from graphsplit.caching.write.cache_run import cache
 from graphsplit.caching.write.processes import Processes
-from graphsplit.errors import CacheError, StaleCacheError
+from graphsplit.errors import CacheError, Fix, Remedy, StaleCacheError
 from tests.caching.fixtures import (
     SMALL,
     WORKER,
@@ -84,17 +84,22 @@ def fake_processes(rank: int) -> Processes:
 
 def test_a_failure_in_another_process_fails_every_process(monkeypatch):
     utils = pytest.importorskip("accelerate.utils")
-    others = [None, ("StaleCacheError", "the frozen weights differ")]
+    fix = Fix("pass {remedy} to rebuild it", Remedy.OVERWRITE)
+    others = [None, ("StaleCacheError", "the frozen weights differ", fix)]
     monkeypatch.setattr(utils, "gather_object", lambda mine: [mine[0], others[1]])
-    with pytest.raises(StaleCacheError, match="process 1 failed: the frozen weights differ"):
+    with pytest.raises(
+        StaleCacheError, match="process 1 failed: the frozen weights differ"
+    ) as caught:
         fake_processes(0).everywhere(lambda: None)
+    assert caught.value.fix == fix  # the other process's fix, typed
+    assert str(caught.value).endswith("\n  fix:    pass overwrite=True to rebuild it")
 
 
 def test_a_failure_on_the_main_process_reaches_the_others(monkeypatch):
     utils = pytest.importorskip("accelerate.utils")
 
     def broadcast(objects, from_process):
-        objects[0] = ("error", ("OSError", "disk on fire"))
+        objects[0] = ("error", ("OSError", "disk on fire", None))
         return objects
 
     monkeypatch.setattr(utils, "broadcast_object_list", broadcast)
@@ -108,4 +113,4 @@ def test_processes_with_other_weights_are_refused(monkeypatch):
     other = {**mine.to_json(), "weights": "sha256:" + "0" * 64}
     monkeypatch.setattr(utils, "gather_object", lambda objects: [objects[0], other])
     with pytest.raises(CacheError, match=r"(?s)process 1 has other weights.*seed random init"):
-        fake_processes(0).check_same_fingerprint(mine)
+        fake_processes(0).refuse_other_fingerprints(mine)

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphsplit.caching.read.check import check_cache
-from graphsplit.caching.read.dataset import CachedDataset, collate
+from graphsplit.caching.read.audit import check_cache
+from graphsplit.caching.read.collation import collate
+from graphsplit.caching.read.dataset import CachedDataset
 from graphsplit.caching.store.remote import RemotePath, location
 from graphsplit.caching.store.remote_lock import RemoteLock
 from graphsplit.caching.write.cache_run import cache
@@ -141,7 +142,9 @@ def test_the_cli_caches_to_and_checks_an_s3_url(s3, bucket, tmp_path, monkeypatc
 )
 def test_a_mangled_url_is_refused_and_creates_no_local_folder(path, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(UnsupportedStorageError, match=r"(?s)looks like a URL.*fix: pass the URL"):
+    with pytest.raises(
+        UnsupportedStorageError, match=r"(?s)looks like a URL.*fix:    pass the URL"
+    ):
         cache(make_split(), loader(Pictures(2)), path, progress=False)
     with pytest.raises(UnsupportedStorageError, match="looks like a URL"):
         CachedDataset(path)
@@ -178,7 +181,7 @@ def test_file_urls_are_local_folders_with_every_local_guarantee(tmp_path):
 
 
 def test_a_missing_bucket_is_a_storage_error(s3_endpoint):
-    with pytest.raises(StorageError, match=r"(?s)bucket 'no-such-bucket'.*fix: create"):
+    with pytest.raises(StorageError, match=r"(?s)bucket 'no-such-bucket'.*fix:    create"):
         cache(make_split(), loader(Pictures(2)), "s3://no-such-bucket/cache", progress=False)
 
 

@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
-from graphsplit.caching.format.layout import read_manifest
-from graphsplit.caching.read.dataset import CachedDataset, collate
+from graphsplit.caching.read.collation import collate
+from graphsplit.caching.read.dataset import CachedDataset
+from graphsplit.caching.store.record_files import read_manifest
 from graphsplit.caching.write.cache_run import CacheInfo, cache
 from tests.caching.fixtures import (
     SMALL,

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphsplit.caching.format.fingerprint import batch_input_digests
-from graphsplit.caching.format.layout import read_manifest
-from graphsplit.caching.read.dataset import CachedDataset, collate
-from graphsplit.caching.store import files
+from graphsplit.caching.format.input_digests import batch_input_digests
+from graphsplit.caching.read.collation import collate
+from graphsplit.caching.read.dataset import CachedDataset
+from graphsplit.caching.store import file_writes
+from graphsplit.caching.store.record_files import read_manifest
 from graphsplit.caching.write.cache_run import cache
 from graphsplit.caching.write.shards import ShardWriter
 from graphsplit.errors import CacheError
@@ -126,9 +127,9 @@ def test_float16_overflow_is_refused(tmp_path):
     from graphsplit.errors import Remedy, Wording, speaking
 
     assert caught.value.remedy is Remedy.STORE_BFLOAT16  # decided by type, never by text
-    assert "fix: use storage_dtype=torch.bfloat16" in str(caught.value)
+    assert "fix:    use storage_dtype=torch.bfloat16" in str(caught.value)
     with speaking(Wording.CLI):
-        assert "fix: use --storage-dtype bfloat16" in str(caught.value)
+        assert "fix:    use --storage-dtype bfloat16" in str(caught.value)
 
 
 def test_duplicate_keys_are_refused(split, tmp_path):
@@ -151,7 +152,7 @@ def test_files_are_fsynced_before_publishing_and_progress_records_are_not(split,
         original(descriptor)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(files.os, "fsync", fsync)
+        patch.setattr(file_writes.os, "fsync", fsync)
         cache(split, loader(batch_size=2), tmp_path, shard_bytes=4 * 448 + 10, progress=False)
     names = [Path(name).name for name in synced]
     shards = [f".shard-0000{index}.safetensors.tmp" for index in range(3)]

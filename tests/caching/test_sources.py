@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graphsplit.caching.read.dataset import CachedDataset, collate
+from graphsplit.caching.read.collation import collate
+from graphsplit.caching.read.dataset import CachedDataset
 from graphsplit.caching.write.cache_run import cache
 from graphsplit.errors import CacheError
 from tests.caching.fixtures import SMALL, Pictures, cache_contents, loader, stage1_rows

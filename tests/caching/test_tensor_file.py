@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import load
 
 from graphsplit.caching.format.tensor_file import SAFETENSORS_DTYPES, layout, rows_of, serialise
-from graphsplit.caching.store import files
+from graphsplit.caching.store import file_writes
 
 
 def _parts(tensors, metadata):
@@ -74,8 +74,8 @@ def _bits(tensor):
 
 def _read_back(tmp_path, tensors):
     path = tmp_path / "shard.safetensors"
-    checksum = files.save_tensors(tensors, path, {"graphsplit_keys": '["k"]'})
-    files.commit_file(files.temporary_path(path), path, checksum=checksum)
+    checksum = file_writes.save_tensors(tensors, path, {"graphsplit_keys": '["k"]'})
+    file_writes.commit_file(file_writes.temporary_path(path), path, checksum=checksum)
     with safe_open(str(path), framework="pt") as handle:
         assert handle.metadata() == {"graphsplit_keys": '["k"]'}
         assert sorted(handle.keys()) == sorted(tensors)

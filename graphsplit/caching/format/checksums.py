@@ -30,7 +30,7 @@ import re
 import zlib
 from typing import Any
 
-from graphsplit.errors import CacheError
+from graphsplit.errors import CacheError, Fix, user_error
 
 try:
     import xxhash
@@ -45,17 +45,25 @@ CHECKSUM = re.compile(r"xxh3:[0-9a-f]{16}|crc32:[0-9a-f]{8}|sha256:[0-9a-f]{64}"
 CHECKSUM_MEANING = "'xxh3:' + 16, 'crc32:' + 8 or 'sha256:' + 64 lowercase hex digits"
 
 
+def require_xxhash(holds: str) -> None:
+    """Refuse to go on without the xxhash package where the cache ``holds`` an XXH3 digest
+    (``"files carry xxh3 checksums"``); the one place that says how to get it."""
+    if xxhash is None:
+        raise user_error(
+            CacheError,
+            f"this cache's {holds}, and the xxhash package that computes XXH3 is not installed.",
+            fix=Fix("pip install xxhash (graphsplit depends on it)"),
+        )
+
+
 class Running:
     """A checksum fed piece by piece (``update`` releases the GIL on large buffers)."""
 
     def __init__(self, algorithm: str = ALGORITHM) -> None:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown checksum algorithm {algorithm!r}")
-        if algorithm == "xxh3" and xxhash is None:
-            raise CacheError(
-                "this cache's files carry xxh3 checksums, and the xxhash package that computes "
-                "them is not installed.\n  fix: pip install xxhash (graphsplit depends on it)"
-            )
+        if algorithm == "xxh3":
+            require_xxhash("files carry xxh3 checksums")
         self.algorithm = algorithm
         self._crc = 0
         self._hash: Any = None

@@ -15,8 +15,9 @@ Glossary:
                      time sizes: the batch size and the bucket sizes may differ between runs);
         ``versions`` graphsplit, torch and safetensors versions (informational: a difference
                      there alone warns rather than refuses).
-    input digest: sha256 of one sample's stage-1 inputs exactly as the loader collated them;
-        the manifest stores one per sample so a changed image is detected by rehashing.
+    input digest: sha256 of one sample's stage-1 inputs, see
+        :mod:`graphsplit.caching.format.input_digests` (it feeds tensors as
+        :func:`update_with_tensor` does).
 
 In and out::
 
@@ -25,8 +26,7 @@ In and out::
     differences(cached: Fingerprint, current: Fingerprint) -> tuple[str, ...]   # "weights", ...
     describe_differences(cached, current, *, parts=PARTS) -> str                 # for errors
     warn_about_versions(cached, current, folder, *, stacklevel)                  # only warns
-    batch_input_digests(batch: Mapping, names, size) -> list[str]                # one per row
-    item_input_digest(item: Mapping, names) -> str                               # one dataset item
+    update_with_tensor(digest, tensor)            # its dtype, shape and bytes, into a digest
     WEIGHT_HASHES.content_hash(tensor) -> bytes   # XXH3-128 of its bytes, remembered per storage
     WEIGHT_HASHES.forget()                        # hash every weight afresh next time
 """
@@ -48,27 +48,22 @@ from typing import Any
 
 import torch
 
+from graphsplit.caching.format import checksums
 from graphsplit.caching.format.records import json_field, to_json
-from graphsplit.errors import CacheError
+from graphsplit.errors import CacheError, Fix, user_error
 from graphsplit.runtime import LEGACY_NAMES
 from graphsplit.version import __version__
-
-try:
-    import xxhash
-except ImportError:  # pragma: no cover - xxhash ships with graphsplit's dependencies
-    xxhash = None
 
 __all__ = [
     "PARTS",
     "WEIGHT_HASHES",
     "Fingerprint",
     "WeightHashes",
-    "batch_input_digests",
     "describe_differences",
     "differences",
     "fingerprint",
     "in_terms_of",
-    "item_input_digest",
+    "update_with_tensor",
     "warn_about_versions",
 ]
 
@@ -77,7 +72,7 @@ PARTS = ("weights", "code", "boundary", "versions")
 BINDING_PARTS = ("weights", "code", "boundary")
 _CHUNK_BYTES = 64 << 20
 _CRC_BYTES = 1 << 20  # one CRC-32 per MiB of a tensor's bytes
-WEIGHTS_ALGORITHM = "crc32" if xxhash is None else "xxh3"
+WEIGHTS_ALGORITHM = "crc32" if checksums.xxhash is None else "xxh3"
 # xxh3: now; crc32: earlier 0.2 caches (and where xxhash is missing); sha256: graphsplit 0.1.
 _WEIGHTS_ALGORITHMS = ("xxh3", "crc32", "sha256")
 _WEIGHTS = re.compile(r"(?:xxh3|crc32|sha256):[0-9a-f]{64}")
@@ -237,49 +232,6 @@ def current_versions() -> dict[str, str]:
     }
 
 
-def batch_input_digests(batch: Mapping[str, Any], names: Sequence[str], size: int) -> list[str]:
-    """The input digest of each of the ``size`` samples of a collated batch.
-
-    Equal to digesting each row on its own (:func:`item_input_digest`'s bytes), but a tensor
-    batched along dim 0 is made contiguous once and its rows are hashed as slices of that one
-    buffer: per sample this costs a few hash updates, not a dozen torch calls.
-    """
-    digests = [hashlib.sha256() for _ in range(size)]
-    for name in names if size else ():
-        label = f"{name}=".encode()
-        value = batch[name]
-        rows = _tensor_rows(value, size)
-        for index, digest in enumerate(digests):
-            digest.update(label)
-            if rows is None:
-                _update_with_value(digest, _row(value, index, size))
-            else:
-                header, data, step = rows
-                digest.update(header)
-                digest.update(data[index * step : (index + 1) * step])
-                digest.update(b";")
-    return [digest.hexdigest() for digest in digests]
-
-
-def _tensor_rows(value: Any, size: int) -> tuple[bytes, memoryview, int] | None:
-    """For a tensor batched along dim 0: the bytes :func:`_update_with_value` feeds before
-    each row's data, the batch's bytes in row order, and the bytes per row; else None."""
-    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != size:
-        return None
-    row_shape = tuple(value.shape[1:])
-    header = f"T{str(value.dtype).removeprefix('torch.')}{row_shape}|".encode()
-    flat = value.detach().to("cpu").contiguous().reshape(-1)
-    data = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
-    return header, data, len(data) // size
-
-
-def item_input_digest(item: Mapping[str, Any], names: Sequence[str]) -> str:
-    """The input digest of one dataset item, equal to its row's in a default-collated batch."""
-    from torch.utils.data import default_collate
-
-    return _digest_values((name, _row(default_collate([item[name]]), 0, 1)) for name in names)
-
-
 def _older_release(cached: Mapping[str, str], current: Mapping[str, str]) -> str:
     """A clause naming an older graphsplit as the likely cause of a code difference."""
     made_by, running = cached.get("graphsplit", "?"), current.get("graphsplit", "?")
@@ -344,32 +296,28 @@ def _resolve(module: torch.nn.Module, target: str) -> Any:
 
 
 def _digest_tensors(tensors: Iterable[tuple[str, torch.Tensor]], algorithm: str) -> str:
-    _need_xxhash(algorithm)
+    if algorithm == "xxh3":
+        checksums.require_xxhash("weights fingerprint is an XXH3 digest")
     digest = hashlib.sha256()
     for name, tensor in tensors:
         if tensor.device.type == "meta":
-            raise CacheError(
+            raise user_error(
+                CacheError,
                 f"cannot fingerprint stage 1: its tensor {name!r} is on the meta device, so its "
-                "content is unknown.\n  fix: load the frozen weights before caching or checking "
-                "a cache against this split."
+                "content is unknown.",
+                fix=Fix(
+                    "load the frozen weights before caching or checking a cache against this split."
+                ),
             )
         digest.update(f"{name}|".encode())
         if algorithm == "sha256":
-            _update_with_tensor(digest, tensor)
+            update_with_tensor(digest, tensor)
         elif algorithm == "crc32":
             _update_with_crcs(digest, tensor)
         else:
             digest.update(_identity(tensor))
             digest.update(WEIGHT_HASHES.content_hash(tensor))
     return f"{algorithm}:" + digest.hexdigest()
-
-
-def _need_xxhash(algorithm: str) -> None:
-    if algorithm == "xxh3" and xxhash is None:
-        raise CacheError(
-            "this cache's weights fingerprint is an XXH3 digest, and the xxhash package that "
-            "computes it is not installed.\n  fix: pip install xxhash (graphsplit depends on it)"
-        )
 
 
 def _identity(tensor: torch.Tensor) -> bytes:
@@ -388,7 +336,9 @@ def _chunks(tensor: torch.Tensor) -> Iterator[Any]:
         yield flat[start : start + step].to("cpu").contiguous().view(torch.uint8).numpy().data
 
 
-def _update_with_tensor(digest: Any, tensor: torch.Tensor) -> None:
+def update_with_tensor(digest: Any, tensor: torch.Tensor) -> None:
+    """Feed ``digest`` the tensor's dtype and shape, then its bytes in logical order (the
+    weights digest of graphsplit 0.1, and every tensor of an input digest)."""
     digest.update(_identity(tensor))
     for chunk in _chunks(tensor):
         digest.update(chunk)
@@ -433,7 +383,7 @@ class WeightHashes:
                 found = self._known.get(storage, {}).get(view)
             if found is not None and found[0] == state:
                 return found[1]
-        running = xxhash.xxh3_128()
+        running = checksums.xxhash.xxh3_128()
         for chunk in _chunks(tensor):
             running.update(chunk)
         value = running.digest()
@@ -466,48 +416,6 @@ def _place(tensor: torch.Tensor) -> tuple[Any, tuple, tuple] | None:
 
 # The one per process: cache(), CachedDataset and check_cache share what was hashed.
 WEIGHT_HASHES = WeightHashes()
-
-
-def _row(value: Any, index: int, size: int) -> Any:
-    """Sample ``index`` of a value that ``default_collate`` batched ``size`` samples into."""
-    if isinstance(value, torch.Tensor):
-        return value[index] if value.dim() > 0 and value.shape[0] == size else value
-    if isinstance(value, Mapping):
-        return {key: _row(item, index, size) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        if value and all(isinstance(item, (torch.Tensor, Mapping)) for item in value):
-            return [_row(item, index, size) for item in value]  # fields collated one by one
-        if len(value) == size:
-            return value[index]
-    return value
-
-
-def _digest_values(pairs: Iterable[tuple[str, Any]]) -> str:
-    digest = hashlib.sha256()
-    for name, value in pairs:
-        digest.update(f"{name}=".encode())
-        _update_with_value(digest, value)
-    return digest.hexdigest()
-
-
-def _update_with_value(digest: Any, value: Any) -> None:
-    if isinstance(value, torch.Tensor):
-        digest.update(b"T")
-        _update_with_tensor(digest, value)
-    elif isinstance(value, Mapping):
-        digest.update(f"M{len(value)}".encode())
-        for key in sorted(value, key=str):
-            digest.update(f"{key}:".encode())
-            _update_with_value(digest, value[key])
-    elif isinstance(value, (list, tuple)):
-        digest.update(f"L{len(value)}".encode())
-        for item in value:
-            _update_with_value(digest, item)
-    elif isinstance(value, (str, int, float, bool, bytes)) or value is None:
-        digest.update(f"V{value!r}".encode())
-    else:  # an object without a stable byte form: only its type takes part
-        digest.update(f"O{type(value).__qualname__}".encode())
-    digest.update(b";")
 
 
 def _digest_text(text: str) -> str:

@@ -39,27 +39,26 @@ Glossary:
         predates it refuses an unsynced cache (an unexpected field) instead of reading it unchecked.
 
 Each record is a frozen dataclass whose fields, in order, are its JSON fields (see
-:mod:`graphsplit.caching.format.records`): the writers and the readers below share that one schema.
-Reading is strict (exact fields, types, file names that cannot leave the folder, unique keys);
-anything else raises :class:`ManifestError` naming the file and the field.
+:mod:`graphsplit.caching.format.records`): the writers and the readers share that one schema.
+Reading is strict (exact fields, types, file names that cannot leave the folder, unique keys;
+:mod:`graphsplit.caching.format.record_documents`); anything else raises
+:class:`ManifestError` naming the file and the field. This module only describes: the records'
+files are read and written by :mod:`graphsplit.caching.store.record_files`.
 
 In and out::
 
-    read_manifest(folder) -> Manifest                    write_manifest(folder, manifest)
-    read_resume_header(folder) -> CacheHeader | None     write_resume_header(folder, header)
-    read_shard_progress(folder, index, header) -> ShardProgress | None
-    read_constants_progress(folder, header) -> ConstantsProgress | None
-    write_progress(folder, progress)                     # either kind of progress record
+    shard_file_name(index) -> "shard-00007.safetensors"
+    shard_progress_name(index) -> "shard-00007.json"
+    tensor_name(row, name) -> "3/latents"
+    CacheHeader, ShardLayout, Manifest, FileRecord, ConstantsRecord, ShardRecord, Unsynced,
+    ShardProgress, ConstantsProgress                     # the records
 """
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -67,25 +66,20 @@ from graphsplit.artifacts import BoundarySpec
 from graphsplit.caching.format.checksums import CHECKSUM, CHECKSUM_MEANING
 from graphsplit.caching.format.fingerprint import Fingerprint
 from graphsplit.caching.format.memory_order import Order
-from graphsplit.caching.format.records import (
-    REBUILD,
-    JsonReader,
-    json_field,
-    json_names,
-    optional_names,
-    to_json,
-)
-from graphsplit.caching.store.files import exists, real_folder, write_atomically
-from graphsplit.errors import ManifestError, Remedy
+from graphsplit.caching.format.records import json_field
 
 __all__ = [
     "BOOT_ID",
     "CONSTANTS_FILE",
+    "CONSTANTS_PROGRESS_FILE",
     "FORMAT",
     "FORMAT_VERSION",
     "LOCK_FILE",
     "MANIFEST_FILE",
     "PARTIAL_DIR",
+    "READABLE_VERSIONS",
+    "RESUME_HEADER_FILE",
+    "RESUME_HEADER_FILE_0_1",
     "CacheHeader",
     "ConstantsProgress",
     "ConstantsRecord",
@@ -95,16 +89,9 @@ __all__ = [
     "ShardProgress",
     "ShardRecord",
     "Unsynced",
-    "has_resume_header",
-    "read_constants_progress",
-    "read_manifest",
-    "read_resume_header",
-    "read_shard_progress",
     "shard_file_name",
+    "shard_progress_name",
     "tensor_name",
-    "write_manifest",
-    "write_progress",
-    "write_resume_header",
 ]
 
 FORMAT = "graphsplit-cache"
@@ -250,280 +237,3 @@ class ConstantsProgress:
 
     constants: ConstantsRecord = json_field(inline=True)  # noqa: RUF009 (a dataclasses.field)
     max_abs_error: Mapping[str, float]
-
-
-# ------------------------------------------------------------------------------------ writing
-
-
-def write_manifest(folder: Path, manifest: Manifest, *, durable: bool = True) -> None:
-    """Write ``manifest.json`` atomically (fsync'd unless ``durable=False``); one shard per
-    line, so diffs and greps stay readable."""
-    document = {"format": FORMAT, "format_version": FORMAT_VERSION, **to_json(manifest)}
-    data = (_format_json(document) + "\n").encode()
-    write_atomically(folder / MANIFEST_FILE, data, durable=durable)
-
-
-def write_resume_header(folder: Path, header: CacheHeader, *, durable: bool = True) -> None:
-    """Record the header a run starts with, in ``.partial/header.json`` (fsync'd unless
-    ``durable=False``: a header a power cut damaged is read as torn, and resuming then
-    keeps only the shards that verify)."""
-    real_folder(folder / PARTIAL_DIR, create=True, durable=durable)
-    document = {"format": FORMAT, "format_version": FORMAT_VERSION, **to_json(header)}
-    data = json.dumps(document, indent=2).encode()
-    write_atomically(folder / PARTIAL_DIR / RESUME_HEADER_FILE, data, durable=durable)
-
-
-def write_progress(folder: Path, progress: ShardProgress | ConstantsProgress) -> None:
-    """Record a finished shard or constants file in ``.partial/`` (after its file's rename).
-
-    Durable like every file graphsplit writes; a lost or damaged one only means redoing
-    that file.
-    """
-    if isinstance(progress, ShardProgress):
-        name = Path(progress.shard.file).with_suffix(".json").name
-    else:
-        name = CONSTANTS_PROGRESS_FILE
-    data = json.dumps(to_json(progress)).encode()
-    real_folder(folder / PARTIAL_DIR, create=True)
-    write_atomically(folder / PARTIAL_DIR / name, data)
-
-
-def _format_json(value: Any, depth: int = 0, *, inline: bool = False) -> str:
-    """Indented JSON whose lists of scalars, and each shard record, stay on one line."""
-    pad, end = "  " * (depth + 1), "  " * depth
-    if inline or not isinstance(value, (dict, list)) or not value:
-        return json.dumps(value)
-    if isinstance(value, dict):
-        items = (
-            f"{pad}{json.dumps(key)}: {_format_json(item, depth + 1, inline=False)}"
-            if key != "shards"
-            else f"{pad}{json.dumps(key)}: "
-            + "[\n"
-            + ",\n".join(f"{pad}  {json.dumps(shard)}" for shard in item)
-            + f"\n{pad}]"
-            for key, item in value.items()
-        )
-        return "{\n" + ",\n".join(items) + f"\n{end}}}"
-    if not any(isinstance(item, (dict, list)) for item in value):
-        return json.dumps(value)
-    return "[\n" + ",\n".join(pad + _format_json(item, depth + 1) for item in value) + f"\n{end}]"
-
-
-# ------------------------------------------------------------------------------------ reading
-
-
-def read_manifest(folder: Path) -> Manifest:
-    """Read and strictly validate ``folder/manifest.json``.
-
-    Raises:
-        ManifestError: the folder holds no manifest, or it is malformed, of another format
-            version, or names files outside the folder; the message names the field.
-    """
-    path = folder / MANIFEST_FILE
-    if not exists(path):
-        hint = ""
-        if has_resume_header(folder):
-            hint = (
-                " (a caching run started there but did not finish; rerun graphsplit.cache with "
-                "the same arguments to complete it)"
-            )
-        raise ManifestError(f"no graphsplit cache at {folder}: {MANIFEST_FILE} is missing{hint}")
-    reader = JsonReader(path)
-    manifest: Manifest = _read_stamped(reader, Manifest)
-    header = manifest.header
-    _check_header(reader, header)
-    if manifest.constants is None and header.constant_specs:
-        reader.fail("constants", "is null but the boundary has per-dataset constants")
-    if manifest.constants is not None:
-        _check_constants(reader, manifest.constants, header, "constants")
-    for index, shard in enumerate(manifest.shards):
-        _check_shard(reader, shard, header, index, f"shards[{index}]")
-    _check_errors(reader, manifest.max_abs_error, header, "max_abs_error")
-    counted = sum(len(shard.keys) for shard in manifest.shards)
-    if manifest.num_samples != counted:
-        reader.fail("num_samples", f"is {manifest.num_samples} but the shards list {counted}")
-    _check_unique_keys(reader, manifest.shards)
-    return manifest
-
-
-def has_resume_header(folder: Path) -> bool:
-    """Whether a caching run started in ``folder`` (and has not finished or been cleaned up)."""
-    partial = folder / PARTIAL_DIR
-    names = (RESUME_HEADER_FILE, RESUME_HEADER_FILE_0_1)
-    return any(exists(partial / name) for name in names)
-
-
-def read_resume_header(folder: Path) -> CacheHeader | None:
-    """The header of an interrupted run in ``folder``, or None when there is none.
-
-    Reads ``.partial/header.json``, or ``.partial/plan.json`` where graphsplit 0.1 left one.
-    """
-    for name in (RESUME_HEADER_FILE, RESUME_HEADER_FILE_0_1):
-        path = folder / PARTIAL_DIR / name
-        if exists(path):
-            reader = JsonReader(path)
-            header: CacheHeader = _read_stamped(reader, CacheHeader)
-            _check_header(reader, header)
-            return header
-    return None
-
-
-def read_shard_progress(folder: Path, index: int, header: CacheHeader) -> ShardProgress | None:
-    """The progress record of shard ``index``, or None when absent or unreadable."""
-    path = folder / PARTIAL_DIR / shard_progress_name(index)
-    if not exists(path):
-        return None
-    reader = JsonReader(path)
-    try:
-        document = reader.load()
-        _upgrade_file_record(document)
-        progress: ShardProgress = reader.read(ShardProgress, document)
-        _check_shard(reader, progress.shard, header, index, "")
-        _check_errors(reader, progress.max_abs_error, header, "max_abs_error")
-    except ManifestError:
-        return None  # written atomically, so this is foreign or damaged: redo the shard
-    return progress
-
-
-def read_constants_progress(folder: Path, header: CacheHeader) -> ConstantsProgress | None:
-    """The progress record of the constants file, or None when absent or unreadable."""
-    path = folder / PARTIAL_DIR / CONSTANTS_PROGRESS_FILE
-    if not exists(path):
-        return None
-    reader = JsonReader(path)
-    try:
-        document = reader.load()
-        _upgrade_file_record(document)  # the constants record is inline
-        progress: ConstantsProgress = reader.read(ConstantsProgress, document)
-        _check_constants(reader, progress.constants, header, "constants")
-        _check_errors(reader, progress.max_abs_error, header, "max_abs_error")
-    except ManifestError:
-        return None
-    return progress
-
-
-def _read_stamped(reader: JsonReader, cls: type) -> Any:
-    """A document that opens with the stamp: check the stamp first, then read the rest."""
-    document = reader.load()
-    stamp = ("format", "format_version")
-    reader.check_names(document, "", (*stamp, *json_names(cls)), optional=optional_names(cls))
-    if document["format"] != FORMAT:
-        reader.fail("format", f"is {document['format']!r}; expected {FORMAT!r}")
-    version = document["format_version"]
-    if type(version) is not int:
-        reader.fail("format_version", f"is {version!r}; expected an integer")
-    if version not in READABLE_VERSIONS:
-        newer = version > FORMAT_VERSION
-        raise ManifestError(
-            f"{reader.path} has cache format version {version}, this graphsplit reads versions "
-            f"{READABLE_VERSIONS[0]} to {FORMAT_VERSION}.\n  fix: "
-            + ("upgrade graphsplit to read it, or " if newer else "")
-            + REBUILD,
-            remedy=Remedy.OVERWRITE,
-        )
-    if version == 1:
-        _upgrade_file_record(document.get("constants"))
-        shards = document.get("shards")
-        for shard in shards if isinstance(shards, list) else ():
-            _upgrade_file_record(shard)
-    return reader.read(cls, {key: value for key, value in document.items() if key not in stamp})
-
-
-def _upgrade_file_record(record: Any) -> None:
-    """Turn a format-1 file record's ``"sha256": hex`` into ``"checksum": "sha256:hex"``, in
-    place (anything else is left for the strict reader to judge)."""
-    if isinstance(record, dict) and "sha256" in record and "checksum" not in record:
-        value = record.pop("sha256")
-        record["checksum"] = f"sha256:{value}" if isinstance(value, str) else value
-
-
-# ---------------------------------------------------- rules that span fields (after the types)
-
-
-def _check_header(reader: JsonReader, header: CacheHeader) -> None:
-    for index, spec in enumerate(header.boundary):
-        where = f"boundary[{index}]"
-        if not spec.name.isidentifier():
-            reader.fail(f"{where}.name", f"is {spec.name!r}; expected a Python identifier")
-        if spec.batch_dim is not None and spec.batch_dim >= len(spec.shape):
-            reader.fail(
-                f"{where}.batch_dim",
-                f"is {spec.batch_dim!r}; expected null or a dim of {spec.shape}",
-            )
-    names = [spec.name for spec in header.boundary]
-    if len(set(names)) != len(names):
-        reader.fail("boundary", f"repeats a name: {names}")
-
-
-def _check_constants(
-    reader: JsonReader, record: ConstantsRecord, header: CacheHeader, where: str
-) -> None:
-    if record.file != CONSTANTS_FILE:
-        reader.fail(f"{where}.file", f"is {record.file!r}; expected {CONSTANTS_FILE!r}")
-    specs = {spec.name: spec for spec in header.constant_specs}
-    if set(record.dim_orders) != set(specs):
-        reader.fail(
-            f"{where}.dim_orders", f"names {sorted(record.dim_orders)}, not {sorted(specs)}"
-        )
-    for name, order in record.dim_orders.items():
-        _check_order(reader, order, f"{where}.dim_orders.{name}", len(specs[name].shape))
-
-
-def _check_shard(
-    reader: JsonReader, record: ShardRecord, header: CacheHeader, index: int, where: str
-) -> None:
-    if record.file != shard_file_name(index):
-        reader.fail(
-            _join(where, "file"),
-            f"is {record.file!r}; shard {index} must be {shard_file_name(index)!r} "
-            "(a file name inside the cache folder)",
-        )
-    specs = header.sample_specs
-    for row, (shapes, orders) in enumerate(zip(record.shapes, record.row_orders)):
-        shapes_at, orders_at = _join(where, f"shapes[{row}]"), _join(where, f"dim_orders[{row}]")
-        tensors = f"{len(specs)} per-sample tensors"
-        if len(shapes) != len(specs):
-            reader.fail(shapes_at, f"lists {len(shapes)} shapes for {tensors}")
-        if len(orders) != len(specs):
-            reader.fail(orders_at, f"lists {len(orders)} orders for {tensors}")
-        for column, (shape, order, spec) in enumerate(zip(shapes, orders, specs)):
-            if len(shape) != len(spec.shape) - 1:
-                reader.fail(
-                    f"{shapes_at}[{column}]",
-                    f"has {len(shape)} dims; a row of {spec.name!r} has {len(spec.shape) - 1}",
-                )
-            _check_order(reader, order, f"{orders_at}[{column}]", len(spec.shape))
-    counts = {len(record.keys), len(record.shapes), len(record.row_orders)}
-    if len(counts | {len(record.input_sha256)}) > 1:
-        reader.fail(
-            where or "shard record", "lists different numbers of keys, shapes, orders and digests"
-        )
-
-
-def _check_order(reader: JsonReader, order: Order | None, where: str, ndim: int) -> None:
-    if order is not None and sorted(order) != list(range(ndim)):
-        reader.fail(where, f"is {list(order)}, not an order of {ndim} dims")
-
-
-def _check_errors(
-    reader: JsonReader, errors: Mapping[str, float], header: CacheHeader, where: str
-) -> None:
-    names = {spec.name for spec in header.boundary}
-    for name in errors:
-        if name not in names:
-            reader.fail(where, f"names {name!r}, which is not a boundary tensor")
-
-
-def _check_unique_keys(reader: JsonReader, shards: Iterable[ShardRecord]) -> None:
-    seen: dict[str, int] = {}
-    for index, shard in enumerate(shards):
-        for key in shard.keys:
-            if key in seen:
-                reader.fail(
-                    "shards", f"list the sample key {key!r} twice (shards {seen[key]}, {index})"
-                )
-            seen[key] = index
-
-
-def _join(where: str, name: str) -> str:
-    return f"{where}.{name}" if where else name

@@ -3,7 +3,7 @@
 The cache format's records (:mod:`graphsplit.caching.format.layout`) are plain frozen dataclasses;
 their fields, type hints and the rules :func:`json_field` attaches are the schema. This module
 reads a JSON document into such a dataclass, refusing anything else, and writes one back; no
-record is validated or written field by field by hand.
+record is read or written field by field by hand.
 
 Glossary:
     rule: what a field adds to its type: its JSON name, a minimum, a pattern, identifier-only,
@@ -25,8 +25,8 @@ In and out::
     json_names(cls) -> tuple[str, ...]          # the keys a document of ``cls`` holds, in order
     optional_names(cls) -> frozenset[str]       # those of them that may be absent
     to_json(record) -> dict                     # JSON-ready, in field order
-    JsonReader(path).load() -> dict             # a regular file of <= 1 GiB: UTF-8, no repeated
-                                                # keys, no NaN, nesting bounded by the stack
+    JsonReader(path).parse(data) -> dict        # UTF-8, no repeated keys, no NaN, nesting
+                                                # bounded by the stack (``path`` names it only)
     JsonReader(path).read(cls, document, where="") -> cls
     JsonReader(path).fail(where, problem)       # raises ManifestError naming file and field
 """
@@ -47,10 +47,10 @@ from typing import Any, NoReturn
 
 import torch
 
-from graphsplit.caching.store.files import read_regular
-from graphsplit.errors import ManifestError, Remedy, TornFileError, UnsafeFileError
+from graphsplit.errors import Fix, ManifestError, Remedy, TornFileError, user_error
 
 __all__ = [
+    "DAMAGED",
     "REBUILD",
     "JsonReader",
     "Rule",
@@ -60,8 +60,9 @@ __all__ = [
     "to_json",
 ]
 
-MAX_JSON_BYTES = 1 << 30  # a manifest of ten million samples is well below this
 REBUILD = "rebuild the cache (run cache again with {remedy})"
+# The fix for a cache file that does not read: damaged (a torn write, a bit flip) or foreign.
+DAMAGED = Fix(f"the file is damaged or was not written by graphsplit; {REBUILD}", Remedy.OVERWRITE)
 _RULE = "graphsplit.caching.format.records"  # the key of a field's rule in its metadata
 
 
@@ -188,24 +189,20 @@ class JsonReader:
         self.path = path
 
     def fail(self, where: str, problem: str) -> NoReturn:
-        raise ManifestError(
+        reason = (
             f"{self.path} is not a valid graphsplit cache file: {where or 'the document'} "
-            f"{problem}.\n  fix: the file is damaged or was not written by graphsplit; {REBUILD}",
-            remedy=Remedy.OVERWRITE,
+            f"{problem}."
         )
+        raise user_error(ManifestError, reason, fix=DAMAGED)
 
-    def load(self) -> dict[str, Any]:
-        """The file's JSON object: UTF-8, no key twice in one object, no NaN or Infinity."""
-        try:
-            data = read_regular(self.path, limit=MAX_JSON_BYTES)
-        except UnsafeFileError as error:
-            raise ManifestError(str(error)) from None
-        except OSError as error:
-            raise ManifestError(
-                f"{self.path} cannot be read ({error.strerror or error}).\n  fix: check its "
-                f"permissions, or {REBUILD}",
-                remedy=Remedy.OVERWRITE,
-            ) from None
+    def parse(self, data: bytes) -> dict[str, Any]:
+        """The file's bytes as its JSON object: UTF-8, no key twice in one object, no NaN or
+        Infinity (reading the bytes is the store's: :mod:`graphsplit.caching.store.record_files`).
+
+        Raises:
+            TornFileError: empty or not JSON at all; ManifestError: not an object, or nested
+                deeper than any graphsplit record.
+        """
         try:
             text = data.decode("utf-8")
             document = json.loads(
@@ -215,20 +212,16 @@ class JsonReader:
             self.fail("", "nests lists or objects too deeply for a graphsplit record")
         except (UnicodeDecodeError, ValueError) as error:
             problem = "is empty" if not data.strip() else f"is not valid JSON ({error})"
-            raise TornFileError(
-                f"{self.path} {problem}.\n  fix: the file is damaged or was "
-                f"not written by graphsplit; {REBUILD}",
-                remedy=Remedy.OVERWRITE,
-            ) from None
+            raise user_error(TornFileError, f"{self.path} {problem}.", fix=DAMAGED) from None
         return self.mapping(document, "")
 
     def read(self, cls: type, value: Any, where: str = "") -> Any:
         """``value`` as a ``cls``: exactly its fields, each of its type and rule."""
         document = self.mapping(value, where)
-        self.check_names(document, where, json_names(cls), optional=optional_names(cls))
+        self.require_names(document, where, json_names(cls), optional=optional_names(cls))
         return self._build(cls, document, where)
 
-    def check_names(
+    def require_names(
         self,
         document: Mapping[str, Any],
         where: str,

@@ -1,7 +1,7 @@
 """The safetensors format, as graphsplit writes and reads it without the library.
 
-graphsplit writes shards itself (:func:`graphsplit.caching.store.files.save_tensors`), so that every
-write goes through one path, and reads remote shards by byte ranges
+graphsplit writes shards itself (:func:`graphsplit.caching.store.file_writes.save_tensors`), so
+that every write goes through one path, and reads remote shards by byte ranges
 (:mod:`graphsplit.caching.store.ranged`); both need the format, described here once: an 8-byte
 little-endian header length, the JSON header (padded with spaces to 8 bytes), then each
 tensor's bytes at its ``data_offsets`` (relative to the end of the header).
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from graphsplit.errors import CacheError
+from graphsplit.errors import CacheError, Fix, user_error
 
 __all__ = [
     "DTYPES_BY_CODE",
@@ -77,10 +77,13 @@ def safetensors_dtype(dtype: torch.dtype, name: str) -> str:
     """The safetensors name of ``dtype`` (``"F32"``), or a CacheError naming the tensor."""
     code = SAFETENSORS_DTYPES.get(dtype)
     if code is None:
-        raise CacheError(
-            f"the boundary tensor {name!r} is {dtype}, which the safetensors format cannot "
-            f"store.\n  fix: cast it in the training step to one of "
-            f"{sorted(str(d).removeprefix('torch.') for d in SAFETENSORS_DTYPES)}"
+        raise user_error(
+            CacheError,
+            f"the boundary tensor {name!r} is {dtype}, which the safetensors format cannot store.",
+            fix=Fix(
+                "cast it in the training step to one of "
+                f"{sorted(str(d).removeprefix('torch.') for d in SAFETENSORS_DTYPES)}"
+            ),
         )
     return code
 

@@ -14,7 +14,7 @@ In and out::
         .num_samples, .num_batches (None until known)   .batch_size() -> int | None
         .count(wanted) -> samples in the wanted batches, where known in advance
         .batches(wanted, finished, batches_per_shard) -> Iterator[Batch]
-        .check_resumed_order(finished, batches_per_shard)
+        .refuse_reordered_resume(finished, batches_per_shard)
     as_mapping(batch, names) -> {name: value}         batch_keys(batch, positions) -> [key]
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from graphsplit.caching.format.layout import ShardProgress
-from graphsplit.errors import CacheError, Remedy, StaleCacheError
+from graphsplit.errors import CacheError, Fix, Remedy, StaleCacheError, user_error
 
 __all__ = ["Batch", "BatchSource", "as_mapping", "batch_keys", "source_for"]
 
@@ -62,7 +62,7 @@ class BatchSource:
     def batches(self, wanted: Wanted, finished: Finished, per_shard: int) -> Iterator[Batch]:
         raise NotImplementedError
 
-    def check_resumed_order(self, finished: Finished, per_shard: int) -> None:
+    def refuse_reordered_resume(self, finished: Finished, per_shard: int) -> None:
         """Refuse to resume when finished shards hold other positions than the loader gives."""
 
 
@@ -106,7 +106,7 @@ class IndexedSource(BatchSource):
         for j, data in zip(chosen, subset):
             yield Batch(j, self.index_lists[j], data)
 
-    def check_resumed_order(self, finished: Finished, per_shard: int) -> None:
+    def refuse_reordered_resume(self, finished: Finished, per_shard: int) -> None:
         for shard, progress in finished.items():
             lists = self.index_lists[shard * per_shard : (shard + 1) * per_shard]
             expected = [position for indices in lists for position in indices]
@@ -132,9 +132,7 @@ class StreamSource(BatchSource):
             try:
                 first = next(iterator)
             except StopIteration:
-                raise CacheError(
-                    "the loader yielded no batches; there is nothing to cache"
-                ) from None
+                raise empty_loader_error() from None
             self._peeked = (first, iterator)
         return _batch_length(self._peeked[0], self.input_names)
 
@@ -172,20 +170,28 @@ def source_for(loader: Any, input_names: Sequence[str]) -> BatchSource:
     from torch.utils.data.distributed import DistributedSampler
 
     if type(loader).__module__.startswith("accelerate"):
-        raise CacheError(
-            "graphsplit.cache got a loader returned by accelerator.prepare, which already "
-            "splits the data between processes.\n  fix: pass the plain DataLoader and the "
-            "accelerator: graphsplit.cache(split, loader, path, accelerator=accelerator)"
+        raise user_error(
+            CacheError,
+            "graphsplit.cache got a loader returned by accelerator.prepare, which already splits "
+            "the data between processes.",
+            fix=Fix(
+                "pass the plain DataLoader and the accelerator: graphsplit.cache(split, loader, "
+                "path, accelerator=accelerator)"
+            ),
         )
     if isinstance(loader, DataLoader):
         batch_sampler = loader.batch_sampler
         samplers = [loader.sampler, getattr(batch_sampler, "sampler", None)]
         if any(isinstance(sampler, (RandomSampler, DistributedSampler)) for sampler in samplers):
-            raise CacheError(
+            raise user_error(
+                CacheError,
                 "the loader shuffles or splits its dataset (its sampler is a "
-                f"{type(loader.sampler).__name__}); caching needs the same order on every run "
-                "and in every process.\n  fix: build the loader with shuffle=False and no "
-                "sampler (shuffle the cached dataset when training instead)"
+                f"{type(loader.sampler).__name__}); caching needs the same order on every run and "
+                "in every process.",
+                fix=Fix(
+                    "build the loader with shuffle=False and no sampler (shuffle the cached "
+                    "dataset when training instead)"
+                ),
             )
         if not isinstance(loader.dataset, IterableDataset) and batch_sampler is not None:
             return IndexedSource(loader)
@@ -197,17 +203,29 @@ def as_mapping(batch: Any, names: Sequence[str]) -> dict[str, Any]:
     if isinstance(batch, Mapping):
         missing = [name for name in names if name not in batch]
         if missing:
-            raise CacheError(
-                f"the loader's batches lack {missing}; stage 1 takes {list(names)} and the "
-                f"batches hold {sorted(map(str, batch))}.\n  fix: return these fields from "
-                "the dataset (or the collate function)"
+            raise user_error(
+                CacheError,
+                f"the loader's batches lack {missing}; stage 1 takes {list(names)} and the batches "
+                f"hold {sorted(map(str, batch))}.",
+                fix=Fix("return these fields from the dataset (or the collate function)"),
             )
         return {name: batch[name] for name in names}
     if isinstance(batch, (list, tuple)) and len(batch) == len(names):
         return dict(zip(names, batch))
-    raise CacheError(
-        f"a batch is a {type(batch).__name__}; graphsplit.cache needs a dict holding "
-        f"{list(names)} (and optionally 'key').\n  fix: make the dataset return dicts"
+    raise user_error(
+        CacheError,
+        f"a batch is a {type(batch).__name__}; graphsplit.cache needs a dict holding {list(names)} "
+        "(and optionally 'key').",
+        fix=Fix("make the dataset return dicts"),
+    )
+
+
+def empty_loader_error() -> CacheError:
+    """The error for a loader that yields no batch: there is nothing to cache."""
+    return user_error(
+        CacheError,
+        "the loader yielded no batches; there is nothing to cache",
+        fix=Fix("pass a loader that yields at least one batch (is its dataset empty?)"),
     )
 
 
@@ -219,9 +237,14 @@ def batch_keys(batch: Any, positions: Sequence[int]) -> list[str]:
     if isinstance(raw, torch.Tensor):
         raw = raw.tolist()
     if isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence) or len(raw) != len(positions):
-        raise CacheError(
+        raise user_error(
+            CacheError,
             f"the batch's 'key' is {type(raw).__name__} {raw!r:.60}; it must be a list with one "
-            f"key per sample ({len(positions)} here)"
+            f"key per sample ({len(positions)} here)",
+            fix=Fix(
+                "give each dataset item a str 'key' (default_collate batches them into a list), "
+                "or leave 'key' out to number the samples"
+            ),
         )
     return [str(key) for key in raw]
 
@@ -235,23 +258,29 @@ def _batch_length(batch: Any, names: Sequence[str]) -> int:
     if isinstance(batch, Mapping) and "key" in batch:
         keys = len(batch["key"])
         if sizes and sizes[0] != keys:
-            raise CacheError(
-                f"the batch's 'key' lists {keys} key(s) but its inputs hold {sizes[0]} samples."
-                "\n  fix: give one key per sample"
+            raise user_error(
+                CacheError,
+                f"the batch's 'key' lists {keys} key(s) but its inputs hold {sizes[0]} samples.",
+                fix=Fix("give one key per sample"),
             )
         return keys
     if sizes:
         return sizes[0]
-    raise CacheError(
-        "cannot tell how many samples a batch holds: it has no 'key' list and no batched "
-        f"tensor among {list(names)}.\n  fix: give each batch a 'key' list"
+    raise user_error(
+        CacheError,
+        "cannot tell how many samples a batch holds: it has no 'key' list and no batched tensor "
+        f"among {list(names)}.",
+        fix=Fix("give each batch a 'key' list"),
     )
 
 
 def _order_changed(shard: int) -> CacheError:
-    return StaleCacheError(
-        f"the loader yields other samples for shard {shard} than the interrupted run did "
-        "(its order or dataset changed), so the run cannot resume.\n  fix: use the same loader "
-        "without shuffling, or pass {remedy} to start the cache afresh",
-        remedy=Remedy.OVERWRITE,
+    return user_error(
+        StaleCacheError,
+        f"the loader yields other samples for shard {shard} than the interrupted run did (its "
+        "order or dataset changed), so the run cannot resume.",
+        fix=Fix(
+            "use the same loader without shuffling, or pass {remedy} to start the cache afresh",
+            Remedy.OVERWRITE,
+        ),
     )

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from graphsplit.caching.format.fingerprint import batch_input_digests
+from graphsplit.caching.format.input_digests import batch_input_digests
 from graphsplit.caching.format.layout import ShardRecord
 from graphsplit.caching.loader.batches import BatchSource, as_mapping, batch_keys
 from graphsplit.units import some_keys

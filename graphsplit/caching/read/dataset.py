@@ -1,24 +1,28 @@
-"""Read a cache written by :func:`graphsplit.cache`, refuse a stale one, and batch it for stage 2.
+"""Read a cache written by :func:`graphsplit.cache` and refuse a stale one.
 
 Glossary:
     item: one sample of a :class:`CachedDataset`: ``{"key": str, name: row tensor, ...}`` for
         the boundary tensors that have a batch dim, in their storage dtype.
-    constants: the boundary tensors without a batch dim, stored once; :func:`collate` adds them
-        to every batch.
+    constants: the boundary tensors without a batch dim, stored once;
+        :func:`~graphsplit.caching.read.collation.collate` adds them to every batch.
     stale: made from other frozen weights, stage-1 code or boundary than a given split (the
         fingerprint tells), or from other inputs than a given dataset (the input digests tell).
+    checksum on first open: ``verify=True`` hashes each shard the first time it is opened
+        (the shards in ``_checksummed`` are done); a damaged one is refused with the samples
+        it holds, the others still read.
 
 In and out::
 
     CachedDataset(path, split=None, *, dataset=None, expected_keys=None, verify=True)
         cached[i] -> CachedSample    cached.shapes(i) -> {name: shape}    cached.buckets()
-    collate(items) -> dict[str, Tensor]            # the keyword arguments of split.stage2
     verify_inputs(cached, dataset) -> None         # raises StaleCacheError naming changed keys
+    refuse_other_split(manifest, current, path)    # StaleCacheError; other versions only warn
 
 Nothing here unpickles: shards are checked with safetensors' ``safe_open`` and read as views
 of their memory maps (:mod:`graphsplit.caching.store.mapped`: an item copies nothing, a batch is one
-copy), and the manifest is strictly validated JSON. Auditing a whole cache is
-:mod:`graphsplit.caching.read.check`.
+copy), and the manifest is read strictly. Batching items is
+:mod:`graphsplit.caching.read.collation`; auditing a whole cache is
+:mod:`graphsplit.caching.read.audit`.
 """
 
 from __future__ import annotations
@@ -27,7 +31,6 @@ import bisect
 import os
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,47 +44,38 @@ from graphsplit.caching.format.fingerprint import (
     describe_differences,
     fingerprint,
     in_terms_of,
-    item_input_digest,
     warn_about_versions,
 )
-from graphsplit.caching.format.layout import CONSTANTS_FILE, Manifest, read_manifest, tensor_name
-from graphsplit.caching.format.memory_order import Order, inverse, row_order
+from graphsplit.caching.format.input_digests import item_input_digest
+from graphsplit.caching.format.layout import CONSTANTS_FILE, Manifest, tensor_name
+from graphsplit.caching.format.memory_order import inverse, row_order
+from graphsplit.caching.format.records import REBUILD
 from graphsplit.caching.loader.samples import describe_changes
-from graphsplit.caching.read.check import file_problem, open_problem, open_shard
+from graphsplit.caching.read.audit import file_problem, open_problem, open_shard
+from graphsplit.caching.read.collation import CachedSample, Collation
 from graphsplit.caching.store.durability import restart_cause, restarted_since
 from graphsplit.caching.store.mapped import open_mapped
 from graphsplit.caching.store.read_through import LocalCopies
+from graphsplit.caching.store.record_files import read_manifest
 from graphsplit.caching.store.remote import RemotePath, location
-from graphsplit.errors import CacheError, CorruptCacheError, Remedy, StaleCacheError, StorageError
+from graphsplit.errors import (
+    CacheError,
+    CorruptCacheError,
+    Fix,
+    GraphsplitError,
+    Remedy,
+    StaleCacheError,
+    StorageError,
+    user_error,
+)
 from graphsplit.units import some_keys
 
 if TYPE_CHECKING:
     from graphsplit.api import Split
 
-__all__ = ["CachedDataset", "CachedSample", "collate", "verify_inputs"]
+__all__ = ["CachedDataset", "refuse_other_split", "verify_inputs"]
 
 _MAX_OPEN_SHARDS = 64
-
-
-@dataclass(frozen=True)
-class _Collation:
-    """What :func:`collate` needs to batch items of one cache: batch dims, dtypes, constants."""
-
-    path: Path | RemotePath
-    rows: tuple[tuple[str, int, torch.dtype], ...]  # (name, batch dim, dtype stage 2 takes)
-    constants: Mapping[str, torch.Tensor]
-    order: tuple[str, ...]
-
-
-class CachedSample(dict):
-    """One item of a :class:`CachedDataset`: a plain dict that also knows how to batch it.
-
-    ``dim_orders`` holds, per row tensor, the memory order of the batch it was computed in
-    (None: plain contiguous), so :func:`collate` rebuilds batches with stage 1's strides.
-    """
-
-    collation: _Collation | None = None
-    dim_orders: tuple[Order | None, ...] | None = None
 
 
 class CachedDataset(torch.utils.data.Dataset):
@@ -117,7 +111,7 @@ class CachedDataset(torch.utils.data.Dataset):
             A cache written with ``cache(..., durable=False)`` is verified regardless once
             the machine that wrote it has restarted (a power cut may have lost its bytes);
             running ``cache`` again verifies it once and records it as durable.
-        local_cache: for a remote cache, a local folder to keep verified copies of its shards
+        local_cache: for a remote cache, a local folder to keep checksummed copies of its shards
             in (:mod:`graphsplit.caching.store.read_through`), downloaded on first use and then
             memory-mapped: the fast way to train from a bucket. Ignored for a local cache.
 
@@ -132,7 +126,7 @@ class CachedDataset(torch.utils.data.Dataset):
         >>> _ = cache(split, torch.utils.data.DataLoader(data, batch_size=2), path, progress=False)
         >>> cached = CachedDataset(path, split)
         >>> loader = torch.utils.data.DataLoader(cached, batch_size=3, shuffle=True,
-        ...                                      collate_fn=collate)
+        ...                                      collate_fn=graphsplit.collate)
         >>> split.stage2(**next(iter(loader))).shape
         torch.Size([3, 1])
     """
@@ -167,15 +161,15 @@ class CachedDataset(torch.utils.data.Dataset):
             for row in range(most_rows)
         ]
         self._handles: dict[int, Any] = {}
-        self._verified: set[int] = set()
+        self._checksummed: set[int] = set()
         self._corrupt: dict[int, str] = {}
         if split is not None:
             cached = self.manifest.header.fingerprint
             current = in_terms_of(fingerprint(split, allow_meta=True), cached, split)
-            _check_fingerprint(self.manifest, current, self.path)
+            refuse_other_split(self.manifest, current, self.path)
         if expected_keys is not None:
-            self._check_keys(expected_keys)
-        self.collation = _Collation(
+            self._refuse_other_keys(expected_keys)
+        self.collation = Collation(
             path=self.path,
             rows=tuple((spec.name, spec.batch_dim, spec.dtype) for spec in header.sample_specs),
             constants=self._load_constants(),
@@ -265,20 +259,20 @@ class CachedDataset(torch.utils.data.Dataset):
         if shard in self._corrupt:
             raise self._corrupt_error(shard, self._corrupt[shard])
         record = self.manifest.shards[shard]
-        verify = self.verify and shard not in self._verified
-        if self._copies is not None:  # a verified local copy, then read as a local cache
-            problem = self._copies.fetch(record, verify=verify)
+        checksum = self.verify and shard not in self._checksummed
+        if self._copies is not None:  # a checksummed local copy, read as a local cache
+            problem = self._copies.fetch(record, checksum=checksum)
             if problem is None:
                 handle, problem = open_mapped(self._copies.folder, record, self.manifest)
         else:
-            problem = file_problem(self.path, record, checksum=verify)
+            problem = file_problem(self.path, record, checksum=checksum)
             if problem is None:
                 opener = open_problem if isinstance(self.path, RemotePath) else open_mapped
                 handle, problem = opener(self.path, record, self.manifest)
         if problem is not None:
             self._corrupt[shard] = problem
             raise self._corrupt_error(shard, problem)
-        self._verified.add(shard)
+        self._checksummed.add(shard)
         if len(self._handles) >= _MAX_OPEN_SHARDS:
             del self._handles[next(iter(self._handles))]  # the longest open
         self._handles[shard] = handle
@@ -286,13 +280,16 @@ class CachedDataset(torch.utils.data.Dataset):
 
     def _corrupt_error(self, shard: int, problem: str) -> CorruptCacheError:
         record = self.manifest.shards[shard]
-        return CorruptCacheError(
-            f"shard {record.file} of the cache at {self.path} is damaged: {problem}"
-            f"{restart_cause(self.manifest)}. It holds {len(record.keys)} samples: "
-            f"{some_keys(record.keys)}; the other shards still read.\n"
-            "  fix: run graphsplit.check_cache(path) to list every damaged shard, then rebuild "
-            "the cache (run cache again with {remedy})",
-            remedy=Remedy.OVERWRITE,
+        return user_error(
+            CorruptCacheError,
+            f"shard {record.file} of the cache at {self.path} is damaged: "
+            f"{problem}{restart_cause(self.manifest)}. It holds {len(record.keys)} samples: "
+            f"{some_keys(record.keys)}; the other shards still read.",
+            fix=Fix(
+                "run graphsplit.check_cache(path) to list every damaged shard, then rebuild the "
+                "cache (run cache again with {remedy})",
+                Remedy.OVERWRITE,
+            ),
         )
 
     def _load_constants(self) -> dict[str, torch.Tensor]:
@@ -302,7 +299,7 @@ class CachedDataset(torch.utils.data.Dataset):
             return {}
         folder = self.path
         if self._copies is not None:
-            problem = self._copies.fetch(record, verify=self.verify)
+            problem = self._copies.fetch(record, checksum=self.verify)
             folder = self._copies.folder
         else:
             problem = file_problem(self.path, record, checksum=self.verify)
@@ -321,137 +318,45 @@ class CachedDataset(torch.utils.data.Dataset):
             except Exception as error:
                 problem = f"it cannot be read ({error})"
         if problem is not None:
-            raise CorruptCacheError(
-                f"{CONSTANTS_FILE} of the cache at {self.path} is damaged: {problem}"
-                f"{restart_cause(self.manifest)}; every batch needs it.\n"
-                "  fix: rebuild the cache (run cache again with {remedy})",
-                remedy=Remedy.OVERWRITE,
+            raise user_error(
+                CorruptCacheError,
+                f"{CONSTANTS_FILE} of the cache at {self.path} is damaged: "
+                f"{problem}{restart_cause(self.manifest)}; every batch needs it.",
+                fix=Fix(REBUILD, Remedy.OVERWRITE),
             )
         return constants
 
-    def _check_keys(self, expected_keys: Iterable[Any]) -> None:
+    def _refuse_other_keys(self, expected_keys: Iterable[Any]) -> None:
         expected = [str(key) for key in expected_keys]
         cached = set(self.keys)
         missing = [key for key in expected if key not in cached]
         wanted = set(expected)
         extra = [key for key in self.keys if key not in wanted]
         if missing or extra:
-            raise StaleCacheError(
+            raise user_error(
+                StaleCacheError,
                 f"the cache at {self.path} holds other samples than expected: "
                 + describe_changes(missing=missing, removed=extra)
-                + ".\n  fix: rebuild the cache (run cache again with {remedy})",
-                remedy=Remedy.OVERWRITE,
+                + ".",
+                fix=Fix(REBUILD, Remedy.OVERWRITE),
             )
 
 
-def collate(items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
-    """Stack :class:`CachedDataset` items into the keyword arguments of ``split.stage2``.
-
-    Each row is stacked along its tensor's batch dim, straight from the shard's memory map
-    into the batch in the dtype stage 2 takes (a lower ``storage_dtype`` is undone in the same
-    copy); the cache's constants are added. Samples in
-    one batch must have rows of the same shapes: group them with :meth:`CachedDataset.buckets`.
-
-    Example:
-        >>> loader = DataLoader(cached, batch_size=8, collate_fn=graphsplit.collate)
-        ... # doctest: +SKIP
-        >>> loss = split.stage2(**next(iter(loader)))  # doctest: +SKIP
-    """
-    if not items:
-        raise ValueError("graphsplit.collate needs at least one item")
-    collation = getattr(items[0], "collation", None)
-    if collation is None:
-        raise CacheError(
-            f"graphsplit.collate got a {type(items[0]).__name__}, not an item of a "
-            "graphsplit.CachedDataset (those carry the batch dims and constants it needs).\n"
-            "  fix: index a CachedDataset, or stack the tensors yourself"
-        )
-    if any(getattr(item, "collation", None) is not collation for item in items):
-        paths = {str(getattr(getattr(item, "collation", None), "path", "?")) for item in items}
-        raise CacheError(
-            f"graphsplit.collate got items of different caches {sorted(paths)}; batch each cache "
-            "apart"
-        )
-    batch: dict[str, torch.Tensor] = {}
-    for column, (name, batch_dim, dtype) in enumerate(collation.rows):
-        rows = [item[name] for item in items]
-        if len({tuple(row.shape) for row in rows}) > 1:
-            raise CacheError(_mixed_shapes_message(name, items, rows))
-        order = _batch_order(name, column, batch_dim, items)
-        if order is None:
-            batch[name] = _stack(rows, batch_dim, dtype)
-        else:  # stack in memory order, then view in logical order: stage 1's strides
-            within = row_order(order, batch_dim)
-            physical = [row.permute(within) for row in rows]
-            stacked = _stack(physical, order.index(batch_dim), dtype)
-            batch[name] = stacked.permute(inverse(order))
-    batch.update(collation.constants)
-    return {name: batch[name] for name in collation.order}
-
-
-def _stack(rows: Sequence[torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.stack(rows, dim).to(dtype)`` in one pass: rows in a lower storage dtype are
-    widened as they are copied from the shard's map into the batch, not stacked then cast."""
-    if rows[0].dtype == dtype:
-        return torch.stack(rows, dim=dim)
-    shape = list(rows[0].shape)
-    shape.insert(dim, len(rows))
-    return torch.stack(rows, dim=dim, out=torch.empty(shape, dtype=dtype))
-
-
-def _batch_order(
-    name: str, column: int, batch_dim: int, items: Sequence[Mapping[str, Any]]
-) -> Order | None:
-    """The memory order of a batch of ``items``' rows of tensor ``name``.
-
-    Rows must share their own memory order. Batches of one sample record no place for the
-    batch dim (its stride means nothing), so a recorded order wins over None.
-    """
-    orders = [
-        None if getattr(item, "dim_orders", None) is None else item.dim_orders[column]
-        for item in items
-    ]
-    within = {None if order is None else row_order(order, batch_dim) for order in orders}
-    within = {None if order == tuple(sorted(order or ())) else order for order in within}
-    if len(within) > 1:
-        raise CacheError(
-            f"cannot batch {name!r}: its samples were stored in different memory layouts "
-            f"({sorted(map(str, within))}).\n  fix: batch samples of one bucket together; if "
-            "they are, report this with the step that produced them"
-        )
-    recorded = [order for order in orders if order is not None]
-    return max(recorded, key=recorded.count) if recorded else None
-
-
-def _mixed_shapes_message(
-    name: str, items: Sequence[Mapping[str, Any]], rows: Sequence[torch.Tensor]
-) -> str:
-    by_shape: dict[tuple[int, ...], list[str]] = {}
-    for item, row in zip(items, rows):
-        by_shape.setdefault(tuple(row.shape), []).append(str(item.get("key")))
-    listed = "; ".join(f"{shape} for {some_keys(keys, 3)}" for shape, keys in by_shape.items())
-    return (
-        f"cannot batch {name!r}: the samples have different shapes: {listed}.\n  fix: put only "
-        "samples of one shape in a batch, e.g. with a batch sampler over "
-        "CachedDataset.buckets() (aspect-ratio bucketing)"
-    )
-
-
-def _check_fingerprint(manifest: Manifest, current: Fingerprint, path: Path) -> None:
+def refuse_other_split(manifest: Manifest, current: Fingerprint, path: Path) -> None:
     """Refuse a cache made from other weights, code or boundary; warn on other versions."""
     cached = manifest.header.fingerprint
     binding = describe_differences(cached, current, parts=BINDING_PARTS)
     if binding:
-        raise StaleCacheError(
-            f"the cache at {path} was not made by this split: {binding}.\n  fix: rebuild the "
-            "cache (run cache again with {remedy})",
-            remedy=Remedy.OVERWRITE,
+        raise user_error(
+            StaleCacheError,
+            f"the cache at {path} was not made by this split: {binding}.",
+            fix=Fix(REBUILD, Remedy.OVERWRITE),
         )
     if current.weights == UNKNOWN_WEIGHTS:
         warnings.warn(
-            f"the frozen weights of this split are on the meta device, so the cache at {path} "
-            "is checked for code and boundary only; its weights were fingerprinted when it "
-            "was written (graphsplit.cache refuses stale weights then).",
+            f"the frozen weights of this split are on the meta device, so the cache at {path} is "
+            "checked for code and boundary only; its weights were fingerprinted when it was "
+            "written (graphsplit.cache refuses stale weights then).",
             stacklevel=3,
         )
     warn_about_versions(cached, current, path, stacklevel=3)
@@ -486,12 +391,8 @@ def verify_inputs(cached: CachedDataset | str | os.PathLike[str], dataset: Any) 
         item = dataset[index]
         if not isinstance(item, Mapping):
             item = dict(zip(names, item))
-        missing = [name for name in names if name not in item]
-        if missing:
-            raise CacheError(
-                f"item {index} of the dataset lacks {missing}; stage 1 of the cache at "
-                f"{cached.path} takes {list(names)}"
-            )
+        if any(name not in item for name in names):
+            raise _item_lacks_inputs(index, item, names, cached.path)
         key = str(item["key"]) if "key" in item else str(index)
         seen.add(key)
         if key not in recorded:
@@ -506,9 +407,23 @@ def verify_inputs(cached: CachedDataset | str | os.PathLike[str], dataset: Any) 
                 " (every sample differs: if the loader's collate_fn transforms items, e.g. "
                 "pads them, inputs cannot be compared item by item)"
             )
-        raise StaleCacheError(
+        raise user_error(
+            StaleCacheError,
             f"the cache at {cached.path} was made from other data: "
             + describe_changes(changed=changed, added=added, removed=removed)
-            + f"{hint}.\n  fix: rebuild the cache (run cache again with {{remedy}})",
-            remedy=Remedy.OVERWRITE,
+            + f"{hint}.",
+            fix=Fix(REBUILD, Remedy.OVERWRITE),
         )
+
+
+def _item_lacks_inputs(
+    index: int, item: Mapping[str, Any], names: Sequence[str], path: Path | RemotePath
+) -> GraphsplitError:
+    """The error for dataset item ``index``, which lacks some of stage 1's inputs ``names``."""
+    missing = [name for name in names if name not in item]
+    return user_error(
+        CacheError,
+        f"item {index} of the dataset lacks {missing}; stage 1 of the cache at {path} takes "
+        f"{list(names)}",
+        fix=Fix("pass the dataset the cache was made from (its items hold those inputs)"),
+    )

@@ -20,8 +20,8 @@ Glossary:
         exported as float32 (an exact widening) and narrowed back on import; every other dtype
         is exported as it is.
 
-Nothing here unpickles: the export record is strict JSON (validated like ``manifest.json``), the
-constants are safetensors bytes, rows are Arrow numbers.
+Nothing here unpickles: the export record is strict JSON (read as strictly as
+``manifest.json``), the constants are safetensors bytes, rows are Arrow numbers.
 
 ``datasets`` is an optional dependency, imported on first use; without it these functions raise
 :class:`HFExportError` naming the extra to install.
@@ -57,13 +57,9 @@ from graphsplit.caching.format.fingerprint import fingerprint, in_terms_of
 from graphsplit.caching.format.layout import CacheHeader
 from graphsplit.caching.format.memory_order import inverse
 from graphsplit.caching.format.records import JsonReader, to_json
-from graphsplit.caching.read.dataset import (
-    CachedDataset,
-    CachedSample,
-    _check_fingerprint,
-    _Collation,
-)
-from graphsplit.errors import CacheError, ManifestError, Remedy
+from graphsplit.caching.read.collation import CachedSample, Collation
+from graphsplit.caching.read.dataset import CachedDataset, refuse_other_split
+from graphsplit.errors import CacheError, Fix, ManifestError, Remedy, user_error
 
 if TYPE_CHECKING:
     from graphsplit.api import Split
@@ -105,9 +101,11 @@ def _datasets() -> Any:
     try:
         import datasets
     except ImportError:
-        raise HFExportError(
+        raise user_error(
+            HFExportError,
             "exporting a cache to Hugging Face datasets needs the `datasets` package, which is "
-            "not installed.\n  fix:    pip install 'graphsplit[datasets]' (or pip install datasets)"
+            "not installed.",
+            fix=Fix("pip install 'graphsplit[datasets]' (or pip install datasets)"),
         ) from None
     return datasets
 
@@ -179,11 +177,14 @@ def to_hf_dataset(
     for spec in (*specs, *header.constant_specs):
         dtype = stored.get(spec.name, spec.dtype)
         if _WIDENED.get(dtype, dtype) not in _ARROW_DTYPES:
-            raise HFExportError(
+            raise user_error(
+                HFExportError,
                 f"boundary tensor {spec.name!r} of the cache at {cached.path} is stored as "
-                f"{dtype}, which Arrow (and so datasets) cannot hold exactly.\n  fix:    keep "
-                "this cache as a folder (graphsplit.CachedDataset), or re-cache with a "
-                "storage_dtype / boundary of float, int or bool tensors"
+                f"{dtype}, which Arrow (and so datasets) cannot hold exactly.",
+                fix=Fix(
+                    "keep this cache as a folder (graphsplit.CachedDataset), or re-cache with a "
+                    "storage_dtype / boundary of float, int or bool tensors"
+                ),
             )
     record = ExportRecord(header, cached.max_abs_error, cached.constants)
     constant_orders = (
@@ -264,16 +265,20 @@ def export_cache(
             else out.is_dir() and not out.is_symlink() and (out / "state.json").is_file()
         )
         if not replaceable:
-            raise HFExportError(
+            raise user_error(
+                HFExportError,
                 f"{out} exists and is not a {'parquet file' if parquet else 'saved dataset'} "
-                f"graphsplit may replace.\n  fix:    choose a new {kind} to write, or move {out} "
-                "away"
+                "graphsplit may replace.",
+                fix=Fix(f"choose a new {kind} to write, or move {out} away"),
             )
         if not overwrite:
-            raise HFExportError(
-                f"{out} already holds an exported dataset.\n  fix:    pass {{remedy}} to "
-                "replace it, or choose another destination",
-                remedy=Remedy.OVERWRITE,
+            raise user_error(
+                HFExportError,
+                f"{out} already holds an exported dataset.",
+                fix=Fix(
+                    "pass {remedy} to replace it, or choose another destination",
+                    Remedy.OVERWRITE,
+                ),
             )
     dataset = to_hf_dataset(path, split)
     partial = out.with_name(out.name + ".partial")  # the old export stays until the new is whole
@@ -304,28 +309,35 @@ def export_record(dataset: Any) -> ExportRecord:
     text = getattr(key, "id", None)
     where = "the dataset's features metadata (the 'key' feature's id)"
     if not text:
-        raise ManifestError(
-            f"this dataset carries no graphsplit export record in {where}, so it is not a "
-            "cache exported by graphsplit.\n  fix:    export the cache with "
-            "graphsplit.caching.read.hf_export.to_hf_dataset(path), and keep its features (select "
-            "or map columns without dropping 'key')"
+        raise user_error(
+            ManifestError,
+            f"this dataset carries no graphsplit export record in {where}, so it is not a cache "
+            "exported by graphsplit.",
+            fix=Fix(
+                "export the cache with graphsplit.caching.read.hf_export.to_hf_dataset(path), and "
+                "keep its features (select or map columns without dropping 'key')"
+            ),
         )
     try:
         document = json.loads(text)
     except ValueError as error:
-        raise ManifestError(
-            f"the export record in {where} is not JSON ({error}).\n  fix:    export the cache again"
+        raise user_error(
+            ManifestError,
+            f"the export record in {where} is not JSON ({error}).",
+            fix=Fix("export the cache again"),
         ) from None
     if not isinstance(document, dict) or document.get("format") != RECORD_FORMAT:
-        raise ManifestError(
-            f"the record in {where} is not a graphsplit export record.\n"
-            "  fix:    export the cache again with to_hf_dataset"
+        raise user_error(
+            ManifestError,
+            f"the record in {where} is not a graphsplit export record.",
+            fix=Fix("export the cache again with to_hf_dataset"),
         )
     if document.get("format_version") != RECORD_VERSION:
-        raise ManifestError(
-            f"the export record in {where} has format_version "
-            f"{document.get('format_version')!r}; this graphsplit reads {RECORD_VERSION}.\n"
-            "  fix:    read it with the graphsplit version that exported it, or export again"
+        raise user_error(
+            ManifestError,
+            f"the export record in {where} has format_version {document.get('format_version')!r}; "
+            f"this graphsplit reads {RECORD_VERSION}.",
+            fix=Fix("read it with the graphsplit version that exported it, or export again"),
         )
     reader = JsonReader(Path("<datasets features metadata>"))
     header = reader.read(CacheHeader, document.get("header"), "header")
@@ -335,15 +347,18 @@ def export_record(dataset: Any) -> ExportRecord:
         blob = base64.b64decode(document.get("constants", ""), validate=True)
         physical = load_safetensors(blob) if blob else {}
     except Exception as error:  # binascii and safetensors raise their own types
-        raise ManifestError(
-            f"the constants in {where} cannot be read ({error}).\n  fix:    export the cache again"
+        raise user_error(
+            ManifestError,
+            f"the constants in {where} cannot be read ({error}).",
+            fix=Fix("export the cache again"),
         ) from None
     constants = {}
     for spec in header.constant_specs:
         if spec.name not in physical:
-            raise ManifestError(
-                f"the export record in {where} lacks the constant "
-                f"{spec.name!r}.\n  fix:    export the cache again"
+            raise user_error(
+                ManifestError,
+                f"the export record in {where} lacks the constant {spec.name!r}.",
+                fix=Fix("export the cache again"),
             )
         value, order = physical[spec.name], orders.get(spec.name)
         if order is not None:
@@ -361,16 +376,19 @@ class _Rows:
         names = set(getattr(dataset, "column_names", None) or dataset.features)
         missing = [spec.name for spec in header.sample_specs if spec.name not in names]
         if missing:
-            raise ManifestError(
-                f"the dataset lacks the column(s) {missing} that its export record lists.\n"
-                "  fix:    keep every column of the exported dataset (drop none with "
-                "select_columns / remove_columns)"
+            raise user_error(
+                ManifestError,
+                f"the dataset lacks the column(s) {missing} that its export record lists.",
+                fix=Fix(
+                    "keep every column of the exported dataset (drop none with select_columns / "
+                    "remove_columns)"
+                ),
             )
         if split is not None:
             current = in_terms_of(fingerprint(split, allow_meta=True), header.fingerprint, split)
-            _check_fingerprint(_HeaderOnly(header), current, Path("<the datasets dataset>"))
+            refuse_other_split(_HeaderOnly(header), current, Path("<the datasets dataset>"))
         self.stored = {spec.name: header.stored_dtype(spec) for spec in header.sample_specs}
-        self.collation = _Collation(
+        self.collation = Collation(
             path=Path("<datasets>"),
             rows=tuple((spec.name, spec.batch_dim, spec.dtype) for spec in header.sample_specs),
             constants=self.record.constants,
@@ -392,7 +410,8 @@ class _Rows:
 
 @dataclass(frozen=True)
 class _HeaderOnly:
-    """What ``_check_fingerprint`` reads of a manifest: its header."""
+    """What :func:`~graphsplit.caching.read.dataset.refuse_other_split` reads of a manifest:
+    its header."""
 
     header: CacheHeader
 
@@ -400,7 +419,7 @@ class _HeaderOnly:
 class HFCachedDataset(torch.utils.data.Dataset):
     """A ``datasets.Dataset`` exported by :func:`to_hf_dataset`, read as a cache.
 
-    Item ``i`` is the same :class:`~graphsplit.caching.read.dataset.CachedSample` the cache folder
+    Item ``i`` is the same :class:`~graphsplit.caching.read.collation.CachedSample` the cache folder
     gives (same key, rows, dtypes and memory orders), so ``DataLoader(..., collate_fn=
     graphsplit.collate)`` feeds ``split.stage2`` exactly as from the folder. With ``split``,
     a dataset this split did not make is refused (``StaleCacheError``), as ``CachedDataset``

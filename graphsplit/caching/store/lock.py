@@ -35,8 +35,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from graphsplit.caching.store import files
-from graphsplit.errors import CacheError, CacheLockedError, UnsafeFileError
+from graphsplit.caching.store import file_writes, regular_files
+from graphsplit.errors import CacheError, CacheLockedError, Fix, UnsafeFileError, user_error
 
 try:
     import fcntl
@@ -66,9 +66,10 @@ class FolderLock:
     def acquire(self) -> None:
         """Lock the folder, or raise CacheLockedError naming the holder."""
         if fcntl is None:
-            raise CacheError(
-                "graphsplit.cache needs flock to lock the cache folder, which this platform "
-                "lacks.\n  fix: cache on Linux or macOS"
+            raise user_error(
+                CacheError,
+                "graphsplit.cache needs flock to lock the cache folder, which this platform lacks.",
+                fix=Fix("cache on Linux or macOS"),
             )
         for _ in range(8):  # a release that deletes the file under us: lock the new one
             descriptor = self._open()
@@ -100,19 +101,29 @@ class FolderLock:
 
     def _open(self) -> int:
         """The lock file, created if missing; never through a symlink, never a FIFO."""
-        files.regular_size(self.path)  # refuse a planted special file before opening it
-        flags = os.O_RDWR | os.O_CREAT | files.NOFOLLOW | files.NONBLOCK | files.CLOEXEC
+        regular_files.regular_size(self.path)  # refuse a planted special file before opening it
+        flags = (
+            os.O_RDWR
+            | os.O_CREAT
+            | regular_files.NOFOLLOW
+            | regular_files.NONBLOCK
+            | regular_files.CLOEXEC
+        )
         try:
-            with files.no_room(self.path.parent, self.path.name, None):
-                descriptor = os.open(self.path, flags, files.FILE_MODE)
+            with file_writes.no_room(self.path.parent, self.path.name, None):
+                descriptor = os.open(self.path, flags, file_writes.FILE_MODE)
         except OSError as error:
             if error.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-                files.regular_size(self.path)  # names what is there
+                regular_files.regular_size(self.path)  # names what is there
             raise
-        if not files.is_regular(descriptor):  # swapped between the check and the open
+        if not regular_files.is_regular(descriptor):  # swapped between the check and the open
             os.close(descriptor)
-            files.regular_size(self.path)
-            raise UnsafeFileError(f"{self.path} changed while graphsplit opened it")
+            regular_files.regular_size(self.path)
+            raise user_error(
+                UnsafeFileError,
+                f"{self.path} changed while graphsplit opened it",
+                fix=Fix(f"make sure no other program replaces {self.path}, then rerun"),
+            )
         return descriptor
 
     def _lock(self, descriptor: int) -> bool:
@@ -123,11 +134,15 @@ class FolderLock:
         except OSError as error:
             if error.errno not in _NO_LOCKS:
                 raise
-            raise CacheError(
+            raise user_error(
+                CacheError,
                 f"the filesystem holding {self.path.parent} does not support file locks "
-                f"({os.strerror(error.errno)}), so graphsplit cannot keep two runs from "
-                "writing the cache at once.\n  fix: cache to a local disk or to an NFS mount "
-                "with locking (NFSv4, or NFSv3 with lockd); on Lustre mount with -o flock"
+                f"({os.strerror(error.errno)}), so graphsplit cannot keep two runs from writing "
+                "the cache at once.",
+                fix=Fix(
+                    "cache to a local disk or to an NFS mount with locking (NFSv4, or NFSv3 with "
+                    "lockd); on Lustre mount with -o flock"
+                ),
             ) from None
         return True
 
@@ -138,7 +153,7 @@ class FolderLock:
             "since": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
         data = json.dumps(owner).encode()
-        files.rewrite_descriptor(self.path, descriptor, data, durable=self.durable)
+        file_writes.rewrite_descriptor(self.path, descriptor, data, durable=self.durable)
 
     def _locked_error(self) -> CacheLockedError:
         holder = _holder(self.path)
@@ -149,17 +164,20 @@ class FolderLock:
                 f"process {holder.get('pid')!r:.30} on host {holder.get('host')!r:.80} since "
                 f"{holder.get('since')!r:.40}"
             )
-        return CacheLockedError(
-            f"the cache folder {self.path.parent} is being written by {who}.\n  fix: wait for "
-            f"that run to finish. Its lock is released when it exits, even if it is killed; "
-            f"deleting {self.path} does not stop it"
+        return user_error(
+            CacheLockedError,
+            f"the cache folder {self.path.parent} is being written by {who}.",
+            fix=Fix(
+                "wait for that run to finish. Its lock is released when it exits, even if it is "
+                f"killed; deleting {self.path} does not stop it"
+            ),
         )
 
 
 def _holder(path: Path) -> dict[str, Any] | None:
     """The owner a lock file names, or None when it is unreadable or garbage."""
     try:
-        holder = json.loads(files.read_regular(path, limit=_MAX_LOCK_BYTES))
+        holder = json.loads(regular_files.read_regular(path, limit=_MAX_LOCK_BYTES))
     except (OSError, ValueError, RecursionError, UnsafeFileError):
         return None
     return holder if isinstance(holder, dict) else None

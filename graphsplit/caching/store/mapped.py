@@ -6,7 +6,7 @@ map of the shard, so the batch's ``torch.stack`` is the only copy; the page cach
 place.
 
 Glossary:
-    mapped shard: a shard validated by safetensors (names, dtypes, shapes, the keys inside it,
+    mapped shard: a shard accepted by safetensors (names, dtypes, shapes, the keys inside it,
         against the manifest) and mapped once; :meth:`MappedShard.get_tensor` returns a view.
 
 In and out::
@@ -29,66 +29,54 @@ import torch
 from safetensors import safe_open
 
 from graphsplit.caching.format.layout import Manifest, ShardRecord
-from graphsplit.caching.read.check import shard_tensors_problem
-from graphsplit.caching.store import files
+from graphsplit.caching.format.shard_header import shard_tensors_problem
+from graphsplit.caching.format.tensor_file import TensorPlace, layout
+from graphsplit.caching.store import regular_files
 from graphsplit.errors import UnsafeFileError
 
 __all__ = ["MappedShard", "open_mapped"]
-
-_DTYPES = {code: dtype for dtype, code in files.SAFETENSORS_DTYPES.items()}
-_Layout = tuple[int, int, torch.dtype, tuple[int, ...]]
 
 
 class MappedShard:
     """The tensors of one shard file as views of its memory map (see the module docstring)."""
 
-    def __init__(self, mapped: mmap.mmap, layout: dict[str, _Layout]) -> None:
+    def __init__(self, mapped: mmap.mmap, places: dict[str, TensorPlace]) -> None:
         # frombuffer keeps ``mapped`` alive as long as any view of it is.
         self._bytes = torch.frombuffer(mapped, dtype=torch.uint8)
-        self._layout = layout
+        self._places = places
 
     def get_tensor(self, name: str) -> torch.Tensor:
         """Tensor ``name`` as a view of the map (KeyError if the shard has no such tensor)."""
-        start, end, dtype, shape = self._layout[name]
-        data = self._bytes[start:end]
-        if start % dtype.itemsize:  # not aligned for a view: the one copy happens here
+        place = self._places[name]
+        data = self._bytes[place.start : place.end]
+        if place.start % place.dtype.itemsize:  # not aligned for a view: the one copy is here
             data = data.clone()
-        return data.view(dtype).view(shape)
+        return data.view(place.dtype).view(place.shape)
 
 
 def open_mapped(
     folder: Path, record: ShardRecord, manifest: Manifest
 ) -> tuple[MappedShard | None, str | None]:
-    """Map a shard that :func:`~graphsplit.caching.read.check.file_problem` passed, after
+    """Map a shard that :func:`~graphsplit.caching.read.audit.file_problem` passed, after
     safetensors checked its header against the manifest: the shard, or a problem."""
     try:
-        with files.pinned_map(folder / record.file) as (name, mapped):
+        with regular_files.pinned_map(folder / record.file) as (name, mapped):
             handle = safe_open(name, framework="pt", device="cpu")
             problem = shard_tensors_problem(handle, record, manifest)
     except UnsafeFileError as error:
-        return None, str(error).split(";")[0]
+        return None, (error.reason or str(error)).split(";")[0]
     except Exception as error:  # safetensors raises its own error types; mmap a ValueError
         return None, f"safetensors cannot open it ({error})"
     if problem is not None:
         return None, problem
-    layout = _layout(mapped)
-    if isinstance(layout, str):
-        return None, layout
-    return MappedShard(mapped, layout), None
+    places = _layout(mapped)
+    if isinstance(places, str):
+        return None, places
+    return MappedShard(mapped, places), None
 
 
-def _layout(mapped: mmap.mmap) -> dict[str, _Layout] | str:
-    """Each tensor's byte range in the file, dtype and shape, from the safetensors header
-    (already accepted by safetensors, so only the bounds are checked again here)."""
+def _layout(mapped: mmap.mmap) -> dict[str, TensorPlace] | str:
+    """Each tensor's place in the file, from the safetensors header (already accepted by
+    safetensors, so this only reads it; a problem if it is out of bounds after all)."""
     (length,) = struct.unpack_from("<Q", mapped, 0)
-    header = json.loads(mapped[8 : 8 + length])
-    base = 8 + length
-    layout: dict[str, _Layout] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = (base + offset for offset in entry["data_offsets"])
-        if not base <= start <= end <= len(mapped):
-            return f"tensor {name!r} lies outside the file"
-        layout[name] = (start, end, _DTYPES[entry["dtype"]], tuple(entry["shape"]))
-    return layout
+    return layout(json.loads(mapped[8 : 8 + length]), 8 + length, len(mapped))

@@ -2,7 +2,7 @@
 
 What ``safe_open`` gives for a local file, for a
 :class:`~graphsplit.caching.store.remote.RemotePath`: the same names, dtypes, shapes and metadata
-(so :func:`~graphsplit.caching.read.check. shard_tensors_problem` checks a remote shard against the
+(so :func:`~graphsplit.caching.read.audit. shard_tensors_problem` checks a remote shard against the
 manifest exactly as a local one), read with two small ranged requests; each tensor is then one more
 request. Nothing is unpickled: the header is bounded JSON, the tensors raw bytes.
 
@@ -20,10 +20,11 @@ import struct
 
 import torch
 
+from graphsplit.caching.format.records import DAMAGED
 from graphsplit.caching.format.tensor_file import SAFETENSORS_DTYPES, TensorPlace, layout
 from graphsplit.caching.store import remote
 from graphsplit.caching.store.remote import RemotePath
-from graphsplit.errors import CacheError
+from graphsplit.errors import CacheError, user_error
 
 __all__ = ["RangedShard"]
 
@@ -54,20 +55,30 @@ class RangedShard:
         """
         self.path = path
         if size < 8:
-            raise CacheError(f"{path} has {size} bytes, too few for a safetensors file")
+            raise user_error(
+                CacheError, f"{path} has {size} bytes, too few for a safetensors file", fix=DAMAGED
+            )
         (length,) = struct.unpack("<Q", remote.read_range(path, 0, 8))
         if length > min(size - 8, _MAX_HEADER_BYTES):
-            raise CacheError(f"{path} declares a {length}-byte header in a {size}-byte file")
+            raise user_error(
+                CacheError,
+                f"{path} declares a {length}-byte header in a {size}-byte file",
+                fix=DAMAGED,
+            )
         try:
             header = json.loads(remote.read_range(path, 8, 8 + length))
         except (ValueError, RecursionError) as error:
-            raise CacheError(f"{path} has a header that is not JSON ({error})") from None
+            raise user_error(
+                CacheError, f"{path} has a header that is not JSON ({error})", fix=DAMAGED
+            ) from None
         places = layout(header, 8 + length, size)
         if isinstance(places, str):
-            raise CacheError(f"{path}: {places}")
+            raise user_error(CacheError, f"{path}: {places}", fix=DAMAGED)
         metadata = header.get("__metadata__") or {}
         if not isinstance(metadata, dict):
-            raise CacheError(f"{path} has metadata that is not a JSON object")
+            raise user_error(
+                CacheError, f"{path} has metadata that is not a JSON object", fix=DAMAGED
+            )
         self._places = places
         self._metadata = {str(key): str(value) for key, value in metadata.items()}
 

@@ -9,14 +9,14 @@ Glossary:
         ``local_cache`` can serve several caches. Only graphsplit's shard and constants files
         are written there, each atomically (a per-process temporary name, then a rename), so
         DataLoader workers and concurrent jobs can fill it at the same time.
-    verified copy: a download is always checked against the manifest's checksum before it is
+    checksummed copy: a download is always checked against the manifest's checksum before it is
         renamed into place; a copy found there is checked by size, and by checksum too when
-        the dataset verifies (the default), once per process.
+        the dataset checksums on first open (``verify=True``, the default), once per process.
 
 In and out::
 
     LocalCopies(local_cache, url).folder -> Path
-    LocalCopies.fetch(record, *, verify) -> problem | None    # the copy is at folder/record.file
+    LocalCopies.fetch(record, *, checksum) -> problem | None    # the copy is at folder/record.file
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 from graphsplit.caching.format.checksums import algorithm_of
 from graphsplit.caching.format.layout import FileRecord
-from graphsplit.caching.store import files, remote
+from graphsplit.caching.store import file_writes, regular_files, remote
 from graphsplit.caching.store.remote import RemotePath
 
 __all__ = ["LocalCopies"]
@@ -42,16 +42,16 @@ class LocalCopies:
         self.url = url
         root = Path(local_cache)
         root.mkdir(parents=True, exist_ok=True)
-        files.real_folder(root, create=False)  # no symlinked folder either
+        file_writes.real_folder(root, create=False)  # no symlinked folder either
         self.folder = root / hashlib.sha256(str(url).encode()).hexdigest()[:16]
-        files.real_folder(self.folder, create=True)
+        file_writes.real_folder(self.folder, create=True)
 
-    def fetch(self, record: FileRecord, *, verify: bool) -> str | None:
-        """Make ``folder/record.file`` a verified copy of the remote file; a problem if the
+    def fetch(self, record: FileRecord, *, checksum: bool) -> str | None:
+        """Make ``folder/record.file`` a checksummed copy of the remote file; a problem if the
         remote file is missing or damaged (the local copy is then left as it was)."""
         local = self.folder / record.file
-        if files.regular_size(local) == record.bytes and (
-            not verify or files.checksum_file(local) == record.checksum
+        if regular_files.regular_size(local) == record.bytes and (
+            not checksum or regular_files.checksum_file(local) == record.checksum
         ):
             return None
         source = self.url / record.file
@@ -61,9 +61,12 @@ class LocalCopies:
             return f"{source} {state}"
         temporary = self.folder / f".{record.file}.{os.getpid()}-{secrets.token_hex(4)}.tmp"
         try:
-            with files.no_room(self.folder, record.file, record.bytes):
+            with file_writes.no_room(self.folder, record.file, record.bytes):
                 remote.download(source, temporary)
-            if files.checksum_file(temporary, algorithm_of(record.checksum)) != record.checksum:
+            if (
+                regular_files.checksum_file(temporary, algorithm_of(record.checksum))
+                != record.checksum
+            ):
                 return f"the copy downloaded from {source} has another checksum (the bytes changed)"
             os.replace(temporary, local)
         finally:

@@ -26,7 +26,7 @@ In and out::
     download(path, local)
     checksum(path, algorithm)   exists(path)    list_files(folder)    remove(path)
     make_folder(path)           staging_path(path) -> Path
-    @or_remote(remote_function)  # how caching.store.files sends a RemotePath here
+    @or_remote(remote_function)  # how caching.store.file_writes sends a RemotePath here
 """
 
 from __future__ import annotations
@@ -45,12 +45,14 @@ from pathlib import Path
 from typing import Any
 
 from graphsplit.caching.format.checksums import Running
+from graphsplit.caching.format.records import DAMAGED
 from graphsplit.errors import (
+    Fix,
     GraphsplitError,
-    Remedy,
     StorageError,
     UnsafeFileError,
     UnsupportedStorageError,
+    user_error,
 )
 from graphsplit.units import human_bytes
 
@@ -141,11 +143,15 @@ def location(path: str | os.PathLike[str] | RemotePath) -> Path | RemotePath:
         mangled = _MANGLED_URL.fullmatch(text)
         if mangled:
             scheme, rest = mangled.groups()
-            raise UnsupportedStorageError(
+            raise user_error(
+                UnsupportedStorageError,
                 f"the cache path {text!r} looks like a URL whose '//' was lost (a pathlib.Path "
                 f"turns {scheme}://{rest} into {scheme}:/{rest}); graphsplit does not create a "
-                f"local folder named {scheme}:.\n  fix: pass the URL as a string, "
-                f"'{scheme}://{rest}', or './{text}' if you mean a local folder"
+                f"local folder named {scheme}:.",
+                fix=Fix(
+                    f"pass the URL as a string, '{scheme}://{rest}', or './{text}' if you mean a "
+                    "local folder"
+                ),
             )
         return Path(text)
     import fsspec
@@ -155,22 +161,31 @@ def location(path: str | os.PathLike[str] | RemotePath) -> Path | RemotePath:
         fs, root = fsspec.url_to_fs(text)
     except ImportError as error:
         package = _PACKAGES.get(protocol, f"the fsspec implementation of {protocol}://")
-        raise UnsupportedStorageError(
+        raise user_error(
+            UnsupportedStorageError,
             f"cannot open the cache URL {text}: {protocol}:// needs a package that is not "
-            f"installed ({error}).\n  fix: pip install {package}"
+            f"installed ({error}).",
+            fix=Fix(f"pip install {package}"),
         ) from None
     except (ValueError, TypeError) as error:
-        raise UnsupportedStorageError(
-            f"cannot open the cache URL {text}: fsspec does not know it ({error}).\n  fix: use "
-            "a local path or a URL of a filesystem fsspec knows (s3://, gs://, hf://, file://)"
+        raise user_error(
+            UnsupportedStorageError,
+            f"cannot open the cache URL {text}: fsspec does not know it ({error}).",
+            fix=Fix(
+                "use a local path or a URL of a filesystem fsspec knows (s3://, gs://, hf://, "
+                "file://)"
+            ),
         ) from None
     fs.invalidate_cache()  # another process may have written since this instance listed
     if set(_protocols(fs)) & _LOCAL_PROTOCOLS:
         return Path(root)  # file:// is a local folder: flock, fsync, rename all apply
     if not root.strip("/"):
-        raise UnsupportedStorageError(
-            f"the cache URL {text} names no folder.\n  fix: add one, e.g. {text.rstrip('/')}"
-            "/my-cache (a cache never takes a whole bucket)"
+        raise user_error(
+            UnsupportedStorageError,
+            f"the cache URL {text} names no folder.",
+            fix=Fix(
+                f"add one, e.g. {text.rstrip('/')}/my-cache (a cache never takes a whole bucket)"
+            ),
         )
     return RemotePath(fs, root)
 
@@ -200,21 +215,29 @@ def _requests(path: RemotePath, action: str) -> Iterator[None]:
 
 def _raise_storage_error(path: RemotePath, action: str, error: Exception) -> None:
     if isinstance(error, PermissionError):
-        raise StorageError(
-            f"the store refused to {action} {path} ({error}).\n  fix: check the credentials "
-            "(for S3: AWS_ACCESS_KEY_ID / AWS_PROFILE, and AWS_ENDPOINT_URL for another "
-            "server) and that they may read and write that prefix"
+        raise user_error(
+            StorageError,
+            f"the store refused to {action} {path} ({error}).",
+            fix=Fix(
+                "check the credentials (for S3: AWS_ACCESS_KEY_ID / AWS_PROFILE, and "
+                "AWS_ENDPOINT_URL for another server) and that they may read and write that "
+                "prefix"
+            ),
         ) from None
-    raise StorageError(
-        f"could not {action} {path} ({type(error).__name__}: {error}).\n  fix: check the "
-        "network and the store, then rerun the same call: a cache run resumes from the "
-        "shards already uploaded"
+    raise user_error(
+        StorageError,
+        f"could not {action} {path} ({type(error).__name__}: {error}).",
+        fix=Fix(
+            "check the network and the store, then rerun the same call: a cache run resumes from "
+            "the shards already uploaded"
+        ),
     ) from None
 
 
 def or_remote(remote_function: Callable[..., Any]) -> Callable[[Callable], Callable]:
-    """Decorate a local file operation of :mod:`graphsplit.caching.store.files` so that a call whose
-    first argument is a :class:`RemotePath` goes to ``remote_function`` instead."""
+    """Decorate a local file operation (:mod:`graphsplit.caching.store.file_writes`,
+    :mod:`graphsplit.caching.store.regular_files`) so that a call whose first argument is a
+    :class:`RemotePath` goes to ``remote_function`` instead."""
 
     def wrap(local_function: Callable) -> Callable:
         @functools.wraps(local_function)
@@ -290,18 +313,22 @@ def make_folder(path: RemotePath) -> None:
         if hasattr(fs, "split_path"):  # a bucket store (s3fs, gcsfs): folders are prefixes
             bucket = fs.split_path(path.path)[0]
             if not fs.exists(bucket):
-                raise StorageError(
+                raise user_error(
+                    StorageError,
                     f"the bucket {bucket!r} of the cache URL {path} does not exist, or these "
-                    "credentials cannot see it, or the store cannot be reached.\n  fix: create "
-                    "the bucket first (graphsplit never does), or check the URL, the endpoint "
-                    "(AWS_ENDPOINT_URL) and the credentials"
+                    "credentials cannot see it, or the store cannot be reached.",
+                    fix=Fix(
+                        "create the bucket first (graphsplit never does), or check the URL, the "
+                        "endpoint (AWS_ENDPOINT_URL) and the credentials"
+                    ),
                 )
         else:
             fs.makedirs(path.path, exist_ok=True)
         if fs.isfile(path.path):
-            raise StorageError(
-                f"the cache URL {path} names an existing file, not a folder.\n  fix: pass the "
-                "URL of a folder (a prefix), or delete the file"
+            raise user_error(
+                StorageError,
+                f"the cache URL {path} names an existing file, not a folder.",
+                fix=Fix("pass the URL of a folder (a prefix), or delete the file"),
             )
 
 
@@ -327,10 +354,11 @@ def size(path: RemotePath) -> int | None:
     except FileNotFoundError:
         return None
     if info.get("type") != "file":
-        raise UnsafeFileError(
+        raise user_error(
+            UnsafeFileError,
             f"{path} is a folder, not what graphsplit wrote there; graphsplit reads and writes "
-            f"only the files it wrote in the cache folder.\n  fix: delete {path} (or the whole "
-            "cache) and rerun graphsplit.cache"
+            "only the files it wrote in the cache folder.",
+            fix=Fix(f"delete {path} (or the whole cache) and rerun graphsplit.cache"),
         )
     return int(info["size"])
 
@@ -359,11 +387,11 @@ def read_bytes(path: RemotePath, *, limit: int) -> bytes:
     if found is None:
         raise FileNotFoundError(str(path))
     if found > limit:
-        raise UnsafeFileError(
-            f"{path} holds {human_bytes(found)}, more than the {human_bytes(limit)} a "
-            "graphsplit cache file of its kind can hold.\n  fix: the file is damaged or not "
-            "graphsplit's; rebuild the cache (run cache again with {remedy})",
-            remedy=Remedy.OVERWRITE,
+        raise user_error(
+            UnsafeFileError,
+            f"{path} holds {human_bytes(found)}, more than the {human_bytes(limit)} a graphsplit "
+            "cache file of its kind can hold.",
+            fix=DAMAGED,
         )
     with _requests(path, "read"):
         return bytes(path.fs.cat_file(path.path))
@@ -382,9 +410,11 @@ def read_range(path: RemotePath, start: int, end: int) -> bytes:
     with _requests(path, "read"):
         data = path.fs.cat_file(path.path, start=start, end=end)
     if len(data) != end - start:
-        raise StorageError(
-            f"{path} returned {len(data)} bytes for the range {start}-{end} (the object "
-            "changed or is shorter than recorded).\n  fix: run graphsplit.check_cache on it"
+        raise user_error(
+            StorageError,
+            f"{path} returned {len(data)} bytes for the range {start}-{end} (the object changed or "
+            "is shorter than recorded).",
+            fix=Fix("run graphsplit.check_cache on it"),
         )
     return bytes(data)
 

@@ -39,7 +39,7 @@ from typing import Any
 
 from graphsplit.caching.store import remote
 from graphsplit.caching.store.remote import RemotePath
-from graphsplit.errors import CacheError, CacheLockedError
+from graphsplit.errors import CacheError, CacheLockedError, Fix, user_error
 
 __all__ = ["RemoteLock"]
 
@@ -84,11 +84,14 @@ class RemoteLock:
         """The fence: raise CacheLockedError unless the lock object still holds our token."""
         holder = _holder(self.path)
         if holder is None or holder.get("token") != self.token:
-            raise CacheLockedError(
-                f"this run lost the lock of the cache folder {self.path.parent}: {self.path} "
-                f"now {_describe(holder)}, so this run stops before publishing anything.\n"
-                "  fix: let that run finish (it writes the same shards); if none is running, "
-                "rerun the same call: it resumes"
+            raise user_error(
+                CacheLockedError,
+                f"this run lost the lock of the cache folder {self.path.parent}: {self.path} now "
+                f"{_describe(holder)}, so this run stops before publishing anything.",
+                fix=Fix(
+                    "let that run finish (it writes the same shards); if none is running, rerun "
+                    "the same call: it resumes"
+                ),
             )
 
     def release(self) -> None:
@@ -118,11 +121,15 @@ class RemoteLock:
         self, holder: dict[str, Any] | None, *, taken_over: bool = False
     ) -> CacheLockedError:
         why = " (its writer died; another run is taking the cache over)" if taken_over else ""
-        return CacheLockedError(
+        return user_error(
+            CacheLockedError,
             f"the cache folder {self.path.parent} is being written: {self.path} "
-            f"{_describe(holder)}{why}.\n  fix: wait for that run to finish. If it is dead "
-            f"(killed on another host, or its host is gone), delete {self.path} and rerun: an "
-            "object store cannot tell a dead writer on another host from a live one"
+            f"{_describe(holder)}{why}.",
+            fix=Fix(
+                "wait for that run to finish. If it is dead (killed on another host, or its host "
+                f"is gone), delete {self.path} and rerun: an object store cannot tell a dead "
+                "writer on another host from a live one"
+            ),
         )
 
 

@@ -43,20 +43,22 @@ from graphsplit.caching.format.layout import (
     Manifest,
     ShardProgress,
     ShardRecord,
+)
+from graphsplit.caching.loader.batches import BatchSource, empty_loader_error, source_for
+from graphsplit.caching.store import file_writes, regular_files
+from graphsplit.caching.store.durability import unsynced_record
+from graphsplit.caching.store.lock import FolderLock
+from graphsplit.caching.store.record_files import (
     read_constants_progress,
     read_shard_progress,
     write_manifest,
 )
-from graphsplit.caching.loader.batches import BatchSource, source_for
-from graphsplit.caching.store import files
-from graphsplit.caching.store.durability import unsynced_record
-from graphsplit.caching.store.lock import FolderLock
 from graphsplit.caching.store.remote import RemotePath, location, make_folder
 from graphsplit.caching.store.remote_lock import RemoteLock
 from graphsplit.caching.write.folder_decision import Decision, decide, remove_progress
 from graphsplit.caching.write.processes import Processes
 from graphsplit.caching.write.shards import write_shards
-from graphsplit.errors import CacheError, Remedy
+from graphsplit.errors import CacheError, Fix, Remedy, user_error
 from graphsplit.units import human_bytes
 
 if TYPE_CHECKING:
@@ -201,7 +203,7 @@ def cache(
 
     # 1. Fingerprint what produces the cache; every process must hold the same weights and code.
     current = fingerprint(split)
-    processes.check_same_fingerprint(current)
+    processes.refuse_other_fingerprints(current)
 
     # 2. The main process locks the folder and decides: nothing to do, resume, or start afresh.
     if isinstance(folder, RemotePath):
@@ -277,25 +279,30 @@ def _finish(
     num_batches = source.num_batches
     assert num_batches is not None, "the main process has iterated the whole loader"
     if num_batches == 0:
-        raise CacheError("the loader yielded no batches; there is nothing to cache")
+        raise empty_loader_error()
     num_shards = math.ceil(num_batches / header.layout.batches_per_shard)
     shards = []
     errors: dict[str, float] = {}
     for index in range(num_shards):
         progress = written.get(index) or read_shard_progress(folder, index, header)
-        if progress is None or files.regular_size(folder / progress.shard.file) is None:
-            raise CacheError(
-                f"shard {index} of {folder} was not written (a process stopped early?).\n"
-                "  fix: rerun the same graphsplit.cache call to finish the cache"
+        if progress is None or regular_files.regular_size(folder / progress.shard.file) is None:
+            raise user_error(
+                CacheError,
+                f"shard {index} of {folder} was not written (a process stopped early?).",
+                fix=Fix("rerun the same graphsplit.cache call to finish the cache"),
             )
         shards.append(progress.shard)
         _add_errors(errors, progress.max_abs_error)
-    _check_unique_keys(folder, shards)
+    _refuse_repeated_keys(folder, shards)
     constants = None
     if header.constant_specs:
         written = read_constants_progress(folder, header)
         if written is None:
-            raise CacheError(f"{CONSTANTS_FILE} of {folder} was not written; rerun to finish it")
+            raise user_error(
+                CacheError,
+                f"{CONSTANTS_FILE} of {folder} was not written",
+                fix=Fix("rerun the same graphsplit.cache call to finish it"),
+            )
         constants = written.constants
         _add_errors(errors, written.max_abs_error)
     manifest = Manifest(
@@ -323,10 +330,10 @@ def _make_durable(folder: Path | RemotePath, manifest: Manifest, decision: Decis
     written them with ``durable=False``; an fsync of a file already on the disk is cheap),
     then the folder, so every rename survives a power cut."""
     for index in decision.finished:
-        files.fsync_file(folder / manifest.shards[index].file)
+        file_writes.fsync_file(folder / manifest.shards[index].file)
     if manifest.constants is not None and 0 in decision.finished:
-        files.fsync_file(folder / manifest.constants.file)
-    files.fsync_folder(folder)
+        file_writes.fsync_file(folder / manifest.constants.file)
+    file_writes.fsync_folder(folder)
 
 
 def _make_folder(folder: Path | RemotePath) -> None:
@@ -338,15 +345,16 @@ def _make_folder(folder: Path | RemotePath) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
-        raise CacheError(
-            f"the cache path {folder} (or a folder above it) is an existing file, not a "
-            "folder.\n  fix: pass the path of a folder (it is created if missing), or move "
-            "the file away"
+        raise user_error(
+            CacheError,
+            f"the cache path {folder} (or a folder above it) is an existing file, not a folder.",
+            fix=Fix("pass the path of a folder (it is created if missing), or move the file away"),
         ) from None
     except PermissionError as error:
-        raise CacheError(
-            f"cannot create the cache folder {folder} ({error.strerror}).\n  fix: choose a "
-            "path you can write to"
+        raise user_error(
+            CacheError,
+            f"cannot create the cache folder {folder} ({error.strerror}).",
+            fix=Fix("choose a path you can write to"),
         ) from None
 
 
@@ -355,7 +363,7 @@ def _add_errors(errors: dict[str, float], more: Mapping[str, float]) -> None:
         errors[name] = max(errors.get(name, 0.0), error)
 
 
-def _check_unique_keys(folder: Path, shards: Sequence[ShardRecord]) -> None:
+def _refuse_repeated_keys(folder: Path, shards: Sequence[ShardRecord]) -> None:
     seen: dict[str, str] = {}
     repeated: list[str] = []
     for shard in shards:
@@ -364,11 +372,15 @@ def _check_unique_keys(folder: Path, shards: Sequence[ShardRecord]) -> None:
                 repeated.append(f"{key!r} ({seen[key]} and {shard.file})")
             seen.setdefault(key, shard.file)
     if repeated:
-        raise CacheError(
+        raise user_error(
+            CacheError,
             f"the loader gave {len(repeated)} sample key(s) more than once: "
-            f"{', '.join(repeated[:5])}.\n  fix: give every sample a unique 'key' and rerun "
-            f"with {{remedy}} (the partial cache in {folder} is kept until then)",
-            remedy=Remedy.OVERWRITE,
+            f"{', '.join(repeated[:5])}.",
+            fix=Fix(
+                "give every sample a unique 'key' and rerun with {remedy} (the partial cache in "
+                f"{folder} is kept until then)",
+                Remedy.OVERWRITE,
+            ),
         )
 
 

@@ -50,6 +50,12 @@ from graphsplit.caching.format.layout import (
     Manifest,
     ShardLayout,
     ShardProgress,
+)
+from graphsplit.caching.loader.batches import BatchSource, empty_loader_error
+from graphsplit.caching.loader.samples import SampleChanges, loader_samples, merge, record_samples
+from graphsplit.caching.store import file_writes, regular_files
+from graphsplit.caching.store.durability import restarted_since
+from graphsplit.caching.store.record_files import (
     read_constants_progress,
     read_manifest,
     read_resume_header,
@@ -57,17 +63,15 @@ from graphsplit.caching.format.layout import (
     write_manifest,
     write_resume_header,
 )
-from graphsplit.caching.loader.batches import BatchSource
-from graphsplit.caching.loader.samples import SampleChanges, loader_samples, merge, record_samples
-from graphsplit.caching.store import files
-from graphsplit.caching.store.durability import restarted_since
 from graphsplit.errors import (
     CacheError,
     CorruptCacheError,
+    Fix,
     ManifestError,
     Remedy,
     StaleCacheError,
     TornFileError,
+    user_error,
 )
 from graphsplit.units import human_bytes
 
@@ -104,10 +108,10 @@ def decide(
             false; CorruptCacheError: a complete cache's file is missing, or (restarted) its
             checksum differs; CacheError: the disk lacks room, or the loader yields nothing.
     """
-    files.remove_temporary_files(folder, folder / PARTIAL_DIR)
+    file_writes.remove_temporary_files(folder, folder / PARTIAL_DIR)
     if source.num_batches == 0:
-        raise CacheError("the loader yielded no batches; there is nothing to cache")
-    if files.exists(folder / MANIFEST_FILE):
+        raise empty_loader_error()
+    if regular_files.exists(folder / MANIFEST_FILE):
         complete = _complete_cache(folder, split, source, current, storage_dtype, overwrite)
         if complete is not None:
             return Decision(header=complete.header, complete=complete)
@@ -117,9 +121,9 @@ def decide(
     # Finished shards of an interrupted run: their records and files must agree, and the
     # loader must still yield the same samples (order, keys and inputs) for them.
     finished = _finished_shards(folder, header)
-    source.check_resumed_order(finished, header.layout.batches_per_shard)
+    source.refuse_reordered_resume(finished, header.layout.batches_per_shard)
     finished = _same_samples(folder, source, header, finished, overwrite)
-    _check_disk_space(folder, header, source, finished)
+    _refuse_without_room(folder, header, source, finished)
     write_resume_header(folder, header, durable=durable)
     return Decision(header=header, finished=finished)
 
@@ -139,25 +143,31 @@ def _complete_cache(
     current = in_terms_of(current, manifest.header.fingerprint, split)
     reasons = _header_differences(manifest.header, current, storage)
     if reasons and not overwrite:
-        raise StaleCacheError(
-            f"the folder {folder} holds a graphsplit cache made differently: {reasons}.\n"
-            "  fix: pass {remedy} to replace it, or choose another path",
-            remedy=Remedy.OVERWRITE,
+        raise user_error(
+            StaleCacheError,
+            f"the folder {folder} holds a graphsplit cache made differently: {reasons}.",
+            fix=Fix(
+                "pass {remedy} to replace it, or choose another path",
+                Remedy.OVERWRITE,
+            ),
         )
     if overwrite:
         _remove_cache_files(folder)
         return None
     warn_about_versions(manifest.header.fingerprint, current, folder, stacklevel=6)
     if source.num_samples is not None and source.num_samples != manifest.num_samples:
-        raise StaleCacheError(
+        raise user_error(
+            StaleCacheError,
             f"the cache at {folder} holds {manifest.num_samples} samples but the loader yields "
-            f"{source.num_samples}: samples were added or removed since it was written.\n"
-            "  fix: pass {remedy} to rebuild it",
-            remedy=Remedy.OVERWRITE,
+            f"{source.num_samples}: samples were added or removed since it was written.",
+            fix=Fix(
+                "pass {remedy} to rebuild it",
+                Remedy.OVERWRITE,
+            ),
         )
-    _check_files_present(folder, manifest)
+    _refuse_missing_files(folder, manifest)
     if restarted_since(manifest):
-        manifest = _verified_after_restart(folder, manifest)
+        manifest = _checksummed_after_restart(folder, manifest)
     per_shard = manifest.header.layout.batches_per_shard
     now = loader_samples(source, lambda shard: True, per_shard, manifest.header.inputs)
     changes = SampleChanges.between(
@@ -165,10 +175,14 @@ def _complete_cache(
         (row for shard in sorted(now) for row in now[shard]),
     )
     if not changes.empty:
-        raise StaleCacheError(
+        raise user_error(
+            StaleCacheError,
             f"the cache at {folder} was made from other data than the loader yields now: "
-            f"{changes}.\n  fix: pass {{remedy}} to rebuild it, or choose another path",
-            remedy=Remedy.OVERWRITE,
+            f"{changes}.",
+            fix=Fix(
+                "pass {remedy} to rebuild it, or choose another path",
+                Remedy.OVERWRITE,
+            ),
         )
     remove_progress(folder)  # left over if a run stopped right after writing the manifest
     return manifest
@@ -209,11 +223,13 @@ def _resumable_header(
     if overwrite:
         _remove_cache_files(folder)
         return None
-    raise StaleCacheError(
-        f"the folder {folder} holds an unfinished cache started differently: {described}.\n"
-        "  fix: rerun with the same split and options to finish it, or pass {remedy} "
-        "to discard it",
-        remedy=Remedy.OVERWRITE,
+    raise user_error(
+        StaleCacheError,
+        f"the folder {folder} holds an unfinished cache started differently: {described}.",
+        fix=Fix(
+            "rerun with the same split and options to finish it, or pass {remedy} to discard it",
+            Remedy.OVERWRITE,
+        ),
     )
 
 
@@ -262,7 +278,7 @@ def _header_differences(header: CacheHeader, current: Fingerprint, storage: str 
 def _finished_shards(folder: Path, header: CacheHeader) -> dict[int, ShardProgress]:
     """The shards of an interrupted run whose record and file (checksum included) agree."""
     candidates = []
-    for name in files.list_files(folder / PARTIAL_DIR):
+    for name in file_writes.list_files(folder / PARTIAL_DIR):
         match = SHARD_PROGRESS_PATTERN.fullmatch(name)
         progress = match and read_shard_progress(folder, int(match.group(1)), header)
         if progress:
@@ -270,7 +286,9 @@ def _finished_shards(folder: Path, header: CacheHeader) -> dict[int, ShardProgre
 
     def intact(progress: ShardProgress) -> bool:
         record = progress.shard
-        return files.file_matches(folder / record.file, size=record.bytes, checksum=record.checksum)
+        return regular_files.file_matches(
+            folder / record.file, size=record.bytes, checksum=record.checksum
+        )
 
     with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:  # hashing releases the GIL
         verdicts = list(pool.map(intact, [progress for _, progress in candidates]))
@@ -278,7 +296,7 @@ def _finished_shards(folder: Path, header: CacheHeader) -> dict[int, ShardProgre
     if header.constant_specs and 0 in finished:
         constants = read_constants_progress(folder, header)
         record = constants and constants.constants
-        if not record or not files.file_matches(
+        if not record or not regular_files.file_matches(
             folder / CONSTANTS_FILE, size=record.bytes, checksum=record.checksum
         ):
             del finished[0]  # shard 0's first batch also writes the constants: redo it
@@ -304,17 +322,20 @@ def _same_samples(
         if not change.empty:
             changes[shard] = change
     if changes and not overwrite:
-        raise StaleCacheError(
-            f"the unfinished cache at {folder} was started from other data than the loader "
-            f"yields now: {merge(changes)}, in finished shard(s) {sorted(changes)}.\n  fix: rerun "
-            "with the data the run started with, or pass {remedy} to redo the changed "
-            "shards",
-            remedy=Remedy.OVERWRITE,
+        raise user_error(
+            StaleCacheError,
+            f"the unfinished cache at {folder} was started from other data than the loader yields "
+            f"now: {merge(changes)}, in finished shard(s) {sorted(changes)}.",
+            fix=Fix(
+                "rerun with the data the run started with, or pass {remedy} to redo the changed "
+                "shards",
+                Remedy.OVERWRITE,
+            ),
         )
     return {shard: progress for shard, progress in finished.items() if shard not in changes}
 
 
-def _check_disk_space(
+def _refuse_without_room(
     folder: Path, header: CacheHeader, source: BatchSource, finished: Mapping[int, ShardProgress]
 ) -> None:
     if source.num_samples is None:
@@ -322,18 +343,19 @@ def _check_disk_space(
     remaining = source.num_samples - sum(len(done.shard.keys) for done in finished.values())
     per_sample = _stored_bytes_per_sample(header) + 64 * len(header.sample_specs) + 256
     needed = max(0, remaining) * per_sample
-    free = files.free_bytes(folder)
+    free = file_writes.free_bytes(folder)
     if free is not None and needed > free:
         hint = ""
         if header.storage_dtype is None and any(
             spec.dtype.is_floating_point and spec.dtype.itemsize > 2 for spec in header.sample_specs
         ):
             hint = f", or store in lower precision ({Remedy.STORE_BFLOAT16.words()})"
-        raise CacheError(
+        raise user_error(
+            CacheError,
             f"not enough disk space for the cache at {folder}: it needs about "
             f"{human_bytes(needed)} ({remaining} samples x {human_bytes(per_sample)}) but only "
-            f"{human_bytes(free)} are free there.\n"
-            f"  fix: free some space or choose another path{hint}"
+            f"{human_bytes(free)} are free there.",
+            fix=Fix(f"free some space or choose another path{hint}"),
         )
 
 
@@ -345,20 +367,23 @@ def _stored_bytes_per_sample(header: CacheHeader) -> int:
     return total
 
 
-def _check_files_present(folder: Path, manifest: Manifest) -> None:
+def _refuse_missing_files(folder: Path, manifest: Manifest) -> None:
     records = [*manifest.shards, *([manifest.constants] if manifest.constants else [])]
     for record in records:
-        size = files.regular_size(folder / record.file)
+        size = regular_files.regular_size(folder / record.file)
         if size != record.bytes:
             state = "is missing" if size is None else f"has {size} bytes, not {record.bytes}"
-            raise CorruptCacheError(
-                f"the cache at {folder} is damaged: {record.file} {state}.\n  fix: run "
-                "graphsplit.check_cache(path) for details, or rebuild it with {remedy}",
-                remedy=Remedy.OVERWRITE,
+            raise user_error(
+                CorruptCacheError,
+                f"the cache at {folder} is damaged: {record.file} {state}.",
+                fix=Fix(
+                    "run graphsplit.check_cache(path) for details, or rebuild it with {remedy}",
+                    Remedy.OVERWRITE,
+                ),
             )
 
 
-def _verified_after_restart(folder: Path, manifest: Manifest) -> Manifest:
+def _checksummed_after_restart(folder: Path, manifest: Manifest) -> Manifest:
     """``manifest`` of a cache written without fsyncs before the machine restarted, once each
     of its files matches its checksum; then the files and the folder are fsync'd and the
     manifest rewritten without ``unsynced``, durably. After a restart the bytes just hashed
@@ -371,22 +396,27 @@ def _verified_after_restart(folder: Path, manifest: Manifest) -> Manifest:
     records = [*manifest.shards, *([manifest.constants] if manifest.constants else [])]
 
     def intact(record: Any) -> bool:
-        return files.file_matches(folder / record.file, size=record.bytes, checksum=record.checksum)
+        return regular_files.file_matches(
+            folder / record.file, size=record.bytes, checksum=record.checksum
+        )
 
     with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:  # hashing releases the GIL
         damaged = [record.file for record, ok in zip(records, pool.map(intact, records)) if not ok]
     if damaged:
-        raise CorruptCacheError(
-            f"the cache at {folder} was written with durable=False (without fsync) and the "
-            f"machine has restarted since; {len(damaged)} of its files no longer match their "
-            f"checksums ({', '.join(damaged[:5])}): the restart lost bytes that were not yet "
-            "on the disk.\n  fix: rebuild it with {remedy} (pass durable=True for a cache "
-            "that survives a power cut)",
-            remedy=Remedy.OVERWRITE,
+        raise user_error(
+            CorruptCacheError,
+            f"the cache at {folder} was written with durable=False (without fsync) and the machine "
+            f"has restarted since; {len(damaged)} of its files no longer match their checksums "
+            f"({', '.join(damaged[:5])}): the restart lost bytes that were not yet on the disk.",
+            fix=Fix(
+                "rebuild it with {remedy} (pass durable=True for a cache that survives a power "
+                "cut)",
+                Remedy.OVERWRITE,
+            ),
         )
     for record in records:
-        files.fsync_file(folder / record.file)
-    files.fsync_folder(folder)
+        file_writes.fsync_file(folder / record.file)
+    file_writes.fsync_folder(folder)
     durable = dataclasses.replace(manifest, unsynced=None)
     write_manifest(folder, durable)
     return durable
@@ -394,25 +424,25 @@ def _verified_after_restart(folder: Path, manifest: Manifest) -> Manifest:
 
 def _remove_cache_files(folder: Path) -> None:
     """Delete the files graphsplit wrote (the manifest first), nothing else in the folder."""
-    files.remove(folder / MANIFEST_FILE)
-    for name in files.list_files(folder):
+    file_writes.remove(folder / MANIFEST_FILE)
+    for name in file_writes.list_files(folder):
         if (
             SHARD_FILE_PATTERN.fullmatch(name)
             or name == CONSTANTS_FILE
-            or files.TEMPORARY_FILE.fullmatch(name)
+            or file_writes.TEMPORARY_FILE.fullmatch(name)
         ):
-            files.remove(folder / name)
+            file_writes.remove(folder / name)
     remove_progress(folder)
 
 
 def remove_progress(folder: Path) -> None:
     """Delete ``.partial/`` and the records in it (the cache is complete, or discarded)."""
     partial = folder / PARTIAL_DIR
-    if isinstance(partial, Path) and not files.real_folder(partial, create=False):
+    if isinstance(partial, Path) and not file_writes.real_folder(partial, create=False):
         return
-    for name in files.list_files(partial):
-        if name.endswith(".json") or files.TEMPORARY_FILE.fullmatch(name):
-            files.remove(partial / name)
+    for name in file_writes.list_files(partial):
+        if name.endswith(".json") or file_writes.TEMPORARY_FILE.fullmatch(name):
+            file_writes.remove(partial / name)
     if isinstance(partial, Path):  # an object store has no empty folders to remove
         with contextlib.suppress(OSError):
             partial.rmdir()

@@ -15,7 +15,7 @@ In and out::
     Processes(accelerator | None)
         .on_main(step) -> step()'s result, on every process (or its error, raised everywhere)
         .everywhere(step)                    # raises on all if it failed on any
-        .check_same_fingerprint(fingerprint) # CacheError if weights, code or boundary differ
+        .refuse_other_fingerprints(fingerprint) # CacheError if weights, code or boundary differ
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import graphsplit.errors as errors
 from graphsplit.caching.format.fingerprint import BINDING_PARTS, Fingerprint
-from graphsplit.errors import CacheError
+from graphsplit.errors import CacheError, Fix, GraphsplitError, user_error
 
 __all__ = ["Processes"]
 
@@ -90,7 +90,7 @@ class Processes:
             if described is not None:
                 raise _remote_error(described, rank)
 
-    def check_same_fingerprint(self, current: Fingerprint) -> None:
+    def refuse_other_fingerprints(self, current: Fingerprint) -> None:
         """Refuse to go on when another process holds other weights, code or boundary."""
         if self.world == 1:
             return
@@ -100,23 +100,33 @@ class Processes:
         for rank, other in enumerate(gather_object([mine])):
             parts = [part for part in BINDING_PARTS if other[part] != mine[part]]
             if parts:
-                raise CacheError(
-                    f"process {rank} has other {' and '.join(parts)} than process "
-                    f"{self.rank}, so their caches would not agree.\n  fix: build the model the "
-                    "same way in every process (seed random initialisation, load the same "
-                    "checkpoint) before splitting it"
+                raise user_error(
+                    CacheError,
+                    f"process {rank} has other {' and '.join(parts)} than process {self.rank}, so "
+                    "their caches would not agree.",
+                    fix=Fix(
+                        "build the model the same way in every process (seed random "
+                        "initialisation, load the same checkpoint) before splitting it"
+                    ),
                 )
 
 
-def _describe_error(error: BaseException) -> tuple[str, str]:
-    """An error as ``(exception type name, message)``: what crosses to the other processes."""
-    return type(error).__name__, str(error)
+def _describe_error(error: BaseException) -> tuple[str, str, Fix | None]:
+    """An error as ``(exception type name, reason, fix)``: what crosses to the other processes
+    (the fix only for an error that carries one, see :func:`graphsplit.errors.user_error`)."""
+    fix = error.fix if isinstance(error, GraphsplitError) else None
+    reason = error.reason if isinstance(error, GraphsplitError) else None
+    return type(error).__name__, str(error) if reason is None else reason, fix
 
 
-def _remote_error(described: tuple[str, str], rank: int) -> BaseException:
-    """Rebuild another process's error: its own cache error type, else a CacheError."""
-    name, message = described
+def _remote_error(described: tuple[str, str, Fix | None], rank: int) -> GraphsplitError:
+    """Rebuild another process's error: its own cache error type and fix, else a CacheError."""
+    name, reason, fix = described
     kind = getattr(errors, name, None)
     if not (isinstance(kind, type) and issubclass(kind, CacheError)):
-        kind, message = CacheError, f"{name}: {message}"
-    return kind(f"process {rank} failed: {message}")
+        kind, reason = CacheError, f"{name}: {reason}"
+    if fix is None:
+        fix = Fix(
+            f"see process {rank}'s output for the cause; rerun the same call once it is fixed"
+        )
+    return user_error(kind, f"process {rank} failed: {reason}", fix=fix)

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from graphsplit.caching.format.fingerprint import batch_input_digests
+from graphsplit.caching.format.input_digests import batch_input_digests
 from graphsplit.caching.format.layout import (
     CONSTANTS_FILE,
     CONSTANTS_PROGRESS_FILE,
@@ -53,9 +53,9 @@ from graphsplit.caching.format.memory_order import Order, memory_order
 from graphsplit.caching.format.records import to_json
 from graphsplit.caching.format.tensor_file import TensorBytes, rows_of
 from graphsplit.caching.loader.batches import BatchSource, as_mapping, batch_keys
-from graphsplit.caching.store import files
+from graphsplit.caching.store import file_writes
 from graphsplit.caching.write.processes import Processes
-from graphsplit.errors import CacheError, Remedy
+from graphsplit.errors import CacheError, Fix, Remedy, user_error
 from graphsplit.units import human_bytes
 
 __all__ = ["PendingShard", "ShardWriter", "write_shards"]
@@ -124,7 +124,7 @@ def write_shards(
                 folder, header, stored, errors, batch.index, constants, durable=durable
             )
             keys = batch_keys(batch.data, batch.positions)
-            _check_new_keys(keys, batch.positions, seen_keys)
+            _refuse_seen_keys(keys, batch.positions, seen_keys)
             # A copy: the loader may refill its tensors for the next batch while they are hashed.
             inputs = _snapshot(as_mapping(batch.data, header.inputs))
             pending.digesting.append(
@@ -199,9 +199,9 @@ class ShardWriter:
         # One metadata entry only: safetensors writes a dict's entries in a random order per
         # process, and resumed or multi-process runs must write byte-identical shards.
         metadata = {"graphsplit_keys": json.dumps(shard.keys)}
-        checksum = files.save_tensors(shard.rows, self.folder / name, metadata)
+        checksum = file_writes.save_tensors(shard.rows, self.folder / name, metadata)
         shard.rows = {}
-        temporary = files.temporary_path(self.folder / name)
+        temporary = file_writes.temporary_path(self.folder / name)
         self._unsynced = [commit for commit in self._unsynced if not commit.done()]
         if len(self._unsynced) >= _UNSYNCED_SHARDS:
             wait(self._unsynced, return_when=FIRST_COMPLETED)
@@ -213,7 +213,7 @@ class ShardWriter:
         """Move a saved shard (with the ``checksum`` its bytes had in memory) into place and
         record it in ``.partial/``."""
         name = shard_file_name(shard.index)
-        size, checksum = files.commit_file(
+        size, checksum = file_writes.commit_file(
             temporary, self.folder / name, checksum=checksum, durable=self.durable
         )
         progress = ShardProgress(
@@ -283,23 +283,30 @@ def _run_stage1(
         outputs = split.stage1(**inputs)
     if not isinstance(outputs, Mapping) or set(outputs) != set(split.boundary):
         found = sorted(outputs) if isinstance(outputs, Mapping) else type(outputs).__name__
-        raise CacheError(
-            f"stage 1 returned {found}; the boundary is {list(split.boundary)}.\n"
-            "  fix: pass the split whose stage 1 produced this boundary"
+        raise user_error(
+            CacheError,
+            f"stage 1 returned {found}; the boundary is {list(split.boundary)}.",
+            fix=Fix("pass the split whose stage 1 produced this boundary"),
         )
     for name, spec in split.boundary.items():
         value = outputs[name]
         if not isinstance(value, torch.Tensor):
-            raise CacheError(
-                f"stage 1 returned a {type(value).__name__} for {name!r}, not a tensor"
+            raise user_error(
+                CacheError,
+                f"stage 1 returned a {type(value).__name__} for {name!r}, not a tensor",
+                fix=Fix("pass the split whose stage 1 produced this boundary"),
             )
         if spec.batch_dim is not None and (
             value.dim() <= spec.batch_dim or value.shape[spec.batch_dim] != size
         ):
-            raise CacheError(
+            raise user_error(
+                CacheError,
                 f"stage 1 returned {name!r} with shape {tuple(value.shape)}, whose batch dim "
-                f"{spec.batch_dim} should hold the batch's {size} samples.\n  fix: batch every "
-                "input along dim 0 (as a DataLoader does), with one 'key' per sample"
+                f"{spec.batch_dim} should hold the batch's {size} samples.",
+                fix=Fix(
+                    "batch every input along dim 0 (as a DataLoader does), with one 'key' per "
+                    "sample"
+                ),
             )
     return dict(outputs)
 
@@ -327,10 +334,13 @@ def _cast(value: torch.Tensor, dtype: torch.dtype, name: str) -> tuple[torch.Ten
     finite = torch.isfinite(value)
     if not bool(torch.isfinite(back)[finite].all()):
         largest = float(value[finite].abs().max())
-        raise CacheError(
-            f"{name!r} holds values up to {largest:.4g}, beyond the range of {dtype}.\n"
-            "  fix: use {remedy} (same range as float32), or store losslessly",
-            remedy=Remedy.STORE_BFLOAT16,
+        raise user_error(
+            CacheError,
+            f"{name!r} holds values up to {largest:.4g}, beyond the range of {dtype}.",
+            fix=Fix(
+                "use {remedy} (same range as float32), or store losslessly",
+                Remedy.STORE_BFLOAT16,
+            ),
         )
     if value.numel() == 0:
         return stored, 0.0
@@ -354,10 +364,14 @@ def _handle_constants(
     if first is not None:
         for name, value in constants.items():
             if not torch.equal(value, first[name]):
-                raise CacheError(
+                raise user_error(
+                    CacheError,
                     f"the per-dataset constant {name!r} differs between batches, so it is not a "
-                    "constant.\n  fix: this is a graphsplit bug in finding batch dims; please "
-                    "report it with the step that triggers it"
+                    "constant.",
+                    fix=Fix(
+                        "this is a graphsplit bug in finding batch dims; please report it with "
+                        "the step that triggers it"
+                    ),
                 )
         return first
     if batch_index == 0:
@@ -378,9 +392,9 @@ def _write_constants(
         for name, value in constants.items()
     }
     path = folder / CONSTANTS_FILE
-    checksum = files.save_tensors(physical, path, {"format": "pt"})
-    temporary = files.temporary_path(path)
-    size, checksum = files.commit_file(temporary, path, checksum=checksum, durable=durable)
+    checksum = file_writes.save_tensors(physical, path, {"format": "pt"})
+    temporary = file_writes.temporary_path(path)
+    size, checksum = file_writes.commit_file(temporary, path, checksum=checksum, durable=durable)
     record = ConstantsRecord(file=CONSTANTS_FILE, checksum=checksum, bytes=size, dim_orders=orders)
     errors = {name: error for name, error in errors.items() if name in constants}
     _note_progress(folder, ConstantsProgress(constants=record, max_abs_error=errors))
@@ -400,9 +414,9 @@ def _note_progress(folder: Path, progress: ShardProgress | ConstantsProgress) ->
         name = Path(progress.shard.file).with_suffix(".json").name
     else:
         name = CONSTANTS_PROGRESS_FILE
-    files.real_folder(folder / PARTIAL_DIR, create=True)
+    file_writes.real_folder(folder / PARTIAL_DIR, create=True)
     data = json.dumps(to_json(progress)).encode()
-    files.write_atomically(folder / PARTIAL_DIR / name, data, durable=False)
+    file_writes.write_atomically(folder / PARTIAL_DIR / name, data, durable=False)
 
 
 def _add_rows(
@@ -441,14 +455,17 @@ def _add_rows(
             pending.max_abs_error[spec.name] = error
 
 
-def _check_new_keys(keys: Sequence[str], positions: Sequence[int], seen: dict[str, int]) -> None:
+def _refuse_seen_keys(keys: Sequence[str], positions: Sequence[int], seen: dict[str, int]) -> None:
     for key, position in zip(keys, positions):
         if key in seen:
-            raise CacheError(
+            raise user_error(
+                CacheError,
                 f"the loader gave the sample key {key!r} twice (positions {seen[key]} and "
-                f"{position}).\n  fix: give every sample a unique 'key' and rerun with "
-                "{remedy}",
-                remedy=Remedy.OVERWRITE,
+                f"{position}).",
+                fix=Fix(
+                    "give every sample a unique 'key' and rerun with {remedy}",
+                    Remedy.OVERWRITE,
+                ),
             )
         seen[key] = position
 

@@ -1,6 +1,6 @@
-"""Every byte graphsplit writes or reads in a cache folder goes through here.
+"""Every byte graphsplit writes in a cache folder goes through here, crash-safe.
 
-Writing is crash-safe; reading opens only regular files inside the folder.
+Reading opens only regular files inside the folder: :mod:`graphsplit.caching.store.regular_files`.
 
 Glossary:
     temporary file: ``.{name}.tmp`` next to the file it becomes, created exclusively (never
@@ -16,9 +16,7 @@ Glossary:
         with ``durable=False`` skip the fsyncs and are still atomic: a reader (or a process
         killed meanwhile) sees the old file or the whole new one, until the machine restarts
         (see :mod:`graphsplit.caching.store.durability`).
-    regular: a plain file, not a symlink, FIFO, device or folder. Readers check with ``lstat``
-        and open with ``O_NOFOLLOW | O_NONBLOCK``, so a planted FIFO cannot hang them and a
-        symlink cannot lead them out of the folder (:class:`UnsafeFileError` otherwise).
+    real folder: a folder, not a symlink to one (nor a file): graphsplit writes only there.
     no room: ENOSPC, EDQUOT or EFBIG while writing; always a :class:`DiskFullError` saying what
         was needed and that the run resumes. The half-written temporary file is deleted.
 
@@ -28,27 +26,21 @@ In and out::
     save_tensors(tensors, path, metadata) -> checksum # safetensors, to path's temporary file
     commit_file(temporary, path, *, checksum=None, durable=True) -> (bytes, checksum)
                                                       # checksum None: read the file
-    read_regular(path, *, limit) -> bytes             # UnsafeFileError, FileNotFoundError
-    regular_size(path) -> int | None                  # None: missing; UnsafeFileError
-    pinned(path) -> name                              # for libraries that open by name
-    pinned_map(path) -> (name, mmap)                  # the same, and a private memory map
-    checksum_file(path, algorithm="xxh3") -> str      file_matches(path, *, size, checksum)
     real_folder(path, *, create, durable=True) -> bool    # no symlinked folders either
     fsync_file(path)    fsync_folder(folder)          # no-ops on an object store
     free_bytes(folder) -> int | None    no_room(folder, name, needed)   # -> DiskFullError
-    exists(path)    list_files(folder) -> names    remove(path)
+    list_files(folder) -> names    remove(path)    remove_temporary_files(*folders)
+    rewrite_descriptor(path, descriptor, data, *, durable=True)     # the lock file, in place
 
 Each of these also takes a :class:`~graphsplit.caching.store.remote.RemotePath` (a cache on an
 fsspec filesystem) and does the same there with whole-object puts (see
-:mod:`graphsplit.caching.store.remote`), except ``pinned``/``pinned_map``: remote shards are read by
-byte ranges (:mod:`graphsplit.caching.store.ranged`).
+:mod:`graphsplit.caching.store.remote`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import mmap
 import os
 import re
 import shutil
@@ -59,7 +51,7 @@ from typing import Any
 
 import torch
 
-from graphsplit.caching.format.checksums import ALGORITHM, Running, algorithm_of
+from graphsplit.caching.format.checksums import ALGORITHM, Running
 from graphsplit.caching.format.tensor_file import (
     SAFETENSORS_DTYPES,
     TensorBytes,
@@ -67,29 +59,29 @@ from graphsplit.caching.format.tensor_file import (
     serialise,
 )
 from graphsplit.caching.store import remote
+from graphsplit.caching.store.regular_files import (
+    CLOEXEC,
+    NOFOLLOW,
+    checksum_descriptor,
+    checksum_file,
+    open_regular,
+    unsafe_file_error,
+)
 from graphsplit.caching.store.remote import RemotePath, nothing, or_remote
-from graphsplit.errors import DiskFullError, Remedy, UnsafeFileError
+from graphsplit.errors import DiskFullError, Fix, user_error
 from graphsplit.units import human_bytes
 
 __all__ = [
     "FILE_MODE",
     "SAFETENSORS_DTYPES",
     "TEMPORARY_FILE",
-    "checksum_file",
     "commit_file",
-    "exists",
-    "file_matches",
     "free_bytes",
     "fsync_file",
     "fsync_folder",
-    "is_regular",
     "list_files",
     "no_room",
-    "pinned",
-    "pinned_map",
-    "read_regular",
     "real_folder",
-    "regular_size",
     "remove",
     "remove_temporary_files",
     "rewrite_descriptor",
@@ -104,10 +96,6 @@ TEMPORARY_FILE = re.compile(r"\..+\.tmp")
 # 0o644, 0o002 gives 0o664 for a group-shared cache).
 FILE_MODE = 0o666
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_PROC_FDS = Path("/proc/self/fd")
 
 
 # ------------------------------------------------------------------------------------ writing
@@ -244,11 +232,11 @@ def commit_file(
     if isinstance(path, RemotePath):
         return remote.upload(temporary, path, checksum or checksum_file(temporary))
     with no_room(path.parent, path.name, None):
-        descriptor = _open_regular(temporary)
+        descriptor = open_regular(temporary)
         try:
             with _removed_on_error(temporary):
                 if checksum is None:
-                    checksum = _checksum_descriptor(descriptor, ALGORITHM)
+                    checksum = checksum_descriptor(descriptor, ALGORITHM)
                 if durable:
                     os.fsync(descriptor)
                 size = os.fstat(descriptor).st_size
@@ -262,7 +250,7 @@ def commit_file(
 def fsync_file(path: Path) -> None:
     """Make a committed file's bytes durable (one written with ``durable=False``, reused by a
     durable run); cheap when they are on the disk already."""
-    descriptor = _open_regular(path)
+    descriptor = open_regular(path)
     try:
         os.fsync(descriptor)
     finally:
@@ -298,12 +286,15 @@ def no_room(folder: Path, name: str, needed: int | None) -> Iterator[None]:
         except OSError:
             free = ""
         size = "" if needed is None else f"; this file needs {human_bytes(needed)}"
-        raise DiskFullError(
-            f"no room to write {name} in {folder}: the disk is full, or a quota or the file "
-            f"size limit was reached ({os.strerror(error.errno)}{size}{free}). Nothing "
-            "half-written was kept.\n  fix: free some "
-            "space (or raise the limit) and rerun the same graphsplit.cache call: it resumes "
-            "from the finished shards"
+        raise user_error(
+            DiskFullError,
+            f"no room to write {name} in {folder}: the disk is full, or a quota or the file size "
+            f"limit was reached ({os.strerror(error.errno)}{size}{free}). Nothing half-written was "
+            "kept.",
+            fix=Fix(
+                "free some space (or raise the limit) and rerun the same graphsplit.cache call: "
+                "it resumes from the finished shards"
+            ),
         ) from None
 
 
@@ -334,11 +325,6 @@ def rewrite_descriptor(path: Path, descriptor: int, data: bytes, *, durable: boo
             os.fsync(descriptor)
 
 
-def is_regular(descriptor: int) -> bool:
-    """Whether an open descriptor is a regular file."""
-    return stat.S_ISREG(os.fstat(descriptor).st_mode)
-
-
 def _write_all(descriptor: int, data: Any) -> None:
     """Write all of ``data``: one bytes-like object, or a list of them written in order with
     as few (vectored) system calls as the OS allows."""
@@ -359,11 +345,6 @@ def _write_all(descriptor: int, data: Any) -> None:
 
 _WRITEV = getattr(os, "writev", None)
 _IOV_MAX = 1024  # the least IOV_MAX of the systems with writev
-
-
-def _descriptor_name(descriptor: int, path: Path) -> str:
-    """A name that opens the very file ``descriptor`` refers to (Linux), else ``path``."""
-    return str(_PROC_FDS / str(descriptor)) if _PROC_FDS.is_dir() else str(path)
 
 
 @contextlib.contextmanager
@@ -406,105 +387,8 @@ def real_folder(path: Path, *, create: bool, durable: bool = True) -> bool:
     except FileNotFoundError:
         return False
     if not stat.S_ISDIR(mode):
-        raise _unsafe(path, mode)
+        raise unsafe_file_error(path, mode)
     return True
-
-
-# ------------------------------------------------------------------------------------ reading
-
-
-@or_remote(remote.size)
-def regular_size(path: Path) -> int | None:
-    """The size of the regular file ``path``, or None when it does not exist.
-
-    Raises:
-        UnsafeFileError: it is a symlink, FIFO, device or folder.
-    """
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    if not stat.S_ISREG(info.st_mode):
-        raise _unsafe(path, info.st_mode)
-    return info.st_size
-
-
-@or_remote(remote.read_bytes)
-def read_regular(path: Path, *, limit: int) -> bytes:
-    """The bytes of the regular file ``path``, refused above ``limit`` bytes.
-
-    Raises:
-        FileNotFoundError; UnsafeFileError: not a regular file, or larger than ``limit``.
-    """
-    descriptor = _open_regular(path)
-    try:
-        size = os.fstat(descriptor).st_size
-        if size > limit:
-            raise UnsafeFileError(
-                f"{path} holds {human_bytes(size)}, more than the {human_bytes(limit)} a "
-                "graphsplit cache file of its kind can hold.\n  fix: the file is damaged or not "
-                "graphsplit's; rebuild the cache (run cache again with {remedy})",
-                remedy=Remedy.OVERWRITE,
-            )
-        with os.fdopen(os.dup(descriptor), "rb") as handle:
-            return handle.read(limit + 1)[:limit]
-    finally:
-        os.close(descriptor)
-
-
-@contextlib.contextmanager
-def pinned(path: Path) -> Iterator[str]:
-    """A name for the regular file ``path`` as checked now, for libraries that open by name
-    (safetensors): on Linux ``/proc/self/fd/N`` of an ``O_NOFOLLOW`` descriptor, so swapping
-    the file for a symlink after the check changes nothing."""
-    descriptor = _open_regular(path)
-    try:
-        yield _descriptor_name(descriptor, path)
-    finally:
-        os.close(descriptor)
-
-
-@contextlib.contextmanager
-def pinned_map(path: Path) -> Iterator[tuple[str, mmap.mmap]]:
-    """:func:`pinned`'s name for ``path`` and a private, copy-on-write memory map of the same
-    file (so tensors can be views of it; writing to them never changes the file). The map
-    outlives the context: it is closed when nothing refers to it any more.
-
-    Raises:
-        UnsafeFileError, FileNotFoundError; ValueError: the file is empty.
-    """
-    descriptor = _open_regular(path)
-    try:
-        mapped = mmap.mmap(descriptor, 0, access=mmap.ACCESS_COPY)
-        yield _descriptor_name(descriptor, path), mapped
-    finally:
-        os.close(descriptor)
-
-
-@or_remote(remote.checksum)
-def checksum_file(path: Path, algorithm: str = ALGORITHM) -> str:
-    """The checksum of a regular file's bytes, from a read-only memory map (a remote object
-    is streamed)."""
-    descriptor = _open_regular(path)
-    try:
-        return _checksum_descriptor(descriptor, algorithm)
-    finally:
-        os.close(descriptor)
-
-
-def file_matches(path: Path, *, size: int, checksum: str) -> bool:
-    """Whether ``path`` is a regular file with exactly this size and checksum (else: no)."""
-    try:
-        algorithm = algorithm_of(checksum)
-        return regular_size(path) == size and checksum_file(path, algorithm) == checksum
-    except (OSError, UnsafeFileError):
-        return False
-
-
-@or_remote(remote.exists)
-def exists(path: Path) -> bool:
-    """Whether anything, even a dangling symlink, is at ``path`` (readers then judge it)."""
-    return os.path.lexists(path)
 
 
 @or_remote(remote.list_files)
@@ -520,47 +404,3 @@ def list_files(folder: Path) -> list[str]:
 def remove(path: Path) -> None:
     """Delete the file (or symlink) ``path`` if it exists."""
     path.unlink(missing_ok=True)
-
-
-def _open_regular(path: Path) -> int:
-    """A read-only descriptor of the regular file ``path``; never follows a symlink and never
-    waits on a FIFO."""
-    regular_size(path)  # refuse special files before opening them: opening a device can act
-    try:
-        descriptor = os.open(path, os.O_RDONLY | NOFOLLOW | NONBLOCK | CLOEXEC)
-    except OSError as error:
-        if error.errno == errno.ELOOP:
-            raise _unsafe(path, stat.S_IFLNK) from None
-        raise
-    mode = os.fstat(descriptor).st_mode
-    if not stat.S_ISREG(mode):  # swapped between the check and the open
-        os.close(descriptor)
-        raise _unsafe(path, mode)
-    return descriptor
-
-
-def _checksum_descriptor(descriptor: int, algorithm: str) -> str:
-    running = Running(algorithm)
-    if os.fstat(descriptor).st_size:
-        with mmap.mmap(descriptor, 0, access=mmap.ACCESS_READ) as mapped:
-            running.update(mapped)
-    return running.checksum()
-
-
-def _unsafe(path: Path, mode: int) -> UnsafeFileError:
-    kinds = [
-        (stat.S_ISLNK, "a symlink"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISREG, "a regular file"),
-    ]
-    kind = next((name for test, name in kinds if test(mode)), "a special file")
-    return UnsafeFileError(
-        f"{path} is {kind}, not what graphsplit wrote there; graphsplit reads and writes only "
-        "regular files and folders inside the cache folder, never through symlinks.\n  fix: "
-        f"delete {path} (or the whole cache) and rerun graphsplit.cache; if the cache was "
-        "copied, copy it without symlinks (cp -rL)"
-    )

@@ -4,18 +4,17 @@ Glossary:
     problem: one damaged file of a cache (missing, another size, another checksum, tensors other
         than the manifest lists) and the samples it holds; the other files still read.
     tensor problem: a shard whose safetensors header names other tensors, shapes or dtypes
-        than the manifest's rows (read from the header alone, no tensor data).
+        than the manifest's rows (read from the header alone, no tensor data; compared by
+        :func:`~graphsplit.caching.format.shard_header.shard_tensors_problem`).
 
 In and out::
 
     check_cache(path) -> CacheReport                     # every checksum, size and tensor header
     file_problem(folder, record, *, checksum) -> str | None
-    shard_tensors_problem(handle, record, manifest) -> str | None
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,15 +29,22 @@ from graphsplit.caching.format.layout import (
     FileRecord,
     Manifest,
     ShardRecord,
-    read_manifest,
-    tensor_name,
 )
-from graphsplit.caching.format.memory_order import row_order
-from graphsplit.caching.store import files
+from graphsplit.caching.format.records import REBUILD
+from graphsplit.caching.format.shard_header import shard_tensors_problem
+from graphsplit.caching.store import regular_files
 from graphsplit.caching.store.durability import restart_cause
 from graphsplit.caching.store.ranged import RangedShard
+from graphsplit.caching.store.record_files import read_manifest
 from graphsplit.caching.store.remote import RemotePath, location
-from graphsplit.errors import CacheError, ManifestError, Remedy, StorageError, UnsafeFileError
+from graphsplit.errors import (
+    CacheError,
+    GraphsplitError,
+    ManifestError,
+    Remedy,
+    StorageError,
+    UnsafeFileError,
+)
 from graphsplit.units import some_keys
 
 __all__ = [
@@ -48,10 +54,7 @@ __all__ = [
     "file_problem",
     "open_problem",
     "open_shard",
-    "shard_tensors_problem",
 ]
-
-_SAFETENSORS_DTYPES = {code: dtype for dtype, code in files.SAFETENSORS_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -97,7 +100,8 @@ class CacheReport:
             f"{len(self.damaged_keys)} of {self.num_samples} samples unreadable"
         ]
         lines += [f"  {problem}" for problem in self.problems]
-        lines.append(f"  fix: rebuild the cache (run cache again with {Remedy.OVERWRITE.words()})")
+        # A report, not an error: its one fix line reads as user_error writes them.
+        lines.append("  fix:    " + REBUILD.format(remedy=Remedy.OVERWRITE.words()))
         return "\n".join(lines)
 
 
@@ -150,17 +154,17 @@ def file_problem(folder: Path | RemotePath, record: FileRecord, *, checksum: boo
     checksum), or None."""
     path = folder / record.file
     try:
-        size = files.regular_size(path)
+        size = regular_files.regular_size(path)
         if size is None:
             return "the file is missing"
         if size != record.bytes:
             return f"it has {size:,} bytes, the manifest records {record.bytes:,}"
         if checksum:
             algorithm = algorithm_of(record.checksum)
-            if files.checksum_file(path, algorithm) != record.checksum:
+            if regular_files.checksum_file(path, algorithm) != record.checksum:
                 return f"its {algorithm} checksum differs from the manifest's (the bytes changed)"
     except UnsafeFileError as error:
-        return "it " + str(error).split(";")[0].removeprefix(f"{path} ")
+        return "it " + _first_clause(error).removeprefix(f"{path} ")
     except OSError as error:
         return f"the file cannot be read ({error.strerror or error})"
     return None
@@ -176,56 +180,17 @@ def open_problem(
     except StorageError:
         raise
     except (UnsafeFileError, CacheError) as error:
-        return None, str(error).split(";")[0]
+        return None, _first_clause(error)
     except Exception as error:  # safetensors raises its own error types
         return None, f"safetensors cannot open it ({error})"
     return handle, shard_tensors_problem(handle, record, manifest)
-
-
-def shard_tensors_problem(handle: Any, record: ShardRecord, manifest: Manifest) -> str | None:
-    """Whether a shard's tensors are exactly the rows the manifest lists, in their shapes."""
-    header = manifest.header
-    specs = header.sample_specs
-    expected = {}
-    for row, (shapes, orders) in enumerate(zip(record.shapes, record.row_orders)):
-        for spec, shape, order in zip(specs, shapes, orders):
-            if order is not None:  # stored in memory order
-                assert spec.batch_dim is not None
-                shape = tuple(shape[d] for d in row_order(order, spec.batch_dim))
-            expected[tensor_name(row, spec.name)] = (shape, header.stored_dtype(spec))
-    names = set(handle.keys())
-    if names != set(expected):
-        unexpected = sorted(names - set(expected))
-        absent = sorted(set(expected) - names)
-        return (
-            f"its tensors differ from the manifest's (absent: {absent[:3]}, "
-            f"extra: {unexpected[:3]})"
-        )
-    for name, (shape, dtype) in expected.items():
-        tensor = handle.get_slice(name)
-        found_dtype = _SAFETENSORS_DTYPES.get(tensor.get_dtype())
-        if tuple(tensor.get_shape()) != shape or found_dtype != dtype:
-            return (
-                f"tensor {name!r} is {tensor.get_dtype()} {tuple(tensor.get_shape())}, the "
-                f"manifest records {dtype} {shape}"
-            )
-    try:
-        embedded = json.loads((handle.metadata() or {}).get("graphsplit_keys", "null"))
-    except ValueError:
-        embedded = None
-    if embedded != list(record.keys):
-        return (
-            "the sample keys written inside it differ from the manifest's (a shard of another "
-            "cache, or of another place in this one)"
-        )
-    return None
 
 
 def open_shard(path: Path | RemotePath, size: int) -> Any:
     """A safetensors handle of a shard: ``safe_open`` on a local file, ranged on a remote one."""
     if isinstance(path, RemotePath):
         return RangedShard(path, size)
-    with files.pinned(path) as name:
+    with regular_files.pinned(path) as name:
         return safe_open(name, framework="pt", device="cpu")
 
 
@@ -242,3 +207,9 @@ def _constants_problem(folder: Path | RemotePath, manifest: Manifest) -> str | N
     except Exception as error:
         return f"safetensors cannot open it ({error})"
     return None
+
+
+def _first_clause(error: GraphsplitError) -> str:
+    """What went wrong, in the words of the error's reason up to its first ";" (a problem
+    names the file; the fix is said once, by the report)."""
+    return (error.reason or str(error)).split(";")[0]

@@ -1,0 +1,157 @@
+"""Batching cached samples for stage 2: the items a cache yields, and how they are stacked.
+
+Glossary:
+    item (:class:`CachedSample`): one sample, ``{"key": str, name: row tensor, ...}``, as a
+        :class:`~graphsplit.caching.read.dataset.CachedDataset` or an exported Hugging Face
+        dataset yields it; a plain dict that also carries its :class:`Collation`.
+    collation: what batching items of one cache needs: each row tensor's batch dim and the
+        dtype stage 2 takes, the cache's constants and the boundary's order.
+    memory order: the order of dims in memory of the batch a row was computed in (None: plain
+        contiguous); rows of one batch share theirs, and the batch is rebuilt with stage 1's
+        strides (:mod:`graphsplit.caching.format.memory_order`).
+
+In and out::
+
+    collate(items) -> dict[str, Tensor]     # the keyword arguments of split.stage2
+    CachedSample(key=..., **rows)           .collation  .dim_orders
+    Collation(path, rows, constants, order)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from graphsplit.caching.format.memory_order import Order, inverse, row_order
+from graphsplit.caching.store.remote import RemotePath
+from graphsplit.errors import CacheError, Fix, user_error
+from graphsplit.units import some_keys
+
+__all__ = ["CachedSample", "Collation", "collate"]
+
+
+@dataclass(frozen=True)
+class Collation:
+    """What :func:`collate` needs to batch items of one cache: batch dims, dtypes, constants."""
+
+    path: Path | RemotePath
+    rows: tuple[tuple[str, int, torch.dtype], ...]  # (name, batch dim, dtype stage 2 takes)
+    constants: Mapping[str, torch.Tensor]
+    order: tuple[str, ...]
+
+
+class CachedSample(dict):
+    """One item of a :class:`CachedDataset`: a plain dict that also knows how to batch it.
+
+    ``dim_orders`` holds, per row tensor, the memory order of the batch it was computed in
+    (None: plain contiguous), so :func:`collate` rebuilds batches with stage 1's strides.
+    """
+
+    collation: Collation | None = None
+    dim_orders: tuple[Order | None, ...] | None = None
+
+
+def collate(items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """Stack :class:`CachedDataset` items into the keyword arguments of ``split.stage2``.
+
+    Each row is stacked along its tensor's batch dim, straight from the shard's memory map
+    into the batch in the dtype stage 2 takes (a lower ``storage_dtype`` is undone in the same
+    copy); the cache's constants are added. Samples in
+    one batch must have rows of the same shapes: group them with :meth:`CachedDataset.buckets`.
+
+    Example:
+        >>> loader = DataLoader(cached, batch_size=8, collate_fn=graphsplit.collate)
+        ... # doctest: +SKIP
+        >>> loss = split.stage2(**next(iter(loader)))  # doctest: +SKIP
+    """
+    if not items:
+        raise ValueError("graphsplit.collate needs at least one item")
+    collation = getattr(items[0], "collation", None)
+    if collation is None:
+        raise user_error(
+            CacheError,
+            f"graphsplit.collate got a {type(items[0]).__name__}, not an item of a "
+            "graphsplit.CachedDataset (those carry the batch dims and constants it needs).",
+            fix=Fix("index a CachedDataset, or stack the tensors yourself"),
+        )
+    if any(getattr(item, "collation", None) is not collation for item in items):
+        paths = {str(getattr(getattr(item, "collation", None), "path", "?")) for item in items}
+        raise user_error(
+            CacheError,
+            f"graphsplit.collate got items of different caches {sorted(paths)}.",
+            fix=Fix("batch each cache apart"),
+        )
+    batch: dict[str, torch.Tensor] = {}
+    for column, (name, batch_dim, dtype) in enumerate(collation.rows):
+        rows = [item[name] for item in items]
+        if len({tuple(row.shape) for row in rows}) > 1:
+            raise user_error(
+                CacheError,
+                _mixed_shapes_reason(name, items, rows),
+                fix=Fix(
+                    "put only samples of one shape in a batch, e.g. with a batch sampler over "
+                    "CachedDataset.buckets() (aspect-ratio bucketing)"
+                ),
+            )
+        order = _batch_order(name, column, batch_dim, items)
+        if order is None:
+            batch[name] = _stack(rows, batch_dim, dtype)
+        else:  # stack in memory order, then view in logical order: stage 1's strides
+            within = row_order(order, batch_dim)
+            physical = [row.permute(within) for row in rows]
+            stacked = _stack(physical, order.index(batch_dim), dtype)
+            batch[name] = stacked.permute(inverse(order))
+    batch.update(collation.constants)
+    return {name: batch[name] for name in collation.order}
+
+
+def _stack(rows: Sequence[torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.stack(rows, dim).to(dtype)`` in one pass: rows in a lower storage dtype are
+    widened as they are copied from the shard's map into the batch, not stacked then cast."""
+    if rows[0].dtype == dtype:
+        return torch.stack(rows, dim=dim)
+    shape = list(rows[0].shape)
+    shape.insert(dim, len(rows))
+    return torch.stack(rows, dim=dim, out=torch.empty(shape, dtype=dtype))
+
+
+def _batch_order(
+    name: str, column: int, batch_dim: int, items: Sequence[Mapping[str, Any]]
+) -> Order | None:
+    """The memory order of a batch of ``items``' rows of tensor ``name``.
+
+    Rows must share their own memory order. Batches of one sample record no place for the
+    batch dim (its stride means nothing), so a recorded order wins over None.
+    """
+    orders = [
+        None if getattr(item, "dim_orders", None) is None else item.dim_orders[column]
+        for item in items
+    ]
+    within = {None if order is None else row_order(order, batch_dim) for order in orders}
+    within = {None if order == tuple(sorted(order or ())) else order for order in within}
+    if len(within) > 1:
+        raise user_error(
+            CacheError,
+            f"cannot batch {name!r}: its samples were stored in different memory layouts "
+            f"({sorted(map(str, within))}).",
+            fix=Fix(
+                "batch samples of one bucket together; if they are, report this with the step "
+                "that produced them"
+            ),
+        )
+    recorded = [order for order in orders if order is not None]
+    return max(recorded, key=recorded.count) if recorded else None
+
+
+def _mixed_shapes_reason(
+    name: str, items: Sequence[Mapping[str, Any]], rows: Sequence[torch.Tensor]
+) -> str:
+    by_shape: dict[tuple[int, ...], list[str]] = {}
+    for item, row in zip(items, rows):
+        by_shape.setdefault(tuple(row.shape), []).append(str(item.get("key")))
+    listed = "; ".join(f"{shape} for {some_keys(keys, 3)}" for shape, keys in by_shape.items())
+    return f"cannot batch {name!r}: the samples have different shapes: {listed}."
