@@ -61,6 +61,7 @@ __all__ = [
 ]
 
 REMEDY_SLOT = "{remedy}"
+FIX_LINE = "  fix:    "  # how every message's fix line starts (user_error and Fix.line)
 
 
 class Wording(enum.Enum):
@@ -107,6 +108,14 @@ class Fix:
     @classmethod
     def of(cls, fix: Fix | Remedy) -> Fix:
         return fix if isinstance(fix, Fix) else cls(f"pass {REMEDY_SLOT}", fix)
+
+    def line(self) -> str:
+        """The message's fix line, its option in the current :class:`Wording` (for a report
+        that is not an error, such as ``check_cache``'s; an error renders its own)."""
+        words = self.words
+        if self.option is not None:
+            words = words.replace(REMEDY_SLOT, self.option.words())
+        return FIX_LINE + words
 
 
 _WORDING: ContextVar[Wording] = ContextVar("graphsplit_wording", default=Wording.PYTHON)
@@ -268,7 +277,7 @@ def user_error(
         lines.append(f"  node:   {describe_node(node)}")
     if source:
         lines.append(f"  source: {source}")
-    lines.append(f"  fix:    {fix.words}")
+    lines.append(FIX_LINE + fix.words)
     error = error_type("\n".join(lines), remedy=fix.option)
     error.fix = fix
     error.reason = reason

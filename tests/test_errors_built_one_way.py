@@ -117,16 +117,51 @@ def fix_constants() -> set[str]:
     return names
 
 
-def _typed_fix(value: ast.expr, constants: set[str]) -> bool:
+def _typed_fix(
+    value: ast.expr, constants: set[str], tree: ast.AST | None = None, seen: frozenset = frozenset()
+) -> bool:
+    """Whether ``value`` is a typed fix: ``Fix(...)``, ``Remedy.X``, a ``*_FIX`` constant, the
+    ``.fix`` another error carries, a choice between those, or a local name every plain
+    assignment in ``tree`` binds to one (a name unpacked from a tuple is left to
+    :func:`~graphsplit.errors.user_error`'s own check, which refuses a str at run time)."""
     if isinstance(value, ast.Call):
         return _called_name(value) == "Fix"
     if isinstance(value, ast.Attribute):
-        return isinstance(value.value, ast.Name) and value.value.id == "Remedy"
-    if isinstance(value, ast.Name):
-        return value.id in constants
+        return value.attr == "fix" or (
+            isinstance(value.value, ast.Name) and value.value.id == "Remedy"
+        )
     if isinstance(value, ast.IfExp):
-        return _typed_fix(value.body, constants) and _typed_fix(value.orelse, constants)
+        return _typed_fix(value.body, constants, tree, seen) and _typed_fix(
+            value.orelse, constants, tree, seen
+        )
+    if isinstance(value, ast.BoolOp) and isinstance(value.op, ast.Or):
+        return all(_typed_fix(item, constants, tree, seen) for item in value.values)
+    if isinstance(value, ast.Name):
+        if value.id in constants:
+            return True
+        if tree is None or value.id in seen:
+            return False
+        bound = [
+            node.value
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == value.id for t in node.targets)
+        ]
+        seen = seen | {value.id}
+        return bool(bound) and all(_typed_fix(item, constants, tree, seen) for item in bound)
     return False
+
+
+def _innermost_scopes(tree: ast.Module) -> dict[ast.AST, ast.AST]:
+    """Each node's innermost enclosing function (or the module): where its local names live."""
+    scope_of: dict[ast.AST, ast.AST] = {}
+    pending: list[tuple[ast.AST, ast.AST]] = [(tree, tree)]
+    while pending:
+        node, scope = pending.pop()
+        scope_of[node] = scope
+        inner = node if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) else scope
+        pending.extend((child, inner) for child in ast.iter_child_nodes(node))
+    return scope_of
 
 
 def _where(name: str, node: ast.AST) -> str:
@@ -161,6 +196,7 @@ def test_every_user_error_has_a_typed_fix_and_no_remedy_argument():
     constants = fix_constants()
     wrong = []
     for name, tree in _checked_sources().items():
+        scope_of = _innermost_scopes(tree)
         for node in ast.walk(tree):
             if not (isinstance(node, ast.Call) and _called_name(node) == "user_error"):
                 continue
@@ -169,7 +205,7 @@ def test_every_user_error_has_a_typed_fix_and_no_remedy_argument():
                 wrong.append(f"{_where(name, node)}  remedy= (put the option in the Fix)")
             if "fix" not in keywords:
                 wrong.append(f"{_where(name, node)}  no fix=")
-            elif not _typed_fix(keywords["fix"], constants):
+            elif not _typed_fix(keywords["fix"], constants, scope_of[node]):
                 wrong.append(f"{_where(name, node)}  fix={ast.unparse(keywords['fix'])}")
     assert not wrong, "user_error calls whose fix is not typed:\n" + "\n".join(wrong)
 
@@ -216,12 +252,29 @@ def test_the_direct_construction_rule(source, caught):
         ("_FIX", False),
         ("fix", False),
         ("_FIX + 'more'", False),
+        ("error.fix or Remedy.OVERWRITE", True),
+        ("error.fix or 'rerun'", False),
     ],
 )
 def test_the_typed_fix_rule(fix, typed):
     assert "INFERENCE_MODE_FIX" in fix_constants()
     value = ast.parse(fix, mode="eval").body
     assert _typed_fix(value, fix_constants()) is typed
+
+
+@pytest.mark.parametrize(
+    ("body", "typed"),
+    [
+        ("fix = Fix('a') if x else Fix('b')", True),
+        ("fix = Fix('a')\nif x:\n    fix = Remedy.OVERWRITE", True),
+        ("fix = Fix('a')\nif x:\n    fix = 'rerun'", False),
+        ("fix = f'rerun {x}'", False),
+        ("pass", False),  # a parameter or an unknown name
+    ],
+)
+def test_a_local_fix_is_typed_when_every_assignment_is(body, typed):
+    tree = ast.parse(body)
+    assert _typed_fix(ast.Name("fix"), set(), tree) is typed
 
 
 # -- the message a user reads ---------------------------------------------------------------------

@@ -50,7 +50,7 @@ import torch
 from graphsplit.errors import Fix, ManifestError, Remedy, TornFileError, user_error
 
 __all__ = [
-    "DAMAGED",
+    "DAMAGED_FILE_FIX",
     "REBUILD",
     "JsonReader",
     "Rule",
@@ -62,7 +62,9 @@ __all__ = [
 
 REBUILD = "rebuild the cache (run cache again with {remedy})"
 # The fix for a cache file that does not read: damaged (a torn write, a bit flip) or foreign.
-DAMAGED = Fix(f"the file is damaged or was not written by graphsplit; {REBUILD}", Remedy.OVERWRITE)
+DAMAGED_FILE_FIX = Fix(
+    f"the file is damaged or was not written by graphsplit; {REBUILD}", Remedy.OVERWRITE
+)
 _RULE = "graphsplit.caching.format.records"  # the key of a field's rule in its metadata
 
 
@@ -193,7 +195,7 @@ class JsonReader:
             f"{self.path} is not a valid graphsplit cache file: {where or 'the document'} "
             f"{problem}."
         )
-        raise user_error(ManifestError, reason, fix=DAMAGED)
+        raise user_error(ManifestError, reason, fix=DAMAGED_FILE_FIX)
 
     def parse(self, data: bytes) -> dict[str, Any]:
         """The file's bytes as its JSON object: UTF-8, no key twice in one object, no NaN or
@@ -212,7 +214,9 @@ class JsonReader:
             self.fail("", "nests lists or objects too deeply for a graphsplit record")
         except (UnicodeDecodeError, ValueError) as error:
             problem = "is empty" if not data.strip() else f"is not valid JSON ({error})"
-            raise user_error(TornFileError, f"{self.path} {problem}.", fix=DAMAGED) from None
+            raise user_error(
+                TornFileError, f"{self.path} {problem}.", fix=DAMAGED_FILE_FIX
+            ) from None
         return self.mapping(document, "")
 
     def read(self, cls: type, value: Any, where: str = "") -> Any:

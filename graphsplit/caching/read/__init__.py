@@ -1,2 +1,1 @@
-"""Reading a cache: ``CachedDataset`` and ``collate`` for stage 2, ``check_cache``, the HF export.
-"""
+"""Reading a cache: ``CachedDataset`` and ``collate`` for stage 2, the audit, the HF export."""

@@ -39,6 +39,7 @@ from graphsplit.caching.store.record_files import read_manifest
 from graphsplit.caching.store.remote import RemotePath, location
 from graphsplit.errors import (
     CacheError,
+    Fix,
     GraphsplitError,
     ManifestError,
     Remedy,
@@ -101,7 +102,7 @@ class CacheReport:
         ]
         lines += [f"  {problem}" for problem in self.problems]
         # A report, not an error: its one fix line reads as user_error writes them.
-        lines.append("  fix:    " + REBUILD.format(remedy=Remedy.OVERWRITE.words()))
+        lines.append(Fix(REBUILD, Remedy.OVERWRITE).line())
         return "\n".join(lines)
 
 

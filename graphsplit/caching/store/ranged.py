@@ -20,7 +20,7 @@ import struct
 
 import torch
 
-from graphsplit.caching.format.records import DAMAGED
+from graphsplit.caching.format.records import DAMAGED_FILE_FIX
 from graphsplit.caching.format.tensor_file import SAFETENSORS_DTYPES, TensorPlace, layout
 from graphsplit.caching.store import remote
 from graphsplit.caching.store.remote import RemotePath
@@ -56,28 +56,30 @@ class RangedShard:
         self.path = path
         if size < 8:
             raise user_error(
-                CacheError, f"{path} has {size} bytes, too few for a safetensors file", fix=DAMAGED
+                CacheError,
+                f"{path} has {size} bytes, too few for a safetensors file",
+                fix=DAMAGED_FILE_FIX,
             )
         (length,) = struct.unpack("<Q", remote.read_range(path, 0, 8))
         if length > min(size - 8, _MAX_HEADER_BYTES):
             raise user_error(
                 CacheError,
                 f"{path} declares a {length}-byte header in a {size}-byte file",
-                fix=DAMAGED,
+                fix=DAMAGED_FILE_FIX,
             )
         try:
             header = json.loads(remote.read_range(path, 8, 8 + length))
         except (ValueError, RecursionError) as error:
             raise user_error(
-                CacheError, f"{path} has a header that is not JSON ({error})", fix=DAMAGED
+                CacheError, f"{path} has a header that is not JSON ({error})", fix=DAMAGED_FILE_FIX
             ) from None
         places = layout(header, 8 + length, size)
         if isinstance(places, str):
-            raise user_error(CacheError, f"{path}: {places}", fix=DAMAGED)
+            raise user_error(CacheError, f"{path}: {places}", fix=DAMAGED_FILE_FIX)
         metadata = header.get("__metadata__") or {}
         if not isinstance(metadata, dict):
             raise user_error(
-                CacheError, f"{path} has metadata that is not a JSON object", fix=DAMAGED
+                CacheError, f"{path} has metadata that is not a JSON object", fix=DAMAGED_FILE_FIX
             )
         self._places = places
         self._metadata = {str(key): str(value) for key, value in metadata.items()}

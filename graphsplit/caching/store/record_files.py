@@ -52,7 +52,7 @@ from graphsplit.caching.format.record_documents import (
     resume_header_from,
     shard_progress_from,
 )
-from graphsplit.caching.format.records import DAMAGED, REBUILD, JsonReader
+from graphsplit.caching.format.records import DAMAGED_FILE_FIX, REBUILD, JsonReader
 from graphsplit.caching.store.file_writes import real_folder, write_atomically
 from graphsplit.caching.store.regular_files import exists, read_regular
 from graphsplit.errors import Fix, ManifestError, Remedy, UnsafeFileError, user_error
@@ -179,7 +179,7 @@ def _load(path: Path) -> tuple[JsonReader, dict[str, Any]]:
         data = read_regular(path, limit=MAX_JSON_BYTES)
     except UnsafeFileError as error:
         raise user_error(
-            ManifestError, error.reason or str(error), fix=error.fix or DAMAGED
+            ManifestError, error.reason or str(error), fix=error.fix or DAMAGED_FILE_FIX
         ) from None
     except OSError as error:
         raise user_error(

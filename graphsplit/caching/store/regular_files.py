@@ -41,7 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from graphsplit.caching.format.checksums import ALGORITHM, Running, algorithm_of
-from graphsplit.caching.format.records import DAMAGED
+from graphsplit.caching.format.records import DAMAGED_FILE_FIX
 from graphsplit.caching.store import remote
 from graphsplit.caching.store.remote import or_remote
 from graphsplit.errors import Fix, UnsafeFileError, user_error
@@ -102,7 +102,7 @@ def read_regular(path: Path, *, limit: int) -> bytes:
                 UnsafeFileError,
                 f"{path} holds {human_bytes(size)}, more than the {human_bytes(limit)} a "
                 "graphsplit cache file of its kind can hold.",
-                fix=DAMAGED,
+                fix=DAMAGED_FILE_FIX,
             )
         with os.fdopen(os.dup(descriptor), "rb") as handle:
             return handle.read(limit + 1)[:limit]

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from graphsplit.caching.format.checksums import Running
-from graphsplit.caching.format.records import DAMAGED
+from graphsplit.caching.format.records import DAMAGED_FILE_FIX
 from graphsplit.errors import (
     Fix,
     GraphsplitError,
@@ -391,7 +391,7 @@ def read_bytes(path: RemotePath, *, limit: int) -> bytes:
             UnsafeFileError,
             f"{path} holds {human_bytes(found)}, more than the {human_bytes(limit)} a graphsplit "
             "cache file of its kind can hold.",
-            fix=DAMAGED,
+            fix=DAMAGED_FILE_FIX,
         )
     with _requests(path, "read"):
         return bytes(path.fs.cat_file(path.path))
