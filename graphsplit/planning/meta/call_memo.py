@@ -55,7 +55,7 @@ from torch import nn
 from torch._C import _get_dispatch_stack_at, _len_torch_dispatch_stack
 from torch._subclasses.fake_tensor import FakeTensor
 
-from graphsplit.planning.patching.patches import is_recording_wrapper
+from graphsplit.planning.patching.leaf_methods import is_recording_wrapper
 
 _META = torch.device("meta")
 # Hook tables that run around forward (``Module._call_impl`` reads them): a module or any

@@ -53,7 +53,7 @@ from graphsplit.errors import GraphsplitError, TensorValueError, TraceError, use
 from graphsplit.planning.meta import call_memo
 from graphsplit.planning.meta.analysis_view import meta_execution, module_called, node_run, to_meta
 from graphsplit.planning.meta.eager_protocols import eager_protocols_on_meta
-from graphsplit.planning.patching.patches import TracedTorchCalls
+from graphsplit.planning.patching.torch_calls import TracedTorchCalls
 from graphsplit.planning.rules.mixing import ALONG_DIM_OPS, BATCH_NORM_TRAINING
 from graphsplit.planning.rules.opaque_call import is_opaque, probe_value
 
@@ -458,12 +458,12 @@ def _on_meta() -> Iterator[None]:
 class _TracerModesSetAside:
     """Take the tracer's torch-function modes off the stack while a node runs on meta.
 
-    The tracer's :func:`~graphsplit.planning.patching.patches.traced_torch_calls` mode lets every
-    call through unchanged while the tracer computes a node's value (``tracer.computing_meta``), but
-    as a Python mode it still costs a call into Python for each of the thousands of torch calls
-    a large module makes. Only such modes on top of the stack are set aside (what is under
-    them, a user's mode, stays), and they are put back in order on exit. A class rather than a
-    generator context: it is entered once per traced node.
+    The tracer's :class:`~graphsplit.planning.patching.torch_calls.TracedTorchCalls` mode lets
+    every call through unchanged while the tracer computes a node's value
+    (``tracer.computing_meta``), but as a Python mode it still costs a call into Python for each
+    of the thousands of torch calls a large module makes. Only such modes on top of the stack are
+    set aside (what is under them, a user's mode, stays), and they are put back in order on exit.
+    A class rather than a generator context: it is entered once per traced node.
     """
 
     __slots__ = ("aside",)

@@ -43,7 +43,7 @@ from graphsplit.planning.meta.analysis_view import to_meta
 from graphsplit.planning.meta.interpreters import OP_RECORD, fetch
 from graphsplit.planning.opaque.sites import VALUE_FIX as _FIX
 from graphsplit.planning.opaque.sites import OpaqueSite
-from graphsplit.planning.patching.patches import RANDOM_FILLS, RANDOM_FUNCTIONS
+from graphsplit.planning.patching.torch_calls import RANDOM_FILLS, RANDOM_FUNCTIONS
 from graphsplit.planning.rules.opaque_call import OPAQUE, OpaqueCall, OpaqueFacts, reachable
 from graphsplit.planning.rules.random_draws import (
     changed_generators,
