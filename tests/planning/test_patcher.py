@@ -180,6 +180,21 @@ def test_patches_reverted_lifts_the_meta_reverted_patches_once_however_nested():
         assert builtins.len is python_len
 
 
+def test_a_builtin_patched_twice_is_lifted_to_pythons_and_put_back_to_the_last():
+    def other_len(obj: Any) -> int:
+        return python_len(obj)
+
+    with Patcher() as patcher:
+        patcher.patch(builtins, "len", _same_len, reverted_for_meta=True)
+        patcher.patch(builtins, "len", other_len, reverted_for_meta=True)
+        with patches_reverted():
+            assert builtins.len is python_len
+        assert builtins.len is other_len
+        with pytest.raises(TypeError, match="own attribute"):
+            patcher.patch(_Owner, "own", "patched", reverted_for_meta=True)
+    assert builtins.len is python_len and _Owner.own == "own"
+
+
 def test_patches_reverted_in_another_thread_leaves_the_tracing_threads_patches_alone():
     seen = []
 

@@ -12,8 +12,8 @@ Glossary:
     patch: one attribute of one object (a module, a class, an instance) replaced while the
         patcher is active; undone exactly: an attribute the object held itself is set back
         to the very object it held, one it inherited or lacked is deleted again.
-    meta-reverted patch: a patch that code computing a node's meta value must not see (the
-        Python builtins: that code holds meta values, never traced ones, and runs a million
+    meta-reverted patch: a patch of a module's own attribute that code computing a node's
+        meta value must not see (the Python builtins: that code holds meta values, never traced ones, and runs a million
         ``isinstance`` calls on a 10k-node chain); :func:`patches_reverted` takes them off
         for such a block. Other replacements stay and check ``tracer.computing_meta``.
     tracing thread: the thread that entered the patcher.
@@ -140,7 +140,9 @@ class Patcher:
 
     def __init__(self) -> None:
         self._patches: list[_Patch] = []
-        self._meta_reverted: list[_Patch] = []
+        # (namespace, name, original, replacement) of the meta-reverted patches: lifted by
+        # plain dict stores, once per node the tracer runs on meta.
+        self._meta_reverted: list[tuple[dict[str, Any], str, Any, Any]] = []
         self._contexts = contextlib.ExitStack()
         self._thread: int | None = None
         self._lifted = 0  # depth of patches_reverted() blocks now open
@@ -157,9 +159,11 @@ class Patcher:
         original = getattr(owner, name)
         own = vars(owner)
         patch = _Patch(owner, name, replacement, name in own, own.get(name), reverted_for_meta)
-        self._patches.append(patch)
         if reverted_for_meta:
-            self._meta_reverted.append(patch)
+            if isinstance(owner, type) or not patch.had_own:
+                raise TypeError("a meta-reverted patch replaces a module's own attribute")
+            self._meta_reverted.append((own, name, patch.previous, replacement))
+        self._patches.append(patch)
         if self._applied and not (reverted_for_meta and self._lifted):
             patch.apply()
         return original
@@ -248,8 +252,8 @@ class patches_reverted:  # lower case: used like the function-style context mana
         patcher = self._patcher = patchers[-1] if patchers else None
         if patcher is not None:
             if not patcher._lifted and patcher._applied:
-                for patch in reversed(patcher._meta_reverted):
-                    patch.revert()
+                for namespace, name, original, _ in reversed(patcher._meta_reverted):
+                    namespace[name] = original
             patcher._lifted += 1
 
     def __exit__(self, *exc_info: object) -> None:
@@ -257,5 +261,5 @@ class patches_reverted:  # lower case: used like the function-style context mana
         if patcher is not None:
             patcher._lifted -= 1
             if not patcher._lifted and patcher._applied:
-                for patch in patcher._meta_reverted:
-                    patch.apply()
+                for namespace, name, _, replacement in patcher._meta_reverted:
+                    namespace[name] = replacement
