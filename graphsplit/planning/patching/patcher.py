@@ -13,9 +13,10 @@ Glossary:
         patcher is active; undone exactly: an attribute the object held itself is set back
         to the very object it held, one it inherited or lacked is deleted again.
     meta-reverted patch: a patch of a module's own attribute that code computing a node's
-        meta value must not see (the Python builtins: that code holds meta values, never traced ones, and runs a million
-        ``isinstance`` calls on a 10k-node chain); :func:`patches_reverted` takes them off
-        for such a block. Other replacements stay and check ``tracer.computing_meta``.
+        meta value must not see (the Python builtins: that code holds meta values, never
+        traced ones, and runs a million ``isinstance`` calls on a 10k-node chain);
+        :func:`patches_reverted` takes them off for such a block. Other replacements stay
+        and check ``tracer.computing_meta``.
     tracing thread: the thread that entered the patcher.
 
 Thread safety (the design). Python has one ``builtins`` namespace and one ``torch`` module:
@@ -28,7 +29,9 @@ So:
   ``torch.fx._symbolic_trace.CURRENT_PATCHER`` and patches the forward's globals), nor is the
   analysis around a trace (fake-tensor runs, a logger's switch, the collector), so
   ``graphsplit.split`` holds the same lock for its whole planning: concurrent splits wait for
-  each other instead of failing.
+  each other instead of failing. (Traces in parallel, each seeing only its own patches, would
+  need fx and the analysis made thread safe first; a trace is seconds, a split rarely
+  repeated, so waiting costs little.)
 - **Other threads get the originals' answers.** Each replacement answers as the object it
   replaces for every value except the tracing thread's traced values, which no other thread
   holds; the Python builtins also check :meth:`Patcher.traces_here` before answering for a
