@@ -25,6 +25,7 @@ from graphsplit.planning.codegen.stages import build_stage1, build_stage2, stand
 from graphsplit.planning.cut.boundary import boundary_specs, choose_boundary
 from graphsplit.planning.cut.recompute import Recompute, check_recompute
 from graphsplit.planning.leaf_rounds import trace_and_analyze
+from graphsplit.planning.patching.patcher import one_planning_at_a_time
 from graphsplit.planning.step.callables import as_step_module
 from graphsplit.planning.step.example_inputs import bind_examples
 from graphsplit.planning.step.frozen import FrozenSpec, resolve_frozen
@@ -81,6 +82,7 @@ class Split:
         return folder
 
 
+@one_planning_at_a_time  # the trace patches the process: concurrent splits wait (patcher.py)
 def split(
     model: nn.Module | Callable[..., Any],
     args: tuple[Any, ...] = (),

@@ -14,7 +14,8 @@ from graphsplit.planning.patching.module_state import (
     module_state_restored,
     restore_attributes,
 )
-from graphsplit.planning.patching.traced_builtins import python_builtins_as_eager
+from graphsplit.planning.patching.patcher import Patcher
+from graphsplit.planning.patching.traced_builtins import replace_python_builtins
 
 
 class _Scheduler:
@@ -67,7 +68,8 @@ def test_meta_execution_runs_with_python_builtins_inside_a_trace():
     with meta_execution():  # torch's lazy imports first, with Python's own builtins
         torch.ones(2) + 1
     originals = _builtins()
-    with python_builtins_as_eager((SimpleNamespace,)):
+    with Patcher() as patcher:
+        replace_python_builtins(patcher, (SimpleNamespace,))
         replaced = _builtins()
         with meta_execution():
             inside = _builtins()

@@ -40,7 +40,7 @@ from graphsplit.planning.meta.call_memo import CallMemo
 from graphsplit.planning.meta.op_memo import OpMemo
 from graphsplit.planning.patching.module_state import is_helper_object, restore_attributes
 from graphsplit.planning.patching.originals import PLAIN_VALUE_TYPES
-from graphsplit.planning.patching.traced_builtins import python_builtins_restored
+from graphsplit.planning.patching.patcher import patches_reverted
 
 META = torch.device("meta")
 
@@ -171,7 +171,7 @@ def meta_execution() -> Iterator[None]:
     fraction of the fake mode's cost per op).
     """
     mode, memo = _fake_mode_and_memo()
-    with python_builtins_restored(), torch.no_grad(), mode, META, _StrayTensorsToMeta(), memo:
+    with patches_reverted(), torch.no_grad(), mode, META, _StrayTensorsToMeta(), memo:
         yield
 
 

@@ -40,8 +40,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from graphsplit.planning.patching.leaf_methods import is_recording_wrapper
 from graphsplit.planning.patching.originals import PLAIN_VALUE_TYPES, python_isinstance
-from graphsplit.planning.patching.patches import is_recording_wrapper
 
 # Hook tables that run around forward (``Module._call_impl`` reads them): a module or any
 # module under it with one of them set is always run. State-dict hooks play no part in a call.

@@ -45,7 +45,7 @@ from graphsplit.planning.meta.analysis_view import current_call_memo, meta_execu
 from graphsplit.planning.meta.eager_protocols import eager_protocols_on_meta
 from graphsplit.planning.meta.meta_failures import meta_failure
 from graphsplit.planning.meta.op_recorder import recorded
-from graphsplit.planning.patching.patches import TracedTorchCalls
+from graphsplit.planning.patching.torch_calls import TracedTorchCalls
 
 
 def fetch(model: nn.Module, constants: Mapping[str, Any], target: str) -> Any:
@@ -196,12 +196,12 @@ def meta_contexts() -> Iterator[None]:
 class _TracerModesSetAside:
     """Take the tracer's torch-function modes off the stack while a node runs on meta.
 
-    The tracer's :func:`~graphsplit.planning.patching.patches.traced_torch_calls` mode lets every
-    call through unchanged while the tracer computes a node's value (``tracer.computing_meta``), but
-    as a Python mode it still costs a call into Python for each of the thousands of torch calls
-    a large module makes. Only such modes on top of the stack are set aside (what is under
-    them, a user's mode, stays), and they are put back in order on exit. A class rather than a
-    generator context: it is entered once per traced node.
+    The tracer's :class:`~graphsplit.planning.patching.torch_calls.TracedTorchCalls` mode lets
+    every call through unchanged while the tracer computes a node's value
+    (``tracer.computing_meta``), but as a Python mode it still costs a call into Python for each
+    of the thousands of torch calls a large module makes. Only such modes on top of the stack are
+    set aside (what is under them, a user's mode, stays), and they are put back in order on exit.
+    A class rather than a generator context: it is entered once per traced node.
     """
 
     __slots__ = ("aside",)

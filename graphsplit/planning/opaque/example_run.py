@@ -52,7 +52,7 @@ from graphsplit.planning.meta.meta_interpreter import fetch
 from graphsplit.planning.meta.op_recorder import OP_RECORD
 from graphsplit.planning.opaque.run_watch import WatchedRun, naming_site
 from graphsplit.planning.opaque.site_types import VALUE_FIX, OpaqueSite, ValueSite
-from graphsplit.planning.patching.patches import RANDOM_FILLS, RANDOM_FUNCTIONS
+from graphsplit.planning.patching.torch_calls import RANDOM_FILLS, RANDOM_FUNCTIONS
 from graphsplit.planning.rules.opaque_call import OPAQUE, OpaqueCall, OpaqueFacts, reachable
 from graphsplit.planning.rules.random_draws import (
     changed_generators,

@@ -1,4 +1,4 @@
-"""Python's ``isinstance``, ``callable``, ``len`` and ``list``, for traced values as in eager.
+"""Python's ``isinstance``, ``callable``, ``len``, ``list`` and ``range``, for traced values.
 
 Library code inspects the values it is given: DiffSynth casts only what
 ``isinstance(x, torch.Tensor)`` accepts, transformers' ``torch_compilable_check`` calls its
@@ -30,43 +30,58 @@ Glossary:
         unrolls it. ``builtins.list`` is replaced by a subclass of ``list`` whose metaclass
         answers ``isinstance(obj, list)`` for every real list, so ``list[int]``,
         ``list.append`` and ``isinstance`` keep working.
+    traced range: ``range(x.shape[1])`` with a traced size; the size becomes a guarded Python
+        int read from the meta value.
 
 Why builtins and not the proxy's ``__class__``: torch's C++ argument parser asks the C API,
 not ``builtins.isinstance``, so it keeps seeing a proxy (a faked ``__class__`` made it unpack
 a proxy as a tensor and crash).
 
 Meta execution (:func:`graphsplit.planning.meta.analysis_view.meta_execution`, where the tracer runs
-an op for its meta value) gets Python's own builtins back: the code it runs (torch's fake mode,
+an op for its meta value) gets Python's own builtins back (they are registered as meta-reverted
+patches, see :mod:`graphsplit.planning.patching.patcher`): the code it runs (torch's fake mode,
 pytree, the op memo) holds meta values, never traced ones, so the replacements could only
 cost time there (a million ``isinstance`` calls on a 10k-node chain).
 
-In: the tracer's proxy types. Out: a context manager active for the trace, and one that
-undoes it for a block inside it:
+Other threads: every replacement answers as Python's builtin for every value but a traced
+value of the tracing thread, and checks that it is called in that thread before answering for
+one (:meth:`~graphsplit.planning.patching.patcher.Patcher.traces_here`). A class made with the
+stand-in ``list`` as its base (a module imported lazily meanwhile) gets Python's ``list`` as
+its base instead, so nothing made during a trace keeps the stand-in once it ends.
 
-    python_builtins_as_eager(traced_types) -> ContextManager
-    python_builtins_restored() -> ContextManager
+In: the patcher of the trace, the tracer's proxy types, and for ``range`` a function turning a
+traced size into a Python int. Out: nothing; the replacements are registered with the patcher:
+
+    replace_python_builtins(patcher, traced_types) -> None
+    replace_range(patcher, to_int) -> None
 """
 
 from __future__ import annotations
 
 import builtins
-import contextlib
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.fx as fx
 
-_isinstance = builtins.isinstance
-_callable = builtins.callable
-_len = builtins.len
-_list = builtins.list
+from graphsplit.planning.patching.originals import (
+    python_callable,
+    python_isinstance,
+    python_len,
+    python_list,
+    python_range,
+)
+from graphsplit.planning.patching.patcher import Patcher
 
-_GRAPHSPLIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+__all__ = ["replace_python_builtins", "replace_range"]
+
+_GRAPHSPLIT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TRACER_FILES = (
-    _GRAPHSPLIT_DIR,
+    _GRAPHSPLIT_DIR + os.sep,
     os.path.join(_TORCH_DIR, "fx") + os.sep,
     os.path.join(_TORCH_DIR, "utils", "_pytree.py"),
 )
@@ -81,9 +96,8 @@ def _called_by_the_tracer(depth: int = 2) -> bool:
     return filename.startswith(_TRACER_FILES) and not filename.startswith(_NOT_THE_TRACER)
 
 
-@contextlib.contextmanager
-def python_builtins_as_eager(traced_types: tuple[type, ...]) -> Iterator[None]:
-    """Replace ``isinstance``, ``callable`` and ``len`` for the trace (restored on exit).
+def replace_python_builtins(patcher: Patcher, traced_types: tuple[type, ...]) -> None:
+    """Replace ``isinstance``, ``callable``, ``len`` and ``list`` while ``patcher`` is active.
 
     ``traced_types`` are the tracer's proxy classes: objects of exactly these types have an
     ``eager_value()`` and a ``tracer``.
@@ -91,111 +105,114 @@ def python_builtins_as_eager(traced_types: tuple[type, ...]) -> Iterator[None]:
     traced = frozenset(traced_types)
 
     def eager_isinstance(obj: Any, classinfo: Any) -> bool:
-        if type(obj) not in traced or _isinstance(obj, classinfo):
-            return _isinstance(obj, classinfo)
+        if (
+            type(obj) not in traced
+            or python_isinstance(obj, classinfo)
+            or not patcher.traces_here()
+        ):
+            return python_isinstance(obj, classinfo)
         value = obj.eager_value()
-        if _isinstance(value, torch.Tensor):
+        if python_isinstance(value, torch.Tensor):
             return issubclass(torch.Tensor, classinfo)
         if value is None or _called_by_the_tracer():
             return False
-        return _isinstance(value, classinfo)
+        return python_isinstance(value, classinfo)
 
     def eager_callable(obj: Any) -> bool:
-        if type(obj) not in traced or _called_by_the_tracer():
-            return _callable(obj)
-        return _callable(obj.eager_value())
+        if type(obj) not in traced or not patcher.traces_here() or _called_by_the_tracer():
+            return python_callable(obj)
+        return python_callable(obj.eager_value())
 
     def eager_len(obj: Any) -> Any:
-        if type(obj) not in traced or _called_by_the_tracer():
-            return _len(obj)
+        if type(obj) not in traced or not patcher.traces_here() or _called_by_the_tracer():
+            return python_len(obj)
         if _length_can_follow_the_batch(obj.eager_value()):
-            return obj.tracer.create_proxy("call_function", _len, (obj,), {})
-        return _len(obj)  # the proxy's __len__: a guarded int
+            return obj.tracer.create_proxy("call_function", python_len, (obj,), {})
+        return python_len(obj)  # the proxy's __len__: a guarded int
 
-    replaced = {
+    replacements = {
         "isinstance": eager_isinstance,
         "callable": eager_callable,
         "len": eager_len,
-        "list": _list_type(traced),
+        "list": _list_type(traced, patcher),
     }
-    previous = {name: getattr(builtins, name) for name in replaced}
-    for name, function in replaced.items():
-        setattr(builtins, name, function)
-    _REPLACED.append((replaced, previous))
-    try:
-        yield
-    finally:
-        _REPLACED.pop()
-        for name, function in previous.items():
-            setattr(builtins, name, function)
+    for name, replacement in replacements.items():
+        patcher.patch(builtins, name, replacement, reverted_for_meta=True)
 
 
-# The replacements of the traces in progress (innermost last), with what each replaced.
-_REPLACED: list[tuple[dict[str, Any], dict[str, Any]]] = []
+def replace_range(patcher: Patcher, to_int: Callable[[fx.Proxy], int]) -> None:
+    """``range(x.shape[1])`` works while tracing: ``to_int`` turns traced sizes into ints."""
+
+    class TracedRange(metaclass=_RangeType):
+        def __new__(cls, *args: Any) -> range:
+            if patcher.traces_here():
+                args = tuple(
+                    to_int(arg) if python_isinstance(arg, fx.Proxy) else arg for arg in args
+                )
+            return python_range(*args)
+
+    patcher.patch(builtins, "range", TracedRange, reverted_for_meta=True)
 
 
-class python_builtins_restored:  # lower case: used like the function-style managers here
-    """Put back the builtins the innermost trace replaced, for the block; no-op outside one.
+class _RangeType(type):
+    """The metaclass of the stand-in ``range``: every real range is an instance of it."""
 
-    A class rather than a generator: it is entered for every op the tracer runs on meta.
-    """
-
-    __slots__ = ("_entry",)
-
-    def __enter__(self) -> None:
-        self._entry = _REPLACED[-1] if _REPLACED else None
-        if self._entry is not None:
-            for name, function in self._entry[1].items():
-                setattr(builtins, name, function)
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self._entry is not None:
-            for name, function in self._entry[0].items():
-                setattr(builtins, name, function)
+    def __instancecheck__(cls, instance: Any) -> bool:
+        return python_isinstance(instance, python_range)
 
 
 class _ListType(type):
     """The metaclass of the stand-in ``list``: every real list is an instance of it.
 
-    A class that subclasses ``list`` while the stand-in is in place (a module imported lazily
-    during the trace) gets this metaclass too: it answers for itself as any class does.
+    A class made with the stand-in as a base while it is in place (a module imported lazily
+    during the trace) is made with Python's ``list`` in its place: it must stay a plain list
+    subclass after the trace.
     """
 
+    def __new__(
+        mcls, name: str, bases: tuple[type, ...], namespace: dict[str, Any], **kwargs: Any
+    ) -> type:
+        if namespace.get("_stands_in_for_list") is True:
+            return super().__new__(mcls, name, bases, namespace, **kwargs)
+        real_bases = tuple(python_list if type(base) is _ListType else base for base in bases)
+        metaclass = type
+        for base in real_bases:  # the most derived metaclass, as the class statement picks it
+            if issubclass(type(base), metaclass):
+                metaclass = type(base)
+        return metaclass(name, real_bases, namespace, **kwargs)
+
     def __instancecheck__(cls, instance: Any) -> bool:
-        if cls.__dict__.get("_stands_in_for_list", False):
-            return _isinstance(instance, _list)
-        return type.__instancecheck__(cls, instance)
+        return python_isinstance(instance, python_list)
 
     def __subclasscheck__(cls, subclass: type) -> bool:
-        if cls.__dict__.get("_stands_in_for_list", False):
-            return issubclass(subclass, _list)
-        return type.__subclasscheck__(cls, subclass)
+        return issubclass(subclass, python_list)
 
 
-def _list_type(traced: frozenset[type]) -> type:
+def _list_type(traced: frozenset[type], patcher: Patcher) -> type:
     """``list``, except that ``list(x)`` of a traced tensor with a dim is one graph node."""
 
-    class list(_list, metaclass=_ListType):  # the name error messages and reprs show
+    class list(python_list, metaclass=_ListType):  # the name error messages and reprs show
         _stands_in_for_list = True
 
         def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-            if cls.__dict__.get("_stands_in_for_list", False) is not True:
-                return _list.__new__(cls, *args, **kwargs)  # a subclass made meanwhile
             if (
-                _len(args) == 1
+                python_len(args) == 1
                 and type(args[0]) in traced
-                and _isinstance(args[0].eager_value(), torch.Tensor)
+                and patcher.traces_here()
+                and python_isinstance(args[0].eager_value(), torch.Tensor)
                 and args[0].eager_value().dim() > 0
                 and not _called_by_the_tracer()
             ):
-                return args[0].tracer.create_proxy("call_function", _list, args, {})
-            return _list(*args, **kwargs)
+                return args[0].tracer.create_proxy("call_function", python_list, args, {})
+            return python_list(*args, **kwargs)
 
     return list
 
 
 def _length_can_follow_the_batch(value: Any) -> bool:
     """A tensor with a dim, or a list or tuple that is not a shape."""
-    if _isinstance(value, torch.Tensor):
+    if python_isinstance(value, torch.Tensor):
         return value.dim() > 0
-    return _isinstance(value, (list, tuple)) and not _isinstance(value, torch.Size)
+    return python_isinstance(value, (python_list, tuple)) and not python_isinstance(
+        value, torch.Size
+    )

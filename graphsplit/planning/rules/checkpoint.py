@@ -3,8 +3,9 @@
 The tracer runs ``torch.utils.checkpoint.checkpoint(fn, *args)`` by tracing ``fn(*args)``
 (the graph holds what ``fn`` computes, not the checkpoint), and tags every node it creates
 meanwhile with the call's :class:`CheckpointRegion` (``node.meta["checkpoint"]``, see
-:func:`graphsplit.planning.patching.patches.checkpoints_recorded`). Without this pass, stage 2 would
-run those nodes plainly: same numbers, but every activation of every DiT block kept for backward.
+:func:`graphsplit.planning.patching.checkpoint_regions.record_checkpoints`). Without this pass,
+stage 2 would run those nodes plainly: same numbers, but every activation of every DiT block
+kept for backward.
 
 Glossary:
     checkpoint region: the nodes one ``checkpoint`` call traced, and the options it was called

@@ -7,19 +7,25 @@ Glossary:
         Modules that mix both are traced into when :func:`trace_step` is asked to.
     leaf method call: ``vae.encode(x)`` on a leaf module, recorded as ``get_attr(vae)`` followed
         by ``call_method(encode)``, just like ``forward`` (see
-        :mod:`graphsplit.planning.patching.patches`); methods of a mixed module
+        :mod:`graphsplit.planning.patching.leaf_methods`); methods of a mixed module
         (``dit.patchify(x)``) are traced into instead.
     meta value: every node carries ``node.meta["val"]``, the value its op produced on ``meta``
-        tensors (computed by :class:`~graphsplit.planning.meta.interpreters.TracingInterpreter`).
-        Python control flow on shapes, ranks, dtypes and devices reads these values; control flow on
-        tensor *values* raises :class:`~graphsplit.errors.TraceError`.
+        tensors (computed by
+        :class:`~graphsplit.planning.meta.tracing_interpreter.TracingInterpreter`). Python control
+        flow on shapes, ranks, dtypes and devices reads these values; control flow on tensor
+        *values* raises :class:`~graphsplit.errors.TraceError`.
     guard: a Python value the trace read from a meta value (a ``len``, ``bool``, ``int``,
         ``__index__``), kept so the analysis can check it does not change with the batch size;
         also listed in ``node.meta["guards"]``, where stage 2 finds the sizes to recheck
         (:mod:`graphsplit.planning.rules.size_guards`).
     traced value: a proxy that answers ``isinstance``, ``callable`` and ``len`` as its meta
         value would, so library code runs the branch eager runs
-        (:mod:`graphsplit.planning.patching.traced_builtins`).
+        (:mod:`graphsplit.planning.tracing.proxies`,
+        :mod:`graphsplit.planning.patching.traced_builtins`).
+    patcher: every change the trace makes to the process (Python's builtins, torch's
+        functions, the leaves' methods) is registered with one
+        :class:`~graphsplit.planning.patching.patcher.Patcher` and undone by it, however the
+        trace ends; traces in several threads run one at a time.
     checkpoint region: nodes traced inside ``torch.utils.checkpoint.checkpoint``, tagged
         ``node.meta["checkpoint"]`` (:mod:`graphsplit.planning.rules.checkpoint`).
 
@@ -31,7 +37,6 @@ Out: :class:`~graphsplit.artifacts.Traced` — the graph, the constants it refer
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import inspect
 import math
@@ -45,22 +50,23 @@ import torch.fx as fx
 from torch import nn
 
 from graphsplit.artifacts import Guard, Traced
-from graphsplit.errors import TensorValueError, TraceError, user_error
+from graphsplit.errors import Fix, TensorValueError, TraceError, user_error
 from graphsplit.planning.meta.analysis_view import module_called
 from graphsplit.planning.meta.tracing_interpreter import TracingInterpreter
 from graphsplit.planning.opaque.value_reads import NOT_ANSWERED, Read, answer
+from graphsplit.planning.patching.checkpoint_regions import record_checkpoints
+from graphsplit.planning.patching.einops_calls import record_einops_calls
+from graphsplit.planning.patching.leaf_methods import record_leaf_methods
 from graphsplit.planning.patching.module_state import module_state_restored
-from graphsplit.planning.patching.patches import (
-    checkpoints_recorded,
-    einops_calls_recorded,
-    leaf_methods_recorded,
-    legacy_constructor_recorded,
-    tensor_checks_assumed,
-    traced_factories,
-    traced_range,
-    traced_torch_calls,
+from graphsplit.planning.patching.originals import python_len
+from graphsplit.planning.patching.patcher import Patcher
+from graphsplit.planning.patching.torch_calls import record_torch_calls
+from graphsplit.planning.patching.traced_arguments import (
+    accept_traced_sizes,
+    assume_tensor_checks,
+    record_legacy_constructor,
 )
-from graphsplit.planning.patching.traced_builtins import python_builtins_as_eager
+from graphsplit.planning.patching.traced_builtins import replace_python_builtins, replace_range
 from graphsplit.planning.rules.checkpoint import CHECKPOINT, CheckpointRegion
 from graphsplit.planning.rules.grad_modes import check_autocast, current_modes, mark_switched
 from graphsplit.planning.rules.random_draws import (
@@ -78,127 +84,15 @@ from graphsplit.planning.rules.user_lines import (
     user_frame,
 )
 from graphsplit.planning.tracing.inplace import functionalize_inplace
+from graphsplit.planning.tracing.proxies import TracedAttribute, TracedValue
 from graphsplit.planning.tracing.rewrites import restore_input_names
 
-_len = builtins.len  # the real one: ``len`` is replaced while tracing (python_builtins)
 _MAX_NAME = 48
-_STATIC_TENSOR_ATTRIBUTES = frozenset({"dtype", "is_floating_point", "is_complex"})
-_OWN_ATTRIBUTES = frozenset({"node", "_node", "root", "attr", "tracer"})
 # Python reads of a tensor's value the planning can answer (planning/opaque/value_reads.py).
 _VALUE_READS = {bool: Read.BOOL, int: Read.INT, float: Read.FLOAT, operator.index: Read.INDEX}
-_METHOD_READS = {"tolist": Read.TOLIST, "item": Read.ITEM}
 
 
-class _Proxy(fx.Proxy):
-    """A proxy that answers Python's questions the way its meta value would.
-
-    - ``isinstance``, ``callable`` and ``len`` answer from :meth:`eager_value` (see
-      :mod:`graphsplit.planning.patching.traced_builtins`): library code that branches on them
-      (DiffSynth's ``transfer_data_to_device`` casts only tensors; einops picks its torch
-      backend; transformers calls a check's condition if it is callable) must run the
-      program eager runs;
-    - ``bool``, ``int``, ``float``, ``__index__`` (a slice bound, ``[0] * n``) and ``len``
-      called from C code read the meta value and record a guard (see
-      :meth:`_Tracer.concrete`).
-    """
-
-    def __getattr__(self, name: str) -> Any:
-        if name in _OWN_ATTRIBUTES:  # not set yet (during construction): never a graph node
-            raise AttributeError(name)
-        value = self.node.meta.get("val")
-        if isinstance(value, torch.Tensor):
-            if name in _STATIC_TENSOR_ATTRIBUTES:
-                # A traced op's dtype is fixed by the trace; code such as torch.finfo(x.dtype)
-                # needs the real object. (Under autocast, split with the same autocast on.)
-                return getattr(value, name)
-            if name.startswith("_") and not hasattr(value, name):
-                # Probes such as Parameter's isinstance check (getattr(x, "_is_param", False))
-                # must see what a tensor says: no such attribute.
-                raise AttributeError(name)
-        return _Attribute(self, name)
-
-    def eager_value(self) -> Any:
-        """The value eager would hold here: the node's meta value."""
-        return self.node.meta.get("val")
-
-    def __len__(self) -> int:
-        return self.tracer.concrete(self, _len)
-
-    def __int__(self) -> int:
-        return self.tracer.concrete(self, int)
-
-    def __float__(self) -> float:
-        return self.tracer.concrete(self, float)
-
-    def __index__(self) -> int:
-        return self.tracer.concrete(self, operator.index, pending=True)
-
-    def __iter__(self) -> Iterator[Any]:
-        return self.tracer.iter(self)
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        # Recorded in place, then rewritten as a copy by inplace.functionalize_inplace.
-        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
-
-    def _augmented(self, method: str, operation: Callable[[Any, Any], Any], other: Any) -> Any:
-        """``h += 1``: in place on a tensor (as eager does), a new value for a Python number."""
-        if isinstance(self.node.meta.get("val"), torch.Tensor):
-            return self.tracer.create_proxy("call_method", method, (self, other), {})
-        return self.tracer.create_proxy("call_function", operation, (self, other), {})
-
-    def __iadd__(self, other: Any) -> Any:
-        return self._augmented("add_", operator.add, other)
-
-    def __isub__(self, other: Any) -> Any:
-        return self._augmented("sub_", operator.sub, other)
-
-    def __imul__(self, other: Any) -> Any:
-        return self._augmented("mul_", operator.mul, other)
-
-    def __itruediv__(self, other: Any) -> Any:
-        return self._augmented("div_", operator.truediv, other)
-
-    def __ifloordiv__(self, other: Any) -> Any:
-        return self._augmented("floor_divide_", operator.floordiv, other)
-
-    def __ipow__(self, other: Any) -> Any:
-        return self._augmented("pow_", operator.pow, other)
-
-
-class _Attribute(_Proxy):
-    """``proxy.name``: a method call if called, else a lazily created ``getattr`` node."""
-
-    def __init__(self, root: _Proxy, attr: str) -> None:
-        self.root = root
-        self.attr = attr
-        self.tracer = root.tracer
-        self._node: fx.Node | None = None
-
-    @property
-    def node(self) -> fx.Node:  # type: ignore[override]
-        if self._node is None:
-            self._node = self.tracer.create_proxy(
-                "call_function", getattr, (self.root, self.attr), {}
-            ).node
-        return self._node
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        read = _METHOD_READS.get(self.attr)
-        reads_value = read is not None and not args and not kwargs  # x.tolist(), x.item()
-        if reads_value and isinstance(self.root.eager_value(), torch.Tensor):
-            answered = answer(self.tracer, self.root, read)
-            if answered is not NOT_ANSWERED:
-                return answered  # frozen data, one sample per batch (value_reads.py)
-        return self.tracer.create_proxy("call_method", self.attr, (self.root, *args), kwargs)
-
-    def eager_value(self) -> Any:
-        """The attribute of the root's meta value, without creating a node for it."""
-        if self._node is not None:
-            return self._node.meta.get("val")
-        return getattr(self.root.eager_value(), self.attr, None)
-
-
-class _Tracer(fx.Tracer):
+class StepTracer(fx.Tracer):
     """fx tracer whose proxies carry meta values and whose leaves include method calls."""
 
     def __init__(self, leaf_names: frozenset[str], example_values: dict[str, Any]) -> None:
@@ -216,7 +110,7 @@ class _Tracer(fx.Tracer):
         self.checkpoint: CheckpointRegion | None = None
         self.checkpoint_count = 0
         self.computing_meta = False
-        self.module_proxies: dict[str, _Proxy] = {}
+        self.module_proxies: dict[str, TracedValue] = {}
         self.forward_location: tuple[str, str] = ("<unknown>", "")
         # Which nodes get an op record while traced (see TracingInterpreter).
         self.record: Callable[[fx.Node], bool] | None = None
@@ -226,8 +120,8 @@ class _Tracer(fx.Tracer):
         self.ambient_modes = current_modes()
 
     # -- graph construction -------------------------------------------------------------
-    def proxy(self, node: fx.Node) -> _Proxy:
-        return _Proxy(node, self)
+    def proxy(self, node: fx.Node) -> TracedValue:
+        return TracedValue(node, self)
 
     def create_arg(self, a: Any) -> Any:
         # A proxy first: it claims to be a torch.Tensor (see python_builtins), and fx would
@@ -280,9 +174,11 @@ class _Tracer(fx.Tracer):
                 f"parameters ({owned}, ...): graphsplit would freeze them into the plan as "
                 "constants, and stage 2 could not train them.",
                 source=current_line(),
-                fix=f"create it once, as an attribute of the model (self.name = {kind}(...) in "
-                "__init__; for a function step, a global or an argument of the function), so "
-                "it is a submodule graphsplit can place in a stage",
+                fix=Fix(
+                    f"create it once, as an attribute of the model (self.name = {kind}(...) in "
+                    "__init__; for a function step, a global or an argument of the function), "
+                    "so it is a submodule graphsplit can place in a stage"
+                ),
             )
         return forward(*args, **kwargs)
 
@@ -302,7 +198,7 @@ class _Tracer(fx.Tracer):
         )
         return self.create_proxy("call_function", function, args, kwargs)
 
-    def _generator_attribute(self, generator: torch.Generator) -> _Proxy:
+    def _generator_attribute(self, generator: torch.Generator) -> TracedValue:
         for name, value in vars(self.root).items():
             if value is generator:
                 return self.create_proxy("get_attr", name, (), {})
@@ -338,7 +234,7 @@ class _Tracer(fx.Tracer):
             del self.pending_guards[pending:]
             self.module_proxies, self.checkpoint = handles, region
 
-    def module_proxy(self, qualified_name: str) -> _Proxy:
+    def module_proxy(self, qualified_name: str) -> TracedValue:
         """One ``get_attr`` node per leaf module whose methods the step calls."""
         if qualified_name not in self.module_proxies:
             self.module_proxies[qualified_name] = self.create_proxy(
@@ -360,7 +256,7 @@ class _Tracer(fx.Tracer):
 
     # -- Python conversions of traced values ---------------------------------------------
     def concrete(
-        self, proxy: _Proxy, convert: Callable[[Any], Any], *, pending: bool = False
+        self, proxy: TracedValue, convert: Callable[[Any], Any], *, pending: bool = False
     ) -> Any:
         """Resolve a Python conversion from the meta value; refuse it on tensor data.
 
@@ -374,7 +270,7 @@ class _Tracer(fx.Tracer):
         """
         node = proxy.node
         value = node.meta.get("val")
-        if isinstance(value, torch.Tensor) and convert is not _len:  # len() reads the shape
+        if isinstance(value, torch.Tensor) and convert is not python_len:  # len() reads the shape
             read = _VALUE_READS.get(convert)
             answered = NOT_ANSWERED if read is None else answer(self, proxy, read)
             if answered is not NOT_ANSWERED:
@@ -387,8 +283,10 @@ class _Tracer(fx.Tracer):
                 "batch and cannot be decided while tracing.",
                 node=node,
                 source=current_line(),
-                fix="express it with tensor ops (torch.where, masking, clamp) or move it "
-                "into the data pipeline, before the step is called",
+                fix=Fix(
+                    "express it with tensor ops (torch.where, masking, clamp) or move it "
+                    "into the data pipeline, before the step is called"
+                ),
             )
             error.read_at = current_line()
             raise error
@@ -420,17 +318,17 @@ class _Tracer(fx.Tracer):
             if guard.node not in nodes or at != here
         ]
 
-    def to_bool(self, obj: _Proxy) -> bool:
+    def to_bool(self, obj: TracedValue) -> bool:
         return self.concrete(obj, bool)
 
-    def iter(self, obj: _Proxy) -> Iterator[Any]:
+    def iter(self, obj: TracedValue) -> Iterator[Any]:
         value = obj.node.meta.get("val")
         if isinstance(value, dict):
             return iter(list(value.keys()))
-        length = self.concrete(obj, _len)
+        length = self.concrete(obj, python_len)
         return iter([obj[index] for index in range(length)])
 
-    def keys(self, obj: _Proxy) -> Any:
+    def keys(self, obj: TracedValue) -> Any:
         value = obj.node.meta.get("val")
         if hasattr(value, "keys"):
             return list(value.keys())
@@ -444,7 +342,7 @@ def _instruction(frame: FrameType | None) -> tuple[int, int]:
 
 def _node_if_created(value: Any) -> fx.Node | None:
     """A proxy's node, without creating an attribute's node (that would be a traced event)."""
-    if isinstance(value, _Attribute):
+    if isinstance(value, TracedAttribute):
         return value._node
     return value.node if isinstance(value, fx.Proxy) else None
 
@@ -508,8 +406,10 @@ def trace_step(
             "draw would be frozen into the plan instead of happening every step. graphsplit "
             "replays torch's random functions in stage 2, not Python's or NumPy's.",
             source=location,
-            fix="draw with torch (torch.rand, torch.randint, torch.randn_like, ...), or move "
-            "the Python/NumPy draw into the data pipeline and pass the result as an input",
+            fix=Fix(
+                "draw with torch (torch.rand, torch.randint, torch.randn_like, ...), or move "
+                "the Python/NumPy draw into the data pipeline and pass the result as an input"
+            ),
         )
     check_autocast(graph)
     restore_input_names(graph, model)
@@ -525,24 +425,25 @@ def _trace_graph(
     example_values: dict[str, Any],
     leaf_names: frozenset[str],
     record: Callable[[fx.Node], bool] | None = None,
-) -> tuple[_Tracer, fx.Graph]:
-    tracer = _Tracer(leaf_names, example_values)
+) -> tuple[StepTracer, fx.Graph]:
+    tracer = StepTracer(leaf_names, example_values)
     tracer.record = record
     tracer.forward_location = _definition_of(type(model).forward)
     to_int = lambda size: tracer.concrete(size, operator.index)  # noqa: E731
     # Python conversions of traced values (int(), __index__, range()) are guarded ints; one
     # that depends on the batch size is refused by the analysis (analyze._check_guards).
-    with (
-        leaf_methods_recorded(tracer, model, leaf_names),
-        traced_range(to_int),
-        traced_factories(),
-        traced_torch_calls(tracer),
-        checkpoints_recorded(tracer),
-        einops_calls_recorded(tracer),
-        legacy_constructor_recorded(tracer),
-        tensor_checks_assumed(),
-        python_builtins_as_eager((_Proxy, _Attribute)),
-    ):
+    # Everything the trace changes in the process goes through one patcher, undone when the
+    # block ends however it ends; a trace in another thread waits for this one (patcher.py).
+    with Patcher() as patcher:
+        record_leaf_methods(patcher, tracer, model, leaf_names)
+        replace_range(patcher, to_int)
+        accept_traced_sizes(patcher)
+        record_torch_calls(patcher, tracer)
+        record_checkpoints(patcher, tracer)
+        record_einops_calls(patcher, tracer)
+        record_legacy_constructor(patcher, tracer)
+        assume_tensor_checks(patcher)
+        replace_python_builtins(patcher, (TracedValue, TracedAttribute))
         graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
     tracer.keep_pending_guards()
     return tracer, graph

@@ -8,7 +8,7 @@ import inspect
 import torch
 from torch import nn
 
-from graphsplit.planning.patching.patches import wrapped_like
+from graphsplit.planning.patching.leaf_methods import wrapped_like
 
 
 class Annotated(nn.Module):

@@ -1,0 +1,144 @@
+"""The proxies of a step's trace: traced values that answer Python as their meta value would.
+
+Glossary:
+    traced value: a proxy of the step's tracer whose node carries ``node.meta["val"]``, the
+        value eager would hold in its place (:meth:`TracedValue.eager_value`).
+    traced attribute: ``proxy.name``, a method call if called, else a ``getattr`` node created
+        only when the attribute is used as a value.
+    value read: ``bool(x)``, ``int(x)``, ``x.item()``, ``x.tolist()`` on a traced tensor;
+        answered from frozen data where the planning can (planning/opaque/value_reads.py),
+        else refused by the tracer.
+
+In: a node and its tracer (:class:`graphsplit.planning.tracing.tracer.StepTracer`). Out: the
+proxy types the tracer creates, and those the patched builtins recognise:
+
+    TracedValue(node, tracer): fx.Proxy
+    TracedAttribute(root, attr): TracedValue
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from graphsplit.planning.opaque.value_reads import NOT_ANSWERED, Read, answer
+from graphsplit.planning.patching.originals import python_len
+
+__all__ = ["TracedAttribute", "TracedValue"]
+
+_STATIC_TENSOR_ATTRIBUTES = frozenset({"dtype", "is_floating_point", "is_complex"})
+_OWN_ATTRIBUTES = frozenset({"node", "_node", "root", "attr", "tracer"})
+_METHOD_READS = {"tolist": Read.TOLIST, "item": Read.ITEM}
+
+
+class TracedValue(fx.Proxy):
+    """A proxy that answers Python's questions the way its meta value would.
+
+    - ``isinstance``, ``callable`` and ``len`` answer from :meth:`eager_value` (see
+      :mod:`graphsplit.planning.patching.traced_builtins`): library code that branches on them
+      (DiffSynth's ``transfer_data_to_device`` casts only tensors; einops picks its torch
+      backend; transformers calls a check's condition if it is callable) must run the
+      program eager runs;
+    - ``bool``, ``int``, ``float``, ``__index__`` (a slice bound, ``[0] * n``) and ``len``
+      called from C code read the meta value and record a guard (see
+      :meth:`graphsplit.planning.tracing.tracer.StepTracer.concrete`).
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _OWN_ATTRIBUTES:  # not set yet (during construction): never a graph node
+            raise AttributeError(name)
+        value = self.node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            if name in _STATIC_TENSOR_ATTRIBUTES:
+                # A traced op's dtype is fixed by the trace; code such as torch.finfo(x.dtype)
+                # needs the real object. (Under autocast, split with the same autocast on.)
+                return getattr(value, name)
+            if name.startswith("_") and not hasattr(value, name):
+                # Probes such as Parameter's isinstance check (getattr(x, "_is_param", False))
+                # must see what a tensor says: no such attribute.
+                raise AttributeError(name)
+        return TracedAttribute(self, name)
+
+    def eager_value(self) -> Any:
+        """The value eager would hold here: the node's meta value."""
+        return self.node.meta.get("val")
+
+    def __len__(self) -> int:
+        return self.tracer.concrete(self, python_len)
+
+    def __int__(self) -> int:
+        return self.tracer.concrete(self, int)
+
+    def __float__(self) -> float:
+        return self.tracer.concrete(self, float)
+
+    def __index__(self) -> int:
+        return self.tracer.concrete(self, operator.index, pending=True)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.tracer.iter(self)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        # Recorded in place, then rewritten as a copy by inplace.functionalize_inplace.
+        self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
+
+    def _augmented(self, method: str, operation: Callable[[Any, Any], Any], other: Any) -> Any:
+        """``h += 1``: in place on a tensor (as eager does), a new value for a Python number."""
+        if isinstance(self.node.meta.get("val"), torch.Tensor):
+            return self.tracer.create_proxy("call_method", method, (self, other), {})
+        return self.tracer.create_proxy("call_function", operation, (self, other), {})
+
+    def __iadd__(self, other: Any) -> Any:
+        return self._augmented("add_", operator.add, other)
+
+    def __isub__(self, other: Any) -> Any:
+        return self._augmented("sub_", operator.sub, other)
+
+    def __imul__(self, other: Any) -> Any:
+        return self._augmented("mul_", operator.mul, other)
+
+    def __itruediv__(self, other: Any) -> Any:
+        return self._augmented("div_", operator.truediv, other)
+
+    def __ifloordiv__(self, other: Any) -> Any:
+        return self._augmented("floor_divide_", operator.floordiv, other)
+
+    def __ipow__(self, other: Any) -> Any:
+        return self._augmented("pow_", operator.pow, other)
+
+
+class TracedAttribute(TracedValue):
+    """``proxy.name``: a method call if called, else a lazily created ``getattr`` node."""
+
+    def __init__(self, root: TracedValue, attr: str) -> None:
+        self.root = root
+        self.attr = attr
+        self.tracer = root.tracer
+        self._node: fx.Node | None = None
+
+    @property
+    def node(self) -> fx.Node:  # type: ignore[override]
+        if self._node is None:
+            self._node = self.tracer.create_proxy(
+                "call_function", getattr, (self.root, self.attr), {}
+            ).node
+        return self._node
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        read = _METHOD_READS.get(self.attr)
+        reads_value = read is not None and not args and not kwargs  # x.tolist(), x.item()
+        if reads_value and isinstance(self.root.eager_value(), torch.Tensor):
+            answered = answer(self.tracer, self.root, read)
+            if answered is not NOT_ANSWERED:
+                return answered  # frozen data, one sample per batch (value_reads.py)
+        return self.tracer.create_proxy("call_method", self.attr, (self.root, *args), kwargs)
+
+    def eager_value(self) -> Any:
+        """The attribute of the root's meta value, without creating a node for it."""
+        if self._node is not None:
+            return self._node.meta.get("val")
+        return getattr(self.root.eager_value(), self.attr, None)
