@@ -134,11 +134,11 @@ def speaking(wording: Wording) -> Iterator[None]:
 class GraphsplitError(Exception):
     """Base class of every error graphsplit raises on purpose.
 
-    ``remedy`` is the typed fix (a :class:`Remedy`, or None): a subclass may set it as a class
-    attribute, a raise site passes ``remedy=``. The message may hold the slot ``{remedy}``
-    where the option is named; ``str(error)`` fills it in the current :class:`Wording`, and a
-    message without the slot gets the command-line option on a line of its own when rendered
-    for the command line.
+    Built by :func:`user_error`, never directly: ``fix`` is the typed fix and ``remedy`` its
+    option (a :class:`Remedy`, or None), the value code decides by. The message may hold the
+    slot ``{remedy}`` where the option is named; ``str(error)`` fills it in the current
+    :class:`Wording`, and a message without the slot gets the command-line option on a line of
+    its own when rendered for the command line.
     """
 
     remedy: Remedy | None = None
@@ -256,7 +256,6 @@ def user_error(
     fix: Fix | Remedy,
     node: torch.fx.Node | None = None,
     source: str | None = None,
-    remedy: Remedy | None = None,  # MIGRATION: goes with str fixes once every call site is typed
 ) -> GraphsplitError:
     """Build an error whose message names the node, the user's source line, the reason and fix.
 
@@ -264,8 +263,8 @@ def user_error(
     ``fix`` is a :class:`Fix` (or a :class:`Remedy`, the fix "pass that option"); the error
     keeps it as ``error.fix`` and its option as ``error.remedy``.
     """
-    if isinstance(fix, str):  # MIGRATION: removed once every call site passes a typed fix
-        fix = Fix(fix, remedy)
+    if not isinstance(fix, Fix | Remedy):  # the words alone cannot be rendered for the CLI
+        raise TypeError(f"user_error takes fix=Fix(...) or a Remedy, not {type(fix).__name__}")
     fix = Fix.of(fix)
     if source is None and node is not None:
         source = node.meta.get("source")
