@@ -46,7 +46,6 @@ from graphsplit.planning.analyse.node_facts import analyze, resolve_params
 from graphsplit.planning.cut.boundary import (
     choose_boundary,
     compute_taint,
-    cyclic_gc_paused,
     facts,
     module_owner,
 )
@@ -64,6 +63,7 @@ from graphsplit.planning.opaque.value_reads import (
     check_value_reads,
     frozen_value_reads,
 )
+from graphsplit.planning.patching.patcher import Patcher, cyclic_gc_paused
 from graphsplit.planning.rules.grad_modes import check_grad_modes
 from graphsplit.planning.rules.opaque_call import OPAQUE, is_opaque
 from graphsplit.planning.rules.random_draws import generator_states, set_generator_states
@@ -154,6 +154,24 @@ def _frozen_work_judged_mixing(traced: Traced, trainable: frozenset[str]) -> lis
     ]
 
 
+@contextlib.contextmanager
+def _planning_switches() -> Iterator[None]:
+    """The process-wide switches the analysis makes, through one patcher (undone on exit).
+
+    The cyclic garbage collector is paused (see :func:`cyclic_gc_paused`), and torch's fake
+    mode is kept from logging each op that fails on fake tensors: ``FakeTensorMode`` logs a
+    failing meta kernel with its traceback at ERROR level before it raises. The planning
+    expects some failures (a step that runs only at batch 1 fails at the probe sizes and is
+    planned again at batch 1; a module that cannot be traced into is kept whole), and one that
+    is not expected reaches the user as a ``TraceError`` that already names the op, the user's
+    line and torch's message: the log lines are noise either way.
+    """
+    with Patcher() as switches:
+        switches.patch(logging.getLogger("torch._subclasses.fake_tensor"), "disabled", True)
+        switches.enter_context(cyclic_gc_paused())
+        yield
+
+
 def _rounds(
     model: nn.Module,
     examples: ExampleInputs,
@@ -161,60 +179,32 @@ def _rounds(
     sites: list[OpaqueSite],
     answered: set[str],
 ) -> Traced:
-    """Trace, analyse, and trace into mixed modules whose inputs are all cacheable; repeat."""
-    with cyclic_gc_paused(), _fake_tensor_failures_unlogged():
-        return _trace_and_analyze(model, examples, trainable, sites, answered)
-
-
-@contextlib.contextmanager
-def _fake_tensor_failures_unlogged() -> Iterator[None]:
-    """Keep torch's fake mode from logging each op that fails on fake tensors (restored on exit).
-
-    ``FakeTensorMode`` logs a failing meta kernel with its traceback at ERROR level before it
-    raises. The planning expects some failures (a step that runs only at batch 1 fails at the
-    probe sizes and is planned again at batch 1; a module that cannot be traced into is kept
-    whole), and one that is not expected reaches the user as a ``TraceError`` that already
-    names the op, the user's line and torch's message: the log lines are noise either way.
-    """
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    was_disabled = logger.disabled
-    logger.disabled = True
-    try:
-        yield
-    finally:
-        logger.disabled = was_disabled
-
-
-def _trace_and_analyze(
-    model: nn.Module,
-    examples: ExampleInputs,
-    trainable: frozenset[str],
-    sites: list[OpaqueSite],
-    answered: set[str],
-) -> Traced:
-    param_names = {id(param): name for name, param in model.named_parameters()}
-    leaves = _initial_leaves(model)
-    notes: list[str] = []
-    traced = _trace_once(model, examples, param_names, leaves, trainable, sites, answered)
-    for _ in range(MAX_ROUNDS):
-        expand = _mixed_calls_worth_tracing(traced, trainable) & leaves
-        if not expand:
-            break
-        try:
-            finer = _trace_once(
-                model, examples, param_names, leaves - expand, trainable, sites, answered
+    """Trace, analyse, and trace into mixed modules whose inputs are all cacheable; repeat
+    (under :func:`_planning_switches`)."""
+    with _planning_switches():
+        param_names = {id(param): name for name, param in model.named_parameters()}
+        leaves = _initial_leaves(model)
+        notes: list[str] = []
+        traced = _trace_once(model, examples, param_names, leaves, trainable, sites, answered)
+        for _ in range(MAX_ROUNDS):
+            expand = _mixed_calls_worth_tracing(traced, trainable) & leaves
+            if not expand:
+                break
+            try:
+                finer = _trace_once(
+                    model, examples, param_names, leaves - expand, trainable, sites, answered
+                )
+                choose_boundary(finer.graph, trainable)  # a finer trace must still have a cut
+            except Exception as exc:  # any failure inside library code: keep the module whole
+                notes.append(f"kept {', '.join(sorted(expand))} whole: {_why(exc)}")
+                break
+            traced = finer
+            leaves = leaves - expand
+            notes.append(
+                f"traced into {', '.join(sorted(expand))}: it mixes frozen and trainable "
+                "parameters and its inputs are cacheable"
             )
-            choose_boundary(finer.graph, trainable)  # a finer trace must still have a cut
-        except Exception as exc:  # any failure inside library code: keep the module whole
-            notes.append(f"kept {', '.join(sorted(expand))} whole: {_why(exc)}")
-            break
-        traced = finer
-        leaves = leaves - expand
-        notes.append(
-            f"traced into {', '.join(sorted(expand))}: it mixes frozen and trainable "
-            "parameters and its inputs are cacheable"
-        )
-    return replace(traced, notes=traced.notes + tuple(notes))
+        return replace(traced, notes=traced.notes + tuple(notes))
 
 
 def _why(exc: Exception) -> str:

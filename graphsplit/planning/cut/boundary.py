@@ -46,10 +46,8 @@ Out: :class:`~graphsplit.artifacts.Cut`, and the boundary's public description:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import torch.fx as fx
 from torch import nn
@@ -68,6 +66,7 @@ from graphsplit.planning.cut.recompute import (
     weights_read,
 )
 from graphsplit.planning.opaque.value_reads import value_checks
+from graphsplit.planning.patching.patcher import cyclic_gc_paused
 from graphsplit.planning.rules.baked_sizes import is_fixed_number
 from graphsplit.planning.rules.taint import (
     compute_taint,
@@ -239,29 +238,6 @@ def _min_cut(
         and f"{node.name}:in" not in stage2_side
         and f"{node.name}:out" in stage2_side
     )
-
-
-@contextlib.contextmanager
-def cyclic_gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while the planning allocates (restored on exit).
-
-    The planning makes hundreds of thousands of short-lived objects (fake tensors, pytree
-    specs, op records; the min-cut's flow network and networkx's residual copy, 100k edges on
-    a 10k-node chain) next to a model of thousands of modules and parameters, so collections
-    keep triggering and each older-generation one walks every one of those long-lived objects:
-    about a tenth of the analysis's CPU time on SDXL, and it doubled the cut's. Reference
-    counting still frees what is not in a cycle; cycles made meanwhile are collected by the
-    first collection afterwards. The analysis (``rounds``) and the cut pause it separately:
-    pausing the whole split instead cost more, its deferred collection walks everything the
-    split allocated. Nested pauses leave the collector as the outer one found it.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def stages_for(

@@ -44,6 +44,7 @@ import torch.fx as fx
 
 from graphsplit.artifacts import Taint
 from graphsplit.errors import Fix, SplitError, user_error
+from graphsplit.planning.rules.node_inputs import reads_through
 from graphsplit.planning.rules.opaque_call import is_opaque
 from graphsplit.planning.rules.taint import facts, is_banned, module_owner
 
@@ -160,19 +161,7 @@ def _is_cheap(node: fx.Node, taint: Mapping[fx.Node, Taint]) -> bool:
 
 def _frontier(node: fx.Node, taint: Mapping[fx.Node, Taint]) -> set[fx.Node]:
     """The nearest inputs and frozen work ``node`` reads, walking back through cheap work."""
-    found: set[fx.Node] = set()
-    seen: set[fx.Node] = set()
-    pending = list(node.all_input_nodes)
-    while pending:
-        producer = pending.pop()
-        if producer in seen:
-            continue
-        seen.add(producer)
-        if _is_cheap(producer, taint):
-            pending.extend(producer.all_input_nodes)
-        else:
-            found.add(producer)
-    return found
+    return reads_through(node, lambda producer: _is_cheap(producer, taint))[1]
 
 
 def _read_by_stage2(graph: fx.Graph, taint: Mapping[fx.Node, Taint]) -> set[fx.Node]:

@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from graphsplit.artifacts import Cut, Guard
+from graphsplit.planning.rules.node_inputs import reads_through
 from graphsplit.runtime import check_size
 
 # Where the tracer lists the guards read from a node (see trace.trace_step).
@@ -149,20 +150,15 @@ def hoist_checks(stage: fx.Graph) -> None:
 def _inputs_closure(check: fx.Node) -> set[fx.Node] | None:
     """What ``check`` reads, transitively, if that is size inspections of the stage's inputs
     (and the table of user lines); else None."""
-    closure: set[fx.Node] = set()
-    pending = list(check.all_input_nodes)
-    while pending:
-        node = pending.pop()
-        if node in closure:
-            continue
-        closure.add(node)
-        if node.op == "placeholder":
-            continue
+
+    def is_inspection_or_table(node: fx.Node) -> bool:
         is_table = node.op == "get_attr" and node.target == CheckSources.ATTRIBUTE
-        if not (is_table or _is_inspection(node)):
-            return None
-        pending.extend(node.all_input_nodes)
-    return closure
+        return node.op != "placeholder" and (is_table or _is_inspection(node))
+
+    passed, ends = reads_through(check, is_inspection_or_table)
+    if any(node.op != "placeholder" for node in ends):
+        return None
+    return passed | ends
 
 
 def _nodes_in(env: dict[fx.Node, Any]) -> set[fx.Node]:
