@@ -274,3 +274,18 @@ def test_the_sd_lora_step_splits_bit_for_bit_in_every_form(form, size):
     assert all(key.startswith("unet.") for key in split.stage2.state_dict())
     assert split.input_names == ("pixel_values", "input_ids")
     assert list(split.boundary) == ["vae_encode_latent_dist_parameters", "text_encoder_0"]
+
+
+def test_modules_under_a_name_nn_module_uses_itself_are_refused_with_the_fix():
+    # The step module is an nn.Module: it cannot hold a child called "modules" or "half".
+    encoder, head = _models(14)
+    modules = {"encoder": encoder, "head": head}
+
+    def training_step(x, y):
+        return F.mse_loss(modules["head"](modules["encoder"](x)), y)
+
+    with pytest.raises(graphsplit.SplitError) as caught:
+        graphsplit.split(training_step, _xy(2))
+    message = str(caught.value)
+    assert "reaches modules through the name 'modules', which torch.nn.Module uses" in message
+    assert "fix:    rename 'modules' in the step's code (e.g. my_modules)" in message

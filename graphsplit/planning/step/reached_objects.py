@@ -36,10 +36,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphsplit.errors import Fix, SplitError, user_error
+
 __all__ = ["Reached", "reach_code", "usable_name"]
 
-# What the step module holds itself (``forward``, ``_modules``, ``training``...): a reached
-# object of such a name would overwrite it, so it is not reached under that name.
+# What the step module holds itself (``forward``, ``_modules``, ``modules``, ``training``...):
+# a reached object of such a name would overwrite it. Modules the code names so are refused
+# with the fix; a tensor stays a traced constant, a helper or an attribute of ``self`` that the
+# code may not use is left out.
 _STEP_MODULE_NAMES = frozenset(dir(nn.Module)) | frozenset(vars(nn.Module())) | {"step_callable"}
 
 
@@ -52,31 +56,39 @@ class Reached:
         self.helpers: dict[str, Any] = {}
         self._seen: set[int] = set()
 
-    def _claim(self, name: str, value: Any) -> bool:
+    def _claim(self, name: str, value: Any, *, modules_named_by_code: bool = False) -> bool:
         taken = name in self.modules or name in self.tensors or name in self.helpers
-        taken = taken or name in _STEP_MODULE_NAMES
         if id(value) in self._seen or taken or not usable_name(name):
+            return False
+        if name in _STEP_MODULE_NAMES:
+            if modules_named_by_code:
+                raise user_error(
+                    SplitError,
+                    f"The step reaches modules through the name {name!r}, which torch.nn.Module "
+                    f"uses itself (nn.Module.{name}), so the step module cannot hold them "
+                    "under it.",
+                    fix=Fix(f"rename {name!r} in the step's code (e.g. my_{name})"),
+                )
             return False
         self._seen.add(id(value))
         return True
 
-    def add(self, name: str, value: Any) -> None:
+    def add(self, name: str, value: Any, *, named_by_code: bool = True) -> None:
+        """Reach ``value`` under ``name``; ``named_by_code``: the code uses that name (not an
+        attribute of ``self`` reached with all the others)."""
         if isinstance(value, nn.Module):
-            if self._claim(name, value):
+            if self._claim(name, value, modules_named_by_code=named_by_code):
                 self.modules[name] = value
         elif isinstance(value, torch.Tensor):
             if self._claim(name, value):
                 self.tensors[name] = value
-        elif isinstance(value, (dict, list, tuple)):
+        elif isinstance(value, (dict, list, tuple)) or _holds_attributes(value):
+            # A container or a pipeline-like object (callable or not) holding modules.
             holder = _holder(value)
-            if holder is not None and self._claim(name, value):
-                self.modules[name] = holder
-        elif _holds_attributes(value):
-            holder = _holder(value)  # a pipeline-like object (callable or not) holding modules
             if holder is not None:
-                if self._claim(name, value):
+                if self._claim(name, value, modules_named_by_code=named_by_code):
                     self.modules[name] = holder
-            elif _is_helper_object(value) and self._claim(name, value):
+            elif _holds_attributes(value) and _is_helper_object(value) and self._claim(name, value):
                 self.helpers[name] = value
 
     def add_owner(self, owner: Any) -> None:
@@ -94,11 +106,11 @@ class Reached:
             self._seen |= {id(tensor) for tensor in owner._buffers.values()}
             for name, value in vars(owner).items():
                 if not name.startswith("_"):
-                    self.add(name, value)
+                    self.add(name, value, named_by_code=False)
             return
         attributes = _plain_attributes(owner)
         for name in sorted(attributes, key=lambda name: name.startswith("_")):  # stable
-            self.add(name, attributes[name])
+            self.add(name, attributes[name], named_by_code=False)
 
 
 def _plain_attributes(owner: Any) -> dict[str, Any]:
