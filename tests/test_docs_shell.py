@@ -9,8 +9,9 @@ Each command is, in page order:
   ``python -m graphsplit``) and this checkout on ``PYTHONPATH``; it must exit 0. A command
   naming an ``s3://`` bucket runs against the suite's local S3 server
   (:class:`tests.caching.s3_server.LocalS3`, the same the S3 tests and the docs' snippets use),
-  which holds the bucket and points the process's AWS endpoint and keys at itself. A command
-  the page repeats (README and docs/index.md show the same three) runs once, in the first block;
+  which points the process's AWS endpoint and keys at itself, with the bucket made afresh. A
+  command the page repeats (README and docs/index.md show the same three) runs once, in the
+  first block;
 - **not run**, listed in :data:`NOT_RUN` with the reason. A benchmark's measurement run of a
   minute or more still has its documented arguments parsed by its own ``main``'s parser, so a
   renamed flag fails here; tests/bench runs each entry point at tiny sizes.
@@ -206,7 +207,13 @@ def test_every_shell_command_runs(commands, runs, tmp_path):
         pytest.importorskip("s3fs")
         from tests.caching.s3_server import LocalS3
 
-        server = LocalS3(*_buckets(runs))  # sets this process's AWS endpoint and keys
+        server = LocalS3()  # sets this process's AWS endpoint and keys
+        for name in _buckets(runs):
+            # moto keeps one store per process: the docs' snippets may have made the bucket.
+            if server.fs.exists(name):
+                server.fs.rm(name, recursive=True)
+                server.fs.invalidate_cache()
+            server.fs.mkdir(name)
     try:
         environment = _environment(tmp_path)
         for command in runs:
