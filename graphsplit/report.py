@@ -2,6 +2,7 @@
 
     render_report(split, model) -> str
     plan_json(split) -> dict    # what Split.save_code writes as plan.json
+    moved_work(split) -> MovedWork
 
 ``split`` is a :class:`SplitPlan`: what the report reads of a :class:`~graphsplit.api.Split`
 (its stages, boundary and cut), named here so that this module sits below ``api`` and never
@@ -12,11 +13,18 @@ big per sample), which parameters each stage holds, how much frozen work leaves 
 step, which frozen work stage 2 redoes instead (the store-or-recompute trade: bytes saved per
 sample against FLOPs and frozen weights added), which random draws stay in stage 2, and what
 could not be cached and why.
+
+Moved work is counted in matmul / convolution / attention FLOPs, from the meta analysis for
+traced nodes and from the example run for an opaque call (frozen code that reads tensor values,
+run eagerly by stage 1). An opaque call in which no op with a FLOP formula ran is *not counted*,
+and the report says so by name instead of adding 0: its work may be Python reading tensor values
+or code outside torch, which no counter sees.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -25,6 +33,7 @@ from torch import nn
 
 from graphsplit.artifacts import BoundarySpec, Cut, MixingCause, Recomputation, Taint, TaintKind
 from graphsplit.planning.cut.boundary import facts, is_banned, module_owner
+from graphsplit.planning.rules.opaque_call import OPAQUE, is_opaque
 from graphsplit.planning.rules.size_guards import expression
 from graphsplit.units import human_bytes, human_flops
 
@@ -60,10 +69,59 @@ def _qualified(stage: nn.Module, model: nn.Module) -> list[tuple[str, torch.Tens
     return [(names.get(id(p), n), p) for n, p in stage.named_parameters()]
 
 
-def moved_flops(split: SplitPlan) -> int:
-    """FLOPs per sample that stage 1 runs and stage 2 does not."""
-    total = sum(facts(node).flops for node in split.cut.stage1 - split.cut.stage2)
-    return total // max(split.batch_sizes[0], 1)
+@dataclass(frozen=True)
+class MovedWork:
+    """The frozen work stage 1 runs and stage 2 does not.
+
+    ``flops_per_sample``: the FLOPs counted; ``not_counted``: the opaque calls whose work is not
+    in it (their nodes, in graph order), so that "0 FLOP" is never said of uncounted work.
+    """
+
+    flops_per_sample: int
+    not_counted: tuple[fx.Node, ...]
+
+    @property
+    def known(self) -> bool:
+        """Whether anything is counted, or nothing is left uncounted."""
+        return self.flops_per_sample > 0 or not self.not_counted
+
+
+def moved_work(split: SplitPlan) -> MovedWork:
+    """FLOPs per sample that stage 1 runs and stage 2 does not, and the opaque calls not counted.
+
+    An opaque node's analysis facts hold at least 1 FLOP (it is frozen work the cut must not
+    move), so its own count, from the example run, is read instead.
+    """
+    moved = split.cut.stage1 - split.cut.stage2
+    total, not_counted = 0, []
+    for node in split.graph.nodes:
+        if node not in moved:
+            continue
+        if not is_opaque(node):
+            total += facts(node).flops
+        elif node.meta[OPAQUE].flops > 0:
+            total += node.meta[OPAQUE].flops
+        else:
+            not_counted.append(node)
+    return MovedWork(total // max(split.batch_sizes[0], 1), tuple(not_counted))
+
+
+def moved_work_lines(work: MovedWork) -> list[str]:
+    """The report's lines on moved work; the opaque calls not counted by name, never as 0."""
+    counted = f"{human_flops(work.flops_per_sample)} per sample (matmul/conv/attention FLOPs)"
+    if not work.not_counted:
+        return [f"Work moved out of the training step: {counted}"]
+    calls = len(work.not_counted)
+    head = f"{counted}, plus" if work.flops_per_sample else "unknown:"
+    lines = [
+        f"Work moved out of the training step: {head} the work of {calls} opaque "
+        f"call{'s' if calls > 1 else ''} not counted (no op with a FLOP formula ran in "
+        f"{'them' if calls > 1 else 'it'}: Python work on tensor values is not seen):"
+    ]
+    for node in work.not_counted:
+        found = node.meta[OPAQUE]
+        lines.append(f"  {node.name:<40} {found.label:<24} {node.meta.get('source', '')}")
+    return lines
 
 
 def _what(node: fx.Node) -> str:
@@ -202,11 +260,7 @@ def render_report(split: SplitPlan, model: nn.Module | None) -> str:
             f"  frozen parameters stage 2 does not need: {len(not_needed)} tensors, "
             f"{human_bytes(sum(p.numel() * p.element_size() for _, p in not_needed))}",
         ]
-    lines += [
-        "",
-        f"Work moved out of the training step: {human_flops(moved_flops(split))} "
-        "per sample (matmul/conv/attention FLOPs)",
-    ]
+    lines += ["", *moved_work_lines(moved_work(split))]
     lines += recomputation_lines(split.cut.recomputation)
     randoms = random_nodes(split)
     if randoms:
@@ -241,6 +295,7 @@ def baked_lines(cut: Cut) -> list[str]:
 
 
 def plan_json(split: SplitPlan) -> dict[str, Any]:
+    work = moved_work(split)
     return {
         "model": split.model_name,
         "batch_sizes": list(split.batch_sizes),
@@ -248,7 +303,12 @@ def plan_json(split: SplitPlan) -> dict[str, Any]:
         "boundary": [spec.to_json() for spec in split.boundary.values()],
         "stage1_nodes": [n.name for n in split.graph.nodes if n in split.cut.stage1],
         "stage2_nodes": [n.name for n in split.graph.nodes if n in split.cut.stage2],
-        "moved_flops_per_sample": moved_flops(split),
+        # None when the only work moved is opaque calls whose work is not counted.
+        "moved_flops_per_sample": work.flops_per_sample if work.known else None,
+        "moved_work_not_counted": [
+            {"node": n.name, "runs": n.meta[OPAQUE].label, "source": n.meta.get("source")}
+            for n in work.not_counted
+        ],
         "recomputed": recomputation_json(split.cut.recomputation),
         "baked_numbers": [
             {

@@ -255,7 +255,11 @@ def _star_step(*tensors):
         ),
         (_async_step, "is an async function", "make it a plain function"),
         (Trainer, "the class Trainer", "pass an instance (graphsplit.split(Trainer(...)"),
-        (functools.partial(global_step, y=Y), "functools.partial(global_step", "def function"),
+        (
+            functools.partial(global_step, z=Y),
+            "functools.partial(global_step",
+            "bind only the function's own parameters",
+        ),
         (_star_step, "takes *tensors", "explicit parameters, one per batch field"),
     ],
     ids=["builtin", "lambda", "generator", "async", "class", "partial", "varargs"],

@@ -4,7 +4,9 @@ Glossary (see :mod:`graphsplit.planning.opaque.sites` for how the calls are foun
     example run: the opaque call runs on the example batch, its inputs computed for real by the
         graph traced so far, the model's real frozen weights put back for the run (the analysis
         otherwise sees meta twins; trainable ones stay on meta, so the run cannot read them).
-        Its output's shapes and dtypes become the node's meta value, its FLOPs the node's work.
+        Its output's shapes and dtypes become the node's meta value, its FLOPs the node's work
+        (``FlopCounterMode``'s count of the torch ops it ran; 0 when none it has a formula for
+        ran, which the report shows as not counted: Python work on tensor values is not seen).
     refusals: inputs that depend on a trainable parameter or a random draw; a trainable
         parameter, a frozen weight or an input on ``meta`` read by the run; random numbers
         drawn (the user's generators are restored either way); writes into the call's inputs
@@ -37,7 +39,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop
 
 from graphsplit.artifacts import ExampleInputs, OpRecord
 from graphsplit.errors import (
@@ -62,6 +64,12 @@ from graphsplit.planning.rules.random_draws import (
 from graphsplit.planning.rules.user_lines import describe
 from graphsplit.planning.step.example_inputs import example_batch_size
 from graphsplit.runtime import functional_inplace
+
+_ATEN = torch.ops.aten
+# FLOP formulas FlopCounterMode lacks: on the CPU, scaled_dot_product_attention runs this kernel
+# (on meta the analysis counts the math it decomposes into; the formula gives the same count).
+# ``sdpa_flop`` is registered wrapped to take shapes; FlopCounterMode wraps a mapping itself.
+_MISSING_FORMULAS = {_ATEN._scaled_dot_product_flash_attention_for_cpu: sdpa_flop.__wrapped__}
 
 
 @dataclass
@@ -126,7 +134,7 @@ class ExampleRun:
         site = self.sites[id(node.target)]
         self._refuse_tainted_inputs(node, site)
         self._refuse_probe_sizes(node, site)
-        flops = FlopCounterMode(display=False)
+        flops = FlopCounterMode(display=False, custom_mapping=_MISSING_FORMULAS)
         full = self._value(node, None, site, flops)
         outputs, _ = pytree.tree_flatten(full)
         if not all(isinstance(leaf, torch.Tensor) for leaf in outputs):

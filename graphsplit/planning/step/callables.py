@@ -9,12 +9,14 @@ modules trains stage 2).
 
 Glossary:
     step callable: what :func:`graphsplit.split` is given. An ``nn.Module`` is used as is; a
-        Python function (``def`` or lambda, closures included), a bound method, or an object
-        whose class defines ``__call__`` in Python is wrapped.
-    reached object: a value the callable's code can see without being passed it: its closure
-        cells, the globals its code loads (also those of nested code and of helper functions
-        defined in the same Python module), ``self``'s attributes for a bound method, and the
-        arguments of the example batch that are modules.
+        Python function (``def`` or lambda, closures included), a bound method (of a module or
+        of a plain object such as a trainer), an object whose class defines ``__call__`` in
+        Python, or a ``functools.partial`` of one of these is wrapped.
+    reached object: a value the callable's code can see without being passed it by the batch:
+        the values a ``functools.partial`` binds, the defaults of the parameters the batch
+        leaves out, its closure cells, the globals its code loads (also those of nested code
+        and of helper functions defined in the same Python module), ``self``'s attributes for a
+        bound method, and the arguments of the example batch that are modules.
     step module: the wrapper, a subclass of :class:`FunctionStep` named after the callable.
     helper object: a reached non-module object with attributes (a diffusers scheduler); the
         step module holds it as a plain attribute, so the analysis restores whatever tracing
@@ -22,20 +24,26 @@ Glossary:
 
 What a reached module is called (its parameters' and stage 2's state-dict keys start with it):
 
-    ==========================================  =====================================
-    the code uses                               names
-    ==========================================  =====================================
-    a global or closure variable ``unet``       ``unet.*``
-    ``self.unet`` in a bound method             ``unet.*`` (``self`` is not a prefix)
-    a method of an ``nn.Module`` ``model``      ``model.state_dict()``'s own keys
-    an argument ``unet`` that is a module       ``unet.*`` (it leaves the batch inputs)
-    ``models["unet"]`` (a dict / list / tuple)  ``models.unet.*`` / ``models.0.*``
-    ``pipe.unet`` (a plain object holding it)   ``pipe.unet.*``
-    ==========================================  =====================================
+    ============================================  =========================================
+    the code uses                                 names
+    ============================================  =========================================
+    a global or closure variable ``unet``         ``unet.*``
+    ``self.unet`` in a bound method               ``unet.*`` (``self`` is not a prefix; also
+                                                  for a plain object such as a trainer)
+    a method of an ``nn.Module`` ``model``        ``model.state_dict()``'s own keys
+    an argument ``unet`` that is a module         ``unet.*`` (it leaves the batch inputs)
+    a default, ``def step(x, frozen=frozen)``     ``frozen.*`` (the parameter's name)
+    ``functools.partial(step, unet=unet)``        ``unet.*``
+    ``functools.partial(step, unet)``             the name of the parameter it fills
+    ``models["unet"]`` (a dict / list / tuple)    ``models.unet.*`` / ``models.0.*``
+    ``pipe.unet`` (a plain object holding it)     ``pipe.unet.*``
+    ============================================  =========================================
 
-A module reachable under two names keeps the first (arguments, then ``self``, closure cells,
-globals in the order the code loads them); one inside another reached module keeps the
-outer module's path. :mod:`graphsplit.planning.step.reached_objects` finds what the code
+A tensor a ``functools.partial`` binds (a per-dataset constant) is reached like a global
+tensor: a constant of the stages, the same for every batch. A module reachable under two
+names keeps the first (arguments, then what a partial binds, ``self``, defaults, closure
+cells, globals in the order the code loads them); one inside another reached module keeps
+the outer module's path. :mod:`graphsplit.planning.step.reached_objects` finds what the code
 reaches; this module checks the callable and builds the step module around it.
 
 In: the step callable and the example batch. Out: :class:`StepCall`:
@@ -103,7 +111,7 @@ def as_step_module(step: Any, args: Any, kwargs: dict[str, Any]) -> StepCall:
 
     Raises:
         SplitError: ``step`` is not a callable graphsplit can trace (a class, a builtin, a
-            generator, a ``functools.partial``), or it reaches no ``nn.Module``.
+            generator), or it reaches no ``nn.Module``.
     """
     if isinstance(step, nn.Module):
         if not _takes_a_dict_batch(step, args, kwargs):
@@ -111,9 +119,13 @@ def as_step_module(step: Any, args: Any, kwargs: dict[str, Any]) -> StepCall:
         # ``forward(self, batch)`` with a dict of tensors: its fields must be inputs of their
         # own (each batched along dim 0), so the bound method is split, which spreads them.
         step = step.forward
-    function, owner = _python_function(step)
+    if isinstance(step, functools.partial) and isinstance(step.func, nn.Module):
+        # A module's ``__call__`` takes ``*args``: its ``forward`` names the parameters.
+        step = functools.partial(step.func.forward, *step.args, **step.keywords)
+    function, owner = _python_function(_partial_target(step))
     if not isinstance(args, tuple):
         args = (args,)
+    given = _partial_arguments(step)
     signature = _signature(step, function)
     try:
         bound = signature.bind(*args, **kwargs)
@@ -129,9 +141,12 @@ def as_step_module(step: Any, args: Any, kwargs: dict[str, Any]) -> StepCall:
     reached = Reached()
     for name, value in module_arguments.items():
         reached.add(name, value)
+    for name, value in given.items():
+        if name not in bound.arguments:  # the batch may pass a keyword the partial binds
+            reached.add(name, value)
     if owner is not None:
         reached.add_owner(owner)
-    reach_code(function, reached, set())
+    reach_code(function, reached, set(), passed=frozenset(bound.arguments) | frozenset(given))
     if not reached.modules:
         raise user_error(
             SplitError,
@@ -139,8 +154,8 @@ def as_step_module(step: Any, args: Any, kwargs: dict[str, Any]) -> StepCall:
             "train or split.",
             fix=Fix(
                 "use the models in the step's own code (as globals, closure variables, "
-                "attributes of self, or arguments); a lambda that calls a function holding the "
-                "models hides them: pass that function instead"
+                "attributes of self, arguments or their defaults); a lambda that calls a "
+                "function holding the models hides them: pass that function instead"
             ),
         )
     spread = _spread_dicts(function, signature, bound.arguments)
@@ -211,16 +226,6 @@ def _python_function(step: Any) -> tuple[types.FunctionType, Any]:
                 "function that runs the step"
             ),
         )
-    if isinstance(step, functools.partial):
-        raise user_error(
-            SplitError,
-            f"graphsplit.split got functools.partial({_describe(step.func)}, ...); the values it "
-            "binds are hidden from the trace.",
-            fix=Fix(
-                "pass a def function that takes the batch and reads the other values as "
-                "globals or closure variables (or pass them as part of args)"
-            ),
-        )
     if inspect.ismethod(step):
         function, owner = step.__func__, step.__self__
     elif isinstance(step, types.FunctionType):
@@ -259,6 +264,37 @@ def _python_function(step: Any) -> tuple[types.FunctionType, Any]:
                 ),
             )
     return function, owner
+
+
+def _partial_target(step: Any) -> Any:
+    """What ``functools.partial`` layers around ``step`` call in the end (``step`` if none)."""
+    while isinstance(step, functools.partial):
+        step = step.func
+    return step
+
+
+def _partial_arguments(step: Any) -> dict[str, Any]:
+    """The values ``functools.partial`` layers bind, by the name of the parameter they fill.
+
+    ``partial(step, unet)`` binds ``step``'s first parameter; an outer layer's keyword wins over
+    an inner one's, as when the partial is called.
+    """
+    given: dict[str, Any] = {}
+    while isinstance(step, functools.partial):
+        inner = step.func
+        try:
+            bound = inspect.signature(inner).bind_partial(*step.args, **step.keywords)
+        except TypeError as exc:
+            raise user_error(
+                SplitError,
+                f"functools.partial({_describe(_partial_target(inner))}, ...) binds values the "
+                f"function does not take: {exc}.",
+                fix=Fix("bind only the function's own parameters in the partial"),
+            ) from None
+        for name, value in bound.arguments.items():
+            given.setdefault(name, value)
+        step = inner
+    return given
 
 
 def _class_call(step: Any) -> Any:

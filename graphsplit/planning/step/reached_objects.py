@@ -5,9 +5,10 @@ step module; this module finds what that module must hold, and under which names
 in :mod:`graphsplit.planning.step.callables`' docstring).
 
 Glossary:
-    reached object: a value the callable's code can see without being passed it: its closure
-        cells, the globals its code loads (also those of nested code and of helper functions
-        defined in the same Python module), ``self``'s attributes for a bound method.
+    reached object: a value the callable's code can see without being passed it: the default
+        values of the parameters the call leaves out, its closure cells, the globals its code
+        loads (also those of nested code and of helper functions defined in the same Python
+        module, with their defaults), ``self``'s attributes for a bound method.
     holder: a module made to hold the modules of a dict, list, tuple or plain object
         (``models["unet"]``, ``pipe.unet``) under the keys the code uses.
     helper object: a reached non-module object with attributes (a diffusers scheduler); the
@@ -16,9 +17,10 @@ Glossary:
 
 Each object is reached once, under the first name it is seen by.
 
-In: the callable (a Python function) and its ``self``. Out:
+In: the callable (a Python function), its ``self`` and the parameters the call passes. Out:
 
-    reached = Reached(); reached.add_owner(owner); reach_code(function, reached, set())
+    reached = Reached(); reached.add_owner(owner)
+    reach_code(function, reached, set(), passed=frozenset(names))
     reached.modules / .tensors / .helpers: dict[str, ...]
     usable_name(name) -> bool     # a name a module attribute can have
 """
@@ -34,7 +36,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphsplit.errors import Fix, SplitError, user_error
+
 __all__ = ["Reached", "reach_code", "usable_name"]
+
+# What the step module holds itself (``forward``, ``_modules``, ``modules``, ``training``...):
+# a reached object of such a name would overwrite it. Modules the code names so are refused
+# with the fix; a tensor stays a traced constant, a helper or an attribute of ``self`` that the
+# code may not use is left out.
+_STEP_MODULE_NAMES = frozenset(dir(nn.Module)) | frozenset(vars(nn.Module())) | {"step_callable"}
 
 
 class Reached:
@@ -46,43 +56,76 @@ class Reached:
         self.helpers: dict[str, Any] = {}
         self._seen: set[int] = set()
 
-    def _claim(self, name: str, value: Any) -> bool:
+    def _claim(self, name: str, value: Any, *, modules_named_by_code: bool = False) -> bool:
         taken = name in self.modules or name in self.tensors or name in self.helpers
         if id(value) in self._seen or taken or not usable_name(name):
+            return False
+        if name in _STEP_MODULE_NAMES:
+            if modules_named_by_code:
+                raise user_error(
+                    SplitError,
+                    f"The step reaches modules through the name {name!r}, which torch.nn.Module "
+                    f"uses itself (nn.Module.{name}), so the step module cannot hold them "
+                    "under it.",
+                    fix=Fix(f"rename {name!r} in the step's code (e.g. my_{name})"),
+                )
             return False
         self._seen.add(id(value))
         return True
 
-    def add(self, name: str, value: Any) -> None:
+    def add(self, name: str, value: Any, *, named_by_code: bool = True) -> None:
+        """Reach ``value`` under ``name``; ``named_by_code``: the code uses that name (not an
+        attribute of ``self`` reached with all the others)."""
         if isinstance(value, nn.Module):
-            if self._claim(name, value):
+            if self._claim(name, value, modules_named_by_code=named_by_code):
                 self.modules[name] = value
         elif isinstance(value, torch.Tensor):
             if self._claim(name, value):
                 self.tensors[name] = value
-        elif isinstance(value, (dict, list, tuple)):
+        elif isinstance(value, (dict, list, tuple)) or _holds_attributes(value):
+            # A container or a pipeline-like object (callable or not) holding modules.
             holder = _holder(value)
-            if holder is not None and self._claim(name, value):
-                self.modules[name] = holder
-        elif _holds_attributes(value):
-            holder = _holder(value)  # a pipeline-like object (callable or not) holding modules
             if holder is not None:
-                if self._claim(name, value):
+                if self._claim(name, value, modules_named_by_code=named_by_code):
                     self.modules[name] = holder
-            elif _is_helper_object(value) and self._claim(name, value):
+            elif _holds_attributes(value) and _is_helper_object(value) and self._claim(name, value):
                 self.helpers[name] = value
 
     def add_owner(self, owner: Any) -> None:
-        """``self`` of a bound method: its attributes, under their own names."""
+        """``self`` of a bound method: its attributes, under their own names.
+
+        A module's private attributes are its internals (``_modules``, hooks); a plain object's
+        (a trainer's ``self._teacher``) are the user's, so they are reached too, after the public
+        ones, then ``__slots__`` and modules set on the class itself.
+        """
         if isinstance(owner, nn.Module):  # its own tensors are shared, see _share_tensors
             for name, child in owner._modules.items():
                 if child is not None:
                     self.add(name, child)
             self._seen |= {id(tensor) for tensor in (*owner._parameters.values(),)}
             self._seen |= {id(tensor) for tensor in owner._buffers.values()}
-        for name, value in vars(owner).items():
-            if not name.startswith("_"):
-                self.add(name, value)
+            for name, value in vars(owner).items():
+                if not name.startswith("_"):
+                    self.add(name, value, named_by_code=False)
+            return
+        attributes = _plain_attributes(owner)
+        for name in sorted(attributes, key=lambda name: name.startswith("_")):  # stable
+            self.add(name, attributes[name], named_by_code=False)
+
+
+def _plain_attributes(owner: Any) -> dict[str, Any]:
+    """A plain object's instance attributes, its ``__slots__`` values, its class's modules."""
+    attributes = dict(vars(owner)) if hasattr(owner, "__dict__") else {}
+    for klass in type(owner).__mro__:
+        slots = vars(klass).get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot not in attributes and hasattr(owner, slot):
+                attributes[slot] = getattr(owner, slot)
+    for klass in type(owner).__mro__[:-1]:  # not ``object``
+        for name, value in vars(klass).items():
+            if name not in attributes and isinstance(value, (nn.Module, dict, list, tuple)):
+                attributes[name] = value
+    return attributes
 
 
 def usable_name(name: str) -> bool:
@@ -130,12 +173,26 @@ def _holder(value: Any) -> nn.Module | None:
     return holder
 
 
-def reach_code(function: types.FunctionType, reached: Reached, visited: set[int]) -> None:
-    """Closure cells, then loaded globals (nested code and same-module helpers included)."""
+def reach_code(
+    function: types.FunctionType,
+    reached: Reached,
+    visited: set[int],
+    passed: frozenset[str] = frozenset(),
+) -> None:
+    """Defaults, closure cells, then loaded globals (nested code and same-module helpers too).
+
+    ``passed``: the parameters the call gives a value; the others run with their defaults
+    (``def step(batch, frozen=frozen)``), which the code then reaches under the parameter's name.
+    """
     if id(function) in visited:
         return
     visited.add(id(function))
     code = function.__code__
+    values = function.__defaults__ or ()
+    names = code.co_varnames[code.co_argcount - len(values) : code.co_argcount]
+    for name, value in [*zip(names, values), *(function.__kwdefaults__ or {}).items()]:
+        if name not in passed:
+            reached.add(name, value)
     for name, cell in zip(code.co_freevars, function.__closure__ or ()):
         try:
             reached.add(name, cell.cell_contents)
