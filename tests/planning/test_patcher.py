@@ -10,7 +10,6 @@ snapshot of everything the trace touches taken before.
 from __future__ import annotations
 
 import builtins
-import dataclasses
 import gc
 import logging
 import sys
@@ -41,6 +40,7 @@ from graphsplit.planning.patching.patcher import (
 )
 from graphsplit.planning.patching.traced_builtins import replace_python_builtins
 from tests.helpers import batch, frozen
+from tests.test_errors import LatentsEncoder, LatentsHead
 
 _BUILTINS = ("isinstance", "len", "list", "callable", "range")
 _PYTHON = (python_isinstance, python_len, python_list, python_callable, python_range)
@@ -331,29 +331,6 @@ class ReadsATensorValue(Plain):
         if features.sum() > 0:  # control flow on a value: a TraceError
             return self.head(features).mean()
         return self.head(-features).mean()
-
-
-@dataclasses.dataclass
-class Latents:
-    values: torch.Tensor
-
-
-class LatentsEncoder(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return Latents(self.linear(x))
-
-
-class LatentsHead(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(4, 1)
-
-    def forward(self, latents):
-        return self.linear(latents.values)
 
 
 class CrossesWithoutCodec(nn.Module):

@@ -68,6 +68,7 @@ from graphsplit.planning.cut.recompute import (
 from graphsplit.planning.opaque.value_reads import value_checks
 from graphsplit.planning.patching.patcher import cyclic_gc_paused
 from graphsplit.planning.rules.baked_sizes import is_fixed_number
+from graphsplit.planning.rules.node_inputs import reads_through
 from graphsplit.planning.rules.taint import (
     compute_taint,
     facts,
@@ -305,20 +306,15 @@ def stages_for(
 
 
 def _size_inputs(node: fx.Node, available: set[fx.Node]) -> set[fx.Node] | None:
-    """The shape-reading nodes between ``node`` and tensors stage 2 has, or None if missing."""
-    needed: set[fx.Node] = set()
-    pending = list(node.all_input_nodes)
-    while pending:
-        producer = pending.pop()
-        if producer in available or producer in needed:
-            continue
-        if "facts" in producer.meta and facts(producer).is_tensor:
-            return None  # reading this size would need a tensor stage 2 does not have
-        if producer.op == "placeholder":
-            return None
-        needed.add(producer)
-        pending.extend(producer.all_input_nodes)
-    return needed
+    """The shape-reading nodes between ``node`` and tensors stage 2 has, or None if missing
+    (reading a size would need a tensor stage 2 does not have, or a raw input)."""
+
+    def reads_a_size(producer: fx.Node) -> bool:
+        is_tensor = "facts" in producer.meta and facts(producer).is_tensor
+        return producer not in available and not is_tensor and producer.op != "placeholder"
+
+    needed, ends = reads_through(node, reads_a_size)
+    return None if any(end not in available for end in ends) else needed
 
 
 def _infeasible(graph: fx.Graph, taint: Mapping[fx.Node, Taint]) -> SplitError:
