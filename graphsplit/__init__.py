@@ -13,6 +13,7 @@ a bound method: ``graphsplit.split(training_step, (batch,))``.
 from graphsplit.api import Split, split
 from graphsplit.artifacts import BoundarySpec
 from graphsplit.caching import (
+    BucketBatchSampler,
     CachedDataset,
     CacheInfo,
     CacheReport,
@@ -35,6 +36,7 @@ from graphsplit.version import __version__
 
 __all__ = [
     "BoundarySpec",
+    "BucketBatchSampler",
     "CacheInfo",
     "CacheReport",
     "CachedDataset",

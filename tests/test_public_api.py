@@ -13,6 +13,7 @@ import graphsplit
 
 PUBLIC_NAMES = [
     "BoundarySpec",
+    "BucketBatchSampler",
     "CacheInfo",
     "CacheReport",
     "CachedDataset",
@@ -57,6 +58,12 @@ SIGNATURES["cache"] = (
     "progress: 'bool | None' = None, durable: 'bool' = True) -> 'CacheInfo'"
 )
 
+SIGNATURES["BucketBatchSampler"] = (
+    "(source: 'HasBuckets | Mapping[Hashable, Sequence[int]]', batch_size: 'int', *, "
+    "shuffle: 'bool' = True, seed: 'int' = 0, drop_last: 'bool' = False, "
+    "num_replicas: 'int | None' = None, rank: 'int | None' = None) -> 'None'"
+)
+
 SPLIT_METHODS = {
     "report": "(self) -> 'str'",
     "save_code": "(self, folder: 'str | os.PathLike[str]') -> 'Path'",
@@ -84,6 +91,35 @@ def test_function_signatures_are_pinned(name):
 @pytest.mark.parametrize("name", sorted(SPLIT_METHODS))
 def test_split_methods_are_pinned(name):
     assert str(inspect.signature(getattr(graphsplit.Split, name))) == SPLIT_METHODS[name]
+
+
+CACHED_DATASET_METHODS = {
+    "loader": (
+        "(self, batch_size: 'int', *, shuffle: 'bool' = True, seed: 'int' = 0, "
+        "drop_last: 'bool' = False, num_replicas: 'int | None' = None, "
+        "rank: 'int | None' = None, **loader_options: 'Any') -> 'BucketLoader'"
+    ),
+    "buckets": "(self) -> 'dict[tuple[tuple[int, ...], ...], list[int]]'",
+}
+
+BUCKET_SAMPLER_METHODS = {
+    "set_epoch": "(self, epoch: 'int') -> 'None'",
+    "state_dict": "(self) -> 'dict[str, Any]'",
+    "load_state_dict": "(self, state: 'Mapping[str, Any]') -> 'None'",
+    "epoch_batches": "(self, epoch: 'int') -> 'list[list[int]]'",
+}
+
+
+@pytest.mark.parametrize("name", sorted(CACHED_DATASET_METHODS))
+def test_cached_dataset_methods_are_pinned(name):
+    signature = inspect.signature(getattr(graphsplit.CachedDataset, name))
+    assert str(signature) == CACHED_DATASET_METHODS[name]
+
+
+@pytest.mark.parametrize("name", sorted(BUCKET_SAMPLER_METHODS))
+def test_bucket_sampler_methods_are_pinned(name):
+    signature = inspect.signature(getattr(graphsplit.BucketBatchSampler, name))
+    assert str(signature) == BUCKET_SAMPLER_METHODS[name]
 
 
 def test_split_attributes_are_pinned():

@@ -35,6 +35,7 @@ module imports only from its own room and the rooms below, see ``tests/test_layo
     read/     reading a cache back
         dataset           CachedDataset, verify_inputs
         collation         collate and the items it batches (CachedSample)
+        bucket_sampler    BucketBatchSampler: batches of one shape, seeded, resumable, sharded
         audit             check_cache, CacheReport
         hf_export         a cache as a Hugging Face dataset, and back
 
@@ -60,11 +61,13 @@ batch is "computing" it.
 """
 
 from graphsplit.caching.read.audit import CacheReport, check_cache
+from graphsplit.caching.read.bucket_sampler import BucketBatchSampler
 from graphsplit.caching.read.collation import collate
 from graphsplit.caching.read.dataset import CachedDataset, verify_inputs
 from graphsplit.caching.write.cache_run import CacheInfo, cache
 
 __all__ = [
+    "BucketBatchSampler",
     "CacheInfo",
     "CacheReport",
     "CachedDataset",

@@ -80,7 +80,7 @@ def test_collate_refuses_mixed_shapes(tmp_path):
     with pytest.raises(
         CacheError,
         match=r"(?s)cannot batch 'latents'.*\(4, 4, 4\) for 'pic000'.*"
-        r"\(4, 6, 6\) for 'pic001'.*buckets",
+        r"\(4, 6, 6\) for 'pic001'.*fix:.*cached\.loader\(batch_size\).*BucketBatchSampler",
     ):
         collate([cached[0], cached[2]])
 

@@ -61,7 +61,8 @@ def collate(items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
     Each row is stacked along its tensor's batch dim, straight from the shard's memory map
     into the batch in the dtype stage 2 takes (a lower ``storage_dtype`` is undone in the same
     copy); the cache's constants are added. Samples in
-    one batch must have rows of the same shapes: group them with :meth:`CachedDataset.buckets`.
+    one batch must have rows of the same shapes: a cache of several shapes is batched by
+    :meth:`CachedDataset.loader` (or a :class:`~graphsplit.BucketBatchSampler`).
 
     Example:
         >>> loader = DataLoader(cached, batch_size=8, collate_fn=graphsplit.collate)
@@ -93,8 +94,10 @@ def collate(items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
                 CacheError,
                 _mixed_shapes_reason(name, items, rows),
                 fix=Fix(
-                    "put only samples of one shape in a batch, e.g. with a batch sampler over "
-                    "CachedDataset.buckets() (aspect-ratio bucketing)"
+                    "batch samples of one shape together: cached.loader(batch_size) for a "
+                    "CachedDataset cached, or DataLoader(cached, batch_sampler="
+                    "graphsplit.BucketBatchSampler(cached, batch_size), "
+                    "collate_fn=graphsplit.collate)"
                 ),
             )
         order = _batch_order(name, column, batch_dim, items)

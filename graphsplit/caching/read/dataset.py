@@ -15,6 +15,8 @@ In and out::
 
     CachedDataset(path, split=None, *, dataset=None, expected_keys=None, verify=True)
         cached[i] -> CachedSample    cached.shapes(i) -> {name: shape}    cached.buckets()
+        cached.loader(batch_size, *, shuffle=True, seed=0, drop_last=False, num_replicas=None,
+                      rank=None, **loader_options) -> BucketLoader   # batches of one shape
     verify_inputs(cached, dataset) -> None         # raises StaleCacheError naming changed keys
     refuse_other_split(manifest, current, path)    # StaleCacheError; other versions only warn
 
@@ -52,7 +54,8 @@ from graphsplit.caching.format.memory_order import inverse, row_order
 from graphsplit.caching.format.records import REBUILD
 from graphsplit.caching.loader.samples import describe_changes
 from graphsplit.caching.read.audit import file_problem, open_problem, open_shard
-from graphsplit.caching.read.collation import CachedSample, Collation
+from graphsplit.caching.read.bucket_sampler import BucketBatchSampler, BucketLoader
+from graphsplit.caching.read.collation import CachedSample, Collation, collate
 from graphsplit.caching.store.durability import restart_cause, restarted_since
 from graphsplit.caching.store.mapped import open_mapped
 from graphsplit.caching.store.read_through import LocalCopies
@@ -125,8 +128,7 @@ class CachedDataset(torch.utils.data.Dataset):
         >>> path = tempfile.mkdtemp()
         >>> _ = cache(split, torch.utils.data.DataLoader(data, batch_size=2), path, progress=False)
         >>> cached = CachedDataset(path, split)
-        >>> loader = torch.utils.data.DataLoader(cached, batch_size=3, shuffle=True,
-        ...                                      collate_fn=graphsplit.collate)
+        >>> loader = cached.loader(batch_size=3, seed=0)  # batches of one shape, shuffled
         >>> split.stage2(**next(iter(loader))).shape
         torch.Size([3, 1])
     """
@@ -226,14 +228,8 @@ class CachedDataset(torch.utils.data.Dataset):
         ]
 
     def buckets(self) -> dict[tuple[tuple[int, ...], ...], list[int]]:
-        """Sample indices grouped by their rows' shapes: each group collates into batches.
-
-        Example:
-            >>> batches = [group[i : i + 8] for group in cached.buckets().values()
-            ...            for i in range(0, len(group), 8)]  # doctest: +SKIP
-            >>> loader = DataLoader(cached, batch_sampler=batches, collate_fn=graphsplit.collate)
-            ... # doctest: +SKIP
-        """
+        """Sample indices grouped by their rows' shapes: each group collates into batches
+        (:meth:`loader` and :class:`~graphsplit.BucketBatchSampler` batch by them)."""
         groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
         index = 0
         for shard in self.manifest.shards:
@@ -241,6 +237,41 @@ class CachedDataset(torch.utils.data.Dataset):
                 groups.setdefault(shapes, []).append(index)
                 index += 1
         return groups
+
+    def loader(
+        self,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        **loader_options: Any,
+    ) -> BucketLoader:
+        """A stage-2 ``DataLoader`` over this cache whose every batch has one shape.
+
+        Its batch sampler is a :class:`~graphsplit.BucketBatchSampler` (seeded, resumable,
+        sharded across ``torch.distributed`` processes; see it for the rules), its collate
+        function :func:`~graphsplit.collate`; ``loader_options`` go to ``DataLoader``
+        (``num_workers``, ``pin_memory``...). The loader's ``set_epoch``, ``state_dict`` and
+        ``load_state_dict`` are its sampler's, counting the batches the loader delivered.
+
+        Example:
+            >>> loader = cached.loader(batch_size=3, seed=0)  # doctest: +SKIP
+            >>> [tuple(batch["latents"].shape) for batch in loader]  # doctest: +SKIP
+        """
+        sampler = BucketBatchSampler(
+            self,
+            batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            num_replicas=num_replicas,
+            rank=rank,
+        )
+        loader_options.setdefault("collate_fn", collate)
+        return BucketLoader(self, batch_sampler=sampler, **loader_options)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
