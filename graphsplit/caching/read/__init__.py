@@ -1,1 +1,2 @@
-"""Reading a cache: ``CachedDataset`` and ``collate`` for stage 2, the audit, the HF export."""
+"""Reading a cache: ``CachedDataset``, ``collate`` and the bucket sampler for stage 2, the audit,
+the HF export."""
