@@ -51,6 +51,7 @@ from graphsplit.planning.rules.size_guards import (
     hoist_checks,
     recheck_size_guards,
     recheck_size_guards_in_stage1,
+    refuse_unchecked_size_guards,
 )
 
 
@@ -59,6 +60,7 @@ def finish_stage1(
 ) -> dict[str, Any]:
     """Apply the stage-1 passes listed in the module docstring; returns the attributes the
     checks read (the user's lines they name, kept out of the fingerprinted code)."""
+    refuse_unchecked_size_guards(graph, cut)
     sources = CheckSources(stage)
     check_numbers(stage, graph, cut, env, sources)
     recheck_size_guards_in_stage1(stage, graph, cut, env, sources)

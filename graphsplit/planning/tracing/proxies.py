@@ -27,6 +27,7 @@ import torch.fx as fx
 
 from graphsplit.planning.opaque.value_reads import NOT_ANSWERED, Read, answer
 from graphsplit.planning.patching.originals import python_len
+from graphsplit.planning.rules.size_guards import Formatted
 
 __all__ = ["TracedAttribute", "TracedValue"]
 
@@ -82,6 +83,19 @@ class TracedValue(fx.Proxy):
     def __iter__(self) -> Iterator[Any]:
         return self.tracer.iter(self)
 
+    def __str__(self) -> str:
+        """``str(w)`` of a size: its text, a guarded value (fx's ``Proxy(name)`` otherwise,
+        which a module given ``"block_" + str(w)`` would silently receive)."""
+        if _is_number(self.eager_value()):
+            return self.tracer.concrete(self, str)
+        return repr(self)
+
+    def __format__(self, spec: str) -> str:
+        """``f"block_{w}"`` of a size: its text, a guarded value (see :meth:`__str__`)."""
+        if _is_number(self.eager_value()):
+            return self.tracer.concrete(self, Formatted(spec))
+        return object.__format__(self, spec)
+
     def __setitem__(self, key: Any, value: Any) -> None:
         # Recorded in place, then rewritten as a copy by inplace.functionalize_inplace.
         self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
@@ -109,6 +123,13 @@ class TracedValue(fx.Proxy):
 
     def __ipow__(self, other: Any) -> Any:
         return self._augmented("pow_", operator.pow, other)
+
+
+def _is_number(value: Any) -> bool:
+    """A Python number or a tuple of them (a ``torch.Size``): what a size's text shows."""
+    if isinstance(value, tuple):
+        return all(type(item) in (int, float, bool) for item in value)
+    return type(value) in (int, float, bool)
 
 
 class TracedAttribute(TracedValue):

@@ -50,7 +50,7 @@ import torch.fx as fx
 from torch import nn
 
 from graphsplit.artifacts import Guard, Traced
-from graphsplit.errors import Fix, TensorValueError, TraceError, user_error
+from graphsplit.errors import Fix, SplitError, TensorValueError, TraceError, user_error
 from graphsplit.planning.meta.analysis_view import module_called
 from graphsplit.planning.meta.tracing_interpreter import TracingInterpreter
 from graphsplit.planning.opaque.value_reads import NOT_ANSWERED, Read, answer
@@ -79,6 +79,8 @@ from graphsplit.planning.rules.size_guards import GUARDS
 from graphsplit.planning.rules.user_lines import (
     current_line,
     current_location,
+    describe,
+    is_internal,
     frame_location,
     frame_location_of,
     user_frame,
@@ -444,9 +446,39 @@ def _trace_graph(
         record_legacy_constructor(patcher, tracer)
         assume_tensor_checks(patcher)
         replace_python_builtins(patcher, (TracedValue, TracedAttribute))
-        graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
+        try:
+            graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
+        except KeyError as error:
+            _refuse_a_size_as_key(error)
+            raise
     tracer.keep_pending_guards()
     return tracer, graph
+
+
+def _refuse_a_size_as_key(error: KeyError) -> None:
+    """A traced size looked up in a Python dict (``table[h.shape[-1]]``) is not found: the
+    key is a proxy, not the number. Refused at the user's line (a lookup that worked would
+    bake the entry in unchecked)."""
+    key = error.args[0] if error.args else None
+    if not isinstance(key, TracedValue) or isinstance(key.eager_value(), torch.Tensor):
+        return
+    traceback, place = error.__traceback__, None
+    while traceback is not None:
+        code = traceback.tb_frame.f_code
+        if not is_internal(code.co_filename):
+            place = frame_location_of(code.co_filename, traceback.tb_lineno)
+        traceback = traceback.tb_next
+    raise user_error(
+        SplitError,
+        f"the step looks a traced value ({key.eager_value()!r} at this size, read from a "
+        "tensor's shape) up in a Python dict or set; graphsplit cannot recheck such a lookup "
+        "at another size.",
+        source=describe(place) if place is not None else None,
+        fix=Fix(
+            "look the value up outside the step (in the data pipeline, passing the result as "
+            "an input), or hold the table as a tensor and index it with a tensor"
+        ),
+    ) from error
 
 
 def _definition_of(function: Any) -> tuple[str, str]:
