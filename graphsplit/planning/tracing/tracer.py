@@ -50,7 +50,7 @@ import torch.fx as fx
 from torch import nn
 
 from graphsplit.artifacts import Guard, Traced
-from graphsplit.errors import Fix, SplitError, TensorValueError, TraceError, user_error
+from graphsplit.errors import Fix, TensorValueError, TraceError, user_error
 from graphsplit.planning.meta.analysis_view import module_called
 from graphsplit.planning.meta.tracing_interpreter import TracingInterpreter
 from graphsplit.planning.opaque.value_reads import NOT_ANSWERED, Read, answer
@@ -79,14 +79,17 @@ from graphsplit.planning.rules.size_guards import GUARDS
 from graphsplit.planning.rules.user_lines import (
     current_line,
     current_location,
-    describe,
-    is_internal,
     frame_location,
     frame_location_of,
     user_frame,
 )
 from graphsplit.planning.tracing.inplace import functionalize_inplace
-from graphsplit.planning.tracing.proxies import TracedAttribute, TracedValue
+from graphsplit.planning.tracing.proxies import (
+    TracedAttribute,
+    TracedValue,
+    refuse_a_size_as_key,
+    texts_reaching,
+)
 from graphsplit.planning.tracing.rewrites import restore_input_names
 
 _MAX_NAME = 48
@@ -108,6 +111,8 @@ class StepTracer(fx.Tracer):
         self.guards: list[Guard] = []
         # __index__ guards and the user instruction that read them (see concrete()).
         self.pending_guards: list[tuple[Guard, tuple[int, int]]] = []
+        # str() / format() of sizes: guards once the text reaches a node (proxies.py).
+        self.texts: list[Guard] = []
         # The checkpoint() call being traced, if any (see patches.checkpoints_recorded).
         self.checkpoint: CheckpointRegion | None = None
         self.checkpoint_count = 0
@@ -137,6 +142,8 @@ class StepTracer(fx.Tracer):
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         self.keep_pending_guards()
+        if self.texts:
+            self.guards.extend(texts_reaching(self.texts, (args, kwargs)))
         if name is None:
             name = _descriptive_name(kind, target, args)
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
@@ -225,7 +232,7 @@ class StepTracer(fx.Tracer):
     def rolled_back_on_error(self) -> Iterator[None]:
         """Undo a failed attempt to trace into a call (its nodes, guards, handles); no raise."""
         count = len(self.graph.nodes)
-        guards, pending = len(self.guards), len(self.pending_guards)
+        guards, pending, texts = len(self.guards), len(self.pending_guards), list(self.texts)
         handles, region = dict(self.module_proxies), self.checkpoint
         try:
             yield
@@ -234,6 +241,7 @@ class StepTracer(fx.Tracer):
                 self.graph.erase_node(node)
             del self.guards[guards:]
             del self.pending_guards[pending:]
+            self.texts[:] = texts
             self.module_proxies, self.checkpoint = handles, region
 
     def module_proxy(self, qualified_name: str) -> TracedValue:
@@ -295,7 +303,9 @@ class StepTracer(fx.Tracer):
         result = convert(value)
         frame = user_frame()
         guard = Guard(node, convert, result, frame_location(frame)[0])
-        if pending:
+        if isinstance(result, str):
+            self.texts.append(guard)
+        elif pending:
             self.pending_guards.append((guard, _instruction(frame)))
         else:
             self.keep_pending_guards()
@@ -449,36 +459,10 @@ def _trace_graph(
         try:
             graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
         except KeyError as error:
-            _refuse_a_size_as_key(error)
+            refuse_a_size_as_key(error)
             raise
     tracer.keep_pending_guards()
     return tracer, graph
-
-
-def _refuse_a_size_as_key(error: KeyError) -> None:
-    """A traced size looked up in a Python dict (``table[h.shape[-1]]``) is not found: the
-    key is a proxy, not the number. Refused at the user's line (a lookup that worked would
-    bake the entry in unchecked)."""
-    key = error.args[0] if error.args else None
-    if not isinstance(key, TracedValue) or isinstance(key.eager_value(), torch.Tensor):
-        return
-    traceback, place = error.__traceback__, None
-    while traceback is not None:
-        code = traceback.tb_frame.f_code
-        if not is_internal(code.co_filename):
-            place = frame_location_of(code.co_filename, traceback.tb_lineno)
-        traceback = traceback.tb_next
-    raise user_error(
-        SplitError,
-        f"the step looks a traced value ({key.eager_value()!r} at this size, read from a "
-        "tensor's shape) up in a Python dict or set; graphsplit cannot recheck such a lookup "
-        "at another size.",
-        source=describe(place) if place is not None else None,
-        fix=Fix(
-            "look the value up outside the step (in the data pipeline, passing the result as "
-            "an input), or hold the table as a tensor and index it with a tensor"
-        ),
-    ) from error
 
 
 def _definition_of(function: Any) -> tuple[str, str]:
