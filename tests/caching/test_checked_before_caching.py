@@ -33,9 +33,10 @@ class MaskedPositions(nn.Module):
 
     def forward(self, tokens):
         hidden = self.encoder(tokens) + self.projection(tokens)
-        length = int(tokens.shape[1] * 1.0)  # size arithmetic, as latent packing does
         if self.plain_int:
             length = int(tokens.shape[1])
+        else:
+            length = int(tokens.shape[1] * 1.0)  # size arithmetic, as latent packing does
         hidden = hidden + self.positions[:length]
         return self.head(hidden).mean()
 
