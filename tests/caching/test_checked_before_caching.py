@@ -33,7 +33,7 @@ class MaskedPositions(nn.Module):
 
     def forward(self, tokens):
         hidden = self.encoder(tokens) + self.projection(tokens)
-        if self.plain_int:
+        if self.plain_int:  # noqa: SIM108 (one line per reading: errors name it)
             length = int(tokens.shape[1])
         else:
             length = int(tokens.shape[1] * 1.0)  # size arithmetic, as latent packing does
