@@ -3,9 +3,9 @@
 :func:`~graphsplit.planning.codegen.stages.build_stage2` copies the stage-2 nodes out of the traced
 graph, then calls :func:`finish_stage2` once, which applies, in order:
 
-- :func:`~graphsplit.planning.rules.size_guards.recheck_size_guards`: the Python ints the trace read
-are
-  recomputed and checked, so a plan made for another resolution stops with a clear error.
+- :func:`~graphsplit.planning.rules.size_guards.recheck_size_guards`: the Python values the trace
+  derived from sizes (ints, branches, floats, text given to a module) are recomputed and
+  checked, so a plan made for another resolution stops with a clear error.
 
 Once the stage-2 module is built (its attributes are the model's), it calls
 :func:`finish_stage2_module`, which applies:
@@ -16,17 +16,17 @@ Once the stage-2 module is built (its attributes are the model's), it calls
   region module reads the stage's attributes).
 
 :func:`~graphsplit.planning.codegen.stages.build_stage1` calls :func:`finish_stage1` before its
-output, which checks what only stage 1 can read:
+output, which checks the sizes stage 1 can read (before anything is cached):
 
-- :func:`~graphsplit.planning.rules.baked_sizes.check_numbers`: the numbers the cut baked into stage
-2
-  (sizes read from frozen-only data) are recomputed from the batch and checked;
-- :func:`~graphsplit.planning.rules.size_guards.recheck_size_guards_in_stage1`: the size guards
-stage 2
-  cannot recompute (their source is not in stage 2) are rechecked here;
+- :func:`~graphsplit.planning.rules.size_guards.refuse_unchecked_size_guards`: a value read from a
+  size that neither stage can recompute is refused, at split time;
+- :func:`~graphsplit.planning.rules.baked_sizes.check_numbers`: the numbers the cut baked into
+  stage 2 (sizes read from frozen-only data) are recomputed from the batch and checked;
+- :func:`~graphsplit.planning.rules.size_guards.recheck_size_guards_in_stage1`: every size guard
+  stage 1 can recompute, stage 2's included, is rechecked here, so ``cache()`` never writes a
+  batch no plan could train;
 - :func:`~graphsplit.planning.rules.size_guards.hoist_checks`: checks that read only the inputs'
-sizes
-  move before the frozen work, so a batch of another size is refused before it runs.
+  sizes move before the frozen work, so a batch of another size is refused before it runs.
 
 In: the stage graph being built, the traced graph, the cut, the node map. Out: the same
 stage graph, changed in place:

@@ -9,11 +9,18 @@ Glossary:
         answered from frozen data where the planning can (planning/opaque/value_reads.py),
         else refused by the tracer.
 
+    size text: ``str(w)`` / ``f"block_{w}"`` of a traced number: its text, recorded by the
+        tracer and made a guard once a string holding it reaches a node (a module's argument),
+        so stage code rechecks it (planning/rules/size_guards.py).
+
 In: a node and its tracer (:class:`graphsplit.planning.tracing.tracer.StepTracer`). Out: the
-proxy types the tracer creates, and those the patched builtins recognise:
+proxy types the tracer creates, and those the patched builtins recognise; the refusal of a
+traced size used as a Python dict key; the size texts a node's arguments hold:
 
     TracedValue(node, tracer): fx.Proxy
     TracedAttribute(root, attr): TracedValue
+    refuse_a_size_as_key(error: KeyError) -> None      # raises SplitError for a traced key
+    texts_reaching(texts, arguments) -> list[Guard]     # taken out of ``texts``
 """
 
 from __future__ import annotations
