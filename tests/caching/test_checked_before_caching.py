@@ -9,12 +9,15 @@ of it: the folder holds the shards already finished, never samples stage 2 would
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
 
 import graphsplit
-from graphsplit.errors import SplitError
+from graphsplit.caching.format import fingerprint as fingerprint_module
+from graphsplit.errors import SplitError, StaleCacheError
 from tests.helpers import frozen, line_of
 
 
@@ -88,3 +91,28 @@ def test_an_int_stage_2_checks_is_checked_by_stage_1_too(tmp_path):
     with pytest.raises(SplitError, match=r"made for tokens.shape\[1\] = 6, got 9"):
         graphsplit.cache(split, [_batch(9, 1)], tmp_path / "cache", progress=False)
     assert not (tmp_path / "cache" / "manifest.json").exists()
+
+
+def test_a_cache_made_by_0_2_without_the_new_checks_is_still_this_splits_own(tmp_path):
+    # Stage 1's code is the cache's code fingerprint; the check stage 1 now holds changes no
+    # value, so a cache whose stage 1 was 0.2's (the same code without it) must not go stale.
+    # Here a cache is written, then its manifest given the digest of 0.2's stage-1 code.
+    split = graphsplit.split(MaskedPositions(plain_int=True), kwargs=_batch(6, 0))
+    (as_in_0_2,) = split.stage1.graphsplit_code_aliases
+    assert "check_size(" in split.stage1.code and "check_size(" not in as_in_0_2
+    folder = tmp_path / "cache"
+    batches = [_batch(6, 1), _batch(6, 2)]
+    graphsplit.cache(split, batches, folder, progress=False)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["fingerprint"]["code"] = fingerprint_module._digest_text(
+        fingerprint_module._normalized_code(as_in_0_2)
+    )
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    again = graphsplit.cache(split, batches, folder, progress=False)
+    assert (again.written_shards, again.reused_shards) == (0, 1)
+    assert len(graphsplit.CachedDataset(folder, split)) == 4
+    # Any other code is still another split's cache.
+    manifest["fingerprint"]["code"] = "sha256:" + "0" * 64
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    with pytest.raises(StaleCacheError, match="code"):
+        graphsplit.CachedDataset(folder, split)

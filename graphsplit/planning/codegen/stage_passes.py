@@ -56,14 +56,24 @@ from graphsplit.planning.rules.size_guards import (
 
 
 def finish_stage1(
-    stage: fx.Graph, graph: fx.Graph, cut: Cut, env: dict[fx.Node, fx.Node]
+    stage: fx.Graph,
+    graph: fx.Graph,
+    cut: Cut,
+    env: dict[fx.Node, fx.Node],
+    *,
+    as_in_0_2: bool = False,
 ) -> dict[str, Any]:
     """Apply the stage-1 passes listed in the module docstring; returns the attributes the
-    checks read (the user's lines they name, kept out of the fingerprinted code)."""
-    refuse_unchecked_size_guards(graph, cut)
+    checks read (the user's lines they name, kept out of the fingerprinted code).
+
+    ``as_in_0_2`` gives stage 1 with only the size checks graphsplit 0.2 put there: its code
+    is kept as an alias of the cache fingerprint (see ``recheck_size_guards_in_stage1``).
+    """
+    if not as_in_0_2:
+        refuse_unchecked_size_guards(graph, cut)
     sources = CheckSources(stage)
     check_numbers(stage, graph, cut, env, sources)
-    recheck_size_guards_in_stage1(stage, graph, cut, env, sources)
+    recheck_size_guards_in_stage1(stage, graph, cut, env, sources, as_in_0_2=as_in_0_2)
     hold_check_sources(stage, sources)  # the value checks' lines (planning/opaque/value_reads.py)
     hoist_checks(stage)
     return sources.held()

@@ -212,7 +212,13 @@ def recheck_size_guards(
 
 
 def recheck_size_guards_in_stage1(
-    stage: fx.Graph, graph: fx.Graph, cut: Cut, env: dict[fx.Node, fx.Node], sources: CheckSources
+    stage: fx.Graph,
+    graph: fx.Graph,
+    cut: Cut,
+    env: dict[fx.Node, fx.Node],
+    sources: CheckSources,
+    *,
+    as_in_0_2: bool = False,
 ) -> None:
     """Check in stage 1 each guard stage 1 can recompute, stage 2's included.
 
@@ -221,8 +227,22 @@ def recheck_size_guards_in_stage1(
     stage-2 batch after hours of caching. A guard read from a value only stage 1 has (frozen
     work traced through, a raw input whose number the cut baked into stage 2, see
     :mod:`graphsplit.planning.rules.baked_sizes`) is checked nowhere else.
+
+    With ``as_in_0_2``, only what graphsplit 0.2 checked here: the int guards stage 2 cannot
+    recompute. Stage 1's code is the cache's ``code`` fingerprint, and checks change no value:
+    the code 0.2 generated is kept as an alias, so its caches stay this split's own.
     """
-    _insert_checks(stage, graph, env, sources=sources)
+    if not as_in_0_2:
+        _insert_checks(stage, graph, env, sources=sources)
+        return
+    in_stage2 = set(cut.stage2) | set(cut.boundary) | set(cut.reanchored)
+    skip = {
+        node
+        for node in graph.nodes
+        if any(is_size_guard(guard) for guard in node.meta.get(GUARDS, ()))
+        and _recomputation(node, in_stage2) is not None
+    }
+    _insert_checks(stage, graph, env, sources=sources, skip=skip, readings=False)
 
 
 def refuse_unchecked_size_guards(graph: fx.Graph, cut: Cut) -> None:
@@ -299,9 +319,13 @@ def _insert_checks(
     env: dict[fx.Node, Any],
     *,
     sources: CheckSources | None = None,
+    skip: Collection[fx.Node] = (),
+    readings: bool = True,
 ) -> None:
     cursor: fx.Node | None = None  # the last node inserted: checks keep the step's order
     for node, guard in _checked_guards(graph):
+        if node in skip or (not readings and reading_of(guard) is not None):
+            continue
         chain = _recomputation(node, _nodes_in(env))
         if chain is None:
             continue
