@@ -23,6 +23,7 @@ from graphsplit.errors import Fix, SplitError, user_error
 __all__ = [
     "LEGACY_NAMES",
     "check_size",
+    "check_size_read",
     "check_value",
     "decode_diagonal_gaussian",
     "decode_diagonal_gaussian_deterministic",
@@ -77,6 +78,36 @@ def check_size(value: Any, expected: int | tuple[int, ...], what: str, where: st
             source=where,
         )
     return value
+
+
+def check_size_read(value: Any, read: str, expected: Any, what: str, where: str) -> Any:
+    """Stop stage code whose step read a size-derived Python value the plan was not made for.
+
+    The traced step turned a value computed from sizes into a Python ``bool`` (``if
+    h.shape[-1] % 16 != 0``), ``float``, ``int`` of a float, ``str`` or formatted string
+    (``f"block_{w}"``); the plan holds what it read at the example batch. ``read`` names the
+    reading (``"bool"``, ``"float"``, ``"int"``, ``"str"``, or ``"format:<spec>"``), ``what``
+    the value as the user wrote it, ``where`` the user's line. Returns ``value``.
+    """
+    actual = _size_reading(value, read)
+    if actual != expected or type(actual) is not type(expected):
+        raise user_error(
+            SplitError,
+            f"this plan was made for {what} = {expected!r}, got {actual!r}; split again for "
+            "this size.",
+            fix=Fix(
+                "call graphsplit.split with an example batch of this size (one plan per "
+                "resolution or frame count: bucket the data by size)"
+            ),
+            source=where,
+        )
+    return value
+
+
+def _size_reading(value: Any, read: str) -> Any:
+    if read.startswith("format:"):
+        return format(value, read.removeprefix("format:"))
+    return {"bool": bool, "float": float, "int": int, "str": str}[read](value)
 
 
 _VALUE_READS = {

@@ -141,7 +141,13 @@ def fingerprint(
     held = _held_tensors(split.stage1)
     on_meta = any(tensor.device.type == "meta" for _, tensor in held)
     code = _normalized_code(split.stage1.code)
-    legacy = _legacy_spelling(code)
+    # Stage 1 as graphsplit 0.2 wrote it (fewer size checks, the same values), then each
+    # spelling as 0.1 wrote it: a cache made by any of them is this split's own.
+    spellings = [code] + [
+        _normalized_code(alias) for alias in getattr(split.stage1, "graphsplit_code_aliases", ())
+    ]
+    spellings += [_legacy_spelling(spelling) for spelling in spellings]
+    aliases = tuple(dict.fromkeys(_digest_text(s) for s in spellings[1:] if s != code))
     return Fingerprint(
         code=_digest_text(code),
         weights=(
@@ -149,7 +155,7 @@ def fingerprint(
         ),
         boundary=_digest_text(json.dumps(_boundary_identity(split.boundary))),
         versions=current_versions(),
-        code_aliases=(_digest_text(legacy),) if legacy != code else (),
+        code_aliases=aliases,
     )
 
 

@@ -3,9 +3,9 @@
 :func:`~graphsplit.planning.codegen.stages.build_stage2` copies the stage-2 nodes out of the traced
 graph, then calls :func:`finish_stage2` once, which applies, in order:
 
-- :func:`~graphsplit.planning.rules.size_guards.recheck_size_guards`: the Python ints the trace read
-are
-  recomputed and checked, so a plan made for another resolution stops with a clear error.
+- :func:`~graphsplit.planning.rules.size_guards.recheck_size_guards`: the Python values the trace
+  derived from sizes (ints, branches, floats, text given to a module) are recomputed and
+  checked, so a plan made for another resolution stops with a clear error.
 
 Once the stage-2 module is built (its attributes are the model's), it calls
 :func:`finish_stage2_module`, which applies:
@@ -16,17 +16,17 @@ Once the stage-2 module is built (its attributes are the model's), it calls
   region module reads the stage's attributes).
 
 :func:`~graphsplit.planning.codegen.stages.build_stage1` calls :func:`finish_stage1` before its
-output, which checks what only stage 1 can read:
+output, which checks the sizes stage 1 can read (before anything is cached):
 
-- :func:`~graphsplit.planning.rules.baked_sizes.check_numbers`: the numbers the cut baked into stage
-2
-  (sizes read from frozen-only data) are recomputed from the batch and checked;
-- :func:`~graphsplit.planning.rules.size_guards.recheck_size_guards_in_stage1`: the size guards
-stage 2
-  cannot recompute (their source is not in stage 2) are rechecked here;
+- :func:`~graphsplit.planning.rules.size_guards.refuse_unchecked_size_guards`: a value read from a
+  size that neither stage can recompute is refused, at split time;
+- :func:`~graphsplit.planning.rules.baked_sizes.check_numbers`: the numbers the cut baked into
+  stage 2 (sizes read from frozen-only data) are recomputed from the batch and checked;
+- :func:`~graphsplit.planning.rules.size_guards.recheck_size_guards_in_stage1`: every size guard
+  stage 1 can recompute, stage 2's included, is rechecked here, so ``cache()`` never writes a
+  batch no plan could train;
 - :func:`~graphsplit.planning.rules.size_guards.hoist_checks`: checks that read only the inputs'
-sizes
-  move before the frozen work, so a batch of another size is refused before it runs.
+  sizes move before the frozen work, so a batch of another size is refused before it runs.
 
 In: the stage graph being built, the traced graph, the cut, the node map. Out: the same
 stage graph, changed in place:
@@ -51,17 +51,29 @@ from graphsplit.planning.rules.size_guards import (
     hoist_checks,
     recheck_size_guards,
     recheck_size_guards_in_stage1,
+    refuse_unchecked_size_guards,
 )
 
 
 def finish_stage1(
-    stage: fx.Graph, graph: fx.Graph, cut: Cut, env: dict[fx.Node, fx.Node]
+    stage: fx.Graph,
+    graph: fx.Graph,
+    cut: Cut,
+    env: dict[fx.Node, fx.Node],
+    *,
+    as_in_0_2: bool = False,
 ) -> dict[str, Any]:
     """Apply the stage-1 passes listed in the module docstring; returns the attributes the
-    checks read (the user's lines they name, kept out of the fingerprinted code)."""
+    checks read (the user's lines they name, kept out of the fingerprinted code).
+
+    ``as_in_0_2`` gives stage 1 with only the size checks graphsplit 0.2 put there: its code
+    is kept as an alias of the cache fingerprint (see ``recheck_size_guards_in_stage1``).
+    """
+    if not as_in_0_2:
+        refuse_unchecked_size_guards(graph, cut)
     sources = CheckSources(stage)
     check_numbers(stage, graph, cut, env, sources)
-    recheck_size_guards_in_stage1(stage, graph, cut, env, sources)
+    recheck_size_guards_in_stage1(stage, graph, cut, env, sources, as_in_0_2=as_in_0_2)
     hold_check_sources(stage, sources)  # the value checks' lines (planning/opaque/value_reads.py)
     hoist_checks(stage)
     return sources.held()

@@ -209,15 +209,35 @@ def _order_like(module: nn.Module, counterpart: nn.Module | None) -> None:
 def build_stage1(
     graph: fx.Graph, cut: Cut, keys: list[str], model: nn.Module, constants: dict[str, Any]
 ) -> fx.GraphModule:
-    """Inputs -> ``{key: boundary tensor}``."""
+    """Inputs -> ``{key: boundary tensor}``.
+
+    The module's ``graphsplit_code_aliases`` holds stage 1's code as graphsplit 0.2 wrote it
+    (fewer size checks, the same values) when it differs: the cache fingerprint accepts a
+    cache made by either, so a new check never makes a cache stale.
+    """
+    module = _stage1(graph, cut, keys, model, constants, as_in_0_2=False)
+    as_in_0_2 = _stage1(graph, cut, keys, model, constants, as_in_0_2=True).code
+    module.graphsplit_code_aliases = (as_in_0_2,) if as_in_0_2 != module.code else ()
+    recheck_shapes(graph, cut.stage2)  # opaque outputs whose sizes stage 1 baked in
+    return module
+
+
+def _stage1(
+    graph: fx.Graph,
+    cut: Cut,
+    keys: list[str],
+    model: nn.Module,
+    constants: dict[str, Any],
+    *,
+    as_in_0_2: bool,
+) -> fx.GraphModule:
     stage = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for node in graph.nodes:
         if node.op == "placeholder" or node in cut.stage1:
             env[node] = stage.node_copy(node, env.__getitem__)
-    held = finish_stage1(stage, graph, cut, env)  # checks of sizes only stage 1 can read
+    held = finish_stage1(stage, graph, cut, env, as_in_0_2=as_in_0_2)  # size checks
     stage.output({key: env[node] for key, node in zip(keys, cut.boundary)})
-    recheck_shapes(graph, cut.stage2)  # opaque outputs whose sizes stage 1 baked in
     return _module(stage, model, {**constants, **held}, "Stage1")
 
 

@@ -9,11 +9,18 @@ Glossary:
         answered from frozen data where the planning can (planning/opaque/value_reads.py),
         else refused by the tracer.
 
+    size text: ``str(w)`` / ``f"block_{w}"`` of a traced number: its text, recorded by the
+        tracer and made a guard once a string holding it reaches a node (a module's argument),
+        so stage code rechecks it (planning/rules/size_guards.py).
+
 In: a node and its tracer (:class:`graphsplit.planning.tracing.tracer.StepTracer`). Out: the
-proxy types the tracer creates, and those the patched builtins recognise:
+proxy types the tracer creates, and those the patched builtins recognise; the refusal of a
+traced size used as a Python dict key; the size texts a node's arguments hold:
 
     TracedValue(node, tracer): fx.Proxy
     TracedAttribute(root, attr): TracedValue
+    refuse_a_size_as_key(error: KeyError) -> None      # raises SplitError for a traced key
+    texts_reaching(texts, arguments) -> list[Guard]     # taken out of ``texts``
 """
 
 from __future__ import annotations
@@ -25,10 +32,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from graphsplit.artifacts import Guard
+from graphsplit.errors import Fix, SplitError, user_error
 from graphsplit.planning.opaque.value_reads import NOT_ANSWERED, Read, answer
 from graphsplit.planning.patching.originals import python_len
+from graphsplit.planning.rules.size_guards import Formatted
+from graphsplit.planning.rules.user_lines import describe, frame_location_of, is_internal
 
-__all__ = ["TracedAttribute", "TracedValue"]
+__all__ = ["TracedAttribute", "TracedValue", "refuse_a_size_as_key", "texts_reaching"]
 
 _STATIC_TENSOR_ATTRIBUTES = frozenset({"dtype", "is_floating_point", "is_complex"})
 _OWN_ATTRIBUTES = frozenset({"node", "_node", "root", "attr", "tracer"})
@@ -82,6 +93,19 @@ class TracedValue(fx.Proxy):
     def __iter__(self) -> Iterator[Any]:
         return self.tracer.iter(self)
 
+    def __str__(self) -> str:
+        """``str(w)`` of a size: its text, a guarded value (fx's ``Proxy(name)`` otherwise,
+        which a module given ``"block_" + str(w)`` would silently receive)."""
+        if _is_number(self.eager_value()):
+            return self.tracer.concrete(self, str)
+        return repr(self)
+
+    def __format__(self, spec: str) -> str:
+        """``f"block_{w}"`` of a size: its text, a guarded value (see :meth:`__str__`)."""
+        if _is_number(self.eager_value()):
+            return self.tracer.concrete(self, Formatted(spec))
+        return object.__format__(self, spec)
+
     def __setitem__(self, key: Any, value: Any) -> None:
         # Recorded in place, then rewritten as a copy by inplace.functionalize_inplace.
         self.tracer.create_proxy("call_function", operator.setitem, (self, key, value), {})
@@ -109,6 +133,13 @@ class TracedValue(fx.Proxy):
 
     def __ipow__(self, other: Any) -> Any:
         return self._augmented("pow_", operator.pow, other)
+
+
+def _is_number(value: Any) -> bool:
+    """A Python number or a tuple of them (a ``torch.Size``): what a size's text shows."""
+    if isinstance(value, tuple):
+        return all(type(item) in (int, float, bool) for item in value)
+    return type(value) in (int, float, bool)
 
 
 class TracedAttribute(TracedValue):
@@ -142,3 +173,40 @@ class TracedAttribute(TracedValue):
         if self._node is not None:
             return self._node.meta.get("val")
         return getattr(self.root.eager_value(), self.attr, None)
+
+
+def refuse_a_size_as_key(error: KeyError) -> None:
+    """A traced size looked up in a Python dict (``table[h.shape[-1]]``) is not found: the
+    key is a proxy, not the number. Refused at the user's line (a lookup that worked would
+    bake the entry in unchecked)."""
+    key = error.args[0] if error.args else None
+    if not isinstance(key, TracedValue) or isinstance(key.eager_value(), torch.Tensor):
+        return
+    traceback, place = error.__traceback__, None
+    while traceback is not None:
+        code = traceback.tb_frame.f_code
+        if not is_internal(code.co_filename):
+            place = frame_location_of(code.co_filename, traceback.tb_lineno)
+        traceback = traceback.tb_next
+    raise user_error(
+        SplitError,
+        f"the step looks a traced value ({key.eager_value()!r} at this size, read from a "
+        "tensor's shape) up in a Python dict or set; graphsplit cannot recheck such a lookup "
+        "at another size.",
+        source=describe(place) if place is not None else None,
+        fix=Fix(
+            "look the value up outside the step (in the data pipeline, passing the result as "
+            "an input), or hold the table as a tensor and index it with a tensor"
+        ),
+    ) from error
+
+
+def texts_reaching(texts: list[Guard], arguments: Any) -> list[Guard]:
+    """Take from ``texts`` (``str()`` / ``format()`` reads of sizes) those whose text is in
+    a string among ``arguments`` of a node being created: a string that reaches a module or
+    an op is a value of the plan, rechecked at run time. Text that stays in Python (a cache
+    key, a log message) changes nothing the plan computes and is not checked."""
+    strings = [leaf for leaf in torch.utils._pytree.tree_leaves(arguments) if type(leaf) is str]
+    reached = [guard for guard in texts if any(guard.value in text for text in strings)]
+    texts[:] = [guard for guard in texts if guard not in reached]
+    return reached

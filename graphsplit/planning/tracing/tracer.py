@@ -84,7 +84,12 @@ from graphsplit.planning.rules.user_lines import (
     user_frame,
 )
 from graphsplit.planning.tracing.inplace import functionalize_inplace
-from graphsplit.planning.tracing.proxies import TracedAttribute, TracedValue
+from graphsplit.planning.tracing.proxies import (
+    TracedAttribute,
+    TracedValue,
+    refuse_a_size_as_key,
+    texts_reaching,
+)
 from graphsplit.planning.tracing.rewrites import restore_input_names
 
 _MAX_NAME = 48
@@ -106,6 +111,8 @@ class StepTracer(fx.Tracer):
         self.guards: list[Guard] = []
         # __index__ guards and the user instruction that read them (see concrete()).
         self.pending_guards: list[tuple[Guard, tuple[int, int]]] = []
+        # str() / format() of sizes: guards once the text reaches a node (proxies.py).
+        self.texts: list[Guard] = []
         # The checkpoint() call being traced, if any (see patches.checkpoints_recorded).
         self.checkpoint: CheckpointRegion | None = None
         self.checkpoint_count = 0
@@ -135,6 +142,8 @@ class StepTracer(fx.Tracer):
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         self.keep_pending_guards()
+        if self.texts:
+            self.guards.extend(texts_reaching(self.texts, (args, kwargs)))
         if name is None:
             name = _descriptive_name(kind, target, args)
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
@@ -223,7 +232,7 @@ class StepTracer(fx.Tracer):
     def rolled_back_on_error(self) -> Iterator[None]:
         """Undo a failed attempt to trace into a call (its nodes, guards, handles); no raise."""
         count = len(self.graph.nodes)
-        guards, pending = len(self.guards), len(self.pending_guards)
+        guards, pending, texts = len(self.guards), len(self.pending_guards), list(self.texts)
         handles, region = dict(self.module_proxies), self.checkpoint
         try:
             yield
@@ -232,6 +241,7 @@ class StepTracer(fx.Tracer):
                 self.graph.erase_node(node)
             del self.guards[guards:]
             del self.pending_guards[pending:]
+            self.texts[:] = texts
             self.module_proxies, self.checkpoint = handles, region
 
     def module_proxy(self, qualified_name: str) -> TracedValue:
@@ -293,7 +303,9 @@ class StepTracer(fx.Tracer):
         result = convert(value)
         frame = user_frame()
         guard = Guard(node, convert, result, frame_location(frame)[0])
-        if pending:
+        if isinstance(result, str):
+            self.texts.append(guard)
+        elif pending:
             self.pending_guards.append((guard, _instruction(frame)))
         else:
             self.keep_pending_guards()
@@ -444,7 +456,11 @@ def _trace_graph(
         record_legacy_constructor(patcher, tracer)
         assume_tensor_checks(patcher)
         replace_python_builtins(patcher, (TracedValue, TracedAttribute))
-        graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
+        try:
+            graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
+        except KeyError as error:
+            refuse_a_size_as_key(error)
+            raise
     tracer.keep_pending_guards()
     return tracer, graph
 
