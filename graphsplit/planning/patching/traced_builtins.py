@@ -32,6 +32,10 @@ Glossary:
         ``list.append`` and ``isinstance`` keep working.
     traced range: ``range(x.shape[1])`` with a traced size; the size becomes a guarded Python
         int read from the meta value.
+    chunk loop: ``range(0, x.shape[0], chunk)`` with a plain step other than 1 or -1
+        (diffusers' LCM scripts encode ``pixel_values[i : i + chunk]`` chunk by chunk): the
+        guarded int is the iteration count ``len(range(0, x.shape[0], chunk))``, the same at
+        every batch size up to ``chunk``, not the size itself, which follows the batch.
 
 Why builtins and not the proxy's ``__class__``: torch's C++ argument parser asks the C API,
 not ``builtins.isinstance``, so it keeps seeing a proxy (a faked ``__class__`` made it unpack
@@ -146,12 +150,46 @@ def replace_range(patcher: Patcher, to_int: Callable[[fx.Proxy], int]) -> None:
     class TracedRange(metaclass=_RangeType):
         def __new__(cls, *args: Any) -> range:
             if patcher.traces_here():
+                if _is_chunk_loop(args):
+                    return _chunk_range(args, to_int)
                 args = tuple(
                     to_int(arg) if python_isinstance(arg, fx.Proxy) else arg for arg in args
                 )
             return python_range(*args)
 
     patcher.patch(builtins, "range", TracedRange, reverted_for_meta=True)
+
+
+def _is_chunk_loop(args: tuple[Any, ...]) -> bool:
+    """``range(start, n, step)`` with only ``n`` traced and ``|step| > 1`` (see the glossary).
+
+    With a step of 1 the count follows ``n`` one to one, so guarding ``n`` itself (what the
+    plan held before chunk loops) is the same guard, and the stage code stays as it was.
+    """
+    if python_len(args) != 3 or not python_isinstance(args[1], fx.Proxy):
+        return False
+    start, step = args[0], args[2]
+    plain = (int,)
+    return (
+        python_isinstance(start, plain)
+        and python_isinstance(step, plain)
+        and not python_isinstance(step, bool)
+        and abs(step) > 1
+    )
+
+
+def _chunk_range(args: tuple[Any, ...], to_int: Callable[[fx.Proxy], int]) -> range:
+    """The range of a chunk loop, its iteration count the guarded int.
+
+    The count is a ``len(range(start, n, step))`` node: the analysis compares it (not ``n``)
+    at both probe sizes, and the stages recheck it at run time like any size guard, so a batch
+    that needs another number of chunks stops with "split again for this size". The loop's
+    values ``start, start + step, ...`` follow from the count alone.
+    """
+    start, stop, step = args
+    chunks = stop.tracer.create_proxy("call_function", python_range, args, {})
+    count = to_int(stop.tracer.create_proxy("call_function", python_len, (chunks,), {}))
+    return python_range(start, start + count * step, step)
 
 
 class _RangeType(type):

@@ -16,7 +16,9 @@ stay symbolic and are not checked.
 
 Glossary:
     size guard: a guard (``node.meta["guards"]``, written by the tracer) whose value is an int
-        read with ``int()`` / ``__index__`` / ``range()`` from an int, or ``len()`` of a tensor;
+        read with ``int()`` / ``__index__`` / ``range()`` from an int (a chunk loop's
+        iteration count, ``len(range(0, x.shape[0], chunk))``, among them), or ``len()`` of a
+        tensor;
         checked with ``graphsplit_runtime_check_size(value, expected, what, where)``.
     size reading: a guard that read ``bool()``, ``float()``, ``int()`` of a float, ``str()``
         or ``format()`` of a plain value computed from a tensor's sizes (:func:`reading_of`);
@@ -72,7 +74,17 @@ _OPERATORS = {
     **_COMPARISONS,
 }
 _INSPECTION_FUNCTIONS = frozenset(
-    {getattr, len, operator.getitem, operator.neg, operator.pos, operator.not_, abs, *_OPERATORS}
+    {
+        getattr,
+        len,
+        range,  # a chunk loop's count is len(range(0, x.shape[0], chunk))
+        operator.getitem,
+        operator.neg,
+        operator.pos,
+        operator.not_,
+        abs,
+        *_OPERATORS,
+    }
 )
 _INSPECTION_METHODS = frozenset({"size", "dim", "numel"})
 _SIZE_ATTRIBUTES = frozenset({"shape", "ndim"})
@@ -449,8 +461,9 @@ def expression(node: Any, depth: int = 0) -> str:
     if node.op == "call_method":
         rest = ", ".join(expression(arg, depth + 1) for arg in args[1:])
         return f"{expression(args[0], depth + 1)}.{node.target}({rest})"
-    if node.target is len or getattr(node.target, "__module__", None) == "math":
-        name = "len" if node.target is len else f"math.{node.target.__name__}"
+    if node.target in (len, range) or getattr(node.target, "__module__", None) == "math":
+        plain = node.target in (len, range)
+        name = node.target.__name__ if plain else f"math.{node.target.__name__}"
         return f"{name}({', '.join(expression(arg, depth + 1) for arg in args)})"
     if node.target in _OPERATORS and len(args) == 2:
         text = f" {_OPERATORS[node.target]} ".join(expression(arg, depth + 1) for arg in args)
