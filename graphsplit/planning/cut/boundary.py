@@ -75,7 +75,6 @@ from graphsplit.planning.rules.taint import (
     is_banned,
     is_storable,
     module_owner,
-    read_devices_off_inputs,
     storage_cost,
 )
 
@@ -156,8 +155,6 @@ def choose_boundary(
     """
     check_recompute(recompute)
     taint = compute_taint(graph, trainable)
-    if read_devices_off_inputs(graph, taint):  # x.to(latents.device) before frozen work
-        taint = compute_taint(graph, trainable)
     if recompute == "never":
         return _cheapest(graph, taint, _NO_PRICES)
     assert model is not None, 'recompute="auto" prices weights: pass the model'
