@@ -14,7 +14,8 @@ Glossary:
 In: the trace's patcher and the tracer. Out: a torch function mode entered for the trace, and
 the tables of random functions the example run shares:
 
-    record_torch_calls(patcher, tracer) -> None
+    record_torch_calls(patcher, tracer) -> None   # the mode and the sized methods below
+    record_sized_methods(patcher, tracer) -> None
     TracedTorchCalls(tracer): TorchFunctionMode
     RANDOM_FUNCTIONS, RANDOM_FILLS: frozenset
     SIZED_METHODS: tuple[str, ...]
@@ -46,6 +47,7 @@ __all__ = [
     "RANDOM_FUNCTIONS",
     "SIZED_METHODS",
     "TracedTorchCalls",
+    "record_sized_methods",
     "record_torch_calls",
 ]
 
