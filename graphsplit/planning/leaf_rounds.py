@@ -63,6 +63,7 @@ from graphsplit.planning.opaque.value_reads import (
     check_value_reads,
     frozen_value_reads,
 )
+from graphsplit.planning.patching.distribution_draws import meta_samplers_registered
 from graphsplit.planning.patching.patcher import Patcher, cyclic_gc_paused
 from graphsplit.planning.rules.grad_modes import check_grad_modes
 from graphsplit.planning.rules.opaque_call import OPAQUE, is_opaque
@@ -158,7 +159,9 @@ def _frozen_work_judged_mixing(traced: Traced, trainable: frozenset[str]) -> lis
 def _planning_switches() -> Iterator[None]:
     """The process-wide switches the analysis makes, through one patcher (undone on exit).
 
-    The cyclic garbage collector is paused (see :func:`cyclic_gc_paused`), and torch's fake
+    Meta kernels for torch.distributions' samplers are registered (see
+    :func:`meta_samplers_registered`), the cyclic garbage collector is paused (see
+    :func:`cyclic_gc_paused`), and torch's fake
     mode is kept from logging each op that fails on fake tensors: ``FakeTensorMode`` logs a
     failing meta kernel with its traceback at ERROR level before it raises. The planning
     expects some failures (a step that runs only at batch 1 fails at the probe sizes and is
@@ -169,6 +172,7 @@ def _planning_switches() -> Iterator[None]:
     with Patcher() as switches:
         switches.patch(logging.getLogger("torch._subclasses.fake_tensor"), "disabled", True)
         switches.enter_context(cyclic_gc_paused())
+        switches.enter_context(meta_samplers_registered())
         yield
 
 

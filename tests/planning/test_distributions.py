@@ -120,3 +120,16 @@ def test_gamma_draws_the_same_bits_and_gradients_as_torchs_own_rsample():
 
 def test_the_samplers_distributions_use_are_recorded_draws():
     assert {torch._sample_dirichlet, torch._standard_gamma, torch.binomial} <= RANDOM_FUNCTIONS
+
+
+def test_the_meta_samplers_are_registered_for_the_analysis_only():
+    # torch ships no Meta kernel for these samplers; the analysis registers shape-only ones
+    # for its own length and removes them, so torch's dispatcher is as it was after a split.
+    def has_meta(name: str) -> bool:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "Meta")
+
+    before = {name: has_meta(name) for name in ("_sample_dirichlet", "binomial")}
+    split_and_verify(MixUp(), (batch(2, 4), batch(2, seed=1)))
+    assert {name: has_meta(name) for name in before} == before
+    split_and_verify(MixUp(), (batch(3, 4), batch(3, seed=1)))  # registered again
+    assert {name: has_meta(name) for name in before} == before

@@ -11,21 +11,23 @@ step's order, and the ops after the draw are traced as any others.
 Glossary:
     sampler: a torch random function a distribution draws with.
     meta sampler: a shape-only ``Meta`` kernel for a sampler torch ships without one; the
-        trace computes every node's value on meta tensors (:func:`register_meta_samplers`).
+        analysis computes every node's value on meta tensors (:func:`meta_samplers_registered`).
     in-place clamp: ``Gamma.rsample`` clamps its sample through ``value.detach().clamp_(...)``
         (a write through a view, which the trace cannot follow); for the trace it is written
         out of place with the same values and gradients (:func:`gamma_clamped_out_of_place`).
 
-In: the trace's patcher and tracer. Out: the samplers recorded, the meta samplers registered,
-Gamma's ``rsample`` replaced for the trace:
+In: the trace's patcher and tracer. Out: the samplers recorded, the meta samplers registered
+for the analysis, Gamma's ``rsample`` replaced for the trace:
 
     DISTRIBUTION_SAMPLERS: frozenset
-    register_meta_samplers() -> None
+    with meta_samplers_registered(): ...
     gamma_clamped_out_of_place(patcher, tracer) -> None
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,7 +35,7 @@ from torch.distributions import Gamma
 
 from graphsplit.planning.patching.patcher import Patcher
 
-__all__ = ["DISTRIBUTION_SAMPLERS", "gamma_clamped_out_of_place", "register_meta_samplers"]
+__all__ = ["DISTRIBUTION_SAMPLERS", "gamma_clamped_out_of_place", "meta_samplers_registered"]
 
 # The samplers torch.distributions calls that torch_calls.RANDOM_FUNCTIONS does not already
 # name for other reasons: Gamma, Chi2, StudentT, FisherSnedecor (``_standard_gamma``), Beta,
@@ -42,24 +44,34 @@ DISTRIBUTION_SAMPLERS = frozenset({torch._standard_gamma, torch._sample_dirichle
 
 # Samplers torch (2.13) ships without a Meta kernel; each sample has its first argument's shape.
 _WITHOUT_META = ("_sample_dirichlet", "binomial")
-_REGISTERED: list[torch.library.Library] = []
 _NO_SAMPLE_SHAPE = torch.Size()  # one draw of the distribution's own shape, torch's default
 
 
-def register_meta_samplers() -> None:
-    """Shape-only Meta kernels for the samplers torch ships without one; once per process.
+@contextlib.contextmanager
+def meta_samplers_registered() -> Iterator[None]:
+    """Shape-only Meta kernels for the samplers torch ships without one, for the block.
 
-    Registered for good rather than for the trace: the analysis after the trace runs the
-    plan's nodes on meta tensors too. A kernel changes nothing but a meta run that would
-    otherwise raise ``NotImplementedError``; an op that has one already keeps torch's.
+    Entered for the whole analysis (``planning.leaf_rounds``), not only the trace: the
+    analysis after the trace runs the plan's nodes on meta tensors too. A kernel changes
+    nothing but a meta run that would otherwise raise ``NotImplementedError``; an op that has
+    one already keeps torch's. The registrations are removed on exit, so torch's dispatcher
+    is as it was after every split.
     """
-    if _REGISTERED:
+    missing = [
+        name
+        for name in _WITHOUT_META
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "Meta")
+    ]
+    if not missing:
+        yield
         return
     library = torch.library.Library("aten", "IMPL")
-    for name in _WITHOUT_META:
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "Meta"):
+    try:
+        for name in missing:
             library.impl(name, _sample_of_the_same_shape, "Meta")
-    _REGISTERED.append(library)
+        yield
+    finally:
+        library._destroy()
 
 
 def _sample_of_the_same_shape(first: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

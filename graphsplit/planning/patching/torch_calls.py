@@ -35,7 +35,6 @@ from torch.overrides import TorchFunctionMode
 from graphsplit.planning.patching.distribution_draws import (
     DISTRIBUTION_SAMPLERS,
     gamma_clamped_out_of_place,
-    register_meta_samplers,
 )
 from graphsplit.planning.patching.originals import python_isinstance
 from graphsplit.planning.patching.patcher import Patcher
@@ -207,7 +206,6 @@ def record_torch_calls(patcher: Patcher, tracer: Any) -> None:
     A torch function mode is the calling thread's own (torch keeps the mode stack per
     thread): it is entered for the trace and exits with the patcher.
     """
-    register_meta_samplers()
     gamma_clamped_out_of_place(patcher, tracer)
     record_sized_methods(patcher, tracer)
     patcher.enter_context(TracedTorchCalls(tracer))
