@@ -3,7 +3,8 @@
 A trace replaces objects other code looks up: ``builtins.isinstance`` / ``len`` / ``list`` /
 ``callable`` / ``range``, ``torch.zeros`` and the other size-vararg factories,
 ``torch.Tensor.__new__``, ``torch._check_with``, ``torch.utils.checkpoint``'s engines,
-``einops.einops.reduce``, the public methods of the step's leaf modules. Every one of them is
+``einops.einops.reduce``, the public methods of the step's leaf modules, the tensor methods
+that take sizes (``expand``, ``view``, ``repeat``, ...), ``Gamma.rsample``. Every one of them is
 registered through a :class:`Patcher` (in the manner of torch.fx's ``_Patcher``), which
 undoes them all, last first, however the trace ends: a return, an exception, a
 ``KeyboardInterrupt``, a generator closed half way.
