@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from tests.caching.cache_worker import exit_without_interpreter_teardown
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -52,6 +54,7 @@ def main() -> None:
     Path(f"{args.report}.{accelerator.process_index}.json").write_text(json.dumps(report))
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    exit_without_interpreter_teardown()
 
 
 if __name__ == "__main__":
