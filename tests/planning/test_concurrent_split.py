@@ -199,13 +199,8 @@ class Pause:
 _PAUSES: list[Pause] = []
 
 
-class PausesInsideTheTrace(nn.Module):
+class PausesInsideTheTrace(PythonBuiltins):
     """Stops once inside its traced ``forward`` until the test has asked its questions."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.encoder = frozen(nn.Linear(4, 4))
-        self.head = nn.Linear(4, 1)
 
     def forward(self, x):
         features = self.encoder(x)

@@ -31,6 +31,7 @@ from graphsplit.planning.codegen.stage_passes import (
 from graphsplit.planning.meta.meta_interpreter import fetch
 from graphsplit.planning.rules.baked_sizes import bake_numbers
 from graphsplit.planning.rules.opaque_call import OPAQUE, OpaqueCall, is_opaque, recheck_shapes
+from graphsplit.planning.rules.size_guards import SIZE_CHECKS
 
 
 def _refuse_meta_tensors(stage: nn.Module, args: Any) -> None:
@@ -216,8 +217,10 @@ def build_stage1(
     cache made by either, so a new check never makes a cache stale.
     """
     module = _stage1(graph, cut, keys, model, constants, as_in_0_2=False)
-    as_in_0_2 = _stage1(graph, cut, keys, model, constants, as_in_0_2=True).code
-    module.graphsplit_code_aliases = (as_in_0_2,) if as_in_0_2 != module.code else ()
+    module.graphsplit_code_aliases = ()
+    if any(node.target in SIZE_CHECKS for node in module.graph.nodes):  # else nothing to drop
+        as_in_0_2 = _stage1(graph, cut, keys, model, constants, as_in_0_2=True).code
+        module.graphsplit_code_aliases = (as_in_0_2,) if as_in_0_2 != module.code else ()
     recheck_shapes(graph, cut.stage2)  # opaque outputs whose sizes stage 1 baked in
     return module
 

@@ -166,18 +166,15 @@ def _depends_on_inputs(graph: fx.Graph) -> set[fx.Node]:
 
 def _reads_a_size(node: fx.Node, data: Collection[fx.Node]) -> bool:
     """Whether ``node``'s plain value is computed from the size of a tensor of the batch."""
-    pending, seen = [node], set()
-    while pending:
-        current = pending.pop()
-        if current in seen:
-            continue
-        seen.add(current)
-        if _is_size_read(current):
-            if current.args[0] in data:
-                return True
-        elif not isinstance(current.meta.get("val"), torch.Tensor):
-            pending.extend(current.all_input_nodes)
-    return False
+
+    def is_plain_arithmetic(producer: fx.Node) -> bool:
+        is_tensor = isinstance(producer.meta.get("val"), torch.Tensor)
+        return not (_is_size_read(producer) or is_tensor)
+
+    if not is_plain_arithmetic(node):
+        return _is_size_read(node) and node.args[0] in data
+    _, ends = reads_through(node, is_plain_arithmetic)
+    return any(_is_size_read(end) and end.args[0] in data for end in ends)
 
 
 def _is_size_read(node: fx.Node) -> bool:
@@ -291,7 +288,7 @@ def hoist_checks(stage: fx.Graph) -> None:
     """
     cursor = _after_placeholders(stage, None)
     hoisted: set[fx.Node] = set()
-    checks = [n for n in stage.nodes if n.op == "call_function" and n.target in _CHECKS]
+    checks = [n for n in stage.nodes if n.op == "call_function" and n.target in SIZE_CHECKS]
     for check in checks:
         closure = _inputs_closure(check)
         if closure is None:
@@ -303,7 +300,7 @@ def hoist_checks(stage: fx.Graph) -> None:
                 hoisted.add(node)
 
 
-_CHECKS = (check_size, check_size_read)
+SIZE_CHECKS = (check_size, check_size_read)  # the runtime helpers a size check calls
 
 
 def _inputs_closure(check: fx.Node) -> set[fx.Node] | None:
