@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,8 @@ from graphsplit.planning.step.example_inputs import bind_examples
 from graphsplit.planning.step.frozen import FrozenSpec, resolve_frozen
 from graphsplit.planning.tracing.rewrites import restore_devices
 from graphsplit.report import plan_json, render_report
+from graphsplit.signatures.dispatch import DEFAULT_MAX_PLANS, Plan, PlanSet
+from graphsplit.signatures.signature import Signature, example_record, signature_of
 
 
 @dataclass
@@ -52,6 +55,18 @@ class Split:
     model_name: str = ""
     notes: list[str] = field(default_factory=list)
     _model: nn.Module | None = field(default=None, repr=False)
+    # The plans by signature, and the dispatch between them (graphsplit.signatures.dispatch).
+    plan_set: PlanSet | None = field(default=None, repr=False)
+
+    @property
+    def plans(self) -> list[Plan]:
+        """Every plan made so far, the first (``stage1``, ``stage2``) first."""
+        return list(self.plan_set.plans.values()) if self.plan_set else []
+
+    @property
+    def signatures(self) -> list[Signature]:
+        """The signature of each plan made so far (what its size checks expect)."""
+        return [plan.signature for plan in self.plans]
 
     def report(self) -> str:
         """The plan for a human: boundary, parameters per stage, FLOPs moved, random ops."""
@@ -90,6 +105,7 @@ def split(
     *,
     frozen: FrozenSpec = None,
     recompute: Recompute = "never",
+    max_plans: int = DEFAULT_MAX_PLANS,
 ) -> Split:
     """Split a training step (raw batch -> loss) into a cacheable stage 1 and a training stage 2.
 
@@ -110,6 +126,13 @@ def split(
             frozen layer whose inputs it has anyway (a LoRA'd layer's base projection, an
             embedding lookup) when the cache bytes per sample saved outweigh the FLOPs and the
             frozen weights stage 2 must then hold; ``report()`` shows the trade.
+        max_plans: how many plans the split may make. Where the step turns a size or a value
+            read from frozen data into a Python constant (``int(width * 8)``, ``if
+            h.shape[-1] % 16``, ``.tolist()``), a plan holds for one value of it; a batch with
+            another value gets a plan of its own, made from that batch when it first comes
+            (``split.plans``, ``split.signatures``). Sizes that only flow through torch ops
+            never need one. A batch that would need plan ``max_plans + 1`` is a SplitError
+            naming the values that vary and the lines that read them.
 
     Returns:
         :class:`Split` with ``stage1``, ``stage2``, ``boundary``, ``report()``, ``save_code()``.
@@ -139,30 +162,68 @@ def split(
     check_recompute(recompute)
     # 0. A function or bound method becomes a module whose forward calls it (same objects).
     step = as_step_module(model, args, dict(kwargs or {}))
-    model, args, kwargs = step.module, step.args, step.kwargs
-    # 1. Bind the example batch to forward's parameters; meta twins at two batch sizes.
-    examples = bind_examples(model, args, kwargs)
+    model = step.module
     named = list(model.named_parameters())
     frozen_names = resolve_frozen(model, frozen, named=named)
     trainable = frozenset(name for name, _ in named if name not in frozen_names)
-    # 2. Trace and analyse (in rounds), then give the graph back the step's real device.
-    traced = trace_and_analyze(model, examples, trainable)
-    restore_devices(traced.graph, examples.device)
-    # 3. Choose the boundary: the one place where that decision is taken.
-    cut = choose_boundary(traced.graph, trainable, recompute=recompute, model=model)
-    boundary = boundary_specs(cut)
-    keys = list(boundary)
-    # 4. Generate the two stages from the cut.
+    planner = _Planner(model, trainable, recompute)
+    first = planner.plan(step.args, step.kwargs)
+    plans = PlanSet(first, planner.plan_another, max_plans=max_plans)
+    plans.install()
     return Split(
-        stage1=build_stage1(traced.graph, cut, keys, model, traced.constants),
-        stage2=build_stage2(traced.graph, cut, keys, model, traced.constants),
-        boundary=boundary,
-        input_names=traced.input_names,
+        stage1=first.stage1,
+        stage2=first.stage2,
+        boundary=first.boundary,
+        input_names=first.input_names,
         trainable=trainable,
-        graph=traced.graph,
-        cut=cut,
-        batch_sizes=traced.batch_sizes or examples.batch_sizes,
+        graph=first.graph,
+        cut=first.cut,
+        batch_sizes=first.batch_sizes,
         model_name=type(model).__name__,
-        notes=list(traced.notes),
+        notes=first.notes,
         _model=model,
+        plan_set=plans,
     )
+
+
+@dataclass(frozen=True)
+class _Planner:
+    """Makes a plan from an example batch: the steps below, for the step module ``model``."""
+
+    model: nn.Module
+    trainable: frozenset[str]
+    recompute: Recompute
+
+    def plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+        started = time.perf_counter()
+        model = self.model
+        # 1. Bind the example batch to forward's parameters; meta twins at two batch sizes.
+        examples = bind_examples(model, args, kwargs)
+        # 2. Trace and analyse (in rounds), then give the graph back the step's real device.
+        traced = trace_and_analyze(model, examples, self.trainable)
+        restore_devices(traced.graph, examples.device)
+        # 3. Choose the boundary: the one place where that decision is taken.
+        cut = choose_boundary(traced.graph, self.trainable, recompute=self.recompute, model=model)
+        boundary = boundary_specs(cut)
+        keys = list(boundary)
+        # 4. Generate the two stages from the cut.
+        stage1 = build_stage1(traced.graph, cut, keys, model, traced.constants)
+        stage2 = build_stage2(traced.graph, cut, keys, model, traced.constants)
+        return Plan(
+            stage1=stage1,
+            stage2=stage2,
+            boundary=boundary,
+            input_names=traced.input_names,
+            graph=traced.graph,
+            cut=cut,
+            batch_sizes=traced.batch_sizes or examples.batch_sizes,
+            notes=list(traced.notes),
+            signature=signature_of(stage1, stage2),
+            example=example_record(tuple(args), dict(kwargs)),
+            seconds=time.perf_counter() - started,
+        )
+
+    @one_planning_at_a_time  # a plan made for a later batch waits like a split() does
+    def plan_another(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+        """The plan for a batch no plan fits: the planner again, that batch the example."""
+        return self.plan(args, kwargs)

@@ -14,12 +14,15 @@ accepts a cache whose code digest matches under either spelling.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from graphsplit.errors import Fix, SplitError, user_error
 
+# The helpers stage code calls; Difference and PlanMismatch, the signal the checks raise, are
+# imported by name and are no part of generated code.
 __all__ = [
     "LEGACY_NAMES",
     "check_size",
@@ -54,6 +57,44 @@ def functional_inplace(
     return result
 
 
+@dataclass(frozen=True)
+class Difference:
+    """What a batch read differently from the plan: ``what`` (the expression as the user wrote
+    it, or the value read), the plan's ``expected`` value, the batch's ``actual`` one, and
+    ``where`` (the user's line)."""
+
+    what: str
+    expected: Any
+    actual: Any
+    where: str
+
+
+class PlanMismatch(SplitError):
+    """A batch whose signature (a checked size or read value) is not the plan's: the typed
+    signal :mod:`graphsplit.signatures.dispatch` answers by choosing or making another plan.
+
+    Raised by stage code run on its own (``save_code``'s files, a plan without dispatch) it is
+    the user's error; ``difference`` carries what differed, for code to decide by.
+    """
+
+    difference: Difference | None = None
+
+
+def _mismatch(reason: str, difference: Difference, *, of_a_value: bool = False) -> PlanMismatch:
+    error = user_error(
+        PlanMismatch, reason, fix=VALUE_FIX if of_a_value else SIZE_FIX, source=difference.where
+    )
+    assert isinstance(error, PlanMismatch)
+    error.difference = difference
+    return error
+
+
+SIZE_FIX = Fix(
+    "call graphsplit.split with an example batch of this size (one plan per "
+    "resolution or frame count: bucket the data by size)"
+)
+
+
 def check_size(value: Any, expected: int | tuple[int, ...], what: str, where: str) -> Any:
     """Stop stage code run at a size its plan was not made for; else return ``value``.
 
@@ -68,14 +109,9 @@ def check_size(value: Any, expected: int | tuple[int, ...], what: str, where: st
     else:
         actual = int(value)
     if actual != expected:
-        raise user_error(
-            SplitError,
+        raise _mismatch(
             f"this plan was made for {what} = {expected}, got {actual}; split again for this size.",
-            fix=Fix(
-                "call graphsplit.split with an example batch of this size (one plan per "
-                "resolution or frame count: bucket the data by size)"
-            ),
-            source=where,
+            Difference(what, expected, actual, str(where)),
         )
     return value
 
@@ -91,15 +127,10 @@ def check_size_read(value: Any, read: str, expected: Any, what: str, where: str)
     """
     actual = _size_reading(value, read)
     if actual != expected or type(actual) is not type(expected):
-        raise user_error(
-            SplitError,
+        raise _mismatch(
             f"this plan was made for {what} = {expected!r}, got {actual!r}; split again for "
             "this size.",
-            fix=Fix(
-                "call graphsplit.split with an example batch of this size (one plan per "
-                "resolution or frame count: bucket the data by size)"
-            ),
-            source=where,
+            Difference(what, expected, actual, str(where)),
         )
     return value
 
@@ -133,18 +164,20 @@ def check_value(tensor: Any, read: str, expected: Any, where: str) -> None:
         return
     actual = _VALUE_READS[read](tensor)
     if actual != expected and not _both_nan(actual, expected):
-        raise user_error(
-            SplitError,
+        raise _mismatch(
             f"this plan was made for the value {expected!r} read from frozen data here "
             f"({_read_text(read)}), got {actual!r}; the plan holds the example batch's value, "
             "and the trainable part's code depends on it.",
-            fix=Fix(
-                "call graphsplit.split with an example batch that reads this value (one "
-                "plan per value: bucket the data by it, e.g. by prompt length), or compute it "
-                "with tensor ops so that it stays a tensor"
-            ),
-            source=where,
+            Difference(f"the value read ({_read_text(read)})", expected, actual, str(where)),
+            of_a_value=True,
         )
+
+
+VALUE_FIX = Fix(
+    "call graphsplit.split with an example batch that reads this value (one "
+    "plan per value: bucket the data by it, e.g. by prompt length), or compute it "
+    "with tensor ops so that it stays a tensor"
+)
 
 
 def _read_text(read: str) -> str:

@@ -43,6 +43,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("graphsplit.planning.cut",),
     ("graphsplit.planning.codegen",),
     ("graphsplit.planning",),
+    ("graphsplit.signatures",),
     ("graphsplit.report",),
     ("graphsplit.api",),
     ("graphsplit.verify",),

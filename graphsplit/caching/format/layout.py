@@ -85,6 +85,7 @@ __all__ = [
     "ConstantsRecord",
     "FileRecord",
     "Manifest",
+    "PlanRecord",
     "ShardLayout",
     "ShardProgress",
     "ShardRecord",
@@ -183,6 +184,18 @@ class ConstantsRecord(FileRecord):
 
 
 @dataclass(frozen=True)
+class PlanRecord:
+    """One plan of a cache of several shape signatures (see :mod:`graphsplit.signatures`):
+    its ``signature`` (canonical JSON), the ``example`` it was made from (JSON of shapes and
+    dtypes, empty when JSON cannot hold it) and its stage 1's ``code`` digest (plans whose
+    stage 1 is the same code share it)."""
+
+    signature: str
+    example: str
+    code: str
+
+
+@dataclass(frozen=True)
 class ShardRecord(FileRecord):
     """A finished shard as the manifest lists it: its file and its samples, in row order.
 
@@ -195,6 +208,9 @@ class ShardRecord(FileRecord):
     shapes: tuple[tuple[tuple[int, ...], ...], ...]
     row_orders: tuple[tuple[Order | None, ...], ...] = json_field("dim_orders")
     input_sha256: tuple[str, ...] = json_field(**_SHA256)
+    # Each row's plan (signature key), only in a shard holding a row of a plan other than the
+    # first: absent, every row is the first plan's (a cache of one plan stays as it was).
+    signatures: tuple[str, ...] | None = json_field(optional=True, default=None)
 
 
 @dataclass(frozen=True)
@@ -216,6 +232,9 @@ class Manifest:
     max_abs_error: Mapping[str, float]
     constants: ConstantsRecord | None
     shards: tuple[ShardRecord, ...]
+    # The plans by signature key, the first plan's first; only in a cache of several plans.
+    plans: Mapping[str, PlanRecord] | None = json_field(optional=True, default=None)
+    first_plan: str | None = json_field(optional=True, default=None)
 
 
 @dataclass(frozen=True)
@@ -229,6 +248,7 @@ class ShardProgress:
     shard: ShardRecord = json_field(inline=True)  # noqa: RUF009 (a dataclasses.field)
     positions: tuple[int, ...]
     max_abs_error: Mapping[str, float]
+    plans: Mapping[str, PlanRecord] | None = json_field(optional=True, default=None)
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,14 @@ from typing import Any
 
 import torch
 
+from graphsplit.caching.format.layout import Manifest
 from graphsplit.caching.format.memory_order import Order, inverse, row_order
 from graphsplit.caching.store.remote import RemotePath
 from graphsplit.errors import CacheError, Fix, user_error
+from graphsplit.signatures.signature import SIGNATURE_KEY
 from graphsplit.units import some_keys
 
-__all__ = ["CachedSample", "Collation", "collate"]
+__all__ = ["CachedSample", "Collation", "collate", "sample_signatures"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,21 @@ class CachedSample(dict):
 
     collation: Collation | None = None
     dim_orders: tuple[Order | None, ...] | None = None
+    # The sample's plan (signature key) in a cache of several plans; None in a cache of one.
+    signature: str | None = None
+
+
+def sample_signatures(manifest: Manifest) -> list[str | None]:
+    """Each sample's plan in a cache of several plans (rows of a shard that records none are
+    the first plan's); ``None`` for every sample of a cache of one plan."""
+    if not manifest.plans:
+        return [None] * manifest.num_samples
+    first = manifest.first_plan
+    return [
+        key
+        for shard in manifest.shards
+        for key in (shard.signatures or (first,) * len(shard.keys))
+    ]
 
 
 def collate(items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
@@ -109,7 +126,19 @@ def collate(items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
             stacked = _stack(physical, order.index(batch_dim), dtype)
             batch[name] = stacked.permute(inverse(order))
     batch.update(collation.constants)
-    return {name: batch[name] for name in collation.order}
+    ordered: dict[str, Any] = {name: batch[name] for name in collation.order}
+    signatures = {getattr(item, "signature", None) for item in items}
+    if len(signatures) > 1:
+        raise user_error(
+            CacheError,
+            f"graphsplit.collate got samples of {len(signatures)} plans in one batch; stage 2 "
+            "runs one plan per batch.",
+            fix=Fix("batch with cached.loader(batch_size), whose batches hold one plan each"),
+        )
+    (signature,) = signatures
+    if signature is not None:  # names the batch's plan for split.stage2's dispatch
+        ordered[SIGNATURE_KEY] = signature
+    return ordered
 
 
 def _stack(rows: Sequence[torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Tensor:

@@ -55,7 +55,12 @@ from graphsplit.caching.format.records import REBUILD
 from graphsplit.caching.loader.samples import describe_changes
 from graphsplit.caching.read.audit import file_problem, open_problem, open_shard
 from graphsplit.caching.read.bucket_sampler import BucketBatchSampler, BucketLoader
-from graphsplit.caching.read.collation import CachedSample, Collation, collate
+from graphsplit.caching.read.collation import (
+    CachedSample,
+    Collation,
+    collate,
+    sample_signatures,
+)
 from graphsplit.caching.store.durability import restart_cause, restarted_since
 from graphsplit.caching.store.mapped import open_mapped
 from graphsplit.caching.store.read_through import LocalCopies
@@ -165,6 +170,11 @@ class CachedDataset(torch.utils.data.Dataset):
         self._handles: dict[int, Any] = {}
         self._checksummed: set[int] = set()
         self._corrupt: dict[int, str] = {}
+        # Each sample's plan (signature key) in a cache of several plans; else None.
+        self.signatures: list[str | None] = sample_signatures(self.manifest)
+        if split is not None and self.manifest.plans and getattr(split, "plan_set", None):
+            for key, record in self.manifest.plans.items():
+                split.plan_set.know(key, record.signature, record.example or None)
         if split is not None:
             cached = self.manifest.header.fingerprint
             current = in_terms_of(fingerprint(split, allow_meta=True), cached, split)
@@ -200,6 +210,7 @@ class CachedDataset(torch.utils.data.Dataset):
             handle = self._open(shard)
         item = CachedSample(key=self.keys[self._starts[shard] + row])
         item.collation = self.collation
+        item.signature = self.signatures[index]
         orders = self.manifest.shards[shard].row_orders[row]
         try:
             for name, stored_name in self._tensor_names[row]:
@@ -230,11 +241,14 @@ class CachedDataset(torch.utils.data.Dataset):
     def buckets(self) -> dict[tuple[tuple[int, ...], ...], list[int]]:
         """Sample indices grouped by their rows' shapes: each group collates into batches
         (:meth:`loader` and :class:`~graphsplit.BucketBatchSampler` batch by them)."""
-        groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+        groups: dict[Any, list[int]] = {}
         index = 0
         for shard in self.manifest.shards:
             for shapes in shard.shapes:
-                groups.setdefault(shapes, []).append(index)
+                # A cache of several plans: one plan a batch too (stage 2 runs one plan).
+                signature = self.signatures[index]
+                groups.setdefault(shapes if signature is None else (signature, shapes), [])
+                groups[shapes if signature is None else (signature, shapes)].append(index)
                 index += 1
         return groups
 

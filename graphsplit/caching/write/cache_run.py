@@ -41,6 +41,7 @@ from graphsplit.caching.format.layout import (
     CONSTANTS_FILE,
     LOCK_FILE,
     Manifest,
+    PlanRecord,
     ShardProgress,
     ShardRecord,
 )
@@ -57,7 +58,7 @@ from graphsplit.caching.store.remote import RemotePath, location, make_folder
 from graphsplit.caching.store.remote_lock import RemoteLock
 from graphsplit.caching.write.folder_decision import Decision, decide, remove_progress
 from graphsplit.caching.write.processes import Processes
-from graphsplit.caching.write.shards import write_shards
+from graphsplit.caching.write.shards import plan_record, write_shards
 from graphsplit.errors import CacheError, Fix, Remedy, user_error
 from graphsplit.units import human_bytes
 
@@ -251,7 +252,7 @@ def cache(
         )
         # 4. The main process merges the progress records into the manifest.
         return processes.on_main(
-            lambda: _finish(folder, decision, source, written, lock, durable=durable)
+            lambda: _finish(folder, decision, source, written, lock, split, durable=durable)
         )
     finally:
         if processes.is_main:
@@ -264,6 +265,7 @@ def _finish(
     source: BatchSource,
     written: Mapping[int, ShardProgress],
     lock: FolderLock | RemoteLock,
+    split: Any,
     *,
     durable: bool,
 ) -> CacheInfo:
@@ -283,6 +285,7 @@ def _finish(
     num_shards = math.ceil(num_batches / header.layout.batches_per_shard)
     shards = []
     errors: dict[str, float] = {}
+    plans: dict[str, PlanRecord] = {}
     for index in range(num_shards):
         progress = written.get(index) or read_shard_progress(folder, index, header)
         if progress is None or regular_files.regular_size(folder / progress.shard.file) is None:
@@ -292,6 +295,7 @@ def _finish(
                 fix=Fix("rerun the same graphsplit.cache call to finish the cache"),
             )
         shards.append(progress.shard)
+        plans.update(progress.plans or {})
         _add_errors(errors, progress.max_abs_error)
     _refuse_repeated_keys(folder, shards)
     constants = None
@@ -315,6 +319,7 @@ def _finish(
         },
         constants=constants,
         shards=tuple(shards),
+        **_plans_of(split, plans),
     )
     if durable:
         _make_durable(folder, manifest, decision)
@@ -323,6 +328,17 @@ def _finish(
     write_manifest(folder, manifest, durable=durable)
     remove_progress(folder)
     return _info(folder, manifest, written=num_shards - len(decision.finished))
+
+
+def _plans_of(split: Any, plans: dict[str, PlanRecord]) -> dict[str, Any]:
+    """The manifest's ``plans`` and ``first_plan``: none for a cache of the first plan alone
+    (its manifest is what it always was)."""
+    plan_set = getattr(split, "plan_set", None)
+    if not plans or plan_set is None:
+        return {}
+    first = plan_set.first
+    ordered = {first.key: plan_record(first)} | plans
+    return {"plans": ordered, "first_plan": first.key}
 
 
 def _make_durable(folder: Path | RemotePath, manifest: Manifest, decision: Decision) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from graphsplit.caching.format.fingerprint import fingerprint
 from graphsplit.caching.format.input_digests import batch_input_digests
 from graphsplit.caching.format.layout import (
     CONSTANTS_FILE,
@@ -44,6 +45,7 @@ from graphsplit.caching.format.layout import (
     CacheHeader,
     ConstantsProgress,
     ConstantsRecord,
+    PlanRecord,
     ShardProgress,
     ShardRecord,
     shard_file_name,
@@ -76,6 +78,9 @@ class PendingShard:
     positions: list[int] = field(default_factory=list)
     max_abs_error: dict[str, float] = field(default_factory=dict)
     nbytes: int = 0
+    # Each row's plan (signature key) and the plans used, in a split of several plans.
+    signatures: list[str] = field(default_factory=list)
+    plans: dict[str, PlanRecord] = field(default_factory=dict)
 
 
 def write_shards(
@@ -118,7 +123,7 @@ def write_shards(
                 writer.submit(_digested(pending))
                 pending = None
             pending = pending or PendingShard(shard)
-            outputs = _run_stage1(split, batch.data, len(batch.positions), device)
+            outputs, plan = _run_stage1(split, batch.data, len(batch.positions), device, header)
             stored, errors = _to_storage(outputs, header)
             constants = _handle_constants(
                 folder, header, stored, errors, batch.index, constants, durable=durable
@@ -131,6 +136,7 @@ def write_shards(
                 digester.submit(batch_input_digests, inputs, header.inputs, len(keys))
             )
             _add_rows(pending, header, stored, errors, keys, batch.positions)
+            _note_plan(pending, split, plan, len(keys))
             if bar is not None:
                 bar.update(len(keys))
                 bar.set_postfix_str(
@@ -225,9 +231,11 @@ class ShardWriter:
                 shapes=tuple(shard.shapes),
                 row_orders=tuple(shard.orders),
                 input_sha256=tuple(shard.digests),
+                signatures=tuple(shard.signatures) if shard.plans else None,
             ),
             positions=tuple(shard.positions),
             max_abs_error=shard.max_abs_error,
+            plans=shard.plans or None,
         )
         _note_progress(self.folder, progress)
         return progress
@@ -270,25 +278,52 @@ def _digested(shard: PendingShard) -> PendingShard:
     return shard
 
 
+def _note_plan(pending: PendingShard, split: Any, plan: Any, rows: int) -> None:
+    """Record the batch's plan per row; a shard of the first plan's rows only records none."""
+    plan_set = getattr(split, "plan_set", None)
+    if plan is None or plan_set is None:
+        return
+    pending.signatures += [plan.key] * rows
+    if plan is not plan_set.first or pending.plans:
+        for key in dict.fromkeys(pending.signatures):
+            if key not in pending.plans:
+                pending.plans[key] = plan_record(plan_set.plans[key])
+
+
+def plan_record(plan: Any) -> PlanRecord:
+    """A plan as the cache records it (see :class:`~graphsplit.caching.format.layout.PlanRecord`)."""
+    code = fingerprint(plan, allow_meta=True).code
+    return PlanRecord(signature=plan.signature.to_json(), example=plan.example or "", code=code)
+
+
 def _run_stage1(
-    split: Any, batch: Any, size: int, device: torch.device | None
-) -> dict[str, torch.Tensor]:
+    split: Any, batch: Any, size: int, device: torch.device | None, header: CacheHeader
+) -> tuple[dict[str, torch.Tensor], Any]:
+    """Stage 1's outputs for the batch, and the plan that made them (None: a split without
+    plans, run as its ``stage1``)."""
     inputs = as_mapping(batch, tuple(split.input_names))
     if device is not None:
         inputs = {
             name: value.to(device) if isinstance(value, torch.Tensor) else value
             for name, value in inputs.items()
         }
+    plan_set = getattr(split, "plan_set", None)
     with torch.inference_mode():
-        outputs = split.stage1(**inputs)
-    if not isinstance(outputs, Mapping) or set(outputs) != set(split.boundary):
+        if plan_set is None:
+            outputs, plan = split.stage1(**inputs), None
+        else:
+            outputs, plan = plan_set.run_stage1_signed(**inputs)
+    if plan is not None and plan is not plan_set.first:
+        _refuse_other_boundary(plan, header)
+    boundary = split.boundary if plan is None else plan.boundary
+    if not isinstance(outputs, Mapping) or set(outputs) != set(boundary):
         found = sorted(outputs) if isinstance(outputs, Mapping) else type(outputs).__name__
         raise user_error(
             CacheError,
             f"stage 1 returned {found}; the boundary is {list(split.boundary)}.",
             fix=Fix("pass the split whose stage 1 produced this boundary"),
         )
-    for name, spec in split.boundary.items():
+    for name, spec in boundary.items():
         value = outputs[name]
         if not isinstance(value, torch.Tensor):
             raise user_error(
@@ -308,7 +343,22 @@ def _run_stage1(
                     "sample"
                 ),
             )
-    return dict(outputs)
+    return dict(outputs), plan
+
+
+def _refuse_other_boundary(plan: Any, header: CacheHeader) -> None:
+    """One cache holds plans whose boundaries have the same tensors (names, dtypes, batch
+    dims); only their sizes may differ."""
+    theirs = [(s.name, s.dtype, s.batch_dim) for s in plan.boundary.values()]
+    ours = [(s.name, s.dtype, s.batch_dim) for s in header.boundary]
+    if theirs != ours:
+        raise user_error(
+            CacheError,
+            f"the batch's plan ({plan.signature}) has another boundary than the cache's first "
+            f"plan: {theirs} against {ours}; one cache holds plans whose boundaries differ in "
+            "sizes only.",
+            fix=Fix("cache the batches of this signature into a cache of their own"),
+        )
 
 
 def _to_storage(

@@ -1,0 +1,277 @@
+"""One plan per shape signature, made when a batch first needs it, and the stages that dispatch.
+
+A plan holds Python constants the trace derived from sizes or read from frozen data, each
+rechecked at run time (:mod:`graphsplit.runtime`). A batch that breaks such a check raises the
+typed signal :class:`~graphsplit.runtime.PlanMismatch`; :class:`PlanSet` answers it as
+torch.compile answers a guard failure: it tries the plans it has, and when none fits it calls
+the planner again with that batch as the example (within ``max_plans``). Sizes that merely flow
+through torch ops stay symbolic: they never make a plan.
+
+Glossary:
+    plan: the stages, boundary, graph and cut one run of the planner produced
+        (:class:`Plan`), with its :class:`~graphsplit.signatures.signature.Signature`.
+    first plan: the one ``graphsplit.split`` made from the user's example. ``split.stage1`` and
+        ``split.stage2`` *are* its GraphModules (same code, attributes, state dict); their
+        ``forward`` is replaced on the instance by the dispatcher, which runs the first plan's
+        generated code unchanged while one plan serves every batch.
+    stage-1 dispatch: try the plans (the last one used first); a check that fails raises before
+        the frozen work where it reads input sizes only (stage 1 hoists those checks), after it
+        where it reads a value computed by frozen work. No plan fits: make one.
+    stage-2 dispatch: a batch that names its plan (:data:`SIGNATURE_KEY`, put there by stage 1
+        once there are several plans and by the cache's collate) runs that plan, built from the
+        example the cache recorded if this process never made it. A batch that names none is
+        tried on each plan, the random generators restored after a plan that refused it, so a
+        draw made before the refusing check is drawn again by the right plan, exactly.
+
+In and out::
+
+    PlanSet(first, make_plan, max_plans).install()        # split.stage1 / stage2 dispatch
+    plans.run_stage1_signed(*args, **kwargs) -> (outputs, Plan)    # what cache() calls
+    plans.know(key, signature_json, example_json)          # a plan a cache recorded
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from graphsplit.artifacts import BoundarySpec, Cut
+from graphsplit.errors import Fix, SplitError, user_error
+from graphsplit.planning.rules.random_draws import generator_states, set_generator_states
+from graphsplit.runtime import PlanMismatch
+from graphsplit.signatures.signature import (
+    SIGNATURE_KEY,
+    Signature,
+    example_from_record,
+)
+
+__all__ = ["DEFAULT_MAX_PLANS", "Plan", "PlanSet"]
+
+DEFAULT_MAX_PLANS = 8
+
+MAX_PLANS_FIX = Fix(
+    "pass a larger max_plans to graphsplit.split (each plan costs about one split; "
+    "docs/benchmarks.md measures it), or bucket the data so that fewer of these values "
+    "reach the step, or keep the size inside tensor ops (x.view(x.shape[0], -1)) so that "
+    "it stays symbolic"
+)
+NO_STAGE2_PLAN_FIX = Fix(
+    "run split.stage1 on a raw batch of this signature first (graphsplit.cache does), or "
+    "read the batches from CachedDataset(path, split).loader(...), whose batches name "
+    "their plan and whose cache records each plan's example"
+)
+
+
+@dataclass
+class Plan:
+    """What one run of the planner made, for one signature."""
+
+    stage1: fx.GraphModule
+    stage2: fx.GraphModule
+    boundary: dict[str, BoundarySpec]
+    input_names: tuple[str, ...]
+    graph: fx.Graph = field(repr=False)
+    cut: Cut = field(repr=False)
+    batch_sizes: tuple[int, int]
+    notes: list[str]
+    signature: Signature
+    example: str | None  # example_record() of the batch it was made from
+    seconds: float  # what making it cost
+
+    @property
+    def key(self) -> str:
+        return self.signature.key
+
+
+def _raw_forward(stage: fx.GraphModule) -> Callable[..., Any]:
+    """The stage's generated ``forward``, never the dispatcher installed on the instance."""
+    return types.MethodType(type(stage).forward, stage)
+
+
+def _rng_states() -> dict[str, Any]:
+    states = generator_states()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    set_generator_states(states)
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+class PlanSet:
+    """The plans of one split, by signature key, and the dispatch between them."""
+
+    def __init__(
+        self,
+        first: Plan,
+        make_plan: Callable[[tuple[Any, ...], dict[str, Any]], Plan],
+        max_plans: int = DEFAULT_MAX_PLANS,
+    ) -> None:
+        if type(max_plans) is not int or max_plans < 1:
+            raise ValueError(f"max_plans must be a positive integer, got {max_plans!r}")
+        self.first = first
+        self.plans: dict[str, Plan] = {first.key: first}
+        self.max_plans = max_plans
+        self._make_plan = make_plan
+        self._recent: list[str] = [first.key]  # the last plan used first
+        # Plans a cache recorded and this process has not made: key -> (signature, example).
+        self.recorded: dict[str, tuple[str, str | None]] = {}
+
+    # -- wiring --------------------------------------------------------------------------------
+    def install(self) -> None:
+        """Make the first plan's GraphModules dispatch (see the module glossary)."""
+        self.first.stage1.forward = self.run_stage1  # type: ignore[method-assign]
+        self.first.stage2.forward = self.run_stage2  # type: ignore[method-assign]
+
+    def know(self, key: str, signature: str, example: str | None) -> None:
+        """Remember a plan a cache recorded, to build it when a stage-2 batch names it."""
+        if key not in self.plans:
+            self.recorded[key] = (signature, example)
+
+    # -- stage 1 -------------------------------------------------------------------------------
+    def run_stage1(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Stage 1 of the batch's plan; names the plan in the outputs once there are several."""
+        outputs, plan = self.run_stage1_signed(*args, **kwargs)
+        if len(self.plans) > 1 or self.recorded:
+            outputs = {**outputs, SIGNATURE_KEY: plan.key}
+        return outputs
+
+    def run_stage1_signed(self, *args: Any, **kwargs: Any) -> tuple[dict[str, Any], Plan]:
+        """Stage 1's outputs for this batch, and the plan that made them (made if needed)."""
+        refusals: list[PlanMismatch] = []
+        for plan in self._by_recency():
+            try:
+                outputs = _raw_forward(plan.stage1)(*args, **kwargs)
+            except PlanMismatch as refusal:
+                refusals.append(refusal)
+                continue
+            self._used(plan)
+            return outputs, plan
+        plan = self._new_plan(args, kwargs, refusals[0])
+        outputs = _raw_forward(plan.stage1)(*args, **kwargs)
+        self._used(plan)
+        return outputs, plan
+
+    def _new_plan(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], refusal: PlanMismatch
+    ) -> Plan:
+        if len(self.plans) >= self.max_plans:
+            raise self._budget_error(refusal)
+        # cache() runs stage 1 under inference_mode; the planner needs the modes split() had.
+        with torch.inference_mode(False), torch.enable_grad():
+            plan = self._make_plan(args, kwargs)
+        self.plans[plan.key] = plan
+        self.recorded.pop(plan.key, None)
+        return plan
+
+    def _budget_error(self, refusal: PlanMismatch) -> SplitError:
+        difference = refusal.difference
+        assert difference is not None, "every PlanMismatch carries its difference"
+        varying = self.varying()
+        varying.setdefault(difference.what, difference.where)
+        sizes = "; ".join(f"{what} (at {where})" for what, where in varying.items())
+        made = "; ".join(str(plan.signature) for plan in self.plans.values())
+        return user_error(
+            SplitError,
+            f"this plan was made for {difference.what} = {difference.expected!r}, got "
+            f"{difference.actual!r}: the batch needs a plan of its own, and graphsplit.split "
+            f"has made max_plans={self.max_plans} plan(s) already ({made}). The values that "
+            f"vary between batches: {sizes}.",
+            fix=MAX_PLANS_FIX,
+            source=difference.where,
+        )
+
+    def varying(self) -> dict[str, str]:
+        """``what -> user's line`` of each checked value whose expected value differs between
+        the plans (or that some plans do not check)."""
+        seen: dict[str, set[str]] = {}
+        lines: dict[str, str] = {}
+        for plan in self.plans.values():
+            values = dict(plan.signature.values)
+            lines.update(plan.signature.lines)
+            for what in {what for p in self.plans.values() for what, _ in p.signature.values}:
+                seen.setdefault(what, set()).add(values.get(what, "<unchecked>"))
+        return {what: lines.get(what, "?") for what, values in seen.items() if len(values) > 1}
+
+    # -- stage 2 -------------------------------------------------------------------------------
+    def run_stage2(self, **batch: Any) -> Any:
+        """Stage 2 of the plan the batch names, or of the one whose checks it passes."""
+        key = batch.pop(SIGNATURE_KEY, None)
+        if key is not None:
+            plan = self._plan_for(key)
+            self._used(plan)
+            return _raw_forward(plan.stage2)(**batch)
+        if len(self.plans) == 1 and not self.recorded:  # the one-signature step, as ever
+            return _raw_forward(self.first.stage2)(**batch)
+        return self._tried_in_turn(batch)
+
+    def _tried_in_turn(self, batch: dict[str, Any]) -> Any:
+        candidates = [p for p in self._by_recency() if not p.signature.reads_values]
+        refusals: list[PlanMismatch] = []
+        for plan in candidates:
+            states = _rng_states()
+            try:
+                result = _raw_forward(plan.stage2)(**batch)
+            except PlanMismatch as refusal:
+                _set_rng_states(states)  # the right plan draws what this one drew
+                refusals.append(refusal)
+                continue
+            self._used(plan)
+            return result
+        reason = (
+            f"stage 2 got a batch that none of the {len(self.plans)} plan(s) fits"
+            + (f" ({refusals[0].reason.split(';')[0]})" if refusals else "")
+            + " and that names no plan; stage 2 cannot make a plan from boundary values."
+        )
+        raise user_error(SplitError, reason, fix=NO_STAGE2_PLAN_FIX)
+
+    def _plan_for(self, key: str) -> Plan:
+        plan = self.plans.get(key)
+        if plan is not None:
+            return plan
+        if key not in self.recorded:
+            raise user_error(
+                SplitError,
+                f"the batch names the plan {key!r}, which this split neither made nor knows "
+                "from a cache.",
+                fix=NO_STAGE2_PLAN_FIX,
+            )
+        signature, example = self.recorded[key]
+        if example is None or Signature.from_json(signature).reads_values:
+            raise user_error(
+                SplitError,
+                f"the batch names the plan {key!r} ({Signature.from_json(signature)}), which "
+                "this process has not made, and the cache's record of it cannot rebuild it "
+                "(it reads a value from frozen data, or its example held values JSON cannot "
+                "hold).",
+                fix=NO_STAGE2_PLAN_FIX,
+            )
+        args, kwargs = example_from_record(example)
+        with torch.inference_mode(False), torch.enable_grad():
+            plan = self._make_plan(args, kwargs)
+        if plan.key != key:
+            raise user_error(
+                SplitError,
+                f"rebuilding the plan {key!r} from the cache's example made another plan "
+                f"({plan.signature}).",
+                fix=NO_STAGE2_PLAN_FIX,
+            )
+        self.plans[key] = plan
+        del self.recorded[key]
+        return plan
+
+    # -- order ---------------------------------------------------------------------------------
+    def _by_recency(self) -> list[Plan]:
+        return [self.plans[key] for key in self._recent]
+
+    def _used(self, plan: Plan) -> None:
+        if self._recent[0] != plan.key:
+            self._recent = [plan.key] + [key for key in self._recent if key != plan.key]
