@@ -179,12 +179,12 @@ class PlanSet:
         varying.setdefault(difference.what, difference.where)
         sizes = "; ".join(f"{what} (at {where})" for what, where in varying.items())
         made = "; ".join(str(plan.signature) for plan in self.plans.values())
+        what_differed = refusal.reason.removesuffix("; split again for this size.")
         return user_error(
             SplitError,
-            f"this plan was made for {difference.what} = {difference.expected!r}, got "
-            f"{difference.actual!r}: the batch needs a plan of its own, and graphsplit.split "
-            f"has made max_plans={self.max_plans} plan(s) already ({made}). The values that "
-            f"vary between batches: {sizes}.",
+            f"{what_differed.rstrip('.')}: the batch needs a plan of its own, and "
+            f"graphsplit.split has made max_plans={self.max_plans} plan(s) already ({made}). "
+            f"The values that vary between batches: {sizes}.",
             fix=MAX_PLANS_FIX,
             source=difference.where,
         )
@@ -210,7 +210,12 @@ class PlanSet:
             self._used(plan)
             return _raw_forward(plan.stage2)(**batch)
         if len(self.plans) == 1 and not self.recorded:  # the one-signature step, as ever
-            return _raw_forward(self.first.stage2)(**batch)
+            try:
+                return _raw_forward(self.first.stage2)(**batch)
+            except PlanMismatch as refusal:
+                if len(self.plans) >= self.max_plans:
+                    raise self._budget_error(refusal) from None
+                raise self._no_plan_error([refusal]) from None
         return self._tried_in_turn(batch)
 
     def _tried_in_turn(self, batch: dict[str, Any]) -> Any:
@@ -226,12 +231,16 @@ class PlanSet:
                 continue
             self._used(plan)
             return result
+        raise self._no_plan_error(refusals)
+
+    def _no_plan_error(self, refusals: list[PlanMismatch]) -> SplitError:
         reason = (
             f"stage 2 got a batch that none of the {len(self.plans)} plan(s) fits"
             + (f" ({refusals[0].reason.split(';')[0]})" if refusals else "")
             + " and that names no plan; stage 2 cannot make a plan from boundary values."
         )
-        raise user_error(SplitError, reason, fix=NO_STAGE2_PLAN_FIX)
+        where = refusals[0].difference.where if refusals and refusals[0].difference else None
+        return user_error(SplitError, reason, fix=NO_STAGE2_PLAN_FIX, source=where)
 
     def _plan_for(self, key: str) -> Plan:
         plan = self.plans.get(key)

@@ -58,7 +58,7 @@ def test_stage_1_holds_stage_2s_check_before_the_frozen_work():
 
 
 def test_cache_stops_at_the_first_batch_of_another_size_and_writes_none_of_it(tmp_path):
-    split = graphsplit.split(MaskedPositions(), kwargs=_batch(6, 0))
+    split = graphsplit.split(MaskedPositions(), kwargs=_batch(6, 0), max_plans=1)
     folder = tmp_path / "cache"
     batches = [_batch(6, 1), _batch(6, 2), _batch(9, 3), _batch(6, 4)]
     with pytest.raises(SplitError) as caught:
@@ -85,7 +85,7 @@ def test_a_loader_of_one_size_caches_and_trains_exactly(tmp_path):
 
 def test_an_int_stage_2_checks_is_checked_by_stage_1_too(tmp_path):
     """``int(tokens.shape[1])``: stage 2 always rechecked it; now ``cache()`` does as well."""
-    split = graphsplit.split(MaskedPositions(plain_int=True), kwargs=_batch(6, 0))
+    split = graphsplit.split(MaskedPositions(plain_int=True), kwargs=_batch(6, 0), max_plans=1)
     assert "graphsplit_runtime_check_size(" in split.stage2.code
     assert "graphsplit_runtime_check_size(" in split.stage1.code
     with pytest.raises(SplitError, match=r"made for tokens.shape\[1\] = 6, got 9"):

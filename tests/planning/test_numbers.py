@@ -55,7 +55,9 @@ def sd_batch(size: int, resolution: int = 32, seed: int = 0) -> tuple[torch.Tens
 @pytest.fixture(scope="module")
 def pixel_step() -> tuple[PixelShapedNoiseStep, graphsplit.Split]:
     step = PixelShapedNoiseStep()
-    return step, split_and_verify(step, sd_batch(2))
+    split = split_and_verify(step, sd_batch(2))
+    split.plan_set.max_plans = 1  # another resolution is refused, not given a plan of its own
+    return step, split
 
 
 def test_the_raw_pixels_are_not_cached_for_their_shape(pixel_step):
@@ -103,11 +105,12 @@ def test_stage_1_at_another_resolution_names_the_size_the_line_and_the_fix(pixel
         split.stage1(*sd_batch(2, resolution=64))
     message = str(caught.value)
     assert (
-        "this plan was made for pixel_values.shape[2] // 2 = 16, got 32; split again for this size"
+        "this plan was made for pixel_values.shape[2] // 2 = 16, got 32: the batch needs a plan of "
+        "its own, and graphsplit.split has made max_plans=1 plan(s) already"
         in message
     )
     assert line_of(PixelShapedNoiseStep.forward, "height = pixel_values.shape[2]") in message
-    assert "fix:    call graphsplit.split with an example batch of this size" in message
+    assert "fix:    pass a larger max_plans to graphsplit.split" in message
 
 
 def test_stage_1_checks_the_sizes_before_it_runs_the_frozen_encoders(pixel_step):
@@ -142,6 +145,7 @@ def test_a_size_stage_2_can_read_itself_is_not_baked():
 def test_a_torch_size_is_baked_as_a_torch_size():
     model = SizedNoise(lambda pixels, latents: latents.shape[:2] + pixels.shape[2:])
     split = split_and_verify(model, (batch(2, 3, 8, 8),))
+    split.plan_set.max_plans = 1  # refuse another size, make no plan for it
     assert list(split.boundary) == ["encoder"]
     assert [(node.name, value) for node, value in split.cut.baked.items()] == [
         ("getitem_1", torch.Size([8, 8]))
@@ -164,6 +168,7 @@ def test_an_int_the_trace_read_from_a_raw_input_is_rechecked_in_stage_1():
 
     model = ScaledByWidth()
     split = split_and_verify(model, (batch(2, 3, 8, 8),))
+    split.plan_set.max_plans = 1  # refuse another size, make no plan for it
     assert list(split.boundary) == ["mean"]
     assert "check_size" in split.stage1.code
     # Stage 2 holds 8 as a literal: without the stage-1 check, 6-pixel-wide images would be

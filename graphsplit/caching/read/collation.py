@@ -66,9 +66,7 @@ def sample_signatures(manifest: Manifest) -> list[str | None]:
         return [None] * manifest.num_samples
     first = manifest.first_plan
     return [
-        key
-        for shard in manifest.shards
-        for key in (shard.signatures or (first,) * len(shard.keys))
+        key for shard in manifest.shards for key in (shard.signatures or (first,) * len(shard.keys))
     ]
 
 

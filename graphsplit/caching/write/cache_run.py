@@ -57,8 +57,9 @@ from graphsplit.caching.store.record_files import (
 from graphsplit.caching.store.remote import RemotePath, location, make_folder
 from graphsplit.caching.store.remote_lock import RemoteLock
 from graphsplit.caching.write.folder_decision import Decision, decide, remove_progress
+from graphsplit.caching.write.plan_rows import plan_record
 from graphsplit.caching.write.processes import Processes
-from graphsplit.caching.write.shards import plan_record, write_shards
+from graphsplit.caching.write.shards import write_shards
 from graphsplit.errors import CacheError, Fix, Remedy, user_error
 from graphsplit.units import human_bytes
 

@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 
-from graphsplit.caching.format.fingerprint import fingerprint
 from graphsplit.caching.format.input_digests import batch_input_digests
 from graphsplit.caching.format.layout import (
     CONSTANTS_FILE,
@@ -45,7 +44,6 @@ from graphsplit.caching.format.layout import (
     CacheHeader,
     ConstantsProgress,
     ConstantsRecord,
-    PlanRecord,
     ShardProgress,
     ShardRecord,
     shard_file_name,
@@ -56,6 +54,7 @@ from graphsplit.caching.format.records import to_json
 from graphsplit.caching.format.tensor_file import TensorBytes, rows_of
 from graphsplit.caching.loader.batches import BatchSource, as_mapping, batch_keys
 from graphsplit.caching.store import file_writes
+from graphsplit.caching.write.plan_rows import note_plan, run_stage1
 from graphsplit.caching.write.processes import Processes
 from graphsplit.errors import CacheError, Fix, Remedy, user_error
 from graphsplit.units import human_bytes
@@ -80,7 +79,7 @@ class PendingShard:
     nbytes: int = 0
     # Each row's plan (signature key) and the plans used, in a split of several plans.
     signatures: list[str] = field(default_factory=list)
-    plans: dict[str, PlanRecord] = field(default_factory=dict)
+    plans: dict[str, Any] = field(default_factory=dict)  # key -> PlanRecord
 
 
 def write_shards(
@@ -123,7 +122,7 @@ def write_shards(
                 writer.submit(_digested(pending))
                 pending = None
             pending = pending or PendingShard(shard)
-            outputs, plan = _run_stage1(split, batch.data, len(batch.positions), device, header)
+            outputs, plan = run_stage1(split, batch.data, len(batch.positions), device, header)
             stored, errors = _to_storage(outputs, header)
             constants = _handle_constants(
                 folder, header, stored, errors, batch.index, constants, durable=durable
@@ -136,7 +135,7 @@ def write_shards(
                 digester.submit(batch_input_digests, inputs, header.inputs, len(keys))
             )
             _add_rows(pending, header, stored, errors, keys, batch.positions)
-            _note_plan(pending, split, plan, len(keys))
+            note_plan(pending, split, plan, len(keys))
             if bar is not None:
                 bar.update(len(keys))
                 bar.set_postfix_str(
@@ -276,89 +275,6 @@ def _digested(shard: PendingShard) -> PendingShard:
     shard.digests = [digest for batch in shard.digesting for digest in batch.result()]
     shard.digesting = []
     return shard
-
-
-def _note_plan(pending: PendingShard, split: Any, plan: Any, rows: int) -> None:
-    """Record the batch's plan per row; a shard of the first plan's rows only records none."""
-    plan_set = getattr(split, "plan_set", None)
-    if plan is None or plan_set is None:
-        return
-    pending.signatures += [plan.key] * rows
-    if plan is not plan_set.first or pending.plans:
-        for key in dict.fromkeys(pending.signatures):
-            if key not in pending.plans:
-                pending.plans[key] = plan_record(plan_set.plans[key])
-
-
-def plan_record(plan: Any) -> PlanRecord:
-    """A plan as the cache records it (see :class:`~graphsplit.caching.format.layout.PlanRecord`)."""
-    code = fingerprint(plan, allow_meta=True).code
-    return PlanRecord(signature=plan.signature.to_json(), example=plan.example or "", code=code)
-
-
-def _run_stage1(
-    split: Any, batch: Any, size: int, device: torch.device | None, header: CacheHeader
-) -> tuple[dict[str, torch.Tensor], Any]:
-    """Stage 1's outputs for the batch, and the plan that made them (None: a split without
-    plans, run as its ``stage1``)."""
-    inputs = as_mapping(batch, tuple(split.input_names))
-    if device is not None:
-        inputs = {
-            name: value.to(device) if isinstance(value, torch.Tensor) else value
-            for name, value in inputs.items()
-        }
-    plan_set = getattr(split, "plan_set", None)
-    with torch.inference_mode():
-        if plan_set is None:
-            outputs, plan = split.stage1(**inputs), None
-        else:
-            outputs, plan = plan_set.run_stage1_signed(**inputs)
-    if plan is not None and plan is not plan_set.first:
-        _refuse_other_boundary(plan, header)
-    boundary = split.boundary if plan is None else plan.boundary
-    if not isinstance(outputs, Mapping) or set(outputs) != set(boundary):
-        found = sorted(outputs) if isinstance(outputs, Mapping) else type(outputs).__name__
-        raise user_error(
-            CacheError,
-            f"stage 1 returned {found}; the boundary is {list(split.boundary)}.",
-            fix=Fix("pass the split whose stage 1 produced this boundary"),
-        )
-    for name, spec in boundary.items():
-        value = outputs[name]
-        if not isinstance(value, torch.Tensor):
-            raise user_error(
-                CacheError,
-                f"stage 1 returned a {type(value).__name__} for {name!r}, not a tensor",
-                fix=Fix("pass the split whose stage 1 produced this boundary"),
-            )
-        if spec.batch_dim is not None and (
-            value.dim() <= spec.batch_dim or value.shape[spec.batch_dim] != size
-        ):
-            raise user_error(
-                CacheError,
-                f"stage 1 returned {name!r} with shape {tuple(value.shape)}, whose batch dim "
-                f"{spec.batch_dim} should hold the batch's {size} samples.",
-                fix=Fix(
-                    "batch every input along dim 0 (as a DataLoader does), with one 'key' per "
-                    "sample"
-                ),
-            )
-    return dict(outputs), plan
-
-
-def _refuse_other_boundary(plan: Any, header: CacheHeader) -> None:
-    """One cache holds plans whose boundaries have the same tensors (names, dtypes, batch
-    dims); only their sizes may differ."""
-    theirs = [(s.name, s.dtype, s.batch_dim) for s in plan.boundary.values()]
-    ours = [(s.name, s.dtype, s.batch_dim) for s in header.boundary]
-    if theirs != ours:
-        raise user_error(
-            CacheError,
-            f"the batch's plan ({plan.signature}) has another boundary than the cache's first "
-            f"plan: {theirs} against {ours}; one cache holds plans whose boundaries differ in "
-            "sizes only.",
-            fix=Fix("cache the batches of this signature into a cache of their own"),
-        )
 
 
 def _to_storage(
