@@ -38,7 +38,7 @@ SIGNATURES = {
     "split": (
         "(model: 'nn.Module | Callable[..., Any]', args: 'tuple[Any, ...]' = (), "
         "kwargs: 'dict[str, Any] | None' = None, *, frozen: 'FrozenSpec' = None, "
-        "recompute: 'Recompute' = 'never') -> 'Split'"
+        "recompute: 'Recompute' = 'never', max_plans: 'int' = 8) -> 'Split'"
     ),
     "verify": (
         "(model: 'nn.Module | Callable[..., Any]', split: 'Split', args: 'tuple[Any, ...]' = (), "

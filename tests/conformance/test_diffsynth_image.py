@@ -234,10 +234,11 @@ class TestQwenImage:
         from diffsynth.pipelines.qwen_image import model_fn_qwen_image
 
         _, _, split = qwen_split
+        split.plan_set.max_plans = 1  # refused, not given a plan of its own
         with pytest.raises(graphsplit.SplitError) as caught:
             split.stage1(**qwen_image_batch(seed=2, prompt_tokens=9))
         message = str(caught.value)
         assert "this plan was made for the value [187] read from frozen data here" in message
         assert "got [188]" in message
         assert line_of(model_fn_qwen_image, "prompt_emb_mask.sum(dim=1).tolist()") in message
-        assert "one plan per value: bucket the data by it, e.g. by prompt length" in message
+        assert "fix:    pass a larger max_plans to graphsplit.split" in message

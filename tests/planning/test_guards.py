@@ -33,14 +33,15 @@ class PositionTable(nn.Module):
 def test_a_plan_fed_another_resolution_names_the_size_the_line_and_the_fix():
     model = PositionTable()
     split = split_and_verify(model, (batch(2, 3, 16, 16),))
+    split.plan_set.max_plans = 1  # another resolution is refused, not given a plan of its own
     assert split.stage2.code.count("graphsplit_runtime_check_size(") == 2
     other = batch(2, 3, 16, 8, seed=1)
     with pytest.raises(SplitError) as caught:
         split.stage2(**split.stage1(other))
     message = str(caught.value)
-    assert "this plan was made for patch.shape[3] = 8, got 4; split again for this size" in message
+    assert "this plan was made for patch.shape[3] = 8, got 4: the batch needs a plan" in message
     assert line_of(PositionTable.forward, "height, width = int(") in message
-    assert "fix:    call graphsplit.split with an example batch of this size" in message
+    assert "fix:    pass a larger max_plans to graphsplit.split" in message
 
 
 def test_the_checks_pass_at_the_size_the_plan_was_made_for():

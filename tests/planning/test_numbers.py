@@ -106,8 +106,7 @@ def test_stage_1_at_another_resolution_names_the_size_the_line_and_the_fix(pixel
     message = str(caught.value)
     assert (
         "this plan was made for pixel_values.shape[2] // 2 = 16, got 32: the batch needs a plan of "
-        "its own, and graphsplit.split has made max_plans=1 plan(s) already"
-        in message
+        "its own, and graphsplit.split has made max_plans=1 plan(s) already" in message
     )
     assert line_of(PixelShapedNoiseStep.forward, "height = pixel_values.shape[2]") in message
     assert "fix:    pass a larger max_plans to graphsplit.split" in message

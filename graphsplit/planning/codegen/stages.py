@@ -317,7 +317,8 @@ def standalone_source(stage: fx.GraphModule, class_name: str, header: str) -> st
         if name != "torch" and name not in opaque  # torch: imported above
     ]
     # An opaque call holds the live objects it was traced with (self, the pipeline): bound from
-    # the stage given to __init__, whose generated forward names it the same.
+    # the stage given to __init__, whose generated forward names it the same (its class's: a
+    # split's first plan dispatches through a forward set on the instance).
     lines += [f"{name} = None  # an opaque call, bound by __init__ from root" for name in opaque]
     source = code.src.strip("\n").splitlines()
     body = "\n".join("    " + line if line.strip() else "" for line in source)
@@ -333,7 +334,7 @@ def standalone_source(stage: fx.GraphModule, class_name: str, header: str) -> st
         "        for target in self.TARGETS:",
         "            _bind(self, root, target)",
         "        for name in self.OPAQUE_CALLS:",
-        "            globals()[name] = root.forward.__globals__[name]",
+        "            globals()[name] = type(root).forward.__globals__[name]",
         "",
         body.rstrip(),
         "",
