@@ -55,7 +55,7 @@ def test_verify_false_skips_checksums_but_still_checks_headers(path):
     shard = path / "shard-00001.safetensors"
     shard.write_bytes(b"\x00" * shard.stat().st_size)
     cached = CachedDataset(path, verify=False)
-    with pytest.raises(CorruptCacheError, match="safetensors cannot open it"):
+    with pytest.raises(CorruptCacheError, match="its header is not JSON"):
         cached[2]
     assert cached[0]["key"] == "pic000"
 
@@ -279,6 +279,6 @@ def test_a_pickle_in_place_of_a_shard_is_refused(path, tmp_path, no_unpickling):
     rewrite_manifest(
         path, lambda d: d["shards"][1].update(checksum=checksum_file(shard), bytes=len(payload))
     )
-    with pytest.raises(CorruptCacheError, match="safetensors cannot open it"):
+    with pytest.raises(CorruptCacheError, match=r"header"):
         CachedDataset(path)[2]
     assert not marker.exists()

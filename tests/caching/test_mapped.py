@@ -13,9 +13,10 @@ import torch
 from safetensors import safe_open
 
 from graphsplit.artifacts import BoundarySpec
+from graphsplit.caching.format.tensor_places import TensorTable, read_table
 from graphsplit.caching.read.collation import collate
 from graphsplit.caching.read.dataset import CachedDataset
-from graphsplit.caching.store.mapped import MappedShard, _layout
+from graphsplit.caching.store.mapped import MappedShard
 from graphsplit.caching.store.regular_files import checksum_file
 from graphsplit.caching.write.cache_run import cache
 from tests.caching.fixtures import ChannelsLastEncoder, Pictures, loader, make_split, trace
@@ -81,14 +82,19 @@ def test_a_misaligned_tensor_is_copied_not_refused():
         data = values.numpy().tobytes()
         header = {"x": {"dtype": "F32", "shape": [3], "data_offsets": [0, len(data)]}}
         mapped = _mapped(_file(header, data, pad))
-        layout = _layout(mapped)
-        assert not isinstance(layout, str)
-        assert torch.equal(MappedShard(mapped, layout).get_tensor("x"), values)
+        table = _table(mapped)
+        assert isinstance(table, TensorTable)
+        assert torch.equal(MappedShard(mapped, table).get_tensor("x"), values)
+
+
+def _table(mapped):
+    return read_table(lambda start, end: mapped[start:end], len(mapped))
 
 
 def test_a_tensor_outside_the_file_is_a_problem():
     header = {"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}
-    assert _layout(_mapped(_file(header, b"\x00" * 8, 0))) == "tensor 'x' lies outside the file"
+    problem = _table(_mapped(_file(header, b"\x00" * 8, 0)))
+    assert str(problem) == "its tensors end at byte 86, past the file's end"
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])

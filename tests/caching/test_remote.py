@@ -64,6 +64,10 @@ def remote_contents(s3, prefix: str) -> dict:
     s3.invalidate_cache()  # the test's own listings predate the run
     manifest = json.loads(s3.cat_file(f"{prefix}/manifest.json"))
     manifest.pop("created")
+    # Each file's version (ETag), which a local cache has no need of: the rest is the same.
+    for record in [manifest["constants"], *manifest["shards"]]:
+        etag = record.pop("etag")
+        assert etag == s3.info(f"{prefix}/{record['file']}")["ETag"]
     names = [name for name in remote_names(s3, prefix) if name.endswith(".safetensors")]
     return {
         "manifest": manifest,
@@ -237,13 +241,27 @@ def test_damaged_remote_shards_are_found_by_check_and_refused_by_readers(s3, buc
     data = bytearray(s3.cat_file(shard))
     data[-1] ^= 0xFF
     s3.pipe_file(shard, bytes(data))
+    # The object is another version (ETag) than the manifest records: refused by every reader,
+    # verify=False included.
+    report = check_cache(url)
+    assert [problem.file for problem in report.problems] == ["shard-00002.safetensors"]
+    assert "changed after the cache was written" in str(report)
+    cached = CachedDataset(url)
+    assert torch.equal(cached[0]["latents"], CachedDataset(url, verify=False)[0]["latents"])
+    with pytest.raises(CorruptCacheError, match=r"(?s)shard-00002.*changed after.*pic004"):
+        cached[4]
+    with pytest.raises(CorruptCacheError, match=r"(?s)shard-00002.*changed after.*pic004"):
+        CachedDataset(url, verify=False)[4]
+    # A cache written before records held versions is checked by checksum, and by header.
+    manifest = json.loads(s3.cat_file(f"{bucket}/cache/manifest.json"))
+    for record in manifest["shards"]:
+        del record["etag"]
+    s3.pipe_file(f"{bucket}/cache/manifest.json", json.dumps(manifest).encode())
     report = check_cache(url)
     assert [problem.file for problem in report.problems] == ["shard-00002.safetensors"]
     assert "checksum differs" in str(report)
-    cached = CachedDataset(url)
-    assert torch.equal(cached[0]["latents"], CachedDataset(url, verify=False)[0]["latents"])
-    with pytest.raises(CorruptCacheError, match=r"(?s)shard-00002.*pic004"):
-        cached[4]
+    with pytest.raises(CorruptCacheError, match=r"(?s)shard-00002.*checksum differs.*pic004"):
+        CachedDataset(url)[4]
     # verify=False still reads each shard's header by ranges: a swapped shard is refused.
     s3.pipe_file(shard, s3.cat_file(f"{bucket}/cache/shard-00003.safetensors"))
     with pytest.raises(CorruptCacheError, match=r"sample keys written inside it differ"):
@@ -260,19 +278,25 @@ def test_local_cache_keeps_verified_copies_that_read_like_a_local_cache(
     expected = rows_by_key(local_twin)
     assert [item["key"] for item in cached] == list(expected)
     (copies,) = list(scratch.iterdir())
-    assert sorted(entry.name for entry in copies.iterdir()) == sorted(
-        name for name in LOCAL_FILES if name != "manifest.json"
-    )
-    for name in LOCAL_FILES - {"manifest.json"}:
-        assert (copies / name).read_bytes() == (local_twin / name).read_bytes()
+    records = {
+        record.file: record for record in [cached.manifest.constants, *cached.manifest.shards]
+    }
+    # Copies are named by their content's checksum, not by their URL.
+    named = {
+        f"{record.checksum.replace(':', '-')}.safetensors": file for file, record in records.items()
+    }
+    assert sorted(entry.name for entry in copies.iterdir()) == sorted(named)
+    for copy, name in named.items():
+        assert (copies / copy).read_bytes() == (local_twin / name).read_bytes()
     # A damaged local copy is replaced by a fresh download; a damaged remote one is refused.
-    (copies / "shard-00001.safetensors").write_bytes(b"junk")
+    by_file = {name: copy for copy, name in named.items()}
+    (copies / by_file["shard-00001.safetensors"]).write_bytes(b"junk")
     assert torch.equal(
         CachedDataset(url, local_cache=scratch)[2]["text"], expected["pic002"]["text"]
     )
     shard = f"{bucket}/cache/shard-00005.safetensors"
     s3.pipe_file(shard, s3.cat_file(shard)[:-1] + b"\x00")
-    with pytest.raises(CorruptCacheError, match=r"(?s)shard-00005.*downloaded.*another checksum"):
+    with pytest.raises(CorruptCacheError, match=r"(?s)shard-00005.*changed after the cache"):
         CachedDataset(url, local_cache=tmp_path / "fresh")[10]
 
 

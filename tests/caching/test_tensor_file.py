@@ -11,7 +11,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load
 
-from graphsplit.caching.format.tensor_file import SAFETENSORS_DTYPES, layout, rows_of, serialise
+from graphsplit.caching.format.strict_header import HeaderProblem, parse_header
+from graphsplit.caching.format.tensor_file import SAFETENSORS_DTYPES, rows_of, serialise
+from graphsplit.caching.format.tensor_places import check_places, tensors_from_bytes
 from graphsplit.caching.store import file_writes
 
 
@@ -24,12 +26,12 @@ def _parts(tensors, metadata):
 
 def test_serialised_bytes_are_what_safetensors_reads_and_layout_places_each_tensor():
     tensors = {"b": torch.arange(6.0).reshape(2, 3), "a": torch.tensor([1, 2], dtype=torch.int8)}
-    data, header, base, total = _parts(tensors, {"graphsplit_keys": '["k"]'})
+    data, _, base, total = _parts(tensors, {"graphsplit_keys": '["k"]'})
     assert len(data) == total and base % 8 == 0
     assert {name: value.tolist() for name, value in load(data).items()} == {
         name: value.tolist() for name, value in tensors.items()
     }
-    places = layout(header, base, total)
+    places = check_places(parse_header(data[8:base]), total).places
     for name, value in tensors.items():
         place = places[name]
         raw = bytearray(data[place.start : place.end])
@@ -39,17 +41,33 @@ def test_serialised_bytes_are_what_safetensors_reads_and_layout_places_each_tens
 @pytest.mark.parametrize(
     ("change", "problem"),
     [
-        (lambda entry: entry.update(data_offsets=[24, 48]), "lies outside the file"),
-        (lambda entry: entry.update(shape=[5, 3]), "not what (5, 3) needs"),
-        (lambda entry: entry.update(dtype="X99"), "is malformed"),
-        (lambda entry: entry.pop("shape"), "is malformed"),
+        (lambda entry: entry.update(data_offsets=[24, 48]), "leaves a hole"),
+        (lambda entry: entry.update(data_offsets=[0, 48]), "not the 24 bytes"),
+        (lambda entry: entry.update(shape=[5, 3]), "not the 60 bytes its F32 [5, 3] needs"),
+        (lambda entry: entry.update(dtype="X99"), "dtype 'X99', which graphsplit does not"),
+        (lambda entry: entry.pop("shape"), "lacks ['shape']"),
     ],
 )
 def test_a_lying_header_is_a_problem_not_a_read_outside_the_file(change, problem):
-    _, header, base, total = _parts({"b": torch.zeros(2, 3)}, {})
+    _, header, _, _ = _parts({"b": torch.zeros(2, 3)}, {})
     change(header["b"])
-    assert problem in layout(header, base, total)
-    assert layout([], base, total) == "its header is not a JSON object"
+    text = json.dumps(header).encode()
+    parsed = parse_header(text)
+    size = 8 + len(text) + 24  # the file as written: 24 bytes of data
+    found = parsed if isinstance(parsed, HeaderProblem) else check_places(parsed, size)
+    assert isinstance(found, HeaderProblem) and problem in str(found), found
+    assert str(parse_header(b"[]")) == "its header is a JSON list, not an object"
+
+
+def test_tensors_from_bytes_reads_what_it_checks_and_refuses_with_a_graphsplit_error():
+    from graphsplit.errors import CorruptCacheError
+
+    tensors = {"b": torch.arange(6.0).reshape(2, 3), "a": torch.tensor([1, 2], dtype=torch.int8)}
+    data, _, _, _ = _parts(tensors, {"k": "v"})
+    read = tensors_from_bytes(data)
+    assert set(read) == {"a", "b"} and all(torch.equal(read[n], tensors[n]) for n in tensors)
+    with pytest.raises(CorruptCacheError, match=r"(?s)x.safetensors is not a valid.*fix:"):
+        tensors_from_bytes(data + b"\x00", source="x.safetensors")
 
 
 # --------------------------------------------------- files written by hand, read by safetensors

@@ -109,6 +109,8 @@ SHARD_FILE_PATTERN = re.compile(r"shard-(\d{5,9})\.safetensors")
 SHARD_PROGRESS_PATTERN = re.compile(r"shard-(\d{5,9})\.json")
 STORAGE_DTYPES = ("float16", "bfloat16")
 BOOT_ID = re.compile(r"[0-9a-f-]{0,64}")  # Linux's is a UUID; empty: unknown
+_ETAG = re.compile(r"[\x21-\x7e]{1,256}")  # an S3 ETag is a quoted hex digest, "…-N" if multipart
+_ETAG_MEANING = "an object version (1 to 256 printable ASCII characters)"
 _SHA256 = {"pattern": re.compile(r"[0-9a-f]{64}"), "meaning": "64 lowercase hex digits"}
 
 
@@ -169,11 +171,17 @@ class CacheHeader:
 
 @dataclass(frozen=True)
 class FileRecord:
-    """A finished file of the cache: its name, checksum and size in bytes."""
+    """A finished file of the cache: its name, checksum and size in bytes; on an object store
+    also its ``etag``, the version the store gave it when it was written (readers refuse
+    another version: see :mod:`graphsplit.caching.store.pinned_object`). Optional: a local
+    cache's records, and those written before the field existed, have none."""
 
     file: str
     checksum: str = json_field(pattern=CHECKSUM, meaning=CHECKSUM_MEANING)
     bytes: int
+    etag: str | None = json_field(
+        optional=True, default=None, kw_only=True, pattern=_ETAG, meaning=_ETAG_MEANING
+    )
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,8 @@
 """A shard's safetensors header against the manifest's record of it: pure comparison.
 
-The handle is whatever answers safetensors' questions about a file without reading its
-tensors' bytes (``safe_open``'s handle of a local file, a
-:class:`~graphsplit.caching.store.ranged.RangedShard` of a remote one); opening it is the
-store's, so the same comparison serves a local, a mapped and a remote shard.
+The table is the shard's checked header (:class:`~graphsplit.caching.format.tensor_places.
+TensorTable`, read by the one strict parser every reader uses); opening the file is the
+store's, so the same comparison serves a local, a mapped, a read-through and a remote shard.
 
 Glossary:
     tensor problem: a shard whose header names other tensors, shapes or dtypes than the
@@ -15,23 +14,24 @@ Glossary:
 
 In and out::
 
-    shard_tensors_problem(handle, record, manifest) -> str | None
-        # handle: .keys() -> names, .get_slice(name).get_dtype() / .get_shape(), .metadata()
+    shard_tensors_problem(table, record, manifest) -> str | None
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from graphsplit.caching.format.layout import Manifest, ShardRecord, tensor_name
 from graphsplit.caching.format.memory_order import row_order
-from graphsplit.caching.format.tensor_file import DTYPES_BY_CODE
+from graphsplit.caching.format.tensor_file import SAFETENSORS_DTYPES
+from graphsplit.caching.format.tensor_places import TensorTable
 
 __all__ = ["shard_tensors_problem"]
 
 
-def shard_tensors_problem(handle: Any, record: ShardRecord, manifest: Manifest) -> str | None:
+def shard_tensors_problem(
+    table: TensorTable, record: ShardRecord, manifest: Manifest
+) -> str | None:
     """Whether a shard's tensors are exactly the rows the manifest lists, in their shapes."""
     header = manifest.header
     specs = header.sample_specs
@@ -42,7 +42,7 @@ def shard_tensors_problem(handle: Any, record: ShardRecord, manifest: Manifest) 
                 assert spec.batch_dim is not None
                 shape = tuple(shape[d] for d in row_order(order, spec.batch_dim))
             expected[tensor_name(row, spec.name)] = (shape, header.stored_dtype(spec))
-    names = set(handle.keys())
+    names = set(table.places)
     if names != set(expected):
         unexpected = sorted(names - set(expected))
         absent = sorted(set(expected) - names)
@@ -51,15 +51,14 @@ def shard_tensors_problem(handle: Any, record: ShardRecord, manifest: Manifest) 
             f"extra: {unexpected[:3]})"
         )
     for name, (shape, dtype) in expected.items():
-        tensor = handle.get_slice(name)
-        found_dtype = DTYPES_BY_CODE.get(tensor.get_dtype())
-        if tuple(tensor.get_shape()) != shape or found_dtype != dtype:
+        place = table.places[name]
+        if place.shape != shape or place.dtype != dtype:
             return (
-                f"tensor {name!r} is {tensor.get_dtype()} {tuple(tensor.get_shape())}, the "
+                f"tensor {name!r} is {SAFETENSORS_DTYPES[place.dtype]} {place.shape}, the "
                 f"manifest records {dtype} {shape}"
             )
     try:
-        embedded = json.loads((handle.metadata() or {}).get("graphsplit_keys", "null"))
+        embedded = json.loads(table.metadata_strings.get("graphsplit_keys", "null"))
     except ValueError:
         embedded = None
     if embedded != list(record.keys):

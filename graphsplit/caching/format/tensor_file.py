@@ -19,7 +19,10 @@ In and out::
     rows_of(values) -> [TensorBytes]                        # each row along dim 0
     as_bytes(tensor) -> TensorBytes
     safetensors_dtype(dtype, name) -> "F32"                 # or a CacheError naming the tensor
-    layout(header, base, size) -> {name: TensorPlace} | problem   # checked against the file
+
+Reading the format (one strict parser and one check of the tensors' places, for every reader)
+is :mod:`graphsplit.caching.format.strict_header` and
+:mod:`graphsplit.caching.format.tensor_places`.
 """
 
 from __future__ import annotations
@@ -38,9 +41,7 @@ __all__ = [
     "DTYPES_BY_CODE",
     "SAFETENSORS_DTYPES",
     "TensorBytes",
-    "TensorPlace",
     "as_bytes",
-    "layout",
     "rows_of",
     "safetensors_dtype",
     "serialise",
@@ -150,39 +151,3 @@ def serialise(
     pieces = [memoryview(struct.pack("<Q", len(text)) + text)]
     pieces += [entries[name].data for name in order if len(entries[name].data)]
     return pieces, len(pieces[0]) + offset
-
-
-@dataclass(frozen=True)
-class TensorPlace:
-    """Where one tensor lies in a file (absolute byte offsets), its dtype and shape."""
-
-    start: int
-    end: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
-def layout(header: Any, base: int, size: int) -> dict[str, TensorPlace] | str:
-    """Each tensor's place, from a parsed header whose data starts at ``base`` in a file of
-    ``size`` bytes; a problem (str) when an entry is malformed or lies outside the file."""
-    if not isinstance(header, dict):
-        return "its header is not a JSON object"
-    places: dict[str, TensorPlace] = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = DTYPES_BY_CODE[entry["dtype"]]
-            shape = tuple(int(dim) for dim in entry["shape"])
-            start, end = (base + int(offset) for offset in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            return f"its header entry for {name!r} is malformed"
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        if min(shape, default=0) < 0 or end - start != numel * dtype.itemsize:
-            return f"tensor {name!r} has {end - start} bytes, not what {shape} needs"
-        if not base <= start <= end <= size:
-            return f"tensor {name!r} lies outside the file"
-        places[name] = TensorPlace(start, end, dtype, shape)
-    return places

@@ -7,10 +7,16 @@ Glossary:
         than the manifest's rows (read from the header alone, no tensor data; compared by
         :func:`~graphsplit.caching.format.shard_header.shard_tensors_problem`).
 
+Every file is checked through one open of it (:func:`open_problem`): its size, its
+checksum and its header (the one strict parser every reader uses) come from the same
+memory map, or, on an object store, the same open object pinned to the version (ETag) the
+manifest recorded.
+
 In and out::
 
     check_cache(path) -> CacheReport                     # every checksum, size and tensor header
-    file_problem(folder, record, *, checksum) -> str | None
+    open_problem(path, record, manifest=None, *, checksum) -> (handle | None, problem | None)
+    file_problem(folder, record, *, checksum) -> str | None   # size and checksum only
 """
 
 from __future__ import annotations
@@ -19,8 +25,6 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from safetensors import safe_open
 
 from graphsplit.caching.format.checksums import algorithm_of
 from graphsplit.caching.format.layout import (
@@ -34,16 +38,15 @@ from graphsplit.caching.format.records import REBUILD
 from graphsplit.caching.format.shard_header import shard_tensors_problem
 from graphsplit.caching.store import regular_files
 from graphsplit.caching.store.durability import restart_cause
-from graphsplit.caching.store.ranged import RangedShard
+from graphsplit.caching.store.mapped import open_mapped
+from graphsplit.caching.store.ranged import open_ranged
 from graphsplit.caching.store.record_files import read_manifest
 from graphsplit.caching.store.remote import RemotePath, location
 from graphsplit.errors import (
-    CacheError,
     Fix,
     GraphsplitError,
     ManifestError,
     Remedy,
-    StorageError,
     UnsafeFileError,
 )
 from graphsplit.units import some_keys
@@ -54,7 +57,6 @@ __all__ = [
     "check_cache",
     "file_problem",
     "open_problem",
-    "open_shard",
 ]
 
 
@@ -131,18 +133,16 @@ def check_cache(path: str | os.PathLike[str]) -> CacheReport:
     checked = 0
     cause = restart_cause(manifest)  # a cache written without fsync, before a restart
     if manifest.constants is not None:
-        problem = file_problem(folder, manifest.constants, checksum=True)
+        handle, problem = open_problem(folder / CONSTANTS_FILE, manifest.constants, checksum=True)
         if problem is None:
-            problem = _constants_problem(folder, manifest)
+            problem = _constants_problem(handle, manifest)
         if problem is not None:
             reason = problem + cause + " (every batch needs it)"
             problems.append(CacheProblem(CONSTANTS_FILE, reason))
         else:
             checked += manifest.constants.bytes
     for record in manifest.shards:
-        problem = file_problem(folder, record, checksum=True)
-        if problem is None:
-            _, problem = open_problem(folder, record, manifest)
+        _, problem = open_problem(folder / record.file, record, manifest, checksum=True)
         if problem is None:
             checked += record.bytes
         else:
@@ -172,41 +172,41 @@ def file_problem(folder: Path | RemotePath, record: FileRecord, *, checksum: boo
 
 
 def open_problem(
-    folder: Path | RemotePath, record: ShardRecord, manifest: Manifest
+    path: Path | RemotePath,
+    record: FileRecord,
+    manifest: Manifest | None = None,
+    *,
+    checksum: bool,
 ) -> tuple[Any, str | None]:
-    """Open a shard that :func:`file_problem` passed: its safetensors handle (a
-    :class:`RangedShard` on an object store), or a problem."""
-    try:
-        handle = open_shard(folder / record.file, record.bytes)
-    except StorageError:
-        raise
-    except (UnsafeFileError, CacheError) as error:
-        return None, _first_clause(error)
-    except Exception as error:  # safetensors raises its own error types
-        return None, f"safetensors cannot open it ({error})"
-    return handle, shard_tensors_problem(handle, record, manifest)
+    """Open a file of a cache once: check its size, its checksum (when ``checksum``) and its
+    header through that one open, and, given the ``manifest`` and a shard's record, that it
+    holds the manifest's rows. Its handle (a :class:`MappedShard`, or a :class:`RangedShard`
+    on an object store), or a problem.
 
-
-def open_shard(path: Path | RemotePath, size: int) -> Any:
-    """A safetensors handle of a shard: ``safe_open`` on a local file, ranged on a remote one."""
+    Raises:
+        StorageError: the store failed a request.
+    """
     if isinstance(path, RemotePath):
-        return RangedShard(path, size)
-    with regular_files.pinned(path) as name:
-        return safe_open(name, framework="pt", device="cpu")
+        problem = file_problem(path.parent, record, checksum=False)  # a folder in its place
+        if problem is not None:
+            return None, problem
+        handle = open_ranged(path, record, checksum=checksum)
+    else:
+        handle = open_mapped(path, record, checksum=checksum)
+    if isinstance(handle, str):
+        return None, handle
+    if manifest is not None and isinstance(record, ShardRecord):
+        problem = shard_tensors_problem(handle.table, record, manifest)
+        if problem is not None:
+            return None, problem
+    return handle, None
 
 
-def _constants_problem(folder: Path | RemotePath, manifest: Manifest) -> str | None:
-    header = manifest.header
-    assert manifest.constants is not None
-    try:
-        names = set(open_shard(folder / CONSTANTS_FILE, manifest.constants.bytes).keys())
-        wanted = {spec.name for spec in header.constant_specs}
-        if names != wanted:
-            return f"it holds {sorted(names)}, the manifest lists {sorted(wanted)}"
-    except StorageError:
-        raise
-    except Exception as error:
-        return f"safetensors cannot open it ({error})"
+def _constants_problem(handle: Any, manifest: Manifest) -> str | None:
+    names = set(handle.keys())
+    wanted = {spec.name for spec in manifest.header.constant_specs}
+    if names != wanted:
+        return f"it holds {sorted(names)}, the manifest lists {sorted(wanted)}"
     return None
 
 

@@ -20,8 +20,9 @@ In and out::
     verify_inputs(cached, dataset) -> None         # raises StaleCacheError naming changed keys
     refuse_other_split(manifest, current, path)    # StaleCacheError; other versions only warn
 
-Nothing here unpickles: shards are checked with safetensors' ``safe_open`` and read as views
-of their memory maps (:mod:`graphsplit.caching.store.mapped`: an item copies nothing, a batch is one
+Nothing here unpickles: each shard is opened once, its size, checksum and header checked by
+the one strict reader of the format (:mod:`graphsplit.caching.read.audit`), and read as views
+of its memory map (:mod:`graphsplit.caching.store.mapped`: an item copies nothing, a batch is one
 copy), and the manifest is read strictly. Batching items is
 :mod:`graphsplit.caching.read.collation`; auditing a whole cache is
 :mod:`graphsplit.caching.read.audit`.
@@ -49,11 +50,11 @@ from graphsplit.caching.format.fingerprint import (
     warn_about_versions,
 )
 from graphsplit.caching.format.input_digests import item_input_digest
-from graphsplit.caching.format.layout import CONSTANTS_FILE, Manifest, tensor_name
+from graphsplit.caching.format.layout import CONSTANTS_FILE, FileRecord, Manifest, tensor_name
 from graphsplit.caching.format.memory_order import inverse, row_order
 from graphsplit.caching.format.records import REBUILD
 from graphsplit.caching.loader.samples import describe_changes
-from graphsplit.caching.read.audit import file_problem, open_problem, open_shard
+from graphsplit.caching.read.audit import open_problem
 from graphsplit.caching.read.bucket_sampler import BucketBatchSampler, BucketLoader
 from graphsplit.caching.read.collation import (
     CachedSample,
@@ -62,7 +63,6 @@ from graphsplit.caching.read.collation import (
     sample_signatures,
 )
 from graphsplit.caching.store.durability import restart_cause, restarted_since
-from graphsplit.caching.store.mapped import open_mapped
 from graphsplit.caching.store.read_through import LocalCopies
 from graphsplit.caching.store.record_files import read_manifest
 from graphsplit.caching.store.remote import RemotePath, location
@@ -152,7 +152,7 @@ class CachedDataset(torch.utils.data.Dataset):
         self.manifest: Manifest = read_manifest(self.path)
         self._copies: LocalCopies | None = None
         if local_cache is not None and isinstance(self.path, RemotePath):
-            self._copies = LocalCopies(local_cache, self.path)
+            self._copies = LocalCopies(local_cache)
         # Unsynced and written before a restart: no file is trusted before its checksum.
         self.verify = verify or restarted_since(self.manifest)
         header = self.manifest.header
@@ -305,15 +305,7 @@ class CachedDataset(torch.utils.data.Dataset):
             raise self._corrupt_error(shard, self._corrupt[shard])
         record = self.manifest.shards[shard]
         checksum = self.verify and shard not in self._checksummed
-        if self._copies is not None:  # a checksummed local copy, read as a local cache
-            problem = self._copies.fetch(record, checksum=checksum)
-            if problem is None:
-                handle, problem = open_mapped(self._copies.folder, record, self.manifest)
-        else:
-            problem = file_problem(self.path, record, checksum=checksum)
-            if problem is None:
-                opener = open_problem if isinstance(self.path, RemotePath) else open_mapped
-                handle, problem = opener(self.path, record, self.manifest)
+        handle, problem = self._open_file(record, checksum=checksum, manifest=self.manifest)
         if problem is not None:
             self._corrupt[shard] = problem
             raise self._corrupt_error(shard, problem)
@@ -322,6 +314,26 @@ class CachedDataset(torch.utils.data.Dataset):
             del self._handles[next(iter(self._handles))]  # the longest open
         self._handles[shard] = handle
         return handle
+
+    def _open_file(
+        self, record: FileRecord, *, checksum: bool, manifest: Manifest | None
+    ) -> tuple[Any, str | None]:
+        """Open a file of the cache once (see :func:`open_problem`): from the cache itself, or
+        from its checksummed local copy (downloaded again once if the copy found is damaged)."""
+        if self._copies is None:
+            return open_problem(self.path / record.file, record, manifest, checksum=checksum)
+        assert isinstance(self.path, RemotePath)
+        url = self.path / record.file
+        copy = self._copies.fetch(url, record)
+        if isinstance(copy, str):
+            return None, copy
+        handle, problem = open_problem(copy, record, manifest, checksum=checksum)
+        if problem is not None:  # a damaged local copy: replace it by a fresh download
+            copy = self._copies.fetch(url, record, fresh=True)
+            if isinstance(copy, str):
+                return None, copy
+            handle, problem = open_problem(copy, record, manifest, checksum=checksum)
+        return handle, problem
 
     def _corrupt_error(self, shard: int, problem: str) -> CorruptCacheError:
         record = self.manifest.shards[shard]
@@ -342,16 +354,10 @@ class CachedDataset(torch.utils.data.Dataset):
         record = self.manifest.constants
         if record is None:
             return {}
-        folder = self.path
-        if self._copies is not None:
-            problem = self._copies.fetch(record, checksum=self.verify)
-            folder = self._copies.folder
-        else:
-            problem = file_problem(self.path, record, checksum=self.verify)
+        handle, problem = self._open_file(record, checksum=self.verify, manifest=None)
         constants: dict[str, torch.Tensor] = {}
         if problem is None:
             try:
-                handle = open_shard(folder / record.file, record.bytes)
                 for spec in header.constant_specs:
                     value = handle.get_tensor(spec.name)
                     order = record.dim_orders.get(spec.name)

@@ -25,6 +25,8 @@ In and out::
     size(path) -> int | None    read_bytes(path, *, limit)    read_range(path, start, end)
     download(path, local)
     checksum(path, algorithm)   exists(path)    list_files(folder)    remove(path)
+    version(path) -> str | None     version_of(info) -> str | None     # the object's ETag
+    storage_requests(path, action)  # a context turning a failed request into a StorageError
     make_folder(path)           staging_path(path) -> Path
     @or_remote(remote_function)  # how caching.store.file_writes sends a RemotePath here
 """
@@ -72,7 +74,10 @@ __all__ = [
     "remove",
     "size",
     "staging_path",
+    "storage_requests",
     "upload",
+    "version",
+    "version_of",
 ]
 
 # "s3:" at the start of a local path: a URL whose "//" pathlib collapsed (Path("s3://b/c") is
@@ -211,6 +216,9 @@ def _requests(path: RemotePath, action: str) -> Iterator[None]:
         raise
     except Exception as error:  # fsspec maps most failures to OSError, but not all (botocore)
         _raise_storage_error(path, action, error)
+
+
+storage_requests = _requests  # for the store's other modules (pinned reads)
 
 
 def _raise_storage_error(path: RemotePath, action: str, error: Exception) -> None:
@@ -361,6 +369,31 @@ def size(path: RemotePath) -> int | None:
             fix=Fix(f"delete {path} (or the whole cache) and rerun graphsplit.cache"),
         )
     return int(info["size"])
+
+
+# What identifies one version of an object, by store: S3's ETag (s3fs), GCS's etag (gcsfs).
+_VERSION_KEYS = ("ETag", "etag")
+
+
+def version_of(info: Any) -> str | None:
+    """The version of an object (its ETag) in fsspec's ``info`` of it; None where the store
+    reports none (its objects are then checked by size and checksum only)."""
+    for key in _VERSION_KEYS:
+        value = info.get(key) if isinstance(info, dict) else None
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
+def version(path: RemotePath) -> str | None:
+    """The version (ETag) of the object ``path`` now, asked of the store (not a cached
+    listing); None where the store reports none or there is no object."""
+    try:
+        with _requests(path, "read"):
+            _forget_listings(path)
+            return version_of(path.fs.info(path.path))
+    except FileNotFoundError:
+        return None
 
 
 def exists(path: RemotePath) -> bool:

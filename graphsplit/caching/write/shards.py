@@ -53,7 +53,7 @@ from graphsplit.caching.format.memory_order import Order, memory_order
 from graphsplit.caching.format.records import to_json
 from graphsplit.caching.format.tensor_file import TensorBytes, rows_of
 from graphsplit.caching.loader.batches import BatchSource, as_mapping, batch_keys
-from graphsplit.caching.store import file_writes
+from graphsplit.caching.store import file_writes, remote
 from graphsplit.caching.write.plan_rows import note_plan, run_stage1
 from graphsplit.caching.write.processes import Processes
 from graphsplit.errors import CacheError, Fix, Remedy, user_error
@@ -226,6 +226,7 @@ class ShardWriter:
                 file=name,
                 checksum=checksum,
                 bytes=size,
+                etag=_version(self.folder / name),
                 keys=tuple(shard.keys),
                 shapes=tuple(shard.shapes),
                 row_orders=tuple(shard.orders),
@@ -361,9 +362,17 @@ def _write_constants(
     checksum = file_writes.save_tensors(physical, path, {"format": "pt"})
     temporary = file_writes.temporary_path(path)
     size, checksum = file_writes.commit_file(temporary, path, checksum=checksum, durable=durable)
-    record = ConstantsRecord(file=CONSTANTS_FILE, checksum=checksum, bytes=size, dim_orders=orders)
+    record = ConstantsRecord(
+        file=CONSTANTS_FILE, checksum=checksum, bytes=size, dim_orders=orders, etag=_version(path)
+    )
     errors = {name: error for name, error in errors.items() if name in constants}
     _note_progress(folder, ConstantsProgress(constants=record, max_abs_error=errors))
+
+
+def _version(path: Path) -> str | None:
+    """The version (ETag) an object store gave a file just uploaded, for the manifest's record
+    (readers refuse another: see caching.store.pinned_object); None for a local file."""
+    return remote.version(path) if isinstance(path, remote.RemotePath) else None
 
 
 def _note_progress(folder: Path, progress: ShardProgress | ConstantsProgress) -> None:
