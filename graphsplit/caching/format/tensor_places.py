@@ -163,7 +163,9 @@ def tensors_from_bytes(
     table = read_table(lambda start, end: bytes(view[start:end]), len(view))
     if isinstance(table, HeaderProblem):
         raise user_error(
-            CorruptCacheError, f"{source} is not a valid safetensors file: {table}.", fix=fix
+            CorruptCacheError,
+            f"{source} is not a valid safetensors file: {table}.",
+            fix=Fix(fix.words, fix.option),  # the caller's fix (a Fix, typed)
         )
     tensors = {}
     for name, place in table.places.items():
