@@ -55,6 +55,8 @@ class PinnedObject:
         """Bytes ``start`` to ``end`` of the pinned version (one request)."""
         if end <= start:
             return b""
+        if self._pid != os.getpid():  # a forked child: the parent's lock may be held there
+            self._lock = threading.Lock()
         with self._lock:
             handle = self._current()
             data = self._request(lambda: (handle.seek(start), handle.read(end - start))[1])

@@ -22,7 +22,7 @@ In and out::
     location(path) -> Path | RemotePath    # UnsupportedStorageError for what fsspec cannot open
     RemotePath / name, .name, .parent, str() -> the URL
     put_bytes(path, data, *, exclusive=False)    upload(staged, path, checksum) -> (size, checksum)
-    size(path) -> int | None    read_bytes(path, *, limit)    read_range(path, start, end)
+    size(path) -> int | None    read_bytes(path, *, limit)    # ranged reads: pinned_object
     download(path, local)
     checksum(path, algorithm)   exists(path)    list_files(folder)    remove(path)
     version(path) -> str | None     version_of(info) -> str | None     # the object's ETag
@@ -70,7 +70,6 @@ __all__ = [
     "or_remote",
     "put_bytes",
     "read_bytes",
-    "read_range",
     "remove",
     "size",
     "staging_path",
@@ -434,22 +433,6 @@ def download(path: RemotePath, local: Path) -> None:
     """Copy the object ``path`` to the local file ``local`` (which the caller checks)."""
     with _requests(path, "download"):
         path.fs.get_file(path.path, str(local))
-
-
-def read_range(path: RemotePath, start: int, end: int) -> bytes:
-    """Bytes ``start`` to ``end`` (exclusive) of the object ``path``: one ranged request."""
-    if end <= start:
-        return b""
-    with _requests(path, "read"):
-        data = path.fs.cat_file(path.path, start=start, end=end)
-    if len(data) != end - start:
-        raise user_error(
-            StorageError,
-            f"{path} returned {len(data)} bytes for the range {start}-{end} (the object changed or "
-            "is shorter than recorded).",
-            fix=Fix("run graphsplit.check_cache on it"),
-        )
-    return bytes(data)
 
 
 def checksum(path: RemotePath, algorithm: str) -> str:
