@@ -223,16 +223,23 @@ def _local_state(out: Path, parquet: bool) -> str:
 
 
 def _remote_state(where: RemotePath, parquet: bool) -> str:
+    try:
+        size = remote.size(where)
+        folder = False
+    except UnsafeFileError:  # a prefix (a folder) stands there
+        size, folder = None, True
     if parquet:
-        if remote.size(where) is None:  # UnsafeFileError: a prefix stands there
-            return "free" if not remote.list_files(where) else "a folder"
+        if folder:
+            return "a folder"
+        if size is None:
+            return "free"
         opener = lambda: where.fs.open(where.path, "rb")  # noqa: E731
         return "ours" if _parquet_is_ours(opener) else "a file without graphsplit's record"
-    if remote.size(where) is not None:
+    if size is not None:
         return "a file, not a folder"
-    names = remote.list_files(where)
-    if not names:
+    if not folder:
         return "free"
+    names = remote.list_files(where)
     if _INFO_FILE not in names or _STATE_FILE not in names:
         return "a folder without graphsplit's export record"
     info = remote.read_bytes(where / _INFO_FILE, limit=_INFO_LIMIT)

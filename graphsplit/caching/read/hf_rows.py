@@ -101,8 +101,7 @@ class _Rows:
 
     def item(self, row: Mapping[str, Any]) -> CachedSample:
         key = row.get(KEY_COLUMN)
-        if not isinstance(key, str):
-            key = key.item() if isinstance(key, np.generic) else key
+        key = key.item() if isinstance(key, np.generic) else key  # numpy format: np.str_
         if not isinstance(key, str):
             raise user_error(
                 CorruptCacheError,
@@ -206,7 +205,9 @@ class HFCachedDataset(torch.utils.data.Dataset):
     def __init__(self, dataset: Any, split: Split | None = None) -> None:
         self._rows = _Rows(dataset, split)
         self.dataset = dataset.with_format("numpy")
-        self.keys: list[str] = list(dataset[KEY_COLUMN])
+        self.keys: list[str] = [
+            key.item() if isinstance(key, np.generic) else key for key in dataset[KEY_COLUMN]
+        ]
         odd = next((key for key in self.keys if not isinstance(key, str)), "")
         if not isinstance(odd, str):
             raise user_error(
