@@ -58,7 +58,7 @@ def test_another_tools_manifest_is_refused_and_kept(tmp_path, content, overwrite
     folder.mkdir()
     (folder / "manifest.json").write_text(content)
     (folder / "shard-00000.safetensors").write_bytes(b"theirs too")
-    with pytest.raises(StaleCacheError, match="manifest.json that graphsplit did not write") as e:
+    with pytest.raises(StaleCacheError, match=r"manifest\.json that graphsplit did not write") as e:
         cache(make_split(), loader(), folder, overwrite=overwrite, progress=False)
     message = str(e.value)
     assert "fix:" in message and "another (new or empty) folder" in message
@@ -83,6 +83,6 @@ def test_graphsplits_own_manifest_is_recognised_by_its_stamp(tmp_path):
 
 def test_another_tools_manifest_on_s3_is_refused_and_kept(s3, bucket):
     s3.pipe_file(f"{bucket}/run/manifest.json", b'{"name": "my-app"}')
-    with pytest.raises(StaleCacheError, match="manifest.json that graphsplit did not write"):
+    with pytest.raises(StaleCacheError, match=r"manifest\.json that graphsplit did not write"):
         cache(make_split(), loader(), f"s3://{bucket}/run", overwrite=True, progress=False)
     assert s3.cat_file(f"{bucket}/run/manifest.json") == b'{"name": "my-app"}'
