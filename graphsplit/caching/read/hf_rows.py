@@ -112,6 +112,8 @@ class _Rows:
         item.collation = self.collation
         for name, dtype in self.stored.items():
             array = self._array(key, name, row.get(name))
+            if not (array.flags.owndata and array.flags.writeable):
+                array = array.copy()  # a view of the dataset's memory: the item is its own
             item[name] = torch.from_numpy(array).to(dtype)
         text = row.get(ORDERS_COLUMN)
         if text:
