@@ -357,3 +357,10 @@ def test_a_streamed_damaged_dataset_is_refused_row_by_row(built, tmp_path):
     assert [next(items)["key"] for _ in range(3)] == ["pic000", "pic001", "pic002"]
     with pytest.raises(CorruptCacheError, match="sample 'pic003'"):
         next(items)
+
+
+def test_a_cache_on_s3_exports_to_a_local_folder(built, s3, bucket, tmp_path):
+    url = f"s3://{bucket}/cache"
+    cache(make_split(), loader(Pictures(12)), url, shard_bytes=SMALL, progress=False)
+    out = export_cache(url, tmp_path / "x")
+    _same_as_folder(built, HFCachedDataset(datasets.load_from_disk(str(out)), make_split()))
