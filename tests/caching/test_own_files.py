@@ -30,6 +30,8 @@ def _intact(folder) -> None:
 def test_other_tools_tmp_files_survive_every_cache_call(tmp_path, monkeypatch):
     folder = tmp_path / "cache"
     _plant(folder)
+    (folder / ".partial").mkdir()
+    (folder / ".partial" / "notes.json").write_text("{}")  # .partial is a common name
     with monkeypatch.context() as patch:
         interrupt_after(patch, 2)
         with pytest.raises(Interrupt):
@@ -41,6 +43,7 @@ def test_other_tools_tmp_files_survive_every_cache_call(tmp_path, monkeypatch):
     cache(make_split(), loader(), folder, shard_bytes=SMALL, overwrite=True, progress=False)
     _intact(folder)
     assert len(CachedDataset(folder)) == 12
+    assert sorted(p.name for p in (folder / ".partial").iterdir()) == ["notes.json"]
 
 
 @pytest.mark.parametrize(

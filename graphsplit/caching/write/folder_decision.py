@@ -65,7 +65,7 @@ from graphsplit.caching.store.record_files import (
     write_manifest,
     write_resume_header,
 )
-from graphsplit.caching.write.own_files import refuse_foreign_manifest
+from graphsplit.caching.write.own_files import is_progress_record, refuse_foreign_manifest
 from graphsplit.errors import (
     CacheError,
     CorruptCacheError,
@@ -441,12 +441,13 @@ def _remove_cache_files(folder: Path) -> None:
 
 
 def remove_progress(folder: Path) -> None:
-    """Delete ``.partial/`` and the records in it (the cache is complete, or discarded)."""
+    """Delete graphsplit's records in ``.partial/``, then the folder if that empties it (the
+    cache is complete, or discarded); another tool's files there stay."""
     partial = folder / PARTIAL_DIR
     if isinstance(partial, Path) and not file_writes.real_folder(partial, create=False):
         return
     for name in file_writes.list_files(partial):
-        if name.endswith(".json") or file_writes.TEMPORARY_FILE.fullmatch(name):
+        if is_progress_record(name) or file_writes.TEMPORARY_FILE.fullmatch(name):
             file_writes.remove(partial / name)
     if isinstance(partial, Path):  # an object store has no empty folders to remove
         with contextlib.suppress(OSError):

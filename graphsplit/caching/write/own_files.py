@@ -15,10 +15,15 @@ Glossary:
         ``overwrite=True`` (which would delete it) and says to choose another folder or move
         the file away.
 
+    own progress record: in ``.partial/``, ``header.json`` (``plan.json`` from graphsplit
+        0.1), ``constants.json`` and ``shard-NNNNN.json``; ``.partial`` is a common name, so
+        anything else there (``notes.json``) is left alone when the records are removed.
+
 In and out::
 
     manifest_is_ours(folder) -> bool | None      # None: no manifest.json there
     refuse_foreign_manifest(folder)              # StaleCacheError naming the file and the fix
+    is_progress_record(name) -> bool             # a name graphsplit writes in .partial/
 """
 
 from __future__ import annotations
@@ -27,12 +32,19 @@ import os
 import re
 from pathlib import Path
 
-from graphsplit.caching.format.layout import FORMAT, MANIFEST_FILE
+from graphsplit.caching.format.layout import (
+    CONSTANTS_PROGRESS_FILE,
+    FORMAT,
+    MANIFEST_FILE,
+    RESUME_HEADER_FILE,
+    RESUME_HEADER_FILE_0_1,
+    SHARD_PROGRESS_PATTERN,
+)
 from graphsplit.caching.store import regular_files, remote
 from graphsplit.caching.store.remote import RemotePath
 from graphsplit.errors import Fix, StaleCacheError, UnsafeFileError, user_error
 
-__all__ = ["manifest_is_ours", "refuse_foreign_manifest"]
+__all__ = ["is_progress_record", "manifest_is_ours", "refuse_foreign_manifest"]
 
 _STAMP = re.compile(rb'\s*\{\s*"format"\s*:\s*"' + re.escape(FORMAT.encode()) + rb'"')
 _PREFIX = 256  # bytes read: the stamp is the first key, well inside this
@@ -79,3 +91,12 @@ def refuse_foreign_manifest(folder: Path) -> None:
                 "of this one if it is yours to move"
             ),
         )
+
+
+def is_progress_record(name: str) -> bool:
+    """Whether ``name`` is one of the records graphsplit writes in ``.partial/``."""
+    return name in (
+        RESUME_HEADER_FILE,
+        RESUME_HEADER_FILE_0_1,
+        CONSTANTS_PROGRESS_FILE,
+    ) or bool(SHARD_PROGRESS_PATTERN.fullmatch(name))
