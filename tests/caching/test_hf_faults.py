@@ -120,9 +120,10 @@ def test_a_planted_partial_symlink_is_never_followed(built, tmp_path, parquet):
     (outside / "precious.txt").write_text("keep")
     out = tmp_path / "exports" / ("x.parquet" if parquet else "x")
     out.parent.mkdir()
-    (out.parent / f"{out.name}.partial").symlink_to(outside)  # where graphsplit 0.2 staged
     (out.parent / "victim").write_text("keep too")
-    (out.parent / f"{out.name}.partial2").symlink_to(out.parent / "victim")
+    # where graphsplit 0.2 staged: a folder's export into outside/, a parquet file over victim
+    target = out.parent / "victim" if parquet else outside
+    (out.parent / f"{out.name}.partial").symlink_to(target)
     assert export_cache(built, out, parquet=parquet) == out
     assert sorted(p.name for p in outside.iterdir()) == ["precious.txt"]
     assert (out.parent / "victim").read_text() == "keep too"
