@@ -112,7 +112,11 @@ def _add_export(commands: argparse._SubParsersAction) -> None:
         "package.",
     )
     export.add_argument("dir", metavar="DIR", help="the cache folder")
-    export.add_argument("--out", required=True, help="the folder (or parquet file) to write")
+    export.add_argument(
+        "--out",
+        required=True,
+        help="the folder (or parquet file) to write: a local path or a URL (s3://bucket/x)",
+    )
     export.add_argument("--parquet", action="store_true", help="write one parquet file")
     export.add_argument(
         "--overwrite", action="store_true", help="replace an earlier export at --out"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -92,6 +93,15 @@ class ChannelsLastEncoder(torch.nn.Module):
 
     def forward(self, pixel_values):
         return {"latents": self.conv(pixel_values).contiguous(memory_format=torch.channels_last)}
+
+
+_OWN_TEMPORARY = re.compile(r"\.graphsplit-(.+)\.[0-9]+-[0-9a-f]{16}\.tmp")
+
+
+def short_name(name: str) -> str:
+    """A graphsplit temporary file's name without its prefix and process suffix
+    (``.graphsplit-manifest.json.123-0a1b….tmp`` -> ``.manifest.json.tmp``); others as they are."""
+    return _OWN_TEMPORARY.sub(r".\1.tmp", name)
 
 
 def make_split(model: Model | None = None, *, scale: float = 2.0) -> SimpleNamespace:

@@ -70,7 +70,7 @@ def test_rerun_on_damaged_complete_cache_refuses(split, tmp_path):
 
 
 def test_overwrite_replaces_a_malformed_manifest(split, tmp_path):
-    tmp_path.joinpath("manifest.json").write_text("{not json")
+    tmp_path.joinpath("manifest.json").write_text('{"format": "graphsplit-cache", "shards": [')
     with pytest.raises(ManifestError, match="not valid JSON"):
         cache(split, loader(), tmp_path, progress=False)
     cache(split, loader(), tmp_path, overwrite=True, progress=False)

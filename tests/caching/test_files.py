@@ -25,7 +25,8 @@ def test_write_atomically_replaces_the_file_and_leaves_no_temporary(tmp_path):
 
 def test_commit_file_renames_and_reports_size_and_checksum(tmp_path):
     temporary = file_writes.temporary_path(tmp_path / "shard.bin")
-    assert temporary.name == ".shard.bin.tmp"
+    assert temporary.name == f".graphsplit-shard.bin.{os.getpid()}-{file_writes._TOKEN}.tmp"
+    assert temporary == file_writes.temporary_path(tmp_path / "shard.bin")  # one per process
     temporary.write_bytes(b"rows")
     size, sha = file_writes.commit_file(temporary, tmp_path / "shard.bin")
     assert (size, sha) == (4, f"xxh3:{xxhash.xxh3_64_hexdigest(b'rows')}")
@@ -38,14 +39,23 @@ def test_commit_file_renames_and_reports_size_and_checksum(tmp_path):
     assert not regular_files.file_matches(tmp_path / "shard.bin", size=4, checksum=old[:-1] + "0")
 
 
-def test_remove_temporary_files_keeps_everything_else(tmp_path):
-    for name in (".shard-00001.safetensors.tmp", "shard-00000.safetensors", "notes.tmp"):
-        (tmp_path / name).write_text("x")
-    file_writes.remove_temporary_files(tmp_path, tmp_path / "absent")
-    assert sorted(entry.name for entry in tmp_path.iterdir()) == [
+def test_remove_temporary_files_removes_only_graphsplits_own(tmp_path):
+    theirs = [
+        ".env.tmp",
+        ".notes.tmp",
+        ".shard-00001.safetensors.tmp",  # another tool may name its files so: not unmistakable
+        ".manifest.json.tmp",
+        ".graphsplit-x.tmp",  # no process suffix
         "notes.tmp",
         "shard-00000.safetensors",
     ]
+    for name in theirs:
+        (tmp_path / name).write_text("x")
+    ours = file_writes.temporary_path(tmp_path / "shard-00001.safetensors")
+    ours.write_text("x")
+    (tmp_path / ".graphsplit-manifest.json.999999-0123456789abcdef.tmp").write_text("x")
+    file_writes.remove_temporary_files(tmp_path, tmp_path / "absent")
+    assert sorted(entry.name for entry in tmp_path.iterdir()) == sorted(theirs)
 
 
 def test_no_room_becomes_a_disk_full_error_saying_what_was_needed(tmp_path):

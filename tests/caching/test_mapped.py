@@ -1,4 +1,4 @@
-"""Items are views of the shard's memory map: one copy per batch, the file never written."""
+"""A shard's rows are views of its memory map (items copy them): the file is never written."""
 
 from __future__ import annotations
 
@@ -25,9 +25,13 @@ from tests.caching.fixtures import ChannelsLastEncoder, Pictures, loader, make_s
 def test_rows_of_a_shard_are_views_of_one_map_equal_to_safetensors(path):
     cached = CachedDataset(path)
     first, second = cached[0], cached[1]  # shard 0 holds samples 0 and 1
-    storage = first["latents"].untyped_storage().data_ptr()
-    assert second["latents"].untyped_storage().data_ptr() == storage
-    assert first["text"].untyped_storage().data_ptr() == storage
+    handle = cached._handles[0]  # the shard's rows are views of one map ...
+    storage = handle.get_tensor("0/latents").untyped_storage().data_ptr()
+    assert handle.get_tensor("1/latents").untyped_storage().data_ptr() == storage
+    assert handle.get_tensor("0/text").untyped_storage().data_ptr() == storage
+    # ... and items are copies of them (issue 26: an item changed in place stays apart)
+    assert first["latents"].untyped_storage().data_ptr() != storage
+    assert second["latents"].untyped_storage().data_ptr() != storage
     shard = cached.manifest.shards[0]
     with safe_open(str(path / shard.file), "pt") as handle:
         for row, item in enumerate((first, second)):

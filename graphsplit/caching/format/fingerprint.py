@@ -367,11 +367,15 @@ class WeightHashes:
     A tensor's entry is found by its storage (held weakly: a freed storage drops its entries,
     so a new one at the same address is never mistaken for it) and its view of it (offset,
     shape, strides, dtype), and is used only while the storage's address and size and the
-    tensor's version counter are what they were when it was hashed. Every in-place change
-    through torch (``add_``, ``copy_``, ``load_state_dict``, an optimizer step) bumps the
-    version counter, so it is seen; writes that bypass it (through ``param.data``, a numpy
-    or DLPack view, or a file mapped into the tensor and changed on disk) are not, within
-    this process. :meth:`forget` drops everything; a new process always hashes afresh.
+    tensor's version counter are what they were when it was hashed, and a fixed sample of
+    its elements (:data:`PROBED_ELEMENTS`, :func:`_probe`) still holds the same bytes. Every
+    in-place change through torch (``add_``, ``copy_``, ``load_state_dict``, an optimizer
+    step) bumps the version counter, so it is seen; writes that bypass it (through
+    ``param.data``, as an EMA teacher's update does, a numpy or DLPack view, or a file mapped
+    into the tensor and changed on disk) are seen by the sample when they change any sampled
+    element (an EMA update changes them all). A write to a few elements between the sampled
+    ones through ``.data`` is not seen within this process: :meth:`forget` drops everything;
+    a new process always hashes afresh.
     """
 
     def __init__(self) -> None:
@@ -383,11 +387,14 @@ class WeightHashes:
     def content_hash(self, tensor: torch.Tensor) -> bytes:
         """The 16-byte XXH3-128 digest of ``tensor``'s bytes in logical order."""
         place = _place(tensor)
+        probe = None if place is None else _probe(tensor)
+        if probe is None:
+            place = None  # nothing to sample it by: hashed every time
         if place is not None:
             storage, view, state = place
             with self._lock:
                 found = self._known.get(storage, {}).get(view)
-            if found is not None and found[0] == state:
+            if found is not None and found[0] == (*state, probe):
                 return found[1]
         running = checksums.xxhash.xxh3_128()
         for chunk in _chunks(tensor):
@@ -396,7 +403,7 @@ class WeightHashes:
         with self._lock:
             self.hashed_bytes += tensor.numel() * tensor.element_size()
             if place is not None:
-                self._known.setdefault(storage, {})[view] = (state, value)
+                self._known.setdefault(storage, {})[view] = ((*state, probe), value)
         return value
 
     def forget(self) -> None:
@@ -418,6 +425,43 @@ def _place(tensor: torch.Tensor) -> tuple[Any, tuple, tuple] | None:
         return None
     view = (tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
     return storage, view, (storage.data_ptr(), storage.nbytes(), version)
+
+
+# Elements of a tensor sampled at fixed, evenly spaced places (the last one included) each
+# time a remembered hash is reused: a write that bypasses the version counter (an EMA
+# teacher's ``p.data.copy_(...)`` / ``p.data.mul_(d).add_(...)``, a numpy view) changes nearly
+# every element, so the sample differs and the tensor is hashed again. A write to a few
+# elements between the sampled ones can still go unseen: WEIGHT_HASHES.forget() covers that.
+PROBED_ELEMENTS = 256
+_SAME_SIZE_INTEGER = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _probe(tensor: torch.Tensor) -> bytes | None:
+    """The bytes of :data:`PROBED_ELEMENTS` (or fewer) elements of ``tensor`` at fixed places:
+    a copy of those elements only, whatever the tensor's size, device and strides (None: a
+    tensor that cannot be sampled so, such as a quantized one)."""
+    try:
+        return _sampled_bytes(tensor)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
+
+
+def _sampled_bytes(tensor: torch.Tensor) -> bytes:
+    count = tensor.numel()
+    if count == 0:
+        return b""
+    values = tensor.detach()
+    if values.is_contiguous():
+        flat = values.view(-1)
+        step = max(1, count // PROBED_ELEMENTS)
+        sample = torch.cat([flat[::step], flat[-1:]])
+    else:  # only the sampled elements are gathered (reshape(-1) would copy them all)
+        places = torch.linspace(0, count - 1, min(count, PROBED_ELEMENTS + 1)).long()
+        sample = values[torch.unravel_index(places.to(values.device), values.shape)]
+    integer = _SAME_SIZE_INTEGER.get(sample.element_size())
+    sample = sample.to("cpu").contiguous()
+    sample = sample.view(integer) if integer is not None else sample.view(torch.uint8)
+    return sample.numpy().tobytes()
 
 
 # The one per process: cache(), CachedDataset and check_cache share what was hashed.

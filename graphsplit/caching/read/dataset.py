@@ -21,9 +21,11 @@ In and out::
     refuse_other_split(manifest, current, path)    # StaleCacheError; other versions only warn
 
 Nothing here unpickles: each shard is opened once, its size, checksum and header checked by
-the one strict reader of the format (:mod:`graphsplit.caching.read.audit`), and read as views
-of its memory map (:mod:`graphsplit.caching.store.mapped`: an item copies nothing, a batch is one
-copy), and the manifest is read strictly. Batching items is
+the one strict reader of the format (:mod:`graphsplit.caching.read.audit`), and read from its
+memory map (:mod:`graphsplit.caching.store.mapped`); an item's tensors are copies of its rows,
+so an item changed in place (``item["latents"].mul_(0)``) changes nothing a later read returns
+(the cost, measured by ``benchmarks/bench_safe_items.py``, is in docs/benchmarks.md), and the
+manifest is read strictly. Batching items is
 :mod:`graphsplit.caching.read.collation`; auditing a whole cache is
 :mod:`graphsplit.caching.read.audit`.
 """
@@ -90,9 +92,9 @@ class CachedDataset(torch.utils.data.Dataset):
     """A map-style dataset over a cache folder; item ``i`` is sample ``i``'s rows.
 
     Shards are opened lazily and memory-mapped (at most 64 at a time per process; a forked
-    DataLoader worker keeps the ones already open); an item's tensors are views of the map, so
-    :func:`collate`'s stack is the only copy (writing into an item changes only this process's
-    view of that row, never the file). Unless ``verify=False``, each shard is checked against
+    DataLoader worker keeps the ones already open); an item's tensors are its own copies of
+    the rows, so writing into an item in place changes neither the file nor what the next
+    epoch reads. Unless ``verify=False``, each shard is checked against
     its checksum the first time it is opened: a damaged shard raises :class:`CorruptCacheError`
     naming it and its samples, while the other shards still read.
 
@@ -214,7 +216,9 @@ class CachedDataset(torch.utils.data.Dataset):
         orders = self.manifest.shards[shard].row_orders[row]
         try:
             for name, stored_name in self._tensor_names[row]:
-                item[name] = handle.get_tensor(stored_name)
+                # A copy: the view of the shard's map would carry an in-place change
+                # (item["latents"].mul_(0)) into every later read of this sample.
+                item[name] = handle.get_tensor(stored_name).clone()
         except Exception as error:  # safetensors raises its own error types
             raise self._corrupt_error(shard, f"reading row {row} failed ({error})") from None
         if any(orders):

@@ -3,9 +3,11 @@
 Reading opens only regular files inside the folder: :mod:`graphsplit.caching.store.regular_files`.
 
 Glossary:
-    temporary file: ``.{name}.tmp`` next to the file it becomes, created exclusively (never
-        through a planted symlink); a run that dies leaves only those behind, and the next run
-        deletes them (:func:`remove_temporary_files`).
+    temporary file: ``.graphsplit-{name}.{pid}-{token}.tmp`` next to the file it becomes
+        (``token`` random per process), created exclusively (never through a planted symlink);
+        a run that dies leaves only those behind, and the next run deletes them
+        (:func:`remove_temporary_files`). The name is unmistakable on purpose: a file such as
+        ``.env.tmp`` or ``.notes.tmp`` is another tool's and is never touched.
     commit: fsync a finished temporary file, then rename it over its final name, so a reader
         sees the old file or the whole new one, never a part. The checksum of a file graphsplit
         wrote (:mod:`graphsplit.caching.format.checksums`) is computed from the bytes in memory as
@@ -43,6 +45,7 @@ import contextlib
 import errno
 import os
 import re
+import secrets
 import shutil
 import stat
 from collections.abc import Iterator, Mapping
@@ -91,7 +94,8 @@ __all__ = [
     "write_atomically",
 ]
 
-TEMPORARY_FILE = re.compile(r"\..+\.tmp")
+TEMPORARY_FILE = re.compile(r"\.graphsplit-.+\.[0-9]+-[0-9a-f]{16}\.tmp")
+_TOKEN = secrets.token_hex(8)  # with the PID: one name per process (a fork has its own PID)
 # Every file, shards and manifest alike: read and write for all, less the umask (0o022 gives
 # 0o644, 0o002 gives 0o664 for a group-shared cache).
 FILE_MODE = 0o666
@@ -103,9 +107,10 @@ NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 @or_remote(remote.staging_path)
 def temporary_path(path: Path) -> Path:
-    """Where ``path`` is written before it is committed: ``.{name}.tmp`` in the same folder
-    (for a remote ``path``, a local staging file)."""
-    return path.with_name(f".{path.name}.tmp")
+    """Where ``path`` is written before it is committed: ``.graphsplit-{name}.{pid}-{token}.tmp``
+    in the same folder, the same name for every call in this process (for a remote ``path``, a
+    local staging file)."""
+    return path.with_name(f".graphsplit-{path.name}.{os.getpid()}-{_TOKEN}.tmp")
 
 
 def _put_remote(path: RemotePath, data: bytes, *, durable: bool = True) -> None:

@@ -7,8 +7,10 @@ Glossary:
     binding difference: other frozen weights, stage-1 code or boundary (the fingerprint), or
         another storage dtype: the folder's cache is not this call's, so it is refused unless
         ``overwrite``. Other library versions only warn.
-    graphsplit's files: the manifest, shards, constants, temporary files and ``.partial/``;
-        overwriting deletes those and nothing else in the folder.
+    graphsplit's files: the manifest, shards, constants, temporary files and ``.partial/``,
+        recognised by name and content (:mod:`graphsplit.caching.write.own_files`);
+        overwriting deletes those and nothing else in the folder. A folder holding another
+        tool's ``manifest.json`` is refused, ``overwrite`` or not.
     restarted: a complete cache written with ``durable=False`` in another boot (see
         :mod:`graphsplit.caching.store.durability`): it is kept only once every file's checksum
         matches; then its files are fsync'd and it is recorded as durable.
@@ -63,6 +65,7 @@ from graphsplit.caching.store.record_files import (
     write_manifest,
     write_resume_header,
 )
+from graphsplit.caching.write.own_files import is_progress_record, refuse_foreign_manifest
 from graphsplit.errors import (
     CacheError,
     CorruptCacheError,
@@ -105,9 +108,11 @@ def decide(
 
     Raises:
         StaleCacheError: the folder holds another cache (complete or not) and ``overwrite`` is
-            false; CorruptCacheError: a complete cache's file is missing, or (restarted) its
+            false, or holds another tool's ``manifest.json`` (whatever ``overwrite`` says);
+            CorruptCacheError: a complete cache's file is missing, or (restarted) its
             checksum differs; CacheError: the disk lacks room, or the loader yields nothing.
     """
+    refuse_foreign_manifest(folder)
     file_writes.remove_temporary_files(folder, folder / PARTIAL_DIR)
     if source.num_batches == 0:
         raise empty_loader_error()
@@ -436,12 +441,13 @@ def _remove_cache_files(folder: Path) -> None:
 
 
 def remove_progress(folder: Path) -> None:
-    """Delete ``.partial/`` and the records in it (the cache is complete, or discarded)."""
+    """Delete graphsplit's records in ``.partial/``, then the folder if that empties it (the
+    cache is complete, or discarded); another tool's files there stay."""
     partial = folder / PARTIAL_DIR
     if isinstance(partial, Path) and not file_writes.real_folder(partial, create=False):
         return
     for name in file_writes.list_files(partial):
-        if name.endswith(".json") or file_writes.TEMPORARY_FILE.fullmatch(name):
+        if is_progress_record(name) or file_writes.TEMPORARY_FILE.fullmatch(name):
             file_writes.remove(partial / name)
     if isinstance(partial, Path):  # an object store has no empty folders to remove
         with contextlib.suppress(OSError):
