@@ -70,6 +70,7 @@ __all__ = [
     "or_remote",
     "put_bytes",
     "read_bytes",
+    "read_prefix",
     "remove",
     "size",
     "staging_path",
@@ -427,6 +428,13 @@ def read_bytes(path: RemotePath, *, limit: int) -> bytes:
         )
     with _requests(path, "read"):
         return bytes(path.fs.cat_file(path.path))
+
+
+def read_prefix(path: RemotePath, count: int) -> bytes:
+    """The first ``count`` bytes of the object ``path`` (fewer if it is shorter): enough to
+    recognise a file by its opening, without reading the whole of it."""
+    with _requests(path, "read"):
+        return bytes(path.fs.cat_file(path.path, start=0, end=count))
 
 
 def download(path: RemotePath, local: Path) -> None:

@@ -53,7 +53,7 @@ _PREFIX = 256  # bytes read: the stamp is the first key, well inside this
 def _first_bytes(path: Path) -> bytes:
     if isinstance(path, RemotePath):
         size = remote.size(path) or 0
-        return remote.read_range(path, 0, min(size, _PREFIX)) if size else b""
+        return remote.read_prefix(path, min(size, _PREFIX)) if size else b""
     descriptor = regular_files.open_regular(path)  # UnsafeFileError: not a regular file
     try:
         return os.read(descriptor, _PREFIX)
