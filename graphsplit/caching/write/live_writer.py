@@ -218,6 +218,11 @@ class LiveWriter:
         if len(fresh) < size:
             stored = _rows(stored, self.header, fresh)
             digesting = self._digester.submit(_chosen, digesting, fresh)
+        # A shard holds the whole batches that fit in shard_bytes (at least one), as in cache().
+        incoming = sum(stored[spec.name].nbytes for spec in self.header.sample_specs)
+        limit = self.header.layout.shard_bytes
+        if self._pending is not None and self._pending.nbytes + incoming > limit:
+            self._submit()
         pending = self._pending or PendingShard(self._next_index)
         self._pending = pending
         positions = range(self._position, self._position + len(fresh))
@@ -226,7 +231,7 @@ class LiveWriter:
         _add_rows(pending, self.header, stored, errors, [keys[row] for row in fresh], positions)
         note_plan(pending, self.split, plan, len(fresh))
         self.written_rows += len(fresh)
-        if pending.nbytes >= self.header.layout.shard_bytes:
+        if pending.nbytes >= limit:
             self._submit()
 
     def _submit(self) -> None:
