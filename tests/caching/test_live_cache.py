@@ -1,4 +1,4 @@
-"""LiveCache: the first epoch trains on raw batches exactly and writes cache()'s cache as it goes."""
+"""LiveCache: the first epoch trains on raw batches exactly and writes cache()'s cache."""
 
 from __future__ import annotations
 
@@ -178,7 +178,6 @@ def test_a_killed_epoch_resumes(tmp_path):
     assert_same_rows(rows_by_key(path), rows_by_key(full))
 
 
-@pytest.mark.slow
 def test_two_accelerate_processes_write_one_cache(tmp_path):
     pytest.importorskip("accelerate")
     path = tmp_path / "shared"
@@ -218,7 +217,8 @@ def test_an_unfinished_cache_of_other_options_is_refused(tmp_path, monkeypatch):
     with pytest.raises(Interrupt), LiveCache(make_split(), tmp_path, shard_bytes=SMALL) as live:
         for batch in shuffled():
             live.step(batch)
-    with pytest.raises(StaleCacheError, match="(?s)unfinished cache started differently.*shard_bytes"):
+    expected = r"(?s)unfinished cache started differently.*shard_bytes"
+    with pytest.raises(StaleCacheError, match=expected):
         LiveCache(make_split(), tmp_path, shard_bytes=SMALL * 2)
 
 
