@@ -1,9 +1,9 @@
 """Train one epoch with a LiveCache in a separate process, for the kill -9 and accelerate tests.
 
-    python tests/caching/live_worker.py PATH [--die-after K]
+    python tests/caching/live_worker.py PATH [--die-after K] [--length N]
     accelerate launch --multi_gpu --num_processes 2 tests/caching/live_worker.py PATH --accelerate
 
-The epoch is the fixtures' 12 pictures in a seeded shuffled order, batches of 2, shards of one
+The epoch is the fixtures' N pictures (12) in a seeded shuffled order, batches of 2, shards of one
 batch. ``--die-after K`` kills this process (SIGKILL, like ``kill -9``) once K shards are
 committed, in the middle of the epoch. ``--accelerate`` runs under ``accelerate launch``: each
 process steps through its half of the epoch (``accelerator.prepare`` on the loader) and writes
@@ -47,12 +47,13 @@ def main() -> None:
     parser.add_argument("path")
     parser.add_argument("--die-after", type=int)
     parser.add_argument("--accelerate", action="store_true")
+    parser.add_argument("--length", type=int, default=12)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.die_after is not None:
         die_after(args.die_after)
     split = make_split()
-    epoch = loader(Pictures(12), shuffle=True, generator=torch.Generator().manual_seed(3))
+    epoch = loader(Pictures(args.length), shuffle=True, generator=torch.Generator().manual_seed(3))
     accelerator = None
     if args.accelerate:
         from accelerate import Accelerator

@@ -23,6 +23,7 @@ from tests.caching.fixtures import (
     Interrupt,
     Model,
     Pictures,
+    flip_last_byte,
     interrupt_after,
     loader,
     make_split,
@@ -178,23 +179,50 @@ def test_a_killed_epoch_resumes(tmp_path):
     assert_same_rows(rows_by_key(path), rows_by_key(full))
 
 
-def test_two_accelerate_processes_write_one_cache(tmp_path):
+@pytest.mark.parametrize(
+    ("length", "batches"),
+    [(12, [3, 3]), (10, [3, 3])],  # 10: accelerate pads process 1 with samples process 0 has
+)
+def test_two_accelerate_processes_write_one_cache(tmp_path, length, batches):
     pytest.importorskip("accelerate")
     path = tmp_path / "shared"
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
         "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
         "--dynamo_backend", "no", "--main_process_port", str(29600 + os.getpid() % 1000),
-        str(LIVE_WORKER), str(path), "--accelerate",
+        str(LIVE_WORKER), str(path), "--accelerate", "--length", str(length),
     ]  # fmt: skip
     run = subprocess.run(command, env=worker_environment(), cwd=ROOT, capture_output=True)
     assert run.returncode == 0, run.stderr.decode()[-3000:]
     losses = [json.loads(Path(f"{path}.losses.{rank}.json").read_text()) for rank in (0, 1)]
-    assert [len(found) for found in losses] == [3, 3]
+    assert [len(found) for found in losses] == batches
     full = tmp_path / "single"
-    cache(make_split(), loader(Pictures(12)), full, shard_bytes=SMALL, progress=False)
+    cache(make_split(), loader(Pictures(length)), full, shard_bytes=SMALL, progress=False)
     assert_same_rows(rows_by_key(path), rows_by_key(full))
     assert check_cache(path).ok
+    assert len(CachedDataset(path).keys) == length  # every key once
+
+
+def test_shards_are_numbered_in_order_when_a_finished_one_is_redone(tmp_path, monkeypatch):
+    split = make_split()
+    interrupt_after(monkeypatch, 3)
+    with pytest.raises(Interrupt), LiveCache(split, tmp_path, shard_bytes=SMALL) as live:
+        for batch in shuffled():
+            live.step(batch)
+    monkeypatch.undo()
+    flip_last_byte(tmp_path / "shard-00001.safetensors")  # damaged: not a finished shard
+    with LiveCache(split, tmp_path, shard_bytes=SMALL) as resumed:
+        for batch in shuffled(seed=8):
+            resumed.step(batch)
+        assert resumed.written_samples == 8
+    names = sorted(entry.name for entry in tmp_path.glob("shard-*.safetensors"))
+    # Shards 0 and 2 were kept; the new ones came after them; all are numbered 0 .. n-1.
+    assert names == [f"shard-{index:05d}.safetensors" for index in range(len(names))]
+    assert len(names) == len(CachedDataset(tmp_path).manifest.shards) > 3
+    assert check_cache(tmp_path).ok
+    full = tmp_path.parent / "uninterrupted"
+    cache(split, loader(Pictures(12)), full, shard_bytes=SMALL, progress=False)
+    assert_same_rows(rows_by_key(tmp_path), rows_by_key(full))
 
 
 # ---------------------------------------------------------------------------------- refusals

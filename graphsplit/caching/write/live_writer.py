@@ -51,6 +51,7 @@ from graphsplit.caching.format.layout import (
     LOCK_FILE,
     MANIFEST_FILE,
     PARTIAL_DIR,
+    SHARD_FILE_PATTERN,
     SHARD_PROGRESS_PATTERN,
     CacheHeader,
     Manifest,
@@ -77,6 +78,7 @@ from graphsplit.caching.write.folder_decision import (
     _remove_cache_files,
     remove_progress,
 )
+from graphsplit.caching.write.live_duplicates import drop_repeated_rows
 from graphsplit.caching.write.plan_rows import note_plan
 from graphsplit.caching.write.processes import Processes
 from graphsplit.caching.write.shards import (
@@ -305,7 +307,10 @@ class LiveWriter:
                 "finish.",
                 fix=Fix("call LiveCache.step on at least one batch before finishing"),
             )
-        shards = [_renumbered(self.folder, progress, index) for index, progress in records]
+        records = drop_repeated_rows(self.folder, self.header, records, durable=self.durable)
+        shards = [
+            _renumbered(self.folder, progress, index) for index, (_, progress) in enumerate(records)
+        ]
         _refuse_repeated_keys(self.folder, [progress.shard for progress in shards])
         constants = None
         errors: dict[str, float] = {}
@@ -379,8 +384,22 @@ def _decide(
             what = f"holds an unfinished cache started differently: {reasons}"
             _refuse_or_remove(folder, what, overwrite)
     finished = _finished_shards(folder, header) if started is not None and header is started else {}
+    _remove_unfinished(folder, finished)
     write_resume_header(folder, header, durable=durable)
     return _Opening(header, finished, None)
+
+
+def _remove_unfinished(folder: Path, finished: Mapping[int, ShardProgress]) -> None:
+    """Delete the shards (and records) an interrupted run left that did not verify: this
+    run numbers its shards after the finished ones, and publishes every record it finds."""
+    for name in file_writes.list_files(folder):
+        match = SHARD_FILE_PATTERN.fullmatch(name)
+        if match and int(match.group(1)) not in finished:
+            file_writes.remove(folder / name)
+    for name in file_writes.list_files(folder / PARTIAL_DIR):
+        match = SHARD_PROGRESS_PATTERN.fullmatch(name)
+        if match and int(match.group(1)) not in finished:
+            file_writes.remove(folder / PARTIAL_DIR / name)
 
 
 def _refuse_or_remove(folder: Path, what: str, overwrite: bool) -> None:
