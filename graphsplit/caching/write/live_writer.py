@@ -71,7 +71,12 @@ from graphsplit.caching.store.record_files import (
     write_manifest,
     write_resume_header,
 )
-from graphsplit.caching.write.cache_run import _plans_of, _refuse_repeated_keys
+from graphsplit.caching.write.cache_run import (
+    _add_errors,
+    _make_folder,
+    _plans_of,
+    _refuse_repeated_keys,
+)
 from graphsplit.caching.write.folder_decision import (
     _finished_shards,
     _header_differences,
@@ -206,6 +211,12 @@ class LiveWriter:
             return
         for row in fresh:
             self.known[keys[row]] = (digesting, row)
+        # The rows wait for their shard's save on another thread while stage 2 runs on the
+        # same tensors: the writer keeps copies that nothing the step does can change.
+        outputs = {
+            name: value.detach().clone() if value.device.type == "cpu" else value
+            for name, value in outputs.items()
+        }
         stored, errors = _to_storage(outputs, self.header)
         self._constants = _handle_constants(
             self.folder,
@@ -471,19 +482,3 @@ def _rows(
 def _chosen(digesting: Future[list[str]], rows: list[int]) -> list[str]:
     digests = digesting.result()
     return [digests[row] for row in rows]
-
-
-def _add_errors(errors: dict[str, float], more: Mapping[str, float]) -> None:
-    for name, error in more.items():
-        errors[name] = max(errors.get(name, 0.0), error)
-
-
-def _make_folder(folder: Path) -> None:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
-        raise user_error(
-            CacheError,
-            f"the cache path {folder} (or a folder above it) is an existing file, not a folder.",
-            fix=Fix("pass the path of a folder (it is created if missing), or move the file away"),
-        ) from None
