@@ -291,3 +291,41 @@ def test_the_dataset_waits_for_finish_and_buckets_and_empty_runs_are_refused(tmp
         LiveCache(make_split(), "s3://bucket/cache")
     with pytest.raises(CacheError, match="no sample was written"):
         LiveCache(make_split(), tmp_path / "b").finish()
+
+
+# ------------------------------------------------------------------- a real split of a real step
+
+
+@pytest.mark.slow  # splitting the SD step: ~1 min on a busy 2-core machine
+def test_the_sd_lora_step_trains_exactly_in_both_epochs(tmp_path):
+    """The demo's step (VAE distribution resampled in stage 2, noise, timesteps) split by
+    graphsplit.split: epoch 1 through LiveCache and epoch 2 from its cache both give the
+    unsplit step's losses and LoRA gradients bit for bit."""
+    pytest.importorskip("diffusers")
+    import graphsplit
+    from tests.zoo import CaptionedImages, build_sd_lora_step
+
+    step = build_sd_lora_step(seed=0, size="tiny")
+    dataset = CaptionedImages(length=4, resolution=32)
+    epoch = loader(dataset, shuffle=True, generator=torch.Generator().manual_seed(0))
+    first = next(iter(epoch))
+    split = graphsplit.split(step, (first["pixel_values"], first["input_ids"]))
+
+    def check(live: LiveCache, seed: int) -> None:
+        for index, batch in enumerate(epoch):
+            torch.manual_seed(seed + index)
+            loss = live.step(batch)
+            loss.backward()
+            found = grads(step)
+            torch.manual_seed(seed + index)
+            expected_loss = step(batch["pixel_values"], batch["input_ids"])
+            expected_loss.backward()
+            expected = grads(step)
+            assert torch.equal(loss.detach(), expected_loss.detach())
+            assert found.keys() == expected.keys() and found
+            assert all(torch.equal(found[name], expected[name]) for name in expected)
+
+    with LiveCache(split, tmp_path, durable=False) as live:
+        check(live, 0)
+    check(live, 100)  # epoch 2, another order, from the cache
+    assert len(live.dataset()) == 4
