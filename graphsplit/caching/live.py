@@ -174,7 +174,12 @@ class LiveCache:
         keys = _keys(batch)
         if self._info is not None:
             return self._from_cache(keys)
-        assert self._writer is not None
+        if self._writer is None:
+            raise user_error(
+                CacheError,
+                f"this LiveCache of {self.path} was closed before the cache was finished.",
+                fix=Fix("make a new LiveCache on the folder: it resumes from the committed shards"),
+            )
         header = self._writer.header
         outputs, plan = run_stage1(
             self.split, batch, len(keys), self._device, header, mode=torch.no_grad

@@ -287,6 +287,8 @@ def test_the_dataset_waits_for_finish_and_buckets_and_empty_runs_are_refused(tmp
     with pytest.raises(CacheError, match=r"(?s)not finished yet.*live.finish\(\)"):
         live.dataset()
     live.close()
+    with pytest.raises(CacheError, match=r"(?s)was closed before.*new LiveCache.*resumes"):
+        live.step(next(iter(loader(Pictures(4)))))
     with pytest.raises(CacheError, match="local or shared folder"):
         LiveCache(make_split(), "s3://bucket/cache")
     with pytest.raises(CacheError, match="no sample was written"):
