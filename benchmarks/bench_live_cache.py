@@ -112,7 +112,7 @@ def to_markdown(results: list[dict[str, Any]], threads: int) -> str:
     rounds = results[0]["rounds"] if results else 0
     return (
         f"Median (IQR) of same-round ratios over {rounds} rounds, {threads} torch thread(s); "
-        "seconds are medians.\n\n" + markdown_table(header, rows, "llllrr")
+        "seconds are medians.\n\n" + markdown_table(header, rows, "lllrrr")
     )
 
 
