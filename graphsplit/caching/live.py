@@ -77,7 +77,9 @@ class LiveCache:
     Under ``accelerate launch`` every process makes its own ``LiveCache`` with the
     ``accelerator``, steps through its own batches (a prepared loader) and writes shards of
     its own; ``finish`` (every process) numbers them and the main process writes the
-    manifest. The folder must be shared by the processes, as for ``cache()``.
+    manifest. The folder must be shared by the processes, as for ``cache()``. ``finish`` waits
+    for every process: one that stopped with an error leaves the others waiting there, as a
+    DDP step would (stop them all; the committed shards are kept for the rerun).
 
     Args:
         split: what :func:`graphsplit.split` returned.
