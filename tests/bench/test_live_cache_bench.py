@@ -27,4 +27,3 @@ def test_quick_run_reports_the_live_over_plain_ratio_on_both_clocks(tmp_path):
         assert ratio["median"] == pytest.approx(sum(a / b for a, b in zip(live, plain)) / 2)
     markdown = (tmp_path / "live_cache.md").read_text()
     assert "| tiny | 4 (2 × 32) | wall |" in markdown and "| tiny | 4 (2 × 32) | cpu |" in markdown
-
