@@ -249,9 +249,10 @@ class LiveCache:
                 ),
             )
         boundary = collate([self._cached[self._rows[key]] for key in keys])
-        if self._device is not None:
+        device = _stage_device(self.split.stage2, None) or self._device  # where stage 2 trains
+        if device is not None:
             boundary = {
-                name: value.to(self._device) if isinstance(value, torch.Tensor) else value
+                name: value.to(device) if isinstance(value, torch.Tensor) else value
                 for name, value in boundary.items()
             }
         return self.split.stage2(**boundary)
