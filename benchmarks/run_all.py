@@ -23,6 +23,7 @@ bench_cache_bytes = "benchmarks.bench_cache_bytes"
 bench_split_scale = "benchmarks.bench_split_scale"
 bench_plan_scale = "benchmarks.bench_plan_scale"
 bench_diffsynth_bytes = "benchmarks.bench_diffsynth_bytes"
+bench_live_cache = "benchmarks.bench_live_cache"
 
 
 def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
@@ -39,6 +40,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
             ("planning, full size", bench_plan_scale,
              ["--cases", "sdxl", "flux", "flux_diffusers_ids", "--rounds", "3", *target]),
             ("DiffSynth cache bytes", bench_diffsynth_bytes, [*target]),
+            ("cache while training", bench_live_cache, ["--rounds", "10", *target]),
         ]  # fmt: skip
     return [
         ("step time", bench_step_time, ["--quick", *target]),
@@ -49,6 +51,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
         ("planning, synthetic", bench_split_scale, ["--quick", *target]),
         ("planning, full size", bench_plan_scale, ["--quick", *target]),
         ("DiffSynth cache bytes", bench_diffsynth_bytes, ["--quick", *target]),
+        ("cache while training", bench_live_cache, ["--quick", *target]),
     ]
 
 

@@ -61,6 +61,9 @@ NOT_RUN: dict[str, str] = {
         _measurement("67 s")
     ),
     "python -m benchmarks.bench_diffsynth_bytes --out benchmarks/results": _measurement("140 s"),
+    "python -m benchmarks.bench_live_cache --rounds 20 --out benchmarks/results": _measurement(
+        "over 3 minutes"
+    ),
     "python -m benchmarks.bench_split_scale --full --rounds 3 --baseline ba75bc5 --out "
     "benchmarks/results": _measurement("minutes (--full)"),
     "python -m benchmarks.bench_plan_scale --cases sdxl flux flux_diffusers_ids --rounds 3 "

@@ -18,6 +18,7 @@ PUBLIC_NAMES = [
     "CacheReport",
     "CachedDataset",
     "GraphsplitError",
+    "LiveCache",
     "MetaParameterError",
     "Split",
     "SplitError",
@@ -57,6 +58,25 @@ SIGNATURES["cache"] = (
     "storage_dtype: 'torch.dtype | None' = None, overwrite: 'bool' = False, "
     "progress: 'bool | None' = None, durable: 'bool' = True) -> 'CacheInfo'"
 )
+
+SIGNATURES["LiveCache"] = (
+    "(split: 'Split', path: 'str | os.PathLike[str]', *, accelerator: 'Any' = None, "
+    "shard_bytes: 'int' = 268435456, storage_dtype: 'torch.dtype | None' = None, "
+    "overwrite: 'bool' = False, durable: 'bool' = True) -> 'None'"
+)
+
+LIVE_CACHE_METHODS = {
+    "step": "(self, batch: 'Mapping[str, Any]') -> 'Any'",
+    "finish": "(self) -> 'CacheInfo'",
+    "close": "(self) -> 'None'",
+    "dataset": "(self, **options: 'Any') -> 'CachedDataset'",
+}
+
+
+@pytest.mark.parametrize("name", sorted(LIVE_CACHE_METHODS))
+def test_live_cache_methods_are_pinned(name):
+    assert str(inspect.signature(getattr(graphsplit.LiveCache, name))) == LIVE_CACHE_METHODS[name]
+
 
 SIGNATURES["BucketBatchSampler"] = (
     "(source: 'HasBuckets | Mapping[Hashable, Sequence[int]]', batch_size: 'int', *, "

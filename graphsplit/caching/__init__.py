@@ -29,6 +29,7 @@ module imports only from its own room and the rooms below, see ``tests/test_layo
         samples           whether the loader still yields the cached samples (keys, digests)
     write/    cache()
         cache_run         cache(): fingerprint, folder decision, write shards, finish
+        live_writer       the push-style writer a live cache hands each batch's boundary
         folder_decision   nothing to do, resume, or start afresh; removing graphsplit's files
         shards            where a shard is written (stage 1, rows, background save and commit)
         processes         agreeing across accelerate processes
@@ -38,6 +39,7 @@ module imports only from its own room and the rooms below, see ``tests/test_layo
         bucket_sampler    BucketBatchSampler: batches of one shape, seeded, resumable, sharded
         audit             check_cache, CacheReport
         hf_export         a cache as a Hugging Face dataset, and back
+    live          LiveCache: cache while training (the first epoch writes, later ones read)
 
 Vocabulary: five ways the disk side checks something, each with its own word.
     audit: ``check_cache(path)`` reads every byte of a cache and lists each damaged file and
@@ -60,6 +62,7 @@ A "run" on this side is one call of ``cache()`` (the ``cache_run``); running sta
 batch is "computing" it.
 """
 
+from graphsplit.caching.live import LiveCache
 from graphsplit.caching.read.audit import CacheReport, check_cache
 from graphsplit.caching.read.bucket_sampler import BucketBatchSampler
 from graphsplit.caching.read.collation import collate
@@ -71,6 +74,7 @@ __all__ = [
     "CacheInfo",
     "CacheReport",
     "CachedDataset",
+    "LiveCache",
     "cache",
     "check_cache",
     "collate",

@@ -47,10 +47,18 @@ def plan_record(plan: Any) -> PlanRecord:
 
 
 def run_stage1(
-    split: Any, batch: Any, size: int, device: torch.device | None, header: CacheHeader
+    split: Any,
+    batch: Any,
+    size: int,
+    device: torch.device | None,
+    header: CacheHeader,
+    *,
+    mode: Any = torch.inference_mode,
 ) -> tuple[dict[str, torch.Tensor], Any]:
     """Stage 1's outputs for the batch, and the plan that made them (None: a split without
-    plans, run as its ``stage1``)."""
+    plans, run as its ``stage1``). ``mode`` is the grad mode it runs under: a live cache
+    passes ``torch.no_grad``, since stage 2 trains on the same outputs (autograd cannot save
+    inference tensors)."""
     inputs = as_mapping(batch, tuple(split.input_names))
     if device is not None:
         inputs = {
@@ -58,7 +66,7 @@ def run_stage1(
             for name, value in inputs.items()
         }
     plan_set = getattr(split, "plan_set", None)
-    with torch.inference_mode():
+    with mode():
         if plan_set is None:
             outputs, plan = split.stage1(**inputs), None
         else:
