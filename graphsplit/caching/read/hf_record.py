@@ -67,7 +67,7 @@ _ARROW_DTYPES = {
     torch.bool: "bool",
 }
 WHERE = "the dataset's features metadata (the 'key' feature's id)"
-_EXPORT_AGAIN = Fix("export the cache again with graphsplit export (or to_hf_dataset)")
+_EXPORT_AGAIN_FIX = Fix("export the cache again with graphsplit export (or to_hf_dataset)")
 
 
 class HFExportError(CacheError):
@@ -115,7 +115,9 @@ class ExportRecord:
 
 
 def _refuse(problem: str) -> ManifestError:
-    return user_error(ManifestError, f"the export record in {WHERE} {problem}.", fix=_EXPORT_AGAIN)
+    return user_error(
+        ManifestError, f"the export record in {WHERE} {problem}.", fix=_EXPORT_AGAIN_FIX
+    )
 
 
 def valid_order(value: Any, ndim: int) -> bool:

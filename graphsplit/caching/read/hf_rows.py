@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = ["HFCachedDataset", "HFCachedIterable"]
 
-_FIX = Fix(
+_DOWNLOAD_AGAIN_FIX = Fix(
     "download or export the dataset again (graphsplit export); a dataset edited after the "
     "export (map, cast) is not a cache any more"
 )
@@ -85,7 +85,7 @@ class _Rows:
                     f"the dataset's column {spec.name!r} holds {found} values, but its export "
                     f"record stores that row as {header.stored_dtype(spec)} (exported as "
                     f"{expected}); graphsplit does not convert rows with a loss.",
-                    fix=_FIX,
+                    fix=_DOWNLOAD_AGAIN_FIX,
                 )
         if split is not None:
             current = in_terms_of(fingerprint(split, allow_meta=True), header.fingerprint, split)
@@ -106,7 +106,7 @@ class _Rows:
             raise user_error(
                 CorruptCacheError,
                 f"a row of the dataset has the key {key!r}, not a string.",
-                fix=_FIX,
+                fix=_DOWNLOAD_AGAIN_FIX,
             )
         item = CachedSample(key=key)
         item.collation = self.collation
@@ -128,7 +128,7 @@ class _Rows:
             return user_error(
                 CorruptCacheError,
                 f"the row {name!r} of sample {key!r} in the dataset {problem}.",
-                fix=_FIX,
+                fix=_DOWNLOAD_AGAIN_FIX,
             )
 
         if value is None:
@@ -181,7 +181,7 @@ class _Rows:
                 f"the column {ORDERS_COLUMN!r} of sample {key!r} in the dataset is not a list "
                 f"of {len(specs)} memory orders (null or a permutation of the row's "
                 "dimensions).",
-                fix=_FIX,
+                fix=_DOWNLOAD_AGAIN_FIX,
             )
         return tuple(None if o is None else tuple(o) for o in orders)
 
@@ -215,7 +215,7 @@ class HFCachedDataset(torch.utils.data.Dataset):
             raise user_error(
                 CorruptCacheError,
                 f"the dataset's {KEY_COLUMN!r} column holds {odd!r}, not a string.",
-                fix=_FIX,
+                fix=_DOWNLOAD_AGAIN_FIX,
             )
 
     @property
