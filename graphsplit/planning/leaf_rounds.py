@@ -205,8 +205,8 @@ def _rounds(
             traced = finer
             leaves = leaves - expand
             notes.append(
-                f"traced into {', '.join(sorted(expand))}: it mixes frozen and trainable "
-                "parameters and its inputs are cacheable"
+                f"traced into {', '.join(sorted(expand))}: its inputs are cacheable and, as "
+                "one call, it mixes frozen and trainable parameters or the batch's samples"
             )
         return replace(traced, notes=traced.notes + tuple(notes))
 
@@ -415,7 +415,13 @@ def _initial_leaves(model: nn.Module) -> frozenset[str]:
 
 
 def _mixed_calls_worth_tracing(traced: Traced, trainable: frozenset[str]) -> frozenset[str]:
-    """Leaf modules that mix frozen and trainable parameters and are fed cacheable values."""
+    """Leaf modules fed cacheable values that are tainted as one call but need not be all.
+
+    A module that mixes frozen and trainable parameters; or a frozen module judged to mix the
+    batch's samples, when part of its work may not: a teacher called with ``labels`` returns
+    a ``.loss`` (a mean over the batch) beside per-sample logits, and traced into, the unused
+    loss is no longer part of the logits' work.
+    """
     taint = compute_taint(traced.graph, trainable)
     found = set()
     for node in traced.graph.nodes:
@@ -425,6 +431,14 @@ def _mixed_calls_worth_tracing(traced: Traced, trainable: frozenset[str]) -> fro
         inputs = [arg for arg in node.all_input_nodes if arg is not owner]
         params = facts(owner).params
         mixed = bool(params & trainable) and bool(params - trainable)
-        if mixed and inputs and not any(arg in taint for arg in inputs):
+        why = taint.get(node)
+        mixing_frozen = (
+            bool(params)
+            and not params & trainable
+            and why is not None
+            and why.kind is TaintKind.MIXING
+            and why.origin is node
+        )
+        if (mixed or mixing_frozen) and inputs and not any(arg in taint for arg in inputs):
             found.add(owner.target)
     return frozenset(found)
