@@ -7,6 +7,12 @@ picks the same samples in the same order, and stage 2 computes what ``compute_lo
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,6 +20,7 @@ pytest.importorskip("transformers")
 
 from graphsplit.errors import CacheError
 from graphsplit.integrations.transformers import TrainerLoss, split_trainer
+from tests.caching.fixtures import worker_environment
 from tests.integrations.kd import logged_losses, make_trainer, padded_samples
 
 
@@ -134,3 +141,35 @@ def test_samples_padded_to_their_batchs_longest_are_refused_with_the_fix(tmp_pat
     with pytest.raises(CacheError, match="different shapes") as error:
         split_trainer(trainer, str(tmp_path / "cache"))
     assert "padding='max_length'" in str(error.value)
+
+
+def test_two_accelerate_processes_cache_their_shares_and_train_as_unsplit(tmp_path):
+    """Under ``accelerate launch`` (2 CPU processes, gloo DDP) each process caches its share
+    and trains stage 2 through the DDP wrapper: the same losses and weights as unsplit."""
+    pytest.importorskip("accelerate")
+    worker = Path(__file__).with_name("trainer_worker.py")
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(29500 + (os.getpid() + 500) % 1000),
+        str(worker),
+        str(tmp_path),
+    ]
+    finished = subprocess.run(command, env=worker_environment(), capture_output=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr.decode()[-4000:]
+    reports = [json.loads((tmp_path / f"report.{rank}.json").read_text()) for rank in (0, 1)]
+    for report in reports:
+        assert report["world"] == 2 and report["wrapped"] == "DistributedDataParallel"
+        assert report["split"] == report["unsplit"] and len(report["split"]) == 4
+        assert report["same_weights"] and report["cached"] == 16
