@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from typing import Any
 from dataclasses import replace
 
 import torch
@@ -156,7 +157,7 @@ def _frozen_work_judged_mixing(traced: Traced, trainable: frozenset[str]) -> lis
 
 
 @contextlib.contextmanager
-def _planning_switches() -> Iterator[None]:
+def _planning_switches(device_type: str = "cpu") -> Iterator[None]:
     """The process-wide switches the analysis makes, through one patcher (undone on exit).
 
     Meta kernels for torch.distributions' samplers are registered (see
@@ -173,7 +174,31 @@ def _planning_switches() -> Iterator[None]:
         switches.patch(logging.getLogger("torch._subclasses.fake_tensor"), "disabled", True)
         switches.enter_context(cyclic_gc_paused())
         switches.enter_context(meta_samplers_registered())
+        _autocast_queries_answer_for_meta(switches, device_type)
         yield
+
+
+def _autocast_queries_answer_for_meta(switches: Patcher, device_type: str) -> None:
+    """``torch.is_autocast_enabled("meta")`` and ``get_autocast_dtype("meta")`` answer for the
+    device the step's weights are on, instead of raising.
+
+    Library code asks autocast about the device of its own tensors (TRL's chunked log-prob
+    kernel: ``torch.is_autocast_enabled(hidden.device.type)``); on the analysis's meta stand-ins
+    torch has no autocast state and raises "unknown device type for autocast". The stand-ins
+    are for tensors on the weights' device, whose autocast state is the answer.
+    """
+    enabled, dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+
+    def is_autocast_enabled(*device: Any) -> bool:
+        if device and device[0] == "meta":
+            return enabled(device_type)
+        return enabled(*device)
+
+    def get_autocast_dtype(device: str) -> torch.dtype:
+        return dtype(device_type if device == "meta" else device)
+
+    switches.patch(torch, "is_autocast_enabled", is_autocast_enabled)
+    switches.patch(torch, "get_autocast_dtype", get_autocast_dtype)
 
 
 def _rounds(
@@ -185,7 +210,7 @@ def _rounds(
 ) -> Traced:
     """Trace, analyse, and trace into mixed modules whose inputs are all cacheable; repeat
     (under :func:`_planning_switches`)."""
-    with _planning_switches():
+    with _planning_switches(_weights_device_type(model)):
         param_names = {id(param): name for name, param in model.named_parameters()}
         leaves = _initial_leaves(model)
         notes: list[str] = []
@@ -209,6 +234,14 @@ def _rounds(
                 "one call, it mixes frozen and trainable parameters or the batch's samples"
             )
         return replace(traced, notes=traced.notes + tuple(notes))
+
+
+def _weights_device_type(model: nn.Module) -> str:
+    """The device type of the step's first real (not meta) weight; "cpu" if it has none."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.device.type != "meta":
+            return tensor.device.type
+    return "cpu"
 
 
 def _why(exc: Exception) -> str:
