@@ -1,0 +1,78 @@
+"""TRL's DPOTrainer (tiny Qwen2, CPU) trained from reference log-probs cached by graphsplit.
+
+The reference: TRL's own run with ``precompute_ref_log_probs=True`` and
+``precompute_ref_batch_size=1`` (each pair alone, as graphsplit computes it). Its reference
+columns and training losses are compared with ``==`` (bit for bit), the policies with
+``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from graphsplit.errors import SplitError, StaleCacheError
+from graphsplit.integrations.trl import cache_reference_log_probs
+from tests.integrations.dpo import make_dpo_trainer, preference_pairs
+
+COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
+
+
+def _losses(trainer):
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_dpo_from_the_cache_is_trls_precomputed_run_bit_for_bit(tmp_path):
+    pairs = preference_pairs(12)
+    trl_run = make_dpo_trainer(
+        str(tmp_path / "trl"), pairs, precompute_ref_log_probs=True, precompute_ref_batch_size=1
+    )
+    ours = make_dpo_trainer(str(tmp_path / "ours"), pairs)
+    reference = cache_reference_log_probs(ours, str(tmp_path / "ref"))
+    assert reference.split.stage2.state_dict() == {}  # the reference is all stage 1
+    assert len(reference.cached["train"]) == 12 and len(reference.cached["eval"]) == 4
+    for column in COLUMNS:
+        assert ours.train_dataset[column] == trl_run.train_dataset[column]
+        assert ours.eval_dataset[column] == trl_run.eval_dataset[column]
+    trl_run.train()
+    ours.train()
+    assert _losses(ours) == _losses(trl_run) and len(_losses(ours)) == 3
+    trained, expected = ours.model.state_dict(), trl_run.model.state_dict()
+    assert all(torch.equal(trained[key], expected[key]) for key in expected)
+    assert ours.evaluate()["eval_loss"] == trl_run.evaluate()["eval_loss"]
+
+
+def test_dpo_from_the_cache_matches_the_live_reference_run(tmp_path):
+    """Against TRL computing the reference in every training batch (4 pairs, padded to the
+    longest): tolerance 1e-6 relative, as those log-probs come from other matmul shapes than
+    one pair's (the last bits may differ; on this model they happen to agree)."""
+    pairs = preference_pairs(12)
+    live = make_dpo_trainer(str(tmp_path / "live"), pairs)
+    ours = make_dpo_trainer(str(tmp_path / "ours"), pairs)
+    cache_reference_log_probs(ours, str(tmp_path / "ref"))
+    live.train()
+    ours.train()
+    assert _losses(ours) == pytest.approx(_losses(live), rel=1e-6)
+
+
+def test_the_cache_is_reused_and_refused_for_another_reference(tmp_path):
+    pairs = preference_pairs(6)
+    cache_reference_log_probs(make_dpo_trainer(str(tmp_path / "a"), pairs), str(tmp_path / "ref"))
+    written = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ref" / "train").iterdir()}
+    again = make_dpo_trainer(str(tmp_path / "b"), pairs)
+    cache_reference_log_probs(again, str(tmp_path / "ref"))  # same weights: reused
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "ref" / "train").iterdir()} == written
+    changed = make_dpo_trainer(str(tmp_path / "c"), pairs)
+    with torch.no_grad():
+        changed.ref_model.lm_head.weight.add_(1.0)
+    with pytest.raises(StaleCacheError, match="weights"):
+        cache_reference_log_probs(changed, str(tmp_path / "ref"))
+
+
+def test_a_trainer_that_already_precomputes_is_refused_with_the_fix(tmp_path):
+    trainer = make_dpo_trainer(str(tmp_path), preference_pairs(4), precompute_ref_log_probs=True)
+    with pytest.raises(SplitError, match="already precomputes") as error:
+        cache_reference_log_probs(trainer, str(tmp_path / "ref"))
+    assert "precompute_ref_log_probs=False and a ref_model" in str(error.value)
