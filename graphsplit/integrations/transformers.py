@@ -79,7 +79,7 @@ class TrainerLoss(nn.Module):
             if name.startswith("_") or any(value is child for child in self.children()):
                 continue
             self.add_module(name, value)
-        object.__setattr__(self, "_compute_loss", trainer.compute_loss)
+        object.__setattr__(self, "_compute_loss", _originals(trainer)["compute_loss"])
 
     def forward(self, inputs: dict[str, Any]) -> torch.Tensor:
         return self._compute_loss(self.model, inputs)
@@ -264,7 +264,8 @@ def _train_from_cache(trainer: Any, parts: Split, cached: CachedDataset, path: s
     trainer.get_train_dataloader = types.MethodType(
         partial(_cached_train_dataloader, rows=_CachedRows(cached)), trainer
     )
-    unsplit = trainer.compute_loss
+    originals = _originals(trainer)  # a second split_trainer wraps the trainer's own methods
+    unsplit = originals["compute_loss"]
 
     def compute_loss(
         model: nn.Module,
@@ -286,8 +287,9 @@ def _train_from_cache(trainer: Any, parts: Split, cached: CachedDataset, path: s
         "cache": path,
         "fingerprint": {"code": made.code, "weights": made.weights, "boundary": made.boundary},
     }
+    trainer.remove_callback(_CacheRecord)
     trainer.add_callback(_CacheRecord(record))
-    train = trainer.train
+    train = originals["train"]
 
     def train_checked(resume_from_checkpoint: Any = None, **kwargs: Any) -> Any:
         if resume_from_checkpoint:
@@ -295,6 +297,13 @@ def _train_from_cache(trainer: Any, parts: Split, cached: CachedDataset, path: s
         return train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     trainer.train = train_checked
+
+
+def _originals(trainer: Any) -> dict[str, Any]:
+    """The trainer's own ``compute_loss`` and ``train``, as they were before any split."""
+    return trainer.__dict__.setdefault(
+        "_graphsplit_originals", {"compute_loss": trainer.compute_loss, "train": trainer.train}
+    )
 
 
 def _cached_train_dataloader(trainer: Any, *, rows: _CachedRows) -> DataLoader:
@@ -329,9 +338,21 @@ def _seed_worker(worker_id: int, num_workers: int, rank: int) -> None:
 @contextlib.contextmanager
 def _student_called_as(stage2: nn.Module, wrapped: nn.Module, student: nn.Module) -> Iterator[None]:
     """Stage 2 calls the student through the trainer's wrapper (DDP syncs gradients there)."""
-    if wrapped is student or stage2._modules.get("model") is not student:
+    if wrapped is student:
         yield
         return
+    if stage2._modules.get("model") is not student:
+        raise user_error(
+            SplitError,
+            f"The trainer wraps the student in {type(wrapped).__name__}, but stage 2 does not "
+            "call the student as one module (graphsplit traced into it: part of it is frozen, "
+            "as in a LoRA'd model), so the wrapper's forward, which syncs gradients, would be "
+            "skipped.",
+            fix=Fix(
+                "train this split in one process, or freeze the student's frozen part into a "
+                "separate module the loss calls before the student"
+            ),
+        )
     stage2._modules["model"] = wrapped
     try:
         yield

@@ -173,3 +173,27 @@ def test_two_accelerate_processes_cache_their_shares_and_train_as_unsplit(tmp_pa
         assert report["world"] == 2 and report["wrapped"] == "DistributedDataParallel"
         assert report["split"] == report["unsplit"] and len(report["split"]) == 4
         assert report["same_weights"] and report["cached"] == 16
+
+
+def test_splitting_a_trainer_again_wraps_its_own_methods_once(tmp_path):
+    samples = padded_samples(8)
+    unsplit, _ = _train(tmp_path, "unsplit", samples, split=False, num_train_epochs=1)
+    trainer = make_trainer(str(tmp_path / "twice"), samples, num_train_epochs=1)
+    split_trainer(trainer, str(tmp_path / "first"))
+    split_trainer(trainer, str(tmp_path / "second"))  # e.g. after changing the teacher
+    trainer.train()
+    assert logged_losses(trainer) == logged_losses(unsplit)
+    assert TrainerLoss(trainer)._compute_loss == trainer._graphsplit_originals["compute_loss"]
+
+
+def test_a_wrapped_student_that_stage2_does_not_call_whole_is_refused(tmp_path):
+    from graphsplit.errors import SplitError
+    from graphsplit.integrations.transformers import _student_called_as
+
+    trainer = make_trainer(str(tmp_path), padded_samples(4))
+    wrapper = torch.nn.Sequential(trainer.model)  # stands in for DDP
+    stage2 = torch.nn.Module()  # holds no "model" child, as when traced into the student
+    refused = pytest.raises(SplitError, match="does not call the student as one module")
+    with refused as error, _student_called_as(stage2, wrapper, trainer.model):
+        pass
+    assert "train this split in one process" in str(error.value)
