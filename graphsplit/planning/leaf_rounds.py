@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
 from dataclasses import replace
 
 import torch
@@ -64,6 +63,7 @@ from graphsplit.planning.opaque.value_reads import (
     check_value_reads,
     frozen_value_reads,
 )
+from graphsplit.planning.patching.autocast_queries import autocast_queries_answer_for_meta
 from graphsplit.planning.patching.distribution_draws import meta_samplers_registered
 from graphsplit.planning.patching.patcher import Patcher, cyclic_gc_paused
 from graphsplit.planning.rules.grad_modes import check_grad_modes
@@ -174,31 +174,8 @@ def _planning_switches(device_type: str = "cpu") -> Iterator[None]:
         switches.patch(logging.getLogger("torch._subclasses.fake_tensor"), "disabled", True)
         switches.enter_context(cyclic_gc_paused())
         switches.enter_context(meta_samplers_registered())
-        _autocast_queries_answer_for_meta(switches, device_type)
+        autocast_queries_answer_for_meta(switches, device_type)
         yield
-
-
-def _autocast_queries_answer_for_meta(switches: Patcher, device_type: str) -> None:
-    """``torch.is_autocast_enabled("meta")`` and ``get_autocast_dtype("meta")`` answer for the
-    device the step's weights are on, instead of raising.
-
-    Library code asks autocast about the device of its own tensors (TRL's chunked log-prob
-    kernel: ``torch.is_autocast_enabled(hidden.device.type)``); on the analysis's meta stand-ins
-    torch has no autocast state and raises "unknown device type for autocast". The stand-ins
-    are for tensors on the weights' device, whose autocast state is the answer.
-    """
-    enabled, dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
-
-    def is_autocast_enabled(*device: Any) -> bool:
-        if device and device[0] == "meta":
-            return enabled(device_type)
-        return enabled(*device)
-
-    def get_autocast_dtype(device: str) -> torch.dtype:
-        return dtype(device_type if device == "meta" else device)
-
-    switches.patch(torch, "is_autocast_enabled", is_autocast_enabled)
-    switches.patch(torch, "get_autocast_dtype", get_autocast_dtype)
 
 
 def _rounds(
