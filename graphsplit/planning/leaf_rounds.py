@@ -428,9 +428,9 @@ def _mixed_calls_worth_tracing(traced: Traced, trainable: frozenset[str]) -> fro
     """Leaf modules fed cacheable values that are tainted as one call but need not be all.
 
     A module that mixes frozen and trainable parameters; or a frozen module judged to mix the
-    batch's samples, when part of its work may not: a teacher called with ``labels`` returns
-    a ``.loss`` (a mean over the batch) beside per-sample logits, and traced into, the unused
-    loss is no longer part of the logits' work.
+    batch's samples that returns several values, some of which may not mix: a teacher called
+    with ``labels`` returns a ``.loss`` (a mean over the batch) beside per-sample logits, and
+    traced into, the unused loss is no longer part of the logits' work.
     """
     taint = compute_taint(traced.graph, trainable)
     found = set()
@@ -448,6 +448,9 @@ def _mixed_calls_worth_tracing(traced: Traced, trainable: frozenset[str]) -> fro
             and why is not None
             and why.kind is TaintKind.MIXING
             and why.origin is node
+            # Several outputs (a ModelOutput, a tuple), so some may not mix; one tensor that
+            # mixes (a BatchNorm in train mode) mixes however finely it is traced.
+            and not isinstance(node.meta.get("val"), torch.Tensor)
         )
         if (mixed or mixing_frozen) and inputs and not any(arg in taint for arg in inputs):
             found.add(owner.target)
