@@ -8,6 +8,12 @@ columns and training losses are compared with ``==`` (bit for bit), the policies
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,6 +21,7 @@ pytest.importorskip("trl")
 
 from graphsplit.errors import SplitError, StaleCacheError
 from graphsplit.integrations.trl import cache_reference_log_probs
+from tests.caching.fixtures import worker_environment
 from tests.integrations.dpo import make_dpo_trainer, preference_pairs
 
 COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -34,8 +41,8 @@ def test_dpo_from_the_cache_is_trls_precomputed_run_bit_for_bit(tmp_path):
     assert reference.split.stage2.state_dict() == {}  # the reference is all stage 1
     assert len(reference.cached["train"]) == 12 and len(reference.cached["eval"]) == 4
     for column in COLUMNS:
-        assert ours.train_dataset[column] == trl_run.train_dataset[column]
-        assert ours.eval_dataset[column] == trl_run.eval_dataset[column]
+        assert list(ours.train_dataset[column]) == list(trl_run.train_dataset[column])
+        assert list(ours.eval_dataset[column]) == list(trl_run.eval_dataset[column])
     trl_run.train()
     ours.train()
     assert _losses(ours) == _losses(trl_run) and len(_losses(ours)) == 3
@@ -76,3 +83,32 @@ def test_a_trainer_that_already_precomputes_is_refused_with_the_fix(tmp_path):
     with pytest.raises(SplitError, match="already precomputes") as error:
         cache_reference_log_probs(trainer, str(tmp_path / "ref"))
     assert "precompute_ref_log_probs=False and a ref_model" in str(error.value)
+
+
+@pytest.mark.slow  # about 21 s: two processes each build and train two trainers
+def test_two_accelerate_processes_cache_their_shares_and_train_as_trl(tmp_path):
+    """Under ``accelerate launch`` (2 CPU processes, gloo DDP) each process caches its share
+    of the pairs; every process reads TRL's single-process batch-1 values back, and trains to
+    TRL's live-reference losses (within 1e-6 relative, as above)."""
+    pytest.importorskip("accelerate")
+    pairs = preference_pairs(12)
+    expected = make_dpo_trainer(
+        str(tmp_path / "trl"), pairs, precompute_ref_log_probs=True, precompute_ref_batch_size=1
+    )
+    worker = Path(__file__).with_name("dpo_worker.py")
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+        "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+        "--dynamo_backend", "no", "--main_process_port", str(29500 + (os.getpid() + 250) % 1000),
+        str(worker), str(tmp_path / "run"),
+    ]  # fmt: skip
+    (tmp_path / "run").mkdir()
+    finished = subprocess.run(command, env=worker_environment(), capture_output=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr.decode()[-4000:]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / "run" / f"report.{rank}.json").read_text())
+        assert report["world"] == 2 and report["cached"] == 12
+        for column in COLUMNS:
+            assert report["columns"][column] == list(expected.train_dataset[column])
+        assert report["ours"] == pytest.approx(report["live"], rel=1e-6)
+        assert len(report["ours"]) == 3
