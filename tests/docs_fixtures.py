@@ -106,3 +106,26 @@ def vision_language() -> dict[str, Any]:
         "input_ids": torch.randint(1, 100, (2, 6), generator=generator),
         "labels": torch.randint(1, 100, (2, 4), generator=generator),
     }
+
+
+def trainer_distillation() -> dict[str, Any]:
+    """A tiny Llama student and teacher and 16 samples padded to one length (docs/howto.md)."""
+    from tests.integrations.kd import padded_samples, tiny_llama
+
+    return {
+        "student": tiny_llama(1, 16),
+        "teacher": tiny_llama(2, 32),
+        "train_dataset": padded_samples(16),
+    }
+
+
+def dpo() -> dict[str, Any]:
+    """A tiny Qwen2 policy and reference, a word-level tokenizer and 12 preference pairs."""
+    from tests.integrations.dpo import preference_pairs, tiny_qwen2, word_tokenizer
+
+    return {
+        "policy": tiny_qwen2(1),
+        "reference": tiny_qwen2(2),
+        "tokenizer": word_tokenizer(),
+        "pairs": preference_pairs(12),
+    }

@@ -68,6 +68,7 @@ NOT_RUN: dict[str, str] = {
     "benchmarks/results": _measurement("minutes (--full)"),
     "python -m benchmarks.bench_plan_scale --cases sdxl flux flux_diffusers_ids --rounds 3 "
     "--baseline ba75bc5 --out benchmarks/results": _measurement("minutes (SDXL and Flux sizes)"),
+    "python -m benchmarks.bench_dpo_reference --out benchmarks/results": _measurement("90 s"),
     "python -m benchmarks.gpu --out benchmarks/results": "needs a CUDA device (its --dry-run, "
     "on the line below, runs here)",
 }

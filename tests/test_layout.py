@@ -54,6 +54,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("graphsplit.caching.read",),
     ("graphsplit.caching",),
     ("graphsplit.tools",),
+    ("graphsplit.integrations",),
     ("graphsplit",),
 )
 

@@ -63,6 +63,7 @@ from graphsplit.planning.opaque.value_reads import (
     check_value_reads,
     frozen_value_reads,
 )
+from graphsplit.planning.patching.autocast_queries import autocast_queries_answer_for_meta
 from graphsplit.planning.patching.distribution_draws import meta_samplers_registered
 from graphsplit.planning.patching.patcher import Patcher, cyclic_gc_paused
 from graphsplit.planning.rules.grad_modes import check_grad_modes
@@ -156,7 +157,7 @@ def _frozen_work_judged_mixing(traced: Traced, trainable: frozenset[str]) -> lis
 
 
 @contextlib.contextmanager
-def _planning_switches() -> Iterator[None]:
+def _planning_switches(device_type: str = "cpu") -> Iterator[None]:
     """The process-wide switches the analysis makes, through one patcher (undone on exit).
 
     Meta kernels for torch.distributions' samplers are registered (see
@@ -173,6 +174,7 @@ def _planning_switches() -> Iterator[None]:
         switches.patch(logging.getLogger("torch._subclasses.fake_tensor"), "disabled", True)
         switches.enter_context(cyclic_gc_paused())
         switches.enter_context(meta_samplers_registered())
+        autocast_queries_answer_for_meta(switches, device_type)
         yield
 
 
@@ -185,7 +187,7 @@ def _rounds(
 ) -> Traced:
     """Trace, analyse, and trace into mixed modules whose inputs are all cacheable; repeat
     (under :func:`_planning_switches`)."""
-    with _planning_switches():
+    with _planning_switches(_weights_device_type(model)):
         param_names = {id(param): name for name, param in model.named_parameters()}
         leaves = _initial_leaves(model)
         notes: list[str] = []
@@ -205,10 +207,18 @@ def _rounds(
             traced = finer
             leaves = leaves - expand
             notes.append(
-                f"traced into {', '.join(sorted(expand))}: it mixes frozen and trainable "
-                "parameters and its inputs are cacheable"
+                f"traced into {', '.join(sorted(expand))}: its inputs are cacheable and, as "
+                "one call, it mixes frozen and trainable parameters or the batch's samples"
             )
         return replace(traced, notes=traced.notes + tuple(notes))
+
+
+def _weights_device_type(model: nn.Module) -> str:
+    """The device type of the step's first real (not meta) weight; "cpu" if it has none."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.device.type != "meta":
+            return tensor.device.type
+    return "cpu"
 
 
 def _why(exc: Exception) -> str:
@@ -415,7 +425,13 @@ def _initial_leaves(model: nn.Module) -> frozenset[str]:
 
 
 def _mixed_calls_worth_tracing(traced: Traced, trainable: frozenset[str]) -> frozenset[str]:
-    """Leaf modules that mix frozen and trainable parameters and are fed cacheable values."""
+    """Leaf modules fed cacheable values that are tainted as one call but need not be all.
+
+    A module that mixes frozen and trainable parameters; or a frozen module judged to mix the
+    batch's samples that returns several values, some of which may not mix: a teacher called
+    with ``labels`` returns a ``.loss`` (a mean over the batch) beside per-sample logits, and
+    traced into, the unused loss is no longer part of the logits' work.
+    """
     taint = compute_taint(traced.graph, trainable)
     found = set()
     for node in traced.graph.nodes:
@@ -425,6 +441,17 @@ def _mixed_calls_worth_tracing(traced: Traced, trainable: frozenset[str]) -> fro
         inputs = [arg for arg in node.all_input_nodes if arg is not owner]
         params = facts(owner).params
         mixed = bool(params & trainable) and bool(params - trainable)
-        if mixed and inputs and not any(arg in taint for arg in inputs):
+        why = taint.get(node)
+        mixing_frozen = (
+            bool(params)
+            and not params & trainable
+            and why is not None
+            and why.kind is TaintKind.MIXING
+            and why.origin is node
+            # Several outputs (a ModelOutput, a tuple), so some may not mix; one tensor that
+            # mixes (a BatchNorm in train mode) mixes however finely it is traced.
+            and not isinstance(node.meta.get("val"), torch.Tensor)
+        )
+        if (mixed or mixing_frozen) and inputs and not any(arg in taint for arg in inputs):
             found.add(owner.target)
     return frozenset(found)

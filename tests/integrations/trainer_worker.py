@@ -1,0 +1,47 @@
+"""Train the KD trainer unsplit, then split, in each process of an ``accelerate launch``.
+
+    accelerate launch --multi_gpu --num_processes 2 tests/integrations/trainer_worker.py FOLDER
+
+(``--multi_gpu`` picks accelerate's torchrun launcher; ``use_cpu=True`` makes a gloo DDP run.)
+Each process writes ``FOLDER/report.<rank>.json``: both runs' logged losses, whether the split
+run's student weights equal the unsplit run's, and the cache's sample count.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from graphsplit.integrations.transformers import split_trainer
+from tests.caching.cache_worker import exit_without_interpreter_teardown
+from tests.integrations.kd import logged_losses, make_trainer, padded_samples
+
+
+def main() -> None:
+    folder = Path(sys.argv[1])
+    samples = padded_samples(16)
+    runs = {}
+    for name in ("unsplit", "split"):
+        trainer = make_trainer(str(folder / name), samples)
+        parts = split_trainer(trainer, str(folder / "cache")) if name == "split" else None
+        trainer.train()
+        runs[name] = trainer
+    unsplit, split = runs["unsplit"].model.state_dict(), runs["split"].model.state_dict()
+    rank = runs["split"].args.process_index
+    report = {
+        "world": runs["split"].args.world_size,
+        "unsplit": logged_losses(runs["unsplit"]),
+        "split": logged_losses(runs["split"]),
+        "same_weights": all(torch.equal(unsplit[key], split[key]) for key in unsplit),
+        "cached": len(parts.cached),
+        "wrapped": type(runs["split"].model_wrapped).__name__,
+    }
+    (folder / f"report.{rank}.json").write_text(json.dumps(report))
+    exit_without_interpreter_teardown()
+
+
+if __name__ == "__main__":
+    main()
