@@ -50,72 +50,110 @@ def _ancestors(node: fx.Node) -> set[fx.Node] | None:
     return seen
 
 
+def _onto_meta(node: fx.Node) -> None:
+    """Make a copied node compute on ``meta``: a ``device=`` it names (``.to(device="cuda")``,
+    ``torch.zeros(..., device="cpu")``, ``.cpu()``) becomes ``"meta"``, which keeps every
+    shape."""
+    if "device" in node.kwargs:
+        node.kwargs = {**node.kwargs, "device": "meta"}
+    if node.op == "call_method" and node.target in ("cpu", "cuda"):
+        node.target, node.args, node.kwargs = "to", (node.args[0], "meta"), {}
+    if node.op == "call_method" and node.target == "to":
+        node.args = tuple(
+            "meta" if isinstance(arg, (str, torch.device)) else arg for arg in node.args
+        )
+
+
 def _on_meta(value: Any) -> Any:
     return value.detach().to("meta") if isinstance(value, torch.Tensor) else value
 
 
-class SizeChecks:
-    """Stage 2's checks that boundary shapes decide, cut out of it and run on ``meta``."""
+class _Check:
+    """One check of stage 2 and what it reads, as a GraphModule over boundary tensors."""
 
     def __init__(self, module: fx.GraphModule) -> None:
         self.module = module
         self.names = tuple(
             str(node.target) for node in module.graph.nodes if node.op == "placeholder"
         )
-        self._passed: set[tuple[Any, ...]] = set()
-        self._broken = False  # meta tensors cannot run them: stage 2 checks alone
-
-    @classmethod
-    def of(cls, stage2: fx.GraphModule) -> SizeChecks | None:
-        """The checks of ``stage2`` computable from boundary shapes (see the module
-        docstring); None when there are none."""
-        kept: set[fx.Node] = set()
-        for node in stage2.graph.nodes:
-            if node.op == "call_function" and node.target in _CHECKS:
-                ancestors = _ancestors(node)
-                if ancestors is not None:
-                    kept |= ancestors
-        if not kept:
-            return None
-        graph = fx.Graph()
-        copies: dict[fx.Node, fx.Node] = {}
-        for node in stage2.graph.nodes:  # topological order
-            if node in kept:
-                copies[node] = graph.node_copy(node, lambda n: copies[n])
-                if node.op == "placeholder":
-                    copies[node].args = ()  # no default: the boundary tensor is always given
-        graph.output(None)
-        module = fx.GraphModule(stage2, graph, class_name="SizeChecks")
-        for node in graph.nodes:  # constants stage 2 reads become meta tensors too
-            if node.op == "get_attr":
-                owner_name, _, name = str(node.target).rpartition(".")
-                owner = module.get_submodule(owner_name)
-                value = getattr(owner, name)
-                if isinstance(value, torch.Tensor):
-                    owner._parameters.pop(name, None)
-                    owner._buffers.pop(name, None)
-                    setattr(owner, name, _on_meta(value))
-        return cls(module)
+        self.passed: set[tuple[Any, ...]] = set()  # boundary shapes it passed
+        self.broken = False  # meta tensors cannot run it: stage 2 checks it alone
 
     def run(self, outputs: Mapping[str, Any]) -> None:
-        """Check stage 1's ``outputs`` as stage 2 would; raises its ``PlanMismatch``. A check
-        whose tensor stage 1 did not return is stage 2's alone."""
-        if self._broken or not all(name in outputs for name in self.names):
+        if self.broken or not all(name in outputs for name in self.names):
             return
         values = [outputs[name] for name in self.names]
         shapes = tuple(
             (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else repr(v) for v in values
         )
-        if shapes in self._passed:
+        if shapes in self.passed:
             return
-        states = generator_states()  # a draw on meta must not move a generator
         try:
-            self.module(**{name: _on_meta(v) for name, v in zip(self.names, values, strict=True)})
+            # forward itself: GraphModule.__call__ prints the generated code of any error.
+            self.module.forward(
+                **{name: _on_meta(v) for name, v in zip(self.names, values, strict=True)}
+            )
         except PlanMismatch:
             raise
-        except Exception:  # not computable on meta: stage 2 checks it
-            self._broken = True
+        except Exception:  # not computable on meta (a value read): stage 2 checks it
+            self.broken = True
             return
+        self.passed.add(shapes)
+
+
+def _cut_out(stage2: fx.GraphModule, kept: set[fx.Node]) -> fx.GraphModule:
+    graph = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    for node in stage2.graph.nodes:  # topological order
+        if node in kept:
+            copies[node] = graph.node_copy(node, lambda n: copies[n])
+            if node.op == "placeholder":
+                copies[node].args = ()  # no default: the boundary tensor is always given
+            _onto_meta(copies[node])
+    graph.output(None)
+    module = fx.GraphModule(stage2, graph, class_name="SizeCheck")
+    for node in graph.nodes:  # constants stage 2 reads become meta tensors too
+        if node.op == "get_attr":
+            owner_name, _, name = str(node.target).rpartition(".")
+            owner = module.get_submodule(owner_name)
+            value = getattr(owner, name)
+            if isinstance(value, torch.Tensor):
+                owner._parameters.pop(name, None)
+                owner._buffers.pop(name, None)
+                setattr(owner, name, _on_meta(value))
+    return module
+
+
+class SizeChecks:
+    """Stage 2's checks that boundary shapes decide, cut out of it and run on ``meta``, each
+    on its own (one that ``meta`` cannot compute leaves the others running)."""
+
+    def __init__(self, checks: list[_Check]) -> None:
+        self.checks = checks
+
+    @classmethod
+    def of(cls, stage2: fx.GraphModule) -> SizeChecks | None:
+        """The checks of ``stage2`` computable from boundary shapes (see the module
+        docstring); None when there are none."""
+        checks = []
+        for node in stage2.graph.nodes:
+            if node.op == "call_function" and node.target in _CHECKS:
+                ancestors = _ancestors(node)
+                if ancestors is not None:
+                    checks.append(_Check(_cut_out(stage2, ancestors)))
+        return cls(checks) if checks else None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The boundary tensors the checks read."""
+        return tuple(dict.fromkeys(name for check in self.checks for name in check.names))
+
+    def run(self, outputs: Mapping[str, Any]) -> None:
+        """Check stage 1's ``outputs`` as stage 2 would; raises its ``PlanMismatch``. A check
+        whose tensor stage 1 did not return is stage 2's alone."""
+        states = generator_states()  # a draw on meta must not move a generator
+        try:
+            for check in self.checks:
+                check.run(outputs)
         finally:
             set_generator_states(states)
-        self._passed.add(shapes)

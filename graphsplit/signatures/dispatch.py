@@ -110,6 +110,32 @@ def _set_rng_states(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
+ONE_SAMPLE_STAGE2_FIX = Fix(
+    "read the cache one sample per batch: CachedDataset(path, split).loader(batch_size=1) "
+    "(accumulate gradients over several batches for a larger effective batch)"
+)
+
+
+def _refuse_several_samples(plan: Plan, batch: dict[str, Any]) -> None:
+    """A plan made one sample per batch (``batch_sizes == (1, 1)``) trains one sample per
+    batch: a stage-2 batch of several would break a size check deep in the user's code, or
+    compute something else."""
+    if plan.batch_sizes != (1, 1):
+        return
+    for name, spec in plan.boundary.items():
+        value = batch.get(name)
+        if spec.batch_dim is None or not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() > spec.batch_dim and value.shape[spec.batch_dim] != 1:
+            raise user_error(
+                SplitError,
+                f"stage 2 got {value.shape[spec.batch_dim]} samples in {name!r} (shape "
+                f"{tuple(value.shape)}), but this plan runs one sample per batch: the step "
+                "only ran at batch size 1 when it was split.",
+                fix=ONE_SAMPLE_STAGE2_FIX,
+            )
+
+
 class PlanSet:
     """The plans of one split, by signature key, and the dispatch between them."""
 
@@ -225,8 +251,10 @@ class PlanSet:
         key = batch.pop(SIGNATURE_KEY, None)
         if key is not None:
             plan = self._plan_for(key)
+            _refuse_several_samples(plan, batch)
             self._used(plan)
             return _raw_forward(plan.stage2)(**batch)
+        _refuse_several_samples(self.first, batch)
         if len(self.plans) == 1 and not self.recorded:  # the one-signature step, as ever
             try:
                 return _raw_forward(self.first.stage2)(**batch)

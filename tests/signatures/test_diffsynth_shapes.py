@@ -52,6 +52,16 @@ def test_wan_over_clips_of_5_and_9_frames_trains_exactly_from_one_cache(tmp_path
     assert {shape["video"][2] for shape in result.shapes} == {5, 9}
     plans = result.cached.manifest.plans
     assert plans is not None and len(plans) == 2  # the manifest records both plans
+    # The plans run one sample per batch (DiffSynth's): stage 2 refuses a batch of two clearly.
+    batch = next(b for b in result.cached.loader(batch_size=2) if len(b["to_5"]) == 2)
+    with pytest.raises(graphsplit.SplitError) as caught:
+        split.stage2(**batch)
+    message = str(caught.value)
+    assert "stage 2 got 2 samples in 'to_5'" in message
+    assert "but this plan runs one sample per batch" in message
+    assert "fix:    read the cache one sample per batch: CachedDataset(path, split).loader(" in (
+        message
+    )
 
 
 @pytest.mark.slow
