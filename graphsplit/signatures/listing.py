@@ -2,8 +2,8 @@
 
 A split whose plans hold no size check (every size flows through torch ops) lists nothing: its
 report is what it always was. Otherwise each plan made so far is one entry: its key (what a
-cache records per row), whether it is the first plan, what it cost to make, and each checked
-value with the user's line that read it.
+cache records per row), whether it is the first plan, and each checked value with the user's
+line that read it. Nothing timed: the same plans list the same (plan.json is compared).
 
 In and out::
 
@@ -39,7 +39,6 @@ def signature_entries(split: Any) -> list[dict[str, Any]]:
             {
                 "key": plan.key,
                 "first": index == 0,
-                "seconds_to_plan": round(plan.seconds, 3),
                 "reads_values": plan.signature.reads_values,
                 "checks": [
                     {"what": what, "expected": value, "source": lines.get(what)}
@@ -62,8 +61,7 @@ def signature_lines(split: Any) -> list[str]:
         "whose checked values differ gets a plan of its own):",
     ]
     for entry in entries:
-        first = ", the first plan" if entry["first"] else ""
-        lines.append(f"  {entry['key']} (made in {entry['seconds_to_plan']:.2f} s{first})")
+        lines.append(f"  {entry['key']}" + (" (the first plan)" if entry["first"] else ""))
         for check in entry["checks"]:
             lines.append(f"    {check['what']} = {check['expected']}  {check['source'] or ''}")
     return lines
