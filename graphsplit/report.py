@@ -35,6 +35,7 @@ from graphsplit.artifacts import BoundarySpec, Cut, MixingCause, Recomputation, 
 from graphsplit.planning.cut.boundary import facts, is_banned, module_owner
 from graphsplit.planning.rules.opaque_call import OPAQUE, is_opaque
 from graphsplit.planning.rules.size_guards import expression
+from graphsplit.signatures.listing import signature_entries, signature_lines
 from graphsplit.units import human_bytes, human_flops
 
 
@@ -243,6 +244,7 @@ def render_report(split: SplitPlan, model: nn.Module | None) -> str:
             f"{human_bytes(spec.bytes_per_sample):<10} {spec.source}"
         )
     lines += baked_lines(split.cut)
+    lines += signature_lines(split)
     if model is not None:
         stage1 = _qualified(split.stage1, model)
         stage2 = _qualified(split.stage2, model)
@@ -310,6 +312,7 @@ def plan_json(split: SplitPlan) -> dict[str, Any]:
             for n in work.not_counted
         ],
         "recomputed": recomputation_json(split.cut.recomputation),
+        "signatures": signature_entries(split),
         "baked_numbers": [
             {
                 "node": node.name,

@@ -32,6 +32,22 @@ def text_to_image(samples: int = 4) -> dict[str, Any]:
     }
 
 
+class TwoSizes(Dataset):
+    """Captioned images of two sizes, 32x32 then 48x48, ``per_size`` of each in a row: what a
+    dataset sorted into aspect-ratio buckets gives, so a ``DataLoader`` of ``per_size`` per
+    batch never mixes sizes (the README caches it and trains from one mixed-shape cache)."""
+
+    def __init__(self, per_size: int = 8) -> None:
+        self.images = CaptionedImages(length=2 * per_size, resolutions=[32, 48])
+        self.order = [*range(0, 2 * per_size, 2), *range(1, 2 * per_size, 2)]
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.images[self.order[index]]
+
+
 def deep_text_encoder() -> torch.nn.Module:
     """A CLIP text encoder with 12 layers (tiny ones), so ``encoder.layers.11`` exists."""
     from transformers import CLIPTextConfig, CLIPTextModel

@@ -16,7 +16,10 @@ Glossary:
         generated code unchanged while one plan serves every batch.
     stage-1 dispatch: try the plans (the last one used first); a check that fails raises before
         the frozen work where it reads input sizes only (stage 1 hoists those checks), after it
-        where it reads a value computed by frozen work. No plan fits: make one.
+        where it reads a value computed by frozen work. Then the plan's stage-2 checks of
+        boundary sizes run on stage 1's outputs (:mod:`~graphsplit.signatures.boundary_checks`):
+        a batch stage 2 would refuse is refused here, before a row of it is cached. No plan
+        fits: make one.
     stage-2 dispatch: a batch that names its plan (:data:`SIGNATURE_KEY`, put there by stage 1
         once there are several plans and by the cache's collate) runs that plan, built from the
         example the cache recorded if this process never made it. A batch that names none is
@@ -44,6 +47,7 @@ from graphsplit.artifacts import BoundarySpec, Cut
 from graphsplit.errors import Fix, SplitError, user_error
 from graphsplit.planning.rules.random_draws import generator_states, set_generator_states
 from graphsplit.runtime import PlanMismatch
+from graphsplit.signatures.boundary_checks import SizeChecks
 from graphsplit.signatures.signature import (
     SIGNATURE_KEY,
     Signature,
@@ -106,6 +110,32 @@ def _set_rng_states(states: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
+ONE_SAMPLE_STAGE2_FIX = Fix(
+    "read the cache one sample per batch: CachedDataset(path, split).loader(batch_size=1) "
+    "(accumulate gradients over several batches for a larger effective batch)"
+)
+
+
+def _refuse_several_samples(plan: Plan, batch: dict[str, Any]) -> None:
+    """A plan made one sample per batch (``batch_sizes == (1, 1)``) trains one sample per
+    batch: a stage-2 batch of several would break a size check deep in the user's code, or
+    compute something else."""
+    if plan.batch_sizes != (1, 1):
+        return
+    for name, spec in plan.boundary.items():
+        value = batch.get(name)
+        if spec.batch_dim is None or not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() > spec.batch_dim and value.shape[spec.batch_dim] != 1:
+            raise user_error(
+                SplitError,
+                f"stage 2 got {value.shape[spec.batch_dim]} samples in {name!r} (shape "
+                f"{tuple(value.shape)}), but this plan runs one sample per batch: the step "
+                "only ran at batch size 1 when it was split.",
+                fix=ONE_SAMPLE_STAGE2_FIX,
+            )
+
+
 class PlanSet:
     """The plans of one split, by signature key, and the dispatch between them."""
 
@@ -124,6 +154,8 @@ class PlanSet:
         self._recent: list[str] = [first.key]  # the last plan used first
         # Plans a cache recorded and this process has not made: key -> (signature, example).
         self.recorded: dict[str, tuple[str, str | None]] = {}
+        # Per plan key: stage 2's checks of boundary sizes, cut out once (None: it has none).
+        self._size_checks: dict[str, SizeChecks | None] = {}
 
     # -- wiring --------------------------------------------------------------------------------
     def install(self) -> None:
@@ -149,16 +181,28 @@ class PlanSet:
         refusals: list[PlanMismatch] = []
         for plan in self._by_recency():
             try:
-                outputs = _raw_forward(plan.stage1)(*args, **kwargs)
+                outputs = self._checked_stage1(plan, args, kwargs)
             except PlanMismatch as refusal:
                 refusals.append(refusal)
                 continue
             self._used(plan)
             return outputs, plan
         plan = self._new_plan(args, kwargs, refusals[0])
-        outputs = _raw_forward(plan.stage1)(*args, **kwargs)
+        outputs = self._checked_stage1(plan, args, kwargs)
         self._used(plan)
         return outputs, plan
+
+    def _checked_stage1(
+        self, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The plan's stage 1, then its stage 2's checks of the boundary sizes it made."""
+        outputs = _raw_forward(plan.stage1)(*args, **kwargs)
+        if plan.key not in self._size_checks:
+            self._size_checks[plan.key] = SizeChecks.of(plan.stage2)
+        checks = self._size_checks[plan.key]
+        if checks is not None and isinstance(outputs, dict):
+            checks.run(outputs)
+        return outputs
 
     def _new_plan(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], refusal: PlanMismatch
@@ -207,8 +251,10 @@ class PlanSet:
         key = batch.pop(SIGNATURE_KEY, None)
         if key is not None:
             plan = self._plan_for(key)
+            _refuse_several_samples(plan, batch)
             self._used(plan)
             return _raw_forward(plan.stage2)(**batch)
+        _refuse_several_samples(self.first, batch)
         if len(self.plans) == 1 and not self.recorded:  # the one-signature step, as ever
             try:
                 return _raw_forward(self.first.stage2)(**batch)

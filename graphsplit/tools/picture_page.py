@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
+from graphsplit.signatures.listing import signatures_html
 from graphsplit.tools import picture_marks
 from graphsplit.tools.groups import Group, group_nodes, is_hidden
 
@@ -70,6 +71,9 @@ def to_html(
         "<h2>Boundary</h2>",
         _boundary_table(split),
     ]
+    listed = signatures_html(split)
+    if listed:
+        parts.append(listed)
     groups = group_nodes(split)
     drawn = [node for node in split.graph.nodes if not is_hidden(split, node)]
     if svg is not None:

@@ -1,0 +1,203 @@
+"""The cost of a new shape signature, and the bytes of one cache of several against one per shape.
+
+For each case, a step whose plan holds a size check, and batches of two signatures:
+
+- plan time: each round times ``graphsplit.split(step, example)`` (the first split: trace,
+  analysis, cut, codegen) and the making of the second signature's plan as the dispatcher makes
+  it (``split.plan_set._make_plan``, what ``cache()`` calls when a batch needs a plan), in
+  alternating order; the figure is the median of the same-round ratios "new plan / first
+  split", with its IQR, on the wall clock and the CPU clock.
+- bytes per sample: one ``cache()`` over the mixed loader (every signature in one folder, per
+  row plan keys in the manifest) against one cache per signature (what the by-hand workflow
+  kept), all files of the folders counted.
+
+Cases: ``branch`` (the issue's size branch, tiny: ``if h.shape[-1] % 16 != 0``), ``flux``
+(diffusers' FLUX full fine-tune, tiny: the packing's ``int(width)``, 32x32 against 32x48),
+``wan`` (DiffSynth-Studio's own Wan 2.1 LoRA step, tiny: 5 against 9 frames; needs
+``diffsynth``).
+
+    python -m benchmarks.bench_signatures --help
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (
+    environment,
+    interleaved,
+    markdown_table,
+    parser,
+    report,
+    timing_options,
+    torch_threads,
+    write_results,
+)
+
+Batch = dict[str, Any]
+
+
+def _branch() -> tuple[Any, Callable[[int, int], Batch], tuple[int, int]]:
+    import torch
+
+    from tests.signatures.test_dispatch import SizeBranch, _batch
+
+    torch.manual_seed(0)
+    return SizeBranch(), lambda shape, seed: _batch(shape, 2, seed), (16, 24)
+
+
+def _flux() -> tuple[Any, Callable[[int, int], Batch], tuple[int, int]]:
+    import torch
+
+    from tests.conformance.matrix import ids_and_mask
+    from tests.signatures.test_real_shapes import VOCAB, FluxStepOfTheCollatesFields, _pixels
+
+    torch.manual_seed(0)
+
+    def batch(width: int, seed: int) -> Batch:
+        return {
+            "pixel_values": _pixels(2, 32, width, seed),
+            "tokens_one": ids_and_mask(2, vocab=VOCAB, seed=seed)[0],
+            "tokens_two": ids_and_mask(2, vocab=VOCAB, seed=seed + 50)[0],
+        }
+
+    return FluxStepOfTheCollatesFields(sigmas_by_index=True), batch, (32, 48)
+
+
+def _wan() -> tuple[Any, Callable[[int, int], Batch], tuple[int, int]]:
+    import torch
+
+    from examples.diffsynth.steps import wan_batch, wan_t2v_lora_step
+
+    step, _ = wan_t2v_lora_step(seed=0)
+
+    def batch(frames: int, seed: int) -> Batch:
+        sample = wan_batch(seed)
+        generator = torch.Generator().manual_seed(100 + seed)
+        sample["video"] = torch.rand(1, 3, frames, 32, 32, generator=generator) * 2 - 1
+        return sample
+
+    return step, batch, (5, 9)
+
+
+CASES = {"branch": _branch, "flux": _flux, "wan": _wan}
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
+def _cache_bytes(split: Any, batches: list[Batch], folder: Path) -> int:
+    import graphsplit
+
+    keyed = [
+        {
+            **batch,
+            "key": [f"{folder.name}-{i}-{row}" for row in range(len(batch[next(iter(batch))]))],
+        }
+        for i, batch in enumerate(batches)
+    ]
+    graphsplit.cache(split, keyed, folder, progress=False)
+    return _folder_bytes(folder)
+
+
+def measure(case: str, rounds: int, batches_per_shape: int) -> dict[str, Any]:
+    import graphsplit
+
+    step, make_batch, shapes = CASES[case]()
+    example, other = make_batch(shapes[0], 0), make_batch(shapes[1], 1)
+    split = graphsplit.split(step, kwargs=example)
+    assert split.plan_set is not None
+    timings = interleaved(
+        {
+            "first split": lambda: graphsplit.split(step, kwargs=example),
+            "new signature": lambda: split.plan_set._make_plan((), other),
+        },
+        rounds=rounds,
+    )
+    new_plan = split.plan_set._make_plan((), other)
+    assert new_plan.key != split.plans[0].key, "the second shape must need a plan of its own"
+    by_shape = {
+        shape: [make_batch(shape, 10 + i) for i in range(batches_per_shape)] for shape in shapes
+    }
+    samples = sum(len(b[next(iter(b))]) for batches in by_shape.values() for b in batches)
+    with tempfile.TemporaryDirectory() as folder:
+        root = Path(folder)
+        mixed_split = graphsplit.split(step, kwargs=example)
+        mixed = [batch for pair in zip(*by_shape.values(), strict=True) for batch in pair]
+        mixed_bytes = _cache_bytes(mixed_split, mixed, root / "mixed")
+        single_bytes = 0
+        for shape, batches in by_shape.items():
+            single_split = graphsplit.split(step, kwargs=batches[0])
+            single_bytes += _cache_bytes(single_split, batches, root / f"single-{shape}")
+    return {
+        "case": case,
+        "shapes": list(shapes),
+        "timings": timings.to_json(),
+        "new_over_first": {
+            clock: timings.ratio("new signature", "first split", clock).to_json()
+            for clock in ("wall", "cpu")
+        },
+        "first_split_s": timings.spread("first split").to_json(),
+        "new_signature_s": timings.spread("new signature").to_json(),
+        "samples": samples,
+        "bytes_per_sample": {
+            "one_mixed_cache": mixed_bytes / samples,
+            "one_cache_per_shape": single_bytes / samples,
+        },
+    }
+
+
+def to_markdown(results: list[dict[str, Any]]) -> str:
+    def cell(value: dict[str, float], spec: str) -> str:
+        return f"{value['median']:{spec}} (IQR {value['q1']:{spec}}–{value['q3']:{spec}})"
+
+    header = [
+        "case",
+        "shapes",
+        "first split, s",
+        "new signature's plan, s",
+        "new / first (wall)",
+        "new / first (CPU)",
+        "bytes/sample, one mixed cache",
+        "bytes/sample, a cache per shape",
+    ]
+    rows = [
+        [
+            r["case"],
+            " vs ".join(map(str, r["shapes"])),
+            cell(r["first_split_s"], ".2f"),
+            cell(r["new_signature_s"], ".2f"),
+            cell(r["new_over_first"]["wall"], ".2f"),
+            cell(r["new_over_first"]["cpu"], ".2f"),
+            f"{r['bytes_per_sample']['one_mixed_cache']:,.0f}",
+            f"{r['bytes_per_sample']['one_cache_per_shape']:,.0f}",
+        ]
+        for r in results
+    ]
+    return markdown_table(header, rows, "llrrrrrr")
+
+
+def main(argv: list[str] | None = None) -> int:
+    command = timing_options(parser("bench_signatures", __doc__), rounds=5)
+    command.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["flux", "wan"])
+    command.add_argument("--batches", type=int, default=4, help="cached batches per shape")
+    args = command.parse_args(argv)
+    rounds, batches = (1, 1) if args.quick else (args.rounds, args.batches)
+    cases = ["branch"] if args.quick else args.cases
+    with torch_threads(args.threads) as threads:
+        results = [measure(case, rounds, batches) for case in cases]
+    payload = report(
+        "signatures",
+        results,
+        {**environment("torch", "diffusers", "transformers", "diffsynth"), "threads": threads},
+    )
+    write_results(args.out, "signatures", payload, to_markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

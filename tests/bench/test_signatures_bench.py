@@ -1,0 +1,21 @@
+"""benchmarks/bench_signatures.py runs (--quick: the size-branch case, one round) and reports
+the new signature's plan time against the first split on both clocks, and the bytes per
+sample of one mixed cache against a cache per shape."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import bench_signatures
+
+
+def test_quick_run_reports_the_plan_ratio_and_the_bytes_per_sample(tmp_path):
+    assert bench_signatures.main(["--quick", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "signatures.json").read_text())
+    (row,) = payload["results"]
+    assert row["case"] == "branch" and row["shapes"] == [16, 24]
+    assert set(row["new_over_first"]) == {"wall", "cpu"}
+    assert row["new_over_first"]["wall"]["median"] > 0
+    assert row["samples"] == 4 and row["bytes_per_sample"]["one_mixed_cache"] > 0
+    markdown = (tmp_path / "signatures.md").read_text()
+    assert "new / first (wall)" in markdown and "| branch | 16 vs 24 |" in markdown
