@@ -22,6 +22,7 @@ from graphsplit.caching import (
     collate,
     verify_inputs,
 )
+from graphsplit.calls import CallSplit
 from graphsplit.errors import (
     GraphsplitError,
     MetaParameterError,
@@ -40,6 +41,7 @@ __all__ = [
     "CacheInfo",
     "CacheReport",
     "CachedDataset",
+    "CallSplit",
     "GraphsplitError",
     "MetaParameterError",
     "Split",
