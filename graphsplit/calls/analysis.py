@@ -28,6 +28,7 @@ class ProbedCall:
 
     call: CallId
     inputs: CallInputs
+    trainable_input: bool  # autograd's record, read off the live inputs (the copies have none)
     draws: bool
     mutates_inputs: bool
     structure: Structure | None
@@ -62,7 +63,8 @@ def probe(
         state = generators.snapshot()
         output = forward(*a, **kw)
         draws = generators.snapshot() != state
-        seen = ProbedCall(call, inputs, draws, [t._version for t in live] != before, None)
+        mutates = [t._version for t in live] != before
+        seen = ProbedCall(call, inputs, carries_grad(live), draws, mutates, None)
         try:
             seen.structure, seen.tensors = flatten(output)
             seen.versions = [t._version for t in seen.tensors.values()]
@@ -103,7 +105,7 @@ def _judge(seen: ProbedCall, other: ProbedCall | None, batch_size: int) -> CallV
     if seen.not_a_tensor is not None:
         error = seen.not_a_tensor
         return verdict(Verdict.NON_TENSOR, f"{error.where} is a {error.type_name}")
-    if carries_grad(seen.inputs.tensors()):
+    if seen.trainable_input:
         return verdict(Verdict.TRAINABLE_INPUT)
     if other is None:
         return verdict(Verdict.RANDOM_INPUT, "the other run made no such call")
