@@ -194,7 +194,7 @@ def split(
     except (TraceError, SplitError) as refusal:
         try:
             return split_calls(model, args, kwargs, frozen=frozen, reason=str(refusal))
-        except (TraceError, SplitError) as calls_refusal:
+        except Exception as calls_refusal:  # the step may not even run eagerly (meta weights)
             refusal.add_note(
                 'graphsplit also tried the module-level path (path="calls"), which refused '
                 f"too: {getattr(calls_refusal, 'reason', str(calls_refusal)).splitlines()[0]}"

@@ -20,7 +20,7 @@ from graphsplit.calls.call_plan import CallPlan, cached_call, input_spec
 from graphsplit.calls.call_report import CallSplit
 from graphsplit.calls.module_calls import frozen_modules
 from graphsplit.calls.stages import CallStage1, CallStage2
-from graphsplit.errors import Fix, SplitError, user_error
+from graphsplit.errors import Fix, GraphsplitError, SplitError, user_error
 from graphsplit.planning.step.callables import as_step_module
 from graphsplit.planning.step.frozen import FrozenSpec, resolve_frozen
 
@@ -59,9 +59,22 @@ def split_calls(
         ) from None
     inputs = tuple(input_spec(name, value) for name, value in values.items())
     batch_size = _batch_size(values)
-    with _grad_flags(named, trainable):
-        first = probe(module, step.args, step.kwargs, routed, SEEDS[0])
-        second = probe(module, step.args, step.kwargs, routed, SEEDS[1])
+    try:
+        with _grad_flags(named, trainable):
+            first = probe(module, step.args, step.kwargs, routed, SEEDS[0])
+            second = probe(module, step.args, step.kwargs, routed, SEEDS[1])
+    except GraphsplitError:
+        raise
+    except Exception as error:  # the user's step itself failed on the example batch
+        raise user_error(
+            SplitError,
+            "the module-level path runs the step on the example batch, and the step raised "
+            f"{type(error).__name__}: {error}",
+            fix=Fix(
+                "pass an example batch the step runs on, with the frozen weights loaded (not "
+                "on meta); the step must run outside torch.inference_mode()"
+            ),
+        ) from error
     verdicts = judge(first, second, batch_size)
     cached = {
         (v.path, v.index): cached_call(
