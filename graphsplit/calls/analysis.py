@@ -59,6 +59,7 @@ def probe(
     def record(call: CallId, module: nn.Module, forward: Any, a: tuple, kw: dict) -> Any:
         inputs = CallInputs.of(a, kw)
         live = [leaf for leaf in _leaves(a, kw) if isinstance(leaf, torch.Tensor)]
+        live += list(module.buffers())  # a call that writes its own buffers (running stats)
         before = [t._version for t in live]
         state = generators.snapshot()
         output = forward(*a, **kw)
@@ -91,9 +92,42 @@ def _leaves(args: tuple, kwargs: dict) -> list[Any]:
     return pytree.tree_leaves((args, kwargs))
 
 
-def judge(first: Probe, second: Probe, batch_size: int) -> list[CallVerdict]:
-    """Each call of ``first``, judged against the same call of ``second`` (another seed)."""
-    return [_judge(seen, second.calls.get(call), batch_size) for call, seen in first.calls.items()]
+def judge(
+    first: Probe, second: Probe, batch_size: int, alone: Probe | None = None
+) -> list[CallVerdict]:
+    """Each call of ``first``, judged against the same call of ``second`` (another seed) and,
+    when the batch has several samples, of ``alone`` (its first sample run by itself)."""
+    verdicts = []
+    for call, seen in first.calls.items():
+        verdict = _judge(seen, second.calls.get(call), batch_size)
+        if verdict.cached and alone is not None and is_batched(seen.inputs.tensors(), batch_size):
+            mixed = _mixed_fields(seen, alone.calls.get(call))
+            if mixed is not None:
+                verdict = CallVerdict(call[0], call[1], Verdict.MIXES_SAMPLES, mixed)
+        verdicts.append(verdict)
+    return verdicts
+
+
+# Row 0 of a batched kernel and the same row computed alone may differ in the last bits
+# (another blocking of the same sums); a call that mixes samples differs at the values' scale.
+ALONE_RTOL = 1e-4
+ALONE_ATOL = 1e-5
+
+
+def _mixed_fields(seen: ProbedCall, alone: ProbedCall | None) -> str | None:
+    """Which output fields' first row differs from the first sample run alone (None: none)."""
+    if alone is None:
+        return "the call is not made when the first sample runs alone"
+    differing = []
+    for name, tensor in seen.tensors.items():
+        other = alone.tensors.get(name)
+        row = tensor[:1]
+        same_kind = other is not None and other.shape == row.shape and other.dtype == row.dtype
+        if not same_kind or not torch.allclose(
+            row.detach().double(), other.detach().double(), rtol=ALONE_RTOL, atol=ALONE_ATOL
+        ):
+            differing.append(name)
+    return ", ".join(differing) if differing else None
 
 
 def _judge(seen: ProbedCall, other: ProbedCall | None, batch_size: int) -> CallVerdict:
@@ -115,7 +149,7 @@ def _judge(seen: ProbedCall, other: ProbedCall | None, batch_size: int) -> CallV
     if seen.draws or other.draws:
         return verdict(Verdict.DRAWS_ITSELF)
     if seen.mutates_inputs:
-        return verdict(Verdict.MUTATED, "the call mutates its inputs")
+        return verdict(Verdict.MUTATED, "the call mutates its inputs or its module's buffers")
     if seen.mutated_later or other.mutated_later:
         mutated = seen.mutated_later or other.mutated_later
         return verdict(Verdict.MUTATED, "the step mutates " + ", ".join(mutated) + " in place")

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from graphsplit.artifacts import BoundarySpec
-from graphsplit.calls.analysis import batch_dim, is_batched, judge, probe
+from graphsplit.calls.analysis import Probe, batch_dim, is_batched, judge, probe
 from graphsplit.calls.call_plan import CallPlan, cached_call, input_spec
 from graphsplit.calls.call_report import CallSplit
 from graphsplit.calls.module_calls import frozen_modules
@@ -63,6 +63,13 @@ def split_calls(
         with _grad_flags(named, trainable):
             first = probe(module, step.args, step.kwargs, routed, SEEDS[0])
             second = probe(module, step.args, step.kwargs, routed, SEEDS[1])
+            alone = None
+            if batch_size > 1:
+                one = _first_sample(signature, values, batch_size)
+                try:
+                    alone = probe(module, *one, routed, SEEDS[0])
+                except Exception:  # the step needs several samples: mixing is not disproved
+                    alone = Probe({}, None)
     except GraphsplitError:
         raise
     except Exception as error:  # the user's step itself failed on the example batch
@@ -75,7 +82,7 @@ def split_calls(
                 "on meta); the step must run outside torch.inference_mode()"
             ),
         ) from error
-    verdicts = judge(first, second, batch_size)
+    verdicts = judge(first, second, batch_size, alone)
     cached = {
         (v.path, v.index): cached_call(
             (v.path, v.index),
@@ -129,6 +136,23 @@ def split_calls(
         ],
         _model=module,
     )
+
+
+def _first_sample(
+    signature: inspect.Signature, values: dict[str, Any], batch_size: int
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example batch cut to its first sample: ``(args, kwargs)`` for the step."""
+    cut = {name: _first(value, batch_size) for name, value in values.items()}
+    bound = inspect.BoundArguments(signature, cut)  # type: ignore[arg-type]
+    return bound.args, bound.kwargs
+
+
+def _first(value: Any, batch_size: int) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch_size:
+        return value[:1]
+    if isinstance(value, list | tuple) and len(value) == batch_size:
+        return type(value)(value[:1]) if isinstance(value, list) else tuple(value[:1])
+    return value
 
 
 def _batch_size(values: dict[str, Any]) -> int:

@@ -16,6 +16,7 @@ class Verdict(enum.Enum):
     MUTATED = "mutated"
     NON_TENSOR = "non-tensor"
     NOT_PER_SAMPLE = "not-per-sample"
+    MIXES_SAMPLES = "mixes-samples"
 
     @property
     def why(self) -> str:
@@ -38,6 +39,10 @@ _WHY = {
     Verdict.NOT_PER_SAMPLE: (
         "its inputs depend on the batch but an output has no batch dimension first "
         "(it would not cache per sample)"
+    ),
+    Verdict.MIXES_SAMPLES: (
+        "a sample's output differs when the sample is run alone (the call mixes the samples "
+        "of a batch, as batch statistics do), so a cached row would depend on its batch"
     ),
 }
 

@@ -190,3 +190,62 @@ def test_stage1_leaves_every_generator_where_it_was():
         return torch.rand(1).item(), np.random.rand(), random.random()
 
     assert seed_and_draw(run_stage1=True) == seed_and_draw(run_stage1=False)
+
+
+class BatchStatistics(Frozen):
+    """A frozen encoder that normalises over the batch: a cached row would depend on its batch."""
+
+    def forward(self, x):
+        h = self.encoder(x)
+        return self.head(h - h.mean(dim=0, keepdim=True)).sum()
+
+
+class MixingEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(HIDDEN, HIDDEN).requires_grad_(False)
+
+    def forward(self, x):
+        h = self.linear(x)
+        return h - h.mean(dim=0, keepdim=True)
+
+
+class MixesSamples(Frozen):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = MixingEncoder()
+
+    def forward(self, x):
+        return self.head(self.encoder(x)).sum()
+
+
+class RunningStats(Frozen):
+    """A frozen BatchNorm left in training mode writes its running statistics every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.BatchNorm1d(HIDDEN).requires_grad_(False)
+
+    def forward(self, x):
+        return self.head(self.encoder(x)).sum()
+
+
+def test_a_call_that_mixes_the_batch_samples_is_not_cached():
+    with pytest.raises(graphsplit.SplitError) as caught:
+        graphsplit.split(MixesSamples(), (torch.randn(3, HIDDEN),), path="calls")
+    assert f"encoder call 0: {Verdict.MIXES_SAMPLES.why} (out)" in str(caught.value)
+
+
+def test_batch_statistics_outside_the_frozen_call_are_stage_2_work():
+    step = BatchStatistics()
+    x = torch.randn(3, HIDDEN)
+    split = graphsplit.split(step, (x,), path="calls")
+    assert split.plan.verdicts[0].verdict is Verdict.CACHED
+    assert all(c.ok for c in graphsplit.verify(step, split, (x,)))
+
+
+def test_a_call_that_writes_its_modules_buffers_is_not_cached():
+    with pytest.raises(graphsplit.SplitError) as caught:
+        graphsplit.split(RunningStats(), (torch.randn(3, HIDDEN),), path="calls")
+    detail = "(the call mutates its inputs or its module's buffers)"
+    assert f"encoder call 0: {Verdict.MUTATED.why} {detail}" in str(caught.value)
