@@ -95,33 +95,51 @@ def _leaves(args: tuple, kwargs: dict) -> list[Any]:
 def judge(
     first: Probe, second: Probe, batch_size: int, alone: Probe | None = None
 ) -> list[CallVerdict]:
-    """Each call of ``first``, judged against the same call of ``second`` (another seed) and,
-    when the batch has several samples, of ``alone`` (its first sample run by itself)."""
+    """Each call of ``first``, judged against the same call of ``second`` (another seed) and
+    of ``alone`` (the batch's last sample run by itself; None at batch size 1).
+
+    A call with a batched input caches per sample: its last row must be what the last sample
+    gives alone (else it mixes samples). A call without one would be stored once, as a
+    constant: its inputs must be the same when another sample runs (else they depend on the
+    sample, without a batch dimension: a per-sample loop's call), and at batch size 1, where
+    no other sample can run, such a call is not cached.
+    """
     verdicts = []
     for call, seen in first.calls.items():
         verdict = _judge(seen, second.calls.get(call), batch_size)
-        if verdict.cached and alone is not None and is_batched(seen.inputs.tensors(), batch_size):
-            mixed = _mixed_fields(seen, alone.calls.get(call))
-            if mixed is not None:
-                verdict = CallVerdict(call[0], call[1], Verdict.MIXES_SAMPLES, mixed)
+        if verdict.cached:
+            other = None if alone is None else alone.calls.get(call)
+            if is_batched(seen.inputs.tensors(), batch_size):
+                mixed = None if alone is None else _mixed_fields(seen, other)
+                if mixed is not None:
+                    verdict = CallVerdict(call[0], call[1], Verdict.MIXES_SAMPLES, mixed)
+            elif seen.inputs.tensors() and (
+                other is None or seen.inputs.difference(other.inputs) is not None
+            ):
+                detail = (
+                    "an unbatched input may depend on the sample: split with two or more samples"
+                    if alone is None
+                    else "an unbatched input changes with the sample (a per-sample call)"
+                )
+                verdict = CallVerdict(call[0], call[1], Verdict.NOT_PER_SAMPLE, detail)
         verdicts.append(verdict)
     return verdicts
 
 
-# Row 0 of a batched kernel and the same row computed alone may differ in the last bits
+# A row of a batched kernel and the same row computed alone may differ in the last bits
 # (another blocking of the same sums); a call that mixes samples differs at the values' scale.
 ALONE_RTOL = 1e-4
 ALONE_ATOL = 1e-5
 
 
 def _mixed_fields(seen: ProbedCall, alone: ProbedCall | None) -> str | None:
-    """Which output fields' first row differs from the first sample run alone (None: none)."""
+    """Which output fields' last row differs from the last sample run alone (None: none)."""
     if alone is None:
-        return "the call is not made when the first sample runs alone"
+        return "the call is not made when the last sample runs alone"
     differing = []
     for name, tensor in seen.tensors.items():
         other = alone.tensors.get(name)
-        row = tensor[:1]
+        row = tensor[-1:]
         same_kind = other is not None and other.shape == row.shape and other.dtype == row.dtype
         if not same_kind or not torch.allclose(
             row.detach().double(), other.detach().double(), rtol=ALONE_RTOL, atol=ALONE_ATOL

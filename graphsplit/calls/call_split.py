@@ -65,7 +65,7 @@ def split_calls(
             second = probe(module, step.args, step.kwargs, routed, SEEDS[1])
             alone = None
             if batch_size > 1:
-                one = _first_sample(signature, values, batch_size)
+                one = _last_sample(signature, values, batch_size)
                 try:
                     alone = probe(module, *one, routed, SEEDS[0])
                 except Exception:  # the step needs several samples: mixing is not disproved
@@ -138,20 +138,21 @@ def split_calls(
     )
 
 
-def _first_sample(
+def _last_sample(
     signature: inspect.Signature, values: dict[str, Any], batch_size: int
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The example batch cut to its first sample: ``(args, kwargs)`` for the step."""
-    cut = {name: _first(value, batch_size) for name, value in values.items()}
+    """The example batch cut to its last sample: ``(args, kwargs)`` for the step. The last,
+    not the first: a per-sample loop's call 0 then sees another sample than in the batch."""
+    cut = {name: _last(value, batch_size) for name, value in values.items()}
     bound = inspect.BoundArguments(signature, cut)  # type: ignore[arg-type]
     return bound.args, bound.kwargs
 
 
-def _first(value: Any, batch_size: int) -> Any:
+def _last(value: Any, batch_size: int) -> Any:
     if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch_size:
-        return value[:1]
+        return value[-1:]
     if isinstance(value, list | tuple) and len(value) == batch_size:
-        return type(value)(value[:1]) if isinstance(value, list) else tuple(value[:1])
+        return list(value[-1:]) if isinstance(value, list) else tuple(value[-1:])
     return value
 
 

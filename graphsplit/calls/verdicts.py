@@ -41,7 +41,7 @@ _WHY = {
         "(it would not cache per sample)"
     ),
     Verdict.MIXES_SAMPLES: (
-        "a sample's output differs when the sample is run alone (the call mixes the samples "
+        "a sample's output differs when the sample runs alone (the call mixes the samples "
         "of a batch, as batch statistics do), so a cached row would depend on its batch"
     ),
 }

@@ -249,3 +249,61 @@ def test_a_call_that_writes_its_modules_buffers_is_not_cached():
         graphsplit.split(RunningStats(), (torch.randn(3, HIDDEN),), path="calls")
     detail = "(the call mutates its inputs or its module's buffers)"
     assert f"encoder call 0: {Verdict.MUTATED.why} {detail}" in str(caught.value)
+
+
+class PerSampleCalls(Frozen):
+    """The frozen encoder called once per sample on an unbatched row: no call may be stored
+    once as a constant (each depends on its sample)."""
+
+    def forward(self, x):
+        rows = [self.encoder(row) for row in x]
+        return self.head(torch.stack(rows)).sum()
+
+
+class ConstantCall(Frozen):
+    """A frozen call on a per-dataset constant (InstructPix2Pix's null conditioning)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("null", torch.zeros(1, HIDDEN))
+
+    def forward(self, x):
+        null = self.encoder(self.null)
+        return self.head(x + null).sum()
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_per_sample_calls_on_unbatched_rows_are_never_cached_as_constants(size):
+    with pytest.raises(graphsplit.SplitError) as caught:
+        graphsplit.split(PerSampleCalls(), (torch.randn(size, HIDDEN),), path="calls")
+    message = str(caught.value)
+    assert f"encoder call 0: {Verdict.NOT_PER_SAMPLE.why}" in message
+    assert "cached" not in message.split("fix:")[0].replace("be cached", "")
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_call_on_a_constant_is_cached_once(size):
+    step = ConstantCall()
+    x = torch.randn(size, HIDDEN)
+    split = graphsplit.split(step, (x,), path="calls")
+    assert split.boundary["encoder__0__out"].batch_dim is None
+    assert all(c.ok for c in graphsplit.verify(step, split, (x,)))
+
+
+class UnbatchedConstantCall(ConstantCall):
+    def __init__(self) -> None:
+        super().__init__()
+        self.null = torch.zeros(HIDDEN)
+
+
+def test_a_call_on_a_constant_at_batch_one_is_not_cached_and_says_why():
+    with pytest.raises(graphsplit.SplitError, match="split with two or more samples"):
+        graphsplit.split(UnbatchedConstantCall(), (torch.randn(1, HIDDEN),), path="calls")
+
+
+def test_at_batch_one_a_call_whose_input_has_size_one_first_caches_per_sample():
+    step = ConstantCall()
+    x = torch.randn(1, HIDDEN)
+    split = graphsplit.split(step, (x,), path="calls")
+    assert split.boundary["encoder__0__out"].batch_dim == 0
+    assert all(c.ok for c in graphsplit.verify(step, split, (x,)))
