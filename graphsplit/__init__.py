@@ -23,6 +23,7 @@ from graphsplit.caching import (
     collate,
     verify_inputs,
 )
+from graphsplit.calls import CallSplit
 from graphsplit.errors import (
     GraphsplitError,
     MetaParameterError,
@@ -41,6 +42,7 @@ __all__ = [
     "CacheInfo",
     "CacheReport",
     "CachedDataset",
+    "CallSplit",
     "GraphsplitError",
     "LiveCache",
     "MetaParameterError",

@@ -16,12 +16,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch.fx as fx
 from torch import nn
 
 from graphsplit.artifacts import BoundarySpec, Cut
+from graphsplit.calls import CallSplit, split_calls
+from graphsplit.errors import Fix, SplitError, TraceError, user_error
 from graphsplit.planning.codegen.stages import build_stage1, build_stage2, standalone_source
 from graphsplit.planning.cut.boundary import boundary_specs, choose_boundary
 from graphsplit.planning.cut.recompute import Recompute, check_recompute
@@ -55,6 +57,8 @@ class Split:
     model_name: str = ""
     notes: list[str] = field(default_factory=list)
     _model: nn.Module | None = field(default=None, repr=False)
+    # Which path made the split: "trace" (this class) or "calls" (graphsplit.calls.CallSplit).
+    path: str = "trace"
     # The plans by signature, and the dispatch between them (graphsplit.signatures.dispatch).
     plan_set: PlanSet | None = field(default=None, repr=False)
 
@@ -97,6 +101,11 @@ class Split:
         return folder
 
 
+SplitPath = Literal["auto", "trace", "calls"]
+"""Which path :func:`split` takes (see its ``path`` argument)."""
+PATHS: tuple[str, ...] = get_args(SplitPath)
+
+
 @one_planning_at_a_time  # the trace patches the process: concurrent splits wait (patcher.py)
 def split(
     model: nn.Module | Callable[..., Any],
@@ -106,7 +115,8 @@ def split(
     frozen: FrozenSpec = None,
     recompute: Recompute = "never",
     max_plans: int = DEFAULT_MAX_PLANS,
-) -> Split:
+    path: SplitPath = "auto",
+) -> Split | CallSplit:
     """Split a training step (raw batch -> loss) into a cacheable stage 1 and a training stage 2.
 
     Args:
@@ -134,8 +144,17 @@ def split(
             never need one. A batch that would need plan ``max_plans + 1`` is a SplitError
             naming the values that vary and the lines that read them.
 
+        path: which path splits the step. ``"trace"``: the whole-step trace (a cut anywhere in
+            the step's graph, stage 2 generated code). ``"calls"``: the module-level path
+            (:mod:`graphsplit.calls`): the outputs of frozen module calls whose inputs are a
+            function of the sample alone are cached, and stage 2 runs the step's own Python
+            with those calls answered from the cache. ``"auto"`` (default): the trace, and
+            where it refuses the step, the module-level path; ``report()`` says which path was
+            taken and why.
+
     Returns:
-        :class:`Split` with ``stage1``, ``stage2``, ``boundary``, ``report()``, ``save_code()``.
+        :class:`Split` with ``stage1``, ``stage2``, ``boundary``, ``report()``, ``save_code()``;
+        a :class:`~graphsplit.calls.CallSplit` (the same methods) from the module-level path.
 
     Raises:
         TraceError: the step cannot be traced for every batch (control flow on tensor values,
@@ -160,6 +179,38 @@ def split(
         True
     """
     check_recompute(recompute)
+    if path not in PATHS:
+        raise user_error(
+            SplitError,
+            f"path={path!r} is not a path graphsplit.split knows.",
+            fix=Fix('pass path="auto" (default), "trace" or "calls"'),
+        )
+    if path == "calls":
+        return split_calls(model, args, kwargs, frozen=frozen)
+    if path == "trace":
+        return _split_traced(model, args, kwargs, frozen, recompute, max_plans)
+    try:
+        return _split_traced(model, args, kwargs, frozen, recompute, max_plans)
+    except (TraceError, SplitError) as refusal:
+        try:
+            return split_calls(model, args, kwargs, frozen=frozen, reason=str(refusal))
+        except Exception as calls_refusal:  # the step may not even run eagerly (meta weights)
+            refusal.add_note(
+                'graphsplit also tried the module-level path (path="calls"), which refused '
+                f"too: {getattr(calls_refusal, 'reason', str(calls_refusal)).splitlines()[0]}"
+            )
+            raise refusal from calls_refusal
+
+
+def _split_traced(
+    model: nn.Module | Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+    frozen: FrozenSpec,
+    recompute: Recompute,
+    max_plans: int,
+) -> Split:
+    """The whole-step trace's split (``path="trace"``)."""
     # 0. A function or bound method becomes a module whose forward calls it (same objects).
     step = as_step_module(model, args, dict(kwargs or {}))
     model = step.module

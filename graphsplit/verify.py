@@ -1,6 +1,7 @@
 """``graphsplit.verify``: prove on real data that the two stages train exactly like the model.
 
-Runs ``model(*args)`` and ``stage2(**stage1(*args))`` from the same RNG seed, backpropagates
+Runs ``model(*args)`` and ``stage2(**stage1(*args))`` from the same seed of every generator a
+step draws from (torch, numpy's global generator, Python's ``random``), backpropagates
 through both, and compares every output tensor and the gradient of every trainable parameter.
 Gradients already stored on the parameters are restored afterwards.
 """
@@ -16,6 +17,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from graphsplit.api import Split
+from graphsplit.calls import CallSplit
+from graphsplit.calls.generators import seed_all
 from graphsplit.errors import Fix, VerifyError, user_error
 from graphsplit.planning.step.callables import as_step_module
 
@@ -43,7 +46,7 @@ class Comparison:
 
 def verify(
     model: nn.Module | Callable[..., Any],
-    split: Split,
+    split: Split | CallSplit,
     args: tuple[Any, ...] = (),
     kwargs: dict[str, Any] | None = None,
     *,
@@ -110,7 +113,7 @@ def _run(
 ) -> tuple[Any, dict[str, torch.Tensor | None]]:
     for _, param in params:
         param.grad = None
-    torch.manual_seed(seed)
+    seed_all(seed)  # torch, numpy and random: SpecAugment-style masks draw with np.random
     out = step()
     differentiable = [
         leaf

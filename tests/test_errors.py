@@ -71,7 +71,7 @@ class BranchOnTensorValue(Step):
 
 def test_control_flow_on_a_tensor_value():
     with pytest.raises(TraceError) as caught:
-        graphsplit.split(BranchOnTensorValue(), (batch(3, 4),))
+        graphsplit.split(BranchOnTensorValue(), (batch(3, 4),), path="trace")
     assert "control flow depends on the value of a tensor" in str(caught.value)
     assert_names_node_source_and_fix(
         caught.value, "gt", BranchOnTensorValue.forward, "if latents.sum() > 0"
@@ -88,7 +88,7 @@ class ReadsItem(Step):
 
 def test_item_reads_a_tensor_value():
     with pytest.raises(TraceError) as caught:
-        graphsplit.split(ReadsItem(), (batch(3, 4),))
+        graphsplit.split(ReadsItem(), (batch(3, 4),), path="trace")
     assert "reads the value of a tensor" in str(caught.value)
     assert_names_node_source_and_fix(caught.value, "item", ReadsItem.forward, ".item()")
     assert ".item()" in message_lines(caught.value)["fix"]
@@ -116,7 +116,7 @@ class NumpyRandom(Step):
 )
 def test_randomness_drawn_while_tracing(step, generator, text):
     with pytest.raises(TraceError) as caught:
-        graphsplit.split(step(), (batch(3, 4),))
+        graphsplit.split(step(), (batch(3, 4),), path="trace")
     message = str(caught.value)
     assert "Random numbers were drawn while tracing" in message
     assert "replays torch's random functions in stage 2" in message
@@ -168,7 +168,7 @@ class BatchSizeAsPythonNumber(Step):
 )
 def test_python_control_flow_on_the_batch_size(step, text):
     with pytest.raises(TraceError) as caught:
-        graphsplit.split(step(), (batch(3, 4),))
+        graphsplit.split(step(), (batch(3, 4),), path="trace")
     message = str(caught.value)
     assert "batch size" in message.splitlines()[0]
     parts = message_lines(caught.value)
@@ -296,13 +296,13 @@ def test_example_batch_that_does_not_match_forward():
 
 def test_forward_with_star_args():
     with pytest.raises(SplitError, match=r"StarArgs.forward takes \*inputs") as caught:
-        graphsplit.split(StarArgs(), (batch(3, 4),))
+        graphsplit.split(StarArgs(), (batch(3, 4),), path="trace")
     assert "fix:" in str(caught.value)
 
 
 def test_example_batch_without_a_batched_tensor():
     with pytest.raises(SplitError, match="no tensor with a batch dimension") as caught:
-        graphsplit.split(NoBatchedTensor(), (2.0,))
+        graphsplit.split(NoBatchedTensor(), (2.0,), path="trace")
     assert "fix:" in str(caught.value)
 
 

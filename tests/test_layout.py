@@ -45,6 +45,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("graphsplit.planning",),
     ("graphsplit.signatures",),
     ("graphsplit.report",),
+    ("graphsplit.calls",),
     ("graphsplit.api",),
     ("graphsplit.verify",),
     ("graphsplit.caching.format",),

@@ -17,6 +17,7 @@ PUBLIC_NAMES = [
     "CacheInfo",
     "CacheReport",
     "CachedDataset",
+    "CallSplit",
     "GraphsplitError",
     "LiveCache",
     "MetaParameterError",
@@ -39,10 +40,12 @@ SIGNATURES = {
     "split": (
         "(model: 'nn.Module | Callable[..., Any]', args: 'tuple[Any, ...]' = (), "
         "kwargs: 'dict[str, Any] | None' = None, *, frozen: 'FrozenSpec' = None, "
-        "recompute: 'Recompute' = 'never', max_plans: 'int' = 8) -> 'Split'"
+        "recompute: 'Recompute' = 'never', max_plans: 'int' = 8, path: 'SplitPath' = 'auto') "
+        "-> 'Split | CallSplit'"
     ),
     "verify": (
-        "(model: 'nn.Module | Callable[..., Any]', split: 'Split', args: 'tuple[Any, ...]' = (), "
+        "(model: 'nn.Module | Callable[..., Any]', split: 'Split | CallSplit', "
+        "args: 'tuple[Any, ...]' = (), "
         "kwargs: 'dict[str, Any] | None' = None, *, seed: 'int' = 0, rtol: 'float' = 0.0, "
         "atol: 'float' = 0.0) -> 'list[Comparison]'"
     ),
@@ -145,6 +148,14 @@ def test_bucket_sampler_methods_are_pinned(name):
 def test_split_attributes_are_pinned():
     fields = list(inspect.signature(graphsplit.Split).parameters)
     assert fields[:5] == ["stage1", "stage2", "boundary", "input_names", "trainable"]
+
+
+def test_a_module_level_split_has_the_methods_of_a_split():
+    """The rest of graphsplit (cache, CachedDataset, verify) reads these of either path's split."""
+    fields = list(inspect.signature(graphsplit.CallSplit).parameters)
+    assert fields[:5] == ["stage1", "stage2", "boundary", "input_names", "trainable"]
+    for name in SPLIT_METHODS:
+        assert inspect.getdoc(getattr(graphsplit.CallSplit, name)), name
 
 
 def test_boundary_spec_fields_are_pinned():

@@ -81,6 +81,10 @@ def _inspect(args: argparse.Namespace) -> int:
     print(parts.report())
     out = Path(args.out)
     parts.save_code(out)
+    written = sorted(path.name for path in out.iterdir() if path.is_file())
+    if getattr(parts, "path", "trace") != "trace":  # the module-level path has no graph to draw
+        print(f"\nwrote {', '.join(written)} to {out}")
+        return EXIT_OK
     page = render_split(parts, out)
     written = sorted(path.name for path in out.iterdir() if path.is_file())
     print(f"\nwrote {', '.join(written)} to {out}  (open {page} to see the split)")

@@ -273,7 +273,7 @@ def _batch(size: int, *, with_prompts: bool = True) -> tuple:
 def test_flux_get_sigmas_loop_over_timesteps_is_refused_at_its_line():
     torch.manual_seed(0)
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(FluxFineTuneStep(), _batch(2))
+        graphsplit.split(FluxFineTuneStep(), _batch(2), path="trace")
     message = str(caught.value)
     assert line_of(FluxFineTuneStep.get_sigmas, "nonzero().item()") in message
     assert "fix:" in message and "replace .item()/.tolist()" in message

@@ -236,7 +236,7 @@ def _batch(size: int) -> tuple[torch.Tensor, ...]:
 def test_qwen_image_with_the_pipeline_prompt_split_is_refused_at_batch_two_naming_the_fix():
     torch.manual_seed(0)
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(QwenImageLoRAStep(), _batch(2))
+        graphsplit.split(QwenImageLoRAStep(), _batch(2), path="trace")
     message = str(caught.value)
     assert "QwenImageLoRAStep._get_qwen_prompt_embeds reads tensor values and mixes" in message
     assert line_of(QwenImageLoRAStep, "self._extract_masked_hidden(hidden_states") in message

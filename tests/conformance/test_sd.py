@@ -255,7 +255,7 @@ def test_sdxl_time_ids_built_by_a_python_loop_over_the_batch_are_refused_at_the_
     # analysed, and the time ids were silently stored once for the whole dataset).
     torch.manual_seed(0)
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(SDXLLoRAStep(), _sdxl_batch(2))
+        graphsplit.split(SDXLLoRAStep(), _sdxl_batch(2), path="trace")
     message = str(caught.value)
     assert "depends on the batch size" in message
     assert line_of(SDXLLoRAStep, "for s, c in zip(original_sizes, crop_top_lefts)") in message

@@ -103,7 +103,7 @@ def test_a_step_that_runs_at_any_batch_size_keeps_the_general_plan_from_a_batch_
 def test_a_batch_one_only_step_given_a_bigger_example_fails_with_its_own_error():
     x, target = torch.randn(2, 8), torch.randn(2, 6)
     with pytest.raises(graphsplit.TraceError, match="shape '\\[1, 2, 3\\]' is invalid"):
-        graphsplit.split(BatchOneOnly(), (x, target))
+        graphsplit.split(BatchOneOnly(), (x, target), path="trace")
 
 
 class ReadsAValue(nn.Module):

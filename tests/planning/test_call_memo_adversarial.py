@@ -33,7 +33,7 @@ def _plan(parts: graphsplit.Split) -> tuple:
 
 def _split_or_error(model: nn.Module, args: tuple) -> graphsplit.Split | tuple[type, str]:
     try:
-        return graphsplit.split(model, args)
+        return graphsplit.split(model, args, path="trace")
     except graphsplit.GraphsplitError as exc:
         return type(exc), str(exc)
 

@@ -62,7 +62,7 @@ def test_a_batch_larger_than_the_chunk_stops_at_the_loop():
 
 def test_a_loop_whose_count_follows_the_batch_is_still_refused():
     with pytest.raises(TraceError, match="depends on the batch size") as caught:
-        graphsplit.split(ChunkedEncoder(chunk=2, step=2), (batch(2, 3, 8, 8),))
+        graphsplit.split(ChunkedEncoder(chunk=2, step=2), (batch(2, 3, 8, 8),), path="trace")
     assert line_of(ChunkedEncoder.forward, "for i in range(") in str(caught.value)
 
 

@@ -30,7 +30,7 @@ def _xy(size: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _refusal(model: nn.Module, args: tuple) -> str:
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(model, args)
+        graphsplit.split(model, args, path="trace")
     return str(caught.value)
 
 

@@ -189,7 +189,7 @@ def test_an_int_argument_of_the_step_is_not_baked_it_may_change_every_call():
             return self.head(self.encoder(x)).sum() * global_step
 
     with pytest.raises(SplitError) as caught:
-        graphsplit.split(ScaledByArgument(), (batch(2, 4), 3))
+        graphsplit.split(ScaledByArgument(), (batch(2, 4), 3), path="trace")
     message = str(caught.value)
     assert "Stage 2 needs this value, a builtins.int, but it is not a tensor" in message
     assert "global_step" in message

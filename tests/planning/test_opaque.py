@@ -223,7 +223,7 @@ class TrimsTrainableStates(TrimsWithToList):
 
 def test_value_dependent_code_on_a_trainable_value_is_refused_naming_the_line_and_fix():
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(TrimsTrainableStates(), prompts(3))
+        graphsplit.split(TrimsTrainableStates(), prompts(3), path="trace")
     message = str(caught.value)
     assert "TrimsTrainableStates.trim reads tensor values" in message
     assert "depend on a trainable parameter" in message
@@ -248,7 +248,7 @@ class ReadsTheHeadInside(TrimsWithToList):
 
 def test_an_opaque_function_reading_a_trainable_parameter_is_refused():
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(ReadsTheHeadInside(), prompts(3))
+        graphsplit.split(ReadsTheHeadInside(), prompts(3), path="trace")
     message = str(caught.value)
     assert "reads the trainable parameter head.weight" in message
     assert line_of(ReadsTheHeadInside.encode, ".tolist()") in message
@@ -268,7 +268,7 @@ def test_an_opaque_function_drawing_random_numbers_is_refused_and_the_rng_does_n
     step, batch = DrawsInside(), prompts(3)
     before = torch.get_rng_state()
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(step, batch)
+        graphsplit.split(step, batch, path="trace")
     assert torch.equal(torch.get_rng_state(), before)
     message = str(caught.value)
     assert "DrawsInside.encode reads tensor values" in message
@@ -282,7 +282,7 @@ def test_an_opaque_function_whose_frozen_weights_are_on_meta_is_refused_with_wha
     with torch.device("meta"):
         step.embed = frozen(nn.Embedding(VOCAB, WIDTH))
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(step, prompts(3))
+        graphsplit.split(step, prompts(3), path="trace")
     message = str(caught.value)
     assert "the frozen tensor embed.weight is on the meta device" in message
     assert "runs it once on the example batch" in message
@@ -306,7 +306,7 @@ class PadsToTheLongest(TrimsWithToList):
 
 def test_batch_mixing_opaque_code_is_refused_at_batch_two_and_splits_at_batch_one():
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(PadsToTheLongest(), prompts(3))
+        graphsplit.split(PadsToTheLongest(), prompts(3), path="trace")
     message = str(caught.value)
     assert "PadsToTheLongest.encode reads tensor values and mixes the samples" in message
     assert line_of(PadsToTheLongest.encode, ".tolist()") in message
@@ -388,7 +388,7 @@ def test_an_opaque_function_writing_the_models_buffers_is_refused_and_the_write_
     step = NormalisesInTrainMode()
     before = {name: buffer.clone() for name, buffer in step.norm.named_buffers()}
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(step, prompts(1))
+        graphsplit.split(step, prompts(1), path="trace")
     message = str(caught.value)
     assert "writes into the model's norm.num_batches_tracked, norm.running_mean" in message
     assert line_of(NormalisesInTrainMode.encode, ".tolist()") in message
@@ -414,7 +414,7 @@ class MixesBeforeTheCall(TrimsWithToList):
 
 def test_an_opaque_call_the_analysis_finds_tainted_is_refused():
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(MixesBeforeTheCall(), prompts(3))
+        graphsplit.split(MixesBeforeTheCall(), prompts(3), path="trace")
     message = str(caught.value)
     assert "MixesBeforeTheCall.trim reads tensor values, so it can only run eagerly" in message
     assert "its value must be computed every step (mixing: mixes samples" in message
@@ -467,7 +467,9 @@ def test_a_frozen_leaf_module_whose_forward_reads_values_runs_as_one_opaque_call
 
 def test_a_frozen_leaf_module_that_mixes_samples_is_refused_at_batch_three():
     with pytest.raises(TensorValueError) as caught:
-        graphsplit.split(CallsAModuleThatReads(ScalesTheBatch()), (torch.randn(3, 4),))
+        graphsplit.split(
+            CallsAModuleThatReads(ScalesTheBatch()), (torch.randn(3, 4),), path="trace"
+        )
     message = str(caught.value)
     assert "ScalesTheBatch.forward reads tensor values and mixes the samples" in message
     assert line_of(ScalesTheBatch.forward, "x.sum() > 0") in message

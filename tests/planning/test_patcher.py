@@ -375,5 +375,5 @@ def test_after_a_split_that_succeeds_the_process_is_as_before():
 def test_after_a_split_that_fails_the_process_is_as_before(model, error, match):
     before = _snapshot()
     with pytest.raises(error, match=match):
-        graphsplit.split(model, (batch(3, 4),))
+        graphsplit.split(model, (batch(3, 4),), path="trace")
     _assert_as_before(before)

@@ -210,7 +210,7 @@ def test_a_module_with_parameters_created_inside_forward_is_refused_naming_the_l
     model = ProjectionMadeInForward()
     state = torch.get_rng_state()
     with pytest.raises(TraceError) as caught:
-        graphsplit.split(model, (batch(3, 4),))
+        graphsplit.split(model, (batch(3, 4),), path="trace")
     message = str(caught.value)
     assert "Linear that is not a submodule of the model" in message
     assert "holds parameters (weight, ...)" in message

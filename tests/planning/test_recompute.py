@@ -314,7 +314,7 @@ class FrozenLayerOnAFoldedBatch(nn.Module):
 def test_redoing_a_frozen_layer_can_be_the_only_exact_split():
     model = FrozenLayerOnAFoldedBatch()
     with pytest.raises(SplitError, match="does not hold one row per sample"):
-        graphsplit.split(model, (batch(3, 4),), recompute="never")
+        graphsplit.split(model, (batch(3, 4),), recompute="never", path="trace")
     split = split_and_verify(model, (batch(3, 4),), recompute="auto")
     assert boundary_summary(split) == {"x": ((3, 4), 0, 16)}
     trade = split.cut.recomputation

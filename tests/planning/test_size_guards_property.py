@@ -173,7 +173,7 @@ def test_a_reading_in_the_trainable_part_is_checked_by_stage_2(kind):
 
 def test_a_size_as_a_dict_key_is_refused_at_split_time_at_its_line():
     with pytest.raises(SplitError) as caught:
-        graphsplit.split(SizeStep(("key",), ()), (_pixels(16),))
+        graphsplit.split(SizeStep(("key",), ()), (_pixels(16),), path="trace")
     message = str(caught.value)
     assert f"{line_of(SizeStep.use, '{16: 1.0, 17: 2.0')}  " in message
     assert "Python dict" in message and "fix:" in message

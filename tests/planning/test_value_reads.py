@@ -139,7 +139,7 @@ def reads_scores(scores, target):
 
 def test_a_value_read_of_trainable_data_stays_an_error_naming_the_line():
     with pytest.raises(TensorValueError) as caught:
-        graphsplit.split(ReadsTheHeadsOutput(), kwargs=prompt(4))
+        graphsplit.split(ReadsTheHeadsOutput(), kwargs=prompt(4), path="trace")
     message = str(caught.value)
     assert line_of(reads_scores, ".item()") in message
     assert "fix:    replace .item()/.tolist()/nonzero-style code with tensor ops" in message
@@ -160,7 +160,7 @@ def test_a_value_read_of_a_random_draw_is_refused_and_the_rng_does_not_move():
     torch.manual_seed(3)
     before = torch.get_rng_state()
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(step, kwargs=batch)
+        graphsplit.split(step, kwargs=batch, path="trace")
     assert torch.equal(torch.get_rng_state(), before)
     message = str(caught.value)
     assert line_of(reads_a_draw, ".item()") in message
@@ -170,7 +170,7 @@ def test_a_value_read_of_a_random_draw_is_refused_and_the_rng_does_not_move():
 def test_at_batch_two_a_value_read_is_not_answered_and_names_the_line():
     """With several samples per batch the value would be the batch's: no other batch matches."""
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(ReadsPromptLengths(), kwargs=prompt(4, size=2))
+        graphsplit.split(ReadsPromptLengths(), kwargs=prompt(4, size=2), path="trace")
     message = str(caught.value)
     assert line_of(model_fn, ".tolist()") in message or "model_fn" in message
     assert "fix:" in message
@@ -189,7 +189,7 @@ def test_a_value_read_needing_frozen_weights_on_meta_is_refused_with_what_to_do(
     step = ReadsEncoded()
     step.embed.to("meta")
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(step, kwargs=prompt(4))
+        graphsplit.split(step, kwargs=prompt(4), path="trace")
     message = str(caught.value)
     assert "is on the meta device" in message
     assert line_of(model_fn, ".tolist()") in message

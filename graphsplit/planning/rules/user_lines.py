@@ -22,7 +22,9 @@ import torch
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 # The package root (this file is graphsplit/planning/rules/user_lines.py): every graphsplit frame.
-_GRAPHSPLIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_GRAPHSPLIT_DIR = (
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+)
 # The standard library (contextlib, functools): never where the user wrote the operation. In
 # an installation without a virtual environment, site-packages sits inside it: not internal.
 _STDLIB_DIRS = tuple(

@@ -1,0 +1,187 @@
+"""Probe the step: run it twice under different seeds and judge each frozen module call.
+
+:func:`probe` runs the step once with every frozen module's outermost calls routed
+(:mod:`.module_calls`) and records, per call, its inputs (:mod:`.provenance`), whether it drew
+random numbers (:mod:`.generators`), whether it mutated its inputs, its outputs (:mod:`.outputs`)
+and, at the end of the run, whether the step mutated those outputs in place.
+:func:`judge` compares two probes and gives each call of the first its :class:`Verdict`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphsplit.calls import generators
+from graphsplit.calls.module_calls import CallId, CallRouter
+from graphsplit.calls.outputs import NotATensor, Structure, flatten
+from graphsplit.calls.provenance import CallInputs, carries_grad
+from graphsplit.calls.verdicts import CallVerdict, Verdict
+
+
+@dataclass
+class ProbedCall:
+    """What one run saw of one call."""
+
+    call: CallId
+    inputs: CallInputs
+    trainable_input: bool  # autograd's record, read off the live inputs (the copies have none)
+    draws: bool
+    mutates_inputs: bool
+    structure: Structure | None
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    not_a_tensor: NotATensor | None = None
+    versions: list[int] = field(default_factory=list)
+    mutated_later: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Probe:
+    """One run of the step: its calls in order, and what it returned."""
+
+    calls: dict[CallId, ProbedCall]
+    result: Any
+
+
+def probe(
+    step: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    modules: dict[str, nn.Module],
+    seed: int,
+) -> Probe:
+    """Run ``step`` from ``seed`` (every generator) with the frozen modules' calls recorded."""
+    calls: dict[CallId, ProbedCall] = {}
+
+    def record(call: CallId, module: nn.Module, forward: Any, a: tuple, kw: dict) -> Any:
+        inputs = CallInputs.of(a, kw)
+        live = [leaf for leaf in _leaves(a, kw) if isinstance(leaf, torch.Tensor)]
+        live += list(module.buffers())  # a call that writes its own buffers (running stats)
+        before = [t._version for t in live]
+        state = generators.snapshot()
+        output = forward(*a, **kw)
+        draws = generators.snapshot() != state
+        mutates = [t._version for t in live] != before
+        seen = ProbedCall(call, inputs, carries_grad(live), draws, mutates, None)
+        try:
+            seen.structure, seen.tensors = flatten(output)
+            seen.versions = [t._version for t in seen.tensors.values()]
+        except NotATensor as error:
+            seen.not_a_tensor = error
+        calls[call] = seen
+        return output
+
+    router = CallRouter(modules, record)
+    with generators.seeded(seed), torch.enable_grad(), router.installed():
+        result = step(*args, **kwargs)
+    for seen in calls.values():
+        seen.mutated_later = [
+            name
+            for (name, tensor), version in zip(seen.tensors.items(), seen.versions)
+            if tensor._version != version
+        ]
+    return Probe(calls, result)
+
+
+def _leaves(args: tuple, kwargs: dict) -> list[Any]:
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_leaves((args, kwargs))
+
+
+def judge(
+    first: Probe, second: Probe, batch_size: int, alone: Probe | None = None
+) -> list[CallVerdict]:
+    """Each call of ``first``, judged against the same call of ``second`` (another seed) and
+    of ``alone`` (the batch's last sample run by itself; None at batch size 1).
+
+    A call with a batched input caches per sample: its last row must be what the last sample
+    gives alone (else it mixes samples). A call without one would be stored once, as a
+    constant: its inputs must be the same when another sample runs (else they depend on the
+    sample, without a batch dimension: a per-sample loop's call), and at batch size 1, where
+    no other sample can run, such a call is not cached.
+    """
+    verdicts = []
+    for call, seen in first.calls.items():
+        verdict = _judge(seen, second.calls.get(call), batch_size)
+        if verdict.cached:
+            other = None if alone is None else alone.calls.get(call)
+            if is_batched(seen.inputs.tensors(), batch_size):
+                mixed = None if alone is None else _mixed_fields(seen, other)
+                if mixed is not None:
+                    verdict = CallVerdict(call[0], call[1], Verdict.MIXES_SAMPLES, mixed)
+            elif seen.inputs.tensors() and (
+                other is None or seen.inputs.difference(other.inputs) is not None
+            ):
+                detail = (
+                    "an unbatched input may depend on the sample: split with two or more samples"
+                    if alone is None
+                    else "an unbatched input changes with the sample (a per-sample call)"
+                )
+                verdict = CallVerdict(call[0], call[1], Verdict.NOT_PER_SAMPLE, detail)
+        verdicts.append(verdict)
+    return verdicts
+
+
+# A row of a batched kernel and the same row computed alone may differ in the last bits
+# (another blocking of the same sums); a call that mixes samples differs at the values' scale.
+ALONE_RTOL = 1e-4
+ALONE_ATOL = 1e-5
+
+
+def _mixed_fields(seen: ProbedCall, alone: ProbedCall | None) -> str | None:
+    """Which output fields' last row differs from the last sample run alone (None: none)."""
+    if alone is None:
+        return "the call is not made when the last sample runs alone"
+    differing = []
+    for name, tensor in seen.tensors.items():
+        other = alone.tensors.get(name)
+        row = tensor[-1:]
+        same_kind = other is not None and other.shape == row.shape and other.dtype == row.dtype
+        if not same_kind or not torch.allclose(
+            row.detach().double(), other.detach().double(), rtol=ALONE_RTOL, atol=ALONE_ATOL
+        ):
+            differing.append(name)
+    return ", ".join(differing) if differing else None
+
+
+def _judge(seen: ProbedCall, other: ProbedCall | None, batch_size: int) -> CallVerdict:
+    path, index = seen.call
+
+    def verdict(kind: Verdict, detail: str = "") -> CallVerdict:
+        return CallVerdict(path, index, kind, detail)
+
+    if seen.not_a_tensor is not None:
+        error = seen.not_a_tensor
+        return verdict(Verdict.NON_TENSOR, f"{error.where} is a {error.type_name}")
+    if seen.trainable_input:
+        return verdict(Verdict.TRAINABLE_INPUT)
+    if other is None:
+        return verdict(Verdict.RANDOM_INPUT, "the other run made no such call")
+    difference = seen.inputs.difference(other.inputs)
+    if difference is not None:
+        return verdict(Verdict.RANDOM_INPUT, difference)
+    if seen.draws or other.draws:
+        return verdict(Verdict.DRAWS_ITSELF)
+    if seen.mutates_inputs:
+        return verdict(Verdict.MUTATED, "the call mutates its inputs or its module's buffers")
+    if seen.mutated_later or other.mutated_later:
+        mutated = seen.mutated_later or other.mutated_later
+        return verdict(Verdict.MUTATED, "the step mutates " + ", ".join(mutated) + " in place")
+    if is_batched(seen.inputs.tensors(), batch_size):
+        unbatched = [name for name, t in seen.tensors.items() if batch_dim(t, batch_size) is None]
+        if unbatched:
+            return verdict(Verdict.NOT_PER_SAMPLE, ", ".join(unbatched))
+    return verdict(Verdict.CACHED)
+
+
+def is_batched(tensors: list[torch.Tensor], batch_size: int) -> bool:
+    """Whether any of a call's input tensors has the batch's size first."""
+    return any(batch_dim(t, batch_size) == 0 for t in tensors)
+
+
+def batch_dim(tensor: torch.Tensor, batch_size: int) -> int | None:
+    return 0 if tensor.dim() >= 1 and tensor.shape[0] == batch_size else None

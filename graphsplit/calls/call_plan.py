@@ -1,0 +1,115 @@
+"""The module-level plan: which calls stage 1 caches, under which keys, and the step's inputs.
+
+Made once from the example batch (:mod:`.call_split`), read by the stages (:mod:`.stages`)
+and the report (:mod:`.call_report`).
+
+Inputs: a tensor crosses as it is; a list or tuple of Python numbers (IP-Adapter's
+``batch["drop_image_embeds"]``) crosses as a tensor and comes back as the same list in stage 2;
+any other value (a string, a flag) is a constant of the plan, checked equal on every batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from graphsplit.artifacts import BoundarySpec
+from graphsplit.calls.module_calls import CallId, key_of
+from graphsplit.calls.outputs import Structure
+from graphsplit.calls.verdicts import CallVerdict
+from graphsplit.errors import Fix, SplitError, user_error
+
+NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One parameter of the step: ``kind`` is ``"tensor"``, ``"numbers"`` or ``"constant"``."""
+
+    name: str
+    kind: str
+    container: type | None = None
+    element: type | None = None
+    value: Any = None
+
+    def encode(self, value: Any) -> Any:
+        """What crosses the boundary for this input's ``value``."""
+        if self.kind == "numbers":
+            return torch.tensor(list(value), dtype=NUMBER_DTYPES[self.element or int])
+        if self.kind == "constant" and not _same_constant(value, self.value):
+            raise user_error(
+                SplitError,
+                f"the step's input {self.name!r} is {value!r} in this batch; the module-level "
+                f"plan was made with {self.value!r} (a non-tensor input is a constant of it).",
+                fix=Fix("split with a batch that passes this value, or pass it as a tensor"),
+            )
+        return value
+
+    def decode(self, value: Any) -> Any:
+        """The value stage 2 passes the step for what crossed."""
+        if self.kind == "numbers":
+            items = [(self.element or int)(item) for item in value.tolist()]
+            return items if self.container is list else tuple(items)
+        if self.kind == "constant":
+            return self.value
+        return value
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    try:
+        return bool(type(a) is type(b) and a == b)
+    except Exception:  # an incomparable value is not the plan's constant
+        return a is b
+
+
+def input_spec(name: str, value: Any) -> InputSpec:
+    """How the input ``name`` crosses, from its example value."""
+    if isinstance(value, torch.Tensor):
+        return InputSpec(name, "tensor")
+    if isinstance(value, list | tuple) and value:
+        kinds = {type(item) for item in value}
+        if len(kinds) == 1 and next(iter(kinds)) in NUMBER_DTYPES:
+            return InputSpec(name, "numbers", type(value), next(iter(kinds)))
+    return InputSpec(name, "constant", value=value)
+
+
+@dataclass(frozen=True)
+class CachedCall:
+    """A cached call: its output's structure and, per field, the boundary key."""
+
+    call: CallId
+    structure: Structure
+    keys: dict[str, str]  # output field -> boundary key
+
+
+@dataclass(frozen=True)
+class CallPlan:
+    """Everything the stages need: inputs, cached calls, and the modules stage 2 drops."""
+
+    signature: inspect.Signature
+    inputs: tuple[InputSpec, ...]
+    cached: dict[CallId, CachedCall]
+    verdicts: tuple[CallVerdict, ...]
+    dropped: frozenset[str]  # module paths whose calls are all answered from the cache
+    boundary: dict[str, BoundarySpec]
+
+    @property
+    def last(self) -> CallId | None:
+        """The cached call stage 1 stops after (the last in the step's order)."""
+        return next(reversed(self.cached), None) if self.cached else None
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The step's inputs by name, for a batch given as the step takes it."""
+        return dict(self.signature.bind(*args, **kwargs).arguments)
+
+    def call_arguments(self, values: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` to call the step with its inputs by name."""
+        bound = inspect.BoundArguments(self.signature, values)  # type: ignore[arg-type]
+        return bound.args, bound.kwargs
+
+
+def cached_call(call: CallId, structure: Structure, fields: list[str]) -> CachedCall:
+    return CachedCall(call, structure, {field: key_of(call, field) for field in fields})

@@ -1,0 +1,211 @@
+"""``split_calls``: make a module-level split (see :mod:`graphsplit.calls`).
+
+as_step_module -> frozen modules -> probe twice (seeds 0, 1) -> verdicts -> CallPlan
+    -> CallStage1 / CallStage2 -> CallSplit
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphsplit.artifacts import BoundarySpec
+from graphsplit.calls.analysis import Probe, batch_dim, is_batched, judge, probe
+from graphsplit.calls.call_plan import CallPlan, cached_call, input_spec
+from graphsplit.calls.call_report import CallSplit
+from graphsplit.calls.module_calls import frozen_modules
+from graphsplit.calls.stages import CallStage1, CallStage2
+from graphsplit.errors import Fix, GraphsplitError, SplitError, user_error
+from graphsplit.planning.step.callables import as_step_module
+from graphsplit.planning.step.frozen import FrozenSpec, resolve_frozen
+
+SEEDS = (0, 1)
+"""The two seeds the step runs under to find inputs that depend on a draw."""
+
+
+def split_calls(
+    model: nn.Module | Callable[..., Any],
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    frozen: FrozenSpec = None,
+    reason: str = "",
+) -> CallSplit:
+    """Split a step at its frozen module calls whose inputs are a function of the sample alone.
+
+    ``reason``: why the whole-step trace is not used (shown by ``report()``). Raises
+    :class:`~graphsplit.SplitError` when no frozen call can be cached, listing each call's
+    verdict.
+    """
+    step = as_step_module(model, args, dict(kwargs or {}))
+    module = step.module
+    named = list(module.named_parameters())
+    frozen_names = resolve_frozen(module, frozen, named=named)
+    trainable = frozenset(name for name, _ in named if name not in frozen_names)
+    routed = frozen_modules(module, trainable)
+    signature = inspect.signature(module.forward)
+    try:
+        values = dict(signature.bind(*step.args, **step.kwargs).arguments)
+    except TypeError as error:
+        raise user_error(
+            SplitError,
+            f"the example batch does not match the step: {error}.",
+            fix=Fix("pass args/kwargs exactly as you would call the step"),
+        ) from None
+    inputs = tuple(input_spec(name, value) for name, value in values.items())
+    batch_size = _batch_size(values)
+    try:
+        with _grad_flags(named, trainable):
+            first = probe(module, step.args, step.kwargs, routed, SEEDS[0])
+            second = probe(module, step.args, step.kwargs, routed, SEEDS[1])
+            alone = None
+            if batch_size > 1:
+                one = _last_sample(signature, values, batch_size)
+                try:
+                    alone = probe(module, *one, routed, SEEDS[0])
+                except Exception:  # the step needs several samples: mixing is not disproved
+                    alone = Probe({}, None)
+    except GraphsplitError:
+        raise
+    except Exception as error:  # the user's step itself failed on the example batch
+        raise user_error(
+            SplitError,
+            "the module-level path runs the step on the example batch, and the step raised "
+            f"{type(error).__name__}: {error}",
+            fix=Fix(
+                "pass an example batch the step runs on, with the frozen weights loaded (not "
+                "on meta); the step must run outside torch.inference_mode()"
+            ),
+        ) from error
+    verdicts = judge(first, second, batch_size, alone)
+    cached = {
+        (v.path, v.index): cached_call(
+            (v.path, v.index),
+            first.calls[(v.path, v.index)].structure,  # type: ignore[arg-type]
+            list(first.calls[(v.path, v.index)].tensors),
+        )
+        for v in verdicts
+        if v.cached
+    }
+    if not cached:
+        listed = "\n".join(v.line() for v in verdicts) or "  (the step calls no frozen module)"
+        raise user_error(
+            SplitError,
+            "the module-level path found no frozen module call whose inputs are a function "
+            f"of the sample alone:\n{listed}",
+            fix=Fix(
+                "freeze the modules whose work should be cached (requires_grad_(False) or "
+                "frozen=...), call them in eval mode on inputs computed from the batch alone, "
+                "and draw random numbers after those calls"
+            ),
+        )
+    boundary = _input_boundary(inputs, values, batch_size)
+    for call, planned in cached.items():
+        seen = first.calls[call]
+        per_sample = is_batched(seen.inputs.tensors(), batch_size)
+        for field, key in planned.keys.items():
+            tensor = seen.tensors[field]
+            dim = batch_dim(tensor, batch_size) if per_sample else None
+            boundary[key] = _spec(key, tensor, dim, f"{call[0]} call {call[1]}: {field}")
+    plan = CallPlan(
+        signature=signature,
+        inputs=inputs,
+        cached=cached,
+        verdicts=tuple(verdicts),
+        dropped=_dropped(verdicts),
+        boundary=boundary,
+    )
+    return CallSplit(
+        stage1=CallStage1(module, plan, routed),
+        stage2=CallStage2(module, plan, routed),
+        boundary=boundary,
+        input_names=tuple(values),
+        trainable=trainable,
+        plan=plan,
+        batch_sizes=(batch_size, batch_size),
+        model_name=type(module).__name__,
+        reason=reason,
+        notes=[
+            "inputs were compared between two runs under seeds 0 and 1: a random branch both "
+            "runs took alike (a rare drop) is not seen; draw such choices after the frozen calls"
+        ],
+        _model=module,
+    )
+
+
+def _last_sample(
+    signature: inspect.Signature, values: dict[str, Any], batch_size: int
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example batch cut to its last sample: ``(args, kwargs)`` for the step. The last,
+    not the first: a per-sample loop's call 0 then sees another sample than in the batch."""
+    cut = {name: _last(value, batch_size) for name, value in values.items()}
+    bound = inspect.BoundArguments(signature, cut)  # type: ignore[arg-type]
+    return bound.args, bound.kwargs
+
+
+def _last(value: Any, batch_size: int) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch_size:
+        return value[-1:]
+    if isinstance(value, list | tuple) and len(value) == batch_size:
+        return list(value[-1:]) if isinstance(value, list) else tuple(value[-1:])
+    return value
+
+
+def _batch_size(values: dict[str, Any]) -> int:
+    for value in values.values():
+        if isinstance(value, torch.Tensor) and value.dim() >= 1:
+            return int(value.shape[0])
+    for value in values.values():
+        if isinstance(value, list | tuple):
+            return len(value)
+    return 1
+
+
+def _input_boundary(
+    inputs: tuple[Any, ...], values: dict[str, Any], batch_size: int
+) -> dict[str, BoundarySpec]:
+    boundary: dict[str, BoundarySpec] = {}
+    for spec in inputs:
+        if spec.kind == "constant":
+            continue
+        tensor = spec.encode(values[spec.name])
+        boundary[spec.name] = _spec(spec.name, tensor, batch_dim(tensor, batch_size), "input")
+    return boundary
+
+
+def _spec(name: str, tensor: torch.Tensor, dim: int | None, source: str) -> BoundarySpec:
+    total = tensor.numel() * tensor.element_size()
+    per_sample = total // max(int(tensor.shape[0]), 1) if dim == 0 else total
+    return BoundarySpec(name, tuple(tensor.shape), tensor.dtype, dim, per_sample, source)
+
+
+def _dropped(verdicts: list[Any]) -> frozenset[str]:
+    """Modules all of whose calls are cached, unless a module inside one runs in stage 2."""
+    by_module: dict[str, bool] = {}
+    for verdict in verdicts:
+        by_module[verdict.path] = by_module.get(verdict.path, True) and verdict.cached
+    running = [path for path, cached in by_module.items() if not cached]
+    return frozenset(
+        path
+        for path, cached in by_module.items()
+        if cached and not any(other.startswith(path + ".") for other in running)
+    )
+
+
+@contextlib.contextmanager
+def _grad_flags(named: list[tuple[str, nn.Parameter]], trainable: frozenset[str]) -> Iterator[None]:
+    """During the probe, trainable parameters require grad and frozen ones do not, so that
+    autograd's record says exactly which inputs depend on a trainable parameter."""
+    saved = [(param, param.requires_grad) for _, param in named]
+    try:
+        for name, param in named:
+            param.requires_grad_(name in trainable)
+        yield
+    finally:
+        for param, flag in saved:
+            param.requires_grad_(flag)

@@ -1,0 +1,92 @@
+"""Flatten a module call's output into named tensors, and rebuild it from them.
+
+A frozen module returns a tensor, a tuple / list of them, a dict, or a transformers
+``ModelOutput`` (an ordered dict whose ``[0]`` is its first field). :func:`flatten` names each
+tensor by its path (``last_hidden_state``, ``1``, ``hidden_states__2``) and records the
+structure; :func:`rebuild` makes the same structure back, so stage 2's code reads the cached
+output as it read the live one. Anything else in an output (a string, a number, an object) is
+no tensor the cache can hold: :class:`NotATensor` names it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SINGLE = "out"
+"""The field name of an output that is one tensor."""
+
+
+class NotATensor(Exception):
+    """An output leaf that is neither a tensor nor None: ``where`` (its path) and its type."""
+
+    def __init__(self, where: str, value: Any) -> None:
+        super().__init__(f"{where or SINGLE} is a {type(value).__name__}")
+        self.where = where or SINGLE
+        self.type_name = type(value).__name__
+
+
+@dataclass(frozen=True)
+class Structure:
+    """How to rebuild one output: ``kind`` and, for containers, the keys and children."""
+
+    kind: str  # "tensor" | "none" | "tuple" | "list" | "mapping"
+    container: type | None = None
+    keys: tuple[Any, ...] = ()
+    children: tuple[Structure, ...] = ()
+
+
+def _join(prefix: str, key: Any) -> str:
+    return f"{prefix}__{key}" if prefix else str(key)
+
+
+def flatten(value: Any, prefix: str = "") -> tuple[Structure, dict[str, torch.Tensor]]:
+    """The output's structure and its tensors by field name (in order)."""
+    if isinstance(value, torch.Tensor):
+        return Structure("tensor"), {prefix or SINGLE: value}
+    if value is None:
+        return Structure("none"), {}
+    if isinstance(value, Mapping):
+        keys = tuple(value.keys())
+        children, tensors = [], {}
+        for key in keys:
+            child, found = flatten(value[key], _join(prefix, key))
+            children.append(child)
+            tensors.update(found)
+        return Structure("mapping", type(value), keys, tuple(children)), tensors
+    if isinstance(value, tuple | list) and not hasattr(value, "_fields"):
+        children, tensors = [], {}
+        for index, item in enumerate(value):
+            child, found = flatten(item, _join(prefix, index))
+            children.append(child)
+            tensors.update(found)
+        kind = "list" if isinstance(value, list) else "tuple"
+        return Structure(kind, type(value), (), tuple(children)), tensors
+    raise NotATensor(prefix, value)
+
+
+def rebuild(structure: Structure, tensors: Mapping[str, torch.Tensor], prefix: str = "") -> Any:
+    """The output :func:`flatten` took apart, its tensors taken from ``tensors``."""
+    if structure.kind == "tensor":
+        return tensors[prefix or SINGLE]
+    if structure.kind == "none":
+        return None
+    if structure.kind == "mapping":
+        items = {
+            key: rebuild(child, tensors, _join(prefix, key))
+            for key, child in zip(structure.keys, structure.children)
+        }
+        container = structure.container or dict
+        return container(**items) if _is_model_output(container) else container(items)
+    items = [
+        rebuild(child, tensors, _join(prefix, index))
+        for index, child in enumerate(structure.children)
+    ]
+    return items if structure.kind == "list" else tuple(items)
+
+
+def _is_model_output(container: type) -> bool:
+    return any(base.__name__ == "ModelOutput" for base in container.__mro__)

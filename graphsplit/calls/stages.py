@@ -1,0 +1,164 @@
+"""The two stages of a module-level split, as modules holding only what each runs.
+
+:class:`CallStage1` runs the user's step without autograd, every generator forked (caching
+never moves the user's random streams), and stops it as soon as the last cached call has run:
+it returns the step's inputs that cross plus the cached calls' outputs. :class:`CallStage2`
+runs the user's step eagerly with those calls answered from the cache (:mod:`.holders`).
+
+Each stage registers, under the model's own names, only the modules it runs
+(:func:`skeleton`): stage 1 the modules of the cached calls, stage 2 everything else. The step
+module itself is held as a plain attribute, so ``stage2.parameters()`` are the parameters
+stage 2 uses and the weights of modules answered from the cache may stay on ``meta``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from graphsplit.calls import generators
+from graphsplit.calls.call_plan import CallPlan
+from graphsplit.calls.holders import answering
+from graphsplit.calls.module_calls import CallRouter
+from graphsplit.calls.outputs import flatten
+from graphsplit.errors import Fix, SplitError, user_error
+
+
+def skeleton(root: nn.Module, keep: Any, shell: nn.Module, *, own: bool) -> nn.Module:
+    """A module tree mirroring ``root``'s paths that holds the submodules ``keep(path)`` picks.
+
+    The submodules are added to ``shell`` (the stage itself). ``keep(path)`` answers True
+    (hold the whole module), False (leave it out) or None (walk
+    into it: its children asked in turn, and, with ``own``, its own parameters and buffers held:
+    stage 2 holds those, stage 1 never does, so training never changes its fingerprint).
+    """
+    _hold_own(shell, root, own)
+    return _fill(shell, root, "", keep, own)
+
+
+def _hold_own(shell: nn.Module, module: nn.Module, own: bool) -> None:
+    if own:
+        for name, param in module.named_parameters(recurse=False):
+            shell.register_parameter(name, param)
+        for name, buffer in module.named_buffers(recurse=False):
+            shell.register_buffer(name, buffer)
+
+
+def _fill(shell: nn.Module, module: nn.Module, prefix: str, keep: Any, own: bool) -> nn.Module:
+    for name, child in module.named_children():
+        path = f"{prefix}{name}"
+        decision = keep(path)
+        if decision is True:
+            shell.add_module(name, child)
+        elif decision is None:
+            inner = nn.Module()
+            _hold_own(inner, child, own)
+            shell.add_module(name, _fill(inner, child, f"{path}.", keep, own))
+    return shell
+
+
+def _above(path: str, roots: frozenset[str]) -> bool:
+    return any(root.startswith(path + ".") for root in roots)
+
+
+class _Stop(Exception):
+    """Raised by stage 1's router after the last cached call: the rest of the step is stage 2's."""
+
+
+class CallStage1(nn.Module):
+    """Stage 1: the step's crossing inputs and its cached calls' outputs, for a raw batch."""
+
+    def __init__(self, step: nn.Module, plan: CallPlan, routed: dict[str, nn.Module]) -> None:
+        super().__init__()
+        held = frozenset(call[0] for call in plan.cached)
+        skeleton(
+            step,
+            lambda path: True if path in held else (None if _above(path, held) else False),
+            self,
+            own=False,
+        )
+        object.__setattr__(self, "_step", step)
+        object.__setattr__(self, "_plan", plan)
+        object.__setattr__(self, "_routed", routed)
+
+    @property
+    def code(self) -> str:
+        """What this stage computes, as text (the cache fingerprint hashes it)."""
+        plan: CallPlan = self._plan
+        lines = [f"module-level stage 1 of {type(self._step).__name__}"]
+        lines += [f"input {spec.name}: {spec.kind}" for spec in plan.inputs]
+        for cached in plan.cached.values():
+            module = self._routed[cached.call[0]]
+            lines.append(f"call {cached.call} {type(module).__qualname__} -> {list(cached.keys)}")
+        return "\n".join(lines)
+
+    def forward(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        plan: CallPlan = self._plan
+        values = plan.bind(args, kwargs)
+        crossing = {
+            spec.name: spec.encode(values[spec.name]) for spec in plan.inputs if spec.name in values
+        }
+        outputs: dict[str, Any] = {}
+        last = plan.last
+
+        def record(call: Any, module: Any, forward: Any, a: tuple, kw: dict) -> Any:
+            output = forward(*a, **kw)
+            planned = plan.cached.get(call)
+            if planned is not None:
+                _, tensors = flatten(output)
+                for field, key in planned.keys.items():
+                    outputs[key] = tensors[field]
+                if call == last:
+                    raise _Stop
+            return output
+
+        if last is not None:
+            router = CallRouter(self._routed, record)
+            with (
+                generators.forked(),
+                torch.no_grad(),
+                router.installed(),
+                contextlib.suppress(_Stop),
+            ):
+                self._step(*args, **kwargs)
+        missing = [key for key in plan.boundary if key not in outputs and key not in crossing]
+        if missing:
+            raise user_error(
+                SplitError,
+                f"this batch did not make the frozen calls the module-level plan caches "
+                f"(missing {missing}).",
+                fix=Fix("split with an example batch whose step makes the same frozen calls"),
+            )
+        return {key: crossing[key] if key in crossing else outputs[key] for key in plan.boundary}
+
+
+class CallStage2(nn.Module):
+    """Stage 2: the user's step, run eagerly, its cached calls answered from the batch."""
+
+    def __init__(self, step: nn.Module, plan: CallPlan, routed: dict[str, nn.Module]) -> None:
+        super().__init__()
+        dropped = plan.dropped
+        skeleton(
+            step,
+            lambda path: False if path in dropped else (None if _above(path, dropped) else True),
+            self,
+            own=True,
+        )
+        object.__setattr__(self, "_step", step)
+        object.__setattr__(self, "_plan", plan)
+        object.__setattr__(self, "_routed", routed)
+
+    def forward(self, **batch: Any) -> Any:
+        plan: CallPlan = self._plan
+        values = {
+            spec.name: spec.decode(batch[spec.name])
+            for spec in plan.inputs
+            if spec.name in batch or spec.kind == "constant"
+        }
+        args, kwargs = plan.call_arguments(values)
+        router = CallRouter(self._routed, answering(plan, batch))
+        with router.installed():
+            return self._step(*args, **kwargs)

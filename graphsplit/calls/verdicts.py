@@ -1,0 +1,65 @@
+"""Why each frozen module call is cached or not: a typed verdict per call."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Verdict(enum.Enum):
+    """What the analysis found about one call (:mod:`graphsplit.calls.analysis`)."""
+
+    CACHED = "cached"
+    TRAINABLE_INPUT = "trainable-input"
+    RANDOM_INPUT = "random-input"
+    DRAWS_ITSELF = "draws-itself"
+    MUTATED = "mutated"
+    NON_TENSOR = "non-tensor"
+    NOT_PER_SAMPLE = "not-per-sample"
+    MIXES_SAMPLES = "mixes-samples"
+
+    @property
+    def why(self) -> str:
+        """The reason, in words, a call with this verdict stays in stage 2."""
+        return _WHY[self]
+
+
+_WHY = {
+    Verdict.CACHED: "cached: its inputs are a function of the sample alone",
+    Verdict.TRAINABLE_INPUT: (
+        "an input depends on a trainable parameter (it carries autograd history)"
+    ),
+    Verdict.RANDOM_INPUT: (
+        "an input differs between two runs under different seeds (it depends on a random "
+        "draw, or on state that changes from step to step)"
+    ),
+    Verdict.DRAWS_ITSELF: "the call draws random numbers itself (dropout in training mode?)",
+    Verdict.MUTATED: "the step mutates the call's output in place, or the call mutates its inputs",
+    Verdict.NON_TENSOR: "its output holds a value that is not a tensor",
+    Verdict.NOT_PER_SAMPLE: (
+        "its inputs depend on the batch but an output has no batch dimension first "
+        "(it would not cache per sample)"
+    ),
+    Verdict.MIXES_SAMPLES: (
+        "a sample's output differs when the sample runs alone (the call mixes the samples "
+        "of a batch, as batch statistics do), so a cached row would depend on its batch"
+    ),
+}
+
+
+@dataclass(frozen=True)
+class CallVerdict:
+    """One call of a frozen module: ``path``, ``index``, the verdict and a detail."""
+
+    path: str
+    index: int
+    verdict: Verdict
+    detail: str = ""
+
+    @property
+    def cached(self) -> bool:
+        return self.verdict is Verdict.CACHED
+
+    def line(self) -> str:
+        reason = self.verdict.why + (f" ({self.detail})" if self.detail else "")
+        return f"  {self.path} call {self.index}: {reason}"

@@ -1,0 +1,84 @@
+"""``split(path=...)``: the fallback from the trace to the module-level path, and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import graphsplit
+
+
+class PerSampleLoop(nn.Module):
+    """A Python loop over the batch (the trace refuses it); a frozen encoder of the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Linear(4, 4).requires_grad_(False)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x, keep):
+        h = self.encoder(x)
+        rows = [row if k else torch.zeros_like(row) for row, k in zip(h, keep)]
+        return self.head(torch.stack(rows)).square().mean()
+
+
+class LoopAndNoisyEncoder(PerSampleLoop):
+    """As above, but the only frozen call is fed a random draw: both paths refuse."""
+
+    def forward(self, x, keep):
+        h = self.encoder(x + torch.randn_like(x))
+        rows = [row if k else torch.zeros_like(row) for row, k in zip(h, keep)]
+        return self.head(torch.stack(rows)).square().mean()
+
+
+def example(size: int = 3):
+    return torch.randn(size, 4), [i % 2 == 0 for i in range(size)]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_auto_falls_back_and_the_report_says_why(size):
+    step = PerSampleLoop()
+    split = graphsplit.split(step, example(size))
+    assert isinstance(split, graphsplit.CallSplit) and split.path == "calls"
+    report = split.report()
+    assert report.startswith("graphsplit plan for PerSampleLoop (module-level path)")
+    assert "path: calls, because the whole-step trace refused the step:" in report
+    assert "Python control flow depends on the batch size" in split.reason
+    assert "encoder call 0: cached" in report
+    assert "answered from the cache in stage 2 (weights not held, may stay on meta): encoder" in (
+        report
+    )
+    assert split.to_json()["path"] == "calls"
+    assert split.to_json()["calls"][0]["verdict"] == "cached"
+    assert all(c.ok for c in graphsplit.verify(step, split, example(size)))
+
+
+def test_a_step_the_trace_splits_takes_the_trace():
+    step = nn.Sequential(nn.Linear(4, 4).requires_grad_(False), nn.Linear(4, 1))
+    split = graphsplit.split(step, (torch.randn(3, 4),))
+    assert isinstance(split, graphsplit.Split) and split.path == "trace"
+
+
+def test_path_trace_keeps_the_refusal():
+    with pytest.raises(graphsplit.TraceError, match="Python control flow depends on the batch"):
+        graphsplit.split(PerSampleLoop(), example(), path="trace")
+
+
+def test_when_both_paths_refuse_the_trace_error_is_raised_with_the_calls_refusal_as_cause():
+    with pytest.raises(graphsplit.TraceError) as caught:
+        graphsplit.split(LoopAndNoisyEncoder(), example())
+    error = caught.value
+    assert "Python control flow depends on the batch size" in str(error)
+    assert isinstance(error.__cause__, graphsplit.SplitError)
+    assert "encoder call 0: an input differs between two runs" in str(error.__cause__)
+    notes = "\n".join(getattr(error, "__notes__", []))
+    assert 'also tried the module-level path (path="calls"), which refused too' in notes
+
+
+def test_an_unknown_path_is_refused_with_the_paths_there_are():
+    with pytest.raises(graphsplit.SplitError) as caught:
+        graphsplit.split(PerSampleLoop(), example(), path="module")
+    assert "path='module' is not a path graphsplit.split knows" in str(caught.value)
+    assert 'pass path="auto" (default), "trace" or "calls"' in str(caught.value)
