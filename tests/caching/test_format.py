@@ -55,7 +55,6 @@ from tests.caching.fixtures import (
         (lambda d: d["shards"][0].update(checksum="crc32:1234"), r"checksum is 'crc32:1234'"),
         (lambda d: d["shards"][0].update(extra=1), r"unexpected field\(s\) \['extra'\]"),
         (lambda d: d.pop("fingerprint"), r"lacks the field\(s\) \['fingerprint'\]"),
-        (lambda d: d.update(format="pickle"), r"format is 'pickle'"),
         (lambda d: d["boundary"][0].update(dtype="object"), r"unknown dtype 'object'"),
         (
             lambda d: d["boundary"][0].update(name="__import__('os')"),
@@ -82,6 +81,14 @@ def test_crafted_manifests_are_refused(path, change, message):
         CachedDataset(path)
     assert "manifest.json is not a valid graphsplit cache file" in str(caught.value)
     assert "overwrite=True" in str(caught.value)
+
+
+def test_a_manifest_of_another_format_is_foreign_not_damaged(path):
+    # Not graphsplit's stamp: cache() would refuse to replace it, so the reader offers no
+    # overwrite either (see caching/write/own_files.py).
+    rewrite_manifest(path, lambda d: d.update(format="pickle"))
+    with pytest.raises(ManifestError, match=r"not a graphsplit manifest \(its format is 'pickle'"):
+        CachedDataset(path)
 
 
 @pytest.mark.parametrize(

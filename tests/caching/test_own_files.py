@@ -11,7 +11,7 @@ import pytest
 from graphsplit.caching.read.dataset import CachedDataset
 from graphsplit.caching.write.cache_run import cache
 from graphsplit.caching.write.own_files import manifest_is_ours
-from graphsplit.errors import StaleCacheError
+from graphsplit.errors import ManifestError, StaleCacheError
 from tests.caching.fixtures import SMALL, Interrupt, interrupt_after, loader, make_split
 
 THEIRS = {".env.tmp": "SECRET=1", ".notes.tmp": "notes", ".manifest.json.tmp": "{}"}
@@ -89,3 +89,18 @@ def test_another_tools_manifest_on_s3_is_refused_and_kept(s3, bucket):
     with pytest.raises(StaleCacheError, match=r"manifest\.json that graphsplit did not write"):
         cache(make_split(), loader(), f"s3://{bucket}/run", overwrite=True, progress=False)
     assert s3.cat_file(f"{bucket}/run/manifest.json") == b'{"name": "my-app"}'
+
+
+@pytest.mark.parametrize(
+    "content",
+    [json.dumps({"name": "my-app", "version": 3}), json.dumps({"format": "other-tool"})],
+)
+def test_reading_another_tools_manifest_names_it_and_offers_no_overwrite(tmp_path, content):
+    (tmp_path / "manifest.json").write_text(content)
+    with pytest.raises(ManifestError, match=r"is not a graphsplit manifest") as e:
+        CachedDataset(tmp_path)
+    message = str(e.value)
+    assert "manifest.json" in message and "another tool" in message
+    assert "never replaces or deletes a file it did not write" in message
+    assert "overwrite=True" not in message
+    assert (tmp_path / "manifest.json").read_text() == content

@@ -32,6 +32,7 @@ from typing import Any
 
 from graphsplit.caching.format.layout import (
     CONSTANTS_PROGRESS_FILE,
+    FORMAT,
     MANIFEST_FILE,
     PARTIAL_DIR,
     RESUME_HEADER_FILE,
@@ -101,6 +102,11 @@ def write_progress(folder: Path, progress: ShardProgress | ConstantsProgress) ->
 
 # ------------------------------------------------------------------------------------ reading
 
+FOREIGN_MANIFEST_FIX = Fix(
+    "point graphsplit at the folder graphsplit.cache wrote (graphsplit never replaces or "
+    "deletes a file it did not write; cache into a new or empty folder)"
+)
+
 
 def read_manifest(folder: Path) -> Manifest:
     """Read ``folder/manifest.json`` strictly (every field, type and rule).
@@ -120,6 +126,16 @@ def read_manifest(folder: Path) -> Manifest:
             fix = Fix("check the path, or write a cache there with graphsplit.cache")
         raise user_error(ManifestError, reason, fix=fix)
     reader, document = _load(path)
+    if document.get("format") != FORMAT:
+        # Another tool's manifest.json: never "rebuild with overwrite=True" (cache() refuses
+        # to replace a file it did not write, see caching/write/own_files.py).
+        found = f"format is {document['format']!r}" if "format" in document else "has no format"
+        raise user_error(
+            ManifestError,
+            f"{path} is not a graphsplit manifest (its {found}, expected {FORMAT!r}): the "
+            "folder belongs to another tool or holds other data",
+            fix=FOREIGN_MANIFEST_FIX,
+        )
     return manifest_from(reader, document)
 
 
