@@ -126,6 +126,8 @@ def _anchor(read: fx.Node, taint: Mapping[fx.Node, Taint]) -> fx.Node | None:
                 return None
             candidates.append(node)
             continue
+        if node not in taint and node.op in ("placeholder", "get_attr"):
+            continue  # a plain argument or attribute (a scale): it moves nothing
         if not _keeps_device(node):
             return None
         pending.extend(node.all_input_nodes)
