@@ -274,3 +274,18 @@ def test_a_constant_that_needs_a_draw_stays_in_stage2_exactly(source):
     assert {"encoder.weight", "encoder.bias"} <= param_names(split.stage2, step)
     for batch_size in (1, 3):
         assert all(c.ok for c in graphsplit.verify(step, split, small_batch(batch_size), seed=0))
+
+
+def test_the_report_lists_the_constant_computed_once_and_its_bytes(pix2pix):
+    _, split = pix2pix
+    report = split.report()
+    spec = null_conditioning_spec(split)
+    assert (
+        "Per-dataset constants (read no batch input: cached once, not per sample; stage 2 "
+        "neither holds nor runs the frozen work behind them): 1 tensors, 2.0 KiB"
+    ) in report
+    section = report.split("Per-dataset constants", 1)[1].splitlines()
+    row = section[1]
+    assert row.split()[0] == spec.name
+    assert "2.0 KiB" in row and row.endswith(f"test_constant_frozen.py:{_line('# the null')}")
+    assert "Not cached" not in report  # no frozen work left in stage 2
