@@ -130,6 +130,11 @@ def test_the_null_conditioning_is_a_constant_of_the_boundary(pix2pix):
         0,
     )
     assert spec.source.endswith(f"test_constant_frozen.py:{_line('# the null conditioning')}")
+    # named after the user's variable: in stage 2's code, the cache and the report
+    assert spec.name == "null_conditioning"
+    assert "def forward(self, " in split.stage2.code
+    signature = split.stage2.code.split("def forward(self, ", 1)[1].split(")", 1)[0]
+    assert "null_conditioning" in signature.split(", ")
 
 
 def _line(text: str) -> int:
@@ -260,7 +265,9 @@ def test_a_frozen_encoding_of_a_buffer_is_cached_once():
     step = NullEmbedding("buffer")
     split = split_and_verify(step, small_batch(2))
     constants = [spec for spec in split.boundary.values() if spec.is_constant]
-    assert [(spec.shape, spec.bytes_per_sample) for spec in constants] == [((1, 6), 0)]
+    assert [(spec.name, spec.shape, spec.bytes_per_sample) for spec in constants] == [
+        ("null", (1, 6), 0)
+    ]
     assert param_names(split.stage2, step) == {"head.weight", "head.bias"}
     for batch_size in (1, 3):
         assert all(c.ok for c in graphsplit.verify(step, split, small_batch(batch_size), seed=0))
