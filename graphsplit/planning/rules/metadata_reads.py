@@ -101,10 +101,21 @@ def _feeds_frozen_work(graph: fx.Graph, taint: Mapping[fx.Node, Taint]) -> set[f
     return feeds
 
 
+# Functions whose results live where their tensor arguments do (unless told ``device=``): torch's,
+# Python's operators and getattr, graphsplit's runtime decoders; not an opaque call of user code.
+_KNOWN_PACKAGES = frozenset({"torch", "_operator", "operator", "builtins"})
+_RUNTIME = "graphsplit.runtime"
+
+
 def _keeps_device(node: fx.Node) -> bool:
+    if "device" in node.kwargs:
+        return False
     if node.op == "call_method":
-        return node.target not in _MOVES and "device" not in node.kwargs
-    return node.op == "call_function" and "device" not in node.kwargs
+        return node.target not in _MOVES
+    if node.op != "call_function":
+        return False
+    module = getattr(node.target, "__module__", None) or ""
+    return module == _RUNTIME or module.split(".")[0] in _KNOWN_PACKAGES
 
 
 def _anchor(read: fx.Node, taint: Mapping[fx.Node, Taint]) -> fx.Node | None:
@@ -118,6 +129,8 @@ def _anchor(read: fx.Node, taint: Mapping[fx.Node, Taint]) -> fx.Node | None:
         if node in seen:
             continue
         seen.add(node)
+        if "facts" not in node.meta:
+            return None
         node_facts = facts(node)
         if node not in taint and node_facts.is_tensor:
             if not node_facts.shape:
