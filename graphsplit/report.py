@@ -243,6 +243,7 @@ def render_report(split: SplitPlan, model: nn.Module | None) -> str:
             f"  {spec.name:<40} {spec.shape!s:<22} {dtype:<9} {batch:<6} "
             f"{human_bytes(spec.bytes_per_sample):<10} {spec.source}"
         )
+    lines += constant_lines(split.boundary)
     lines += baked_lines(split.cut)
     lines += signature_lines(split)
     if model is not None:
@@ -281,6 +282,30 @@ def render_report(split: SplitPlan, model: nn.Module | None) -> str:
     if split.notes:
         lines += ["", "Notes:"] + [f"  {note}" for note in split.notes]
     return "\n".join(lines)
+
+
+def constant_lines(boundary: Mapping[str, BoundarySpec]) -> list[str]:
+    """The per-dataset constants: frozen work that reads no batch input, computed once."""
+    constants = [spec for spec in boundary.values() if spec.is_constant]
+    if not constants:
+        return []
+    total = sum(_constant_bytes(spec) for spec in constants)
+    lines = [
+        "",
+        f"Per-dataset constants (read no batch input: cached once, not per sample; stage 2 "
+        f"neither holds nor runs the frozen work behind them): {len(constants)} tensors, "
+        f"{human_bytes(total)}",
+    ]
+    for spec in constants:
+        lines.append(f"  {spec.name:<40} {human_bytes(_constant_bytes(spec)):<10} {spec.source}")
+    return lines
+
+
+def _constant_bytes(spec: BoundarySpec) -> int:
+    count = 1
+    for size in spec.shape:
+        count *= size
+    return count * spec.dtype.itemsize
 
 
 def baked_lines(cut: Cut) -> list[str]:

@@ -27,9 +27,13 @@ Order = tuple[int, ...]  # a memory order; None where plain contiguous
 def memory_order(tensor: torch.Tensor) -> Order | None:
     """``tensor``'s dims from outermost to innermost in memory; None if plain contiguous.
 
-    Also None for tensors that are not dense (expanded or strided views): torch lays out what
-    it derives from those contiguously too. Size-1 dims, whose strides mean nothing, go before
-    the first larger dim that follows them, so a batch of one has the order of a full batch.
+    A tensor that is not dense but does not overlap itself (a strided view such as
+    ``DiagonalGaussianDistribution.mode()``, a chunk of a channels-last tensor) has the order of
+    its strides: torch lays out what it derives from it in that order (elementwise results of a
+    channels-last chunk are channels-last), so the cache stores it densely in that order. None
+    for an expanded tensor (a stride 0): torch lays out what it derives from it contiguously.
+    Size-1 dims, whose strides mean nothing, go before the first larger dim that follows them,
+    so a batch of one has the order of a full batch.
 
     Example:
         >>> memory_order(torch.zeros(2, 3, 4, 5).contiguous(memory_format=torch.channels_last))
@@ -41,11 +45,8 @@ def memory_order(tensor: torch.Tensor) -> Order | None:
         (d for d in range(tensor.dim()) if tensor.shape[d] != 1),
         key=lambda d: (-tensor.stride(d), d),
     )
-    expected = 1
-    for d in reversed(sized):
-        if tensor.stride(d) != expected:
-            return None
-        expected *= tensor.shape[d]
+    if any(tensor.stride(d) == 0 for d in sized):
+        return None  # expanded: not dense, and what derives from it is contiguous
     ones = [d for d in range(tensor.dim()) if tensor.shape[d] == 1]
     order: list[int] = []
     for d in sized:

@@ -68,6 +68,8 @@ from graphsplit.planning.cut.recompute import (
 from graphsplit.planning.opaque.value_reads import value_checks
 from graphsplit.planning.patching.patcher import cyclic_gc_paused
 from graphsplit.planning.rules.baked_sizes import is_fixed_number
+from graphsplit.planning.rules.constant_names import name_constants
+from graphsplit.planning.rules.metadata_reads import anchor_metadata_reads
 from graphsplit.planning.rules.node_inputs import reads_through
 from graphsplit.planning.rules.taint import (
     compute_taint,
@@ -154,6 +156,19 @@ def choose_boundary(
     traded against the ``"never"`` plan.
     """
     check_recompute(recompute)
+    anchor_metadata_reads(graph, trainable)  # frozen work a device read would make per step
+    cut = _choose(graph, trainable, recompute, model, costs)
+    name_constants(cut)
+    return cut
+
+
+def _choose(
+    graph: fx.Graph,
+    trainable: frozenset[str],
+    recompute: Recompute,
+    model: nn.Module | None,
+    costs: CostModel,
+) -> Cut:
     taint = compute_taint(graph, trainable)
     if recompute == "never":
         return _cheapest(graph, taint, _NO_PRICES)

@@ -32,8 +32,15 @@ def facts(node: fx.Node) -> NodeFacts:
     return node.meta["facts"]
 
 
-def compute_taint(graph: fx.Graph, trainable: frozenset[str]) -> Mapping[fx.Node, Taint]:
-    """Tainted nodes with their reason, in graph order."""
+def compute_taint(
+    graph: fx.Graph, trainable: frozenset[str], *, clean: frozenset[fx.Node] = frozenset()
+) -> Mapping[fx.Node, Taint]:
+    """Tainted nodes with their reason, in graph order.
+
+    ``clean`` nodes inherit no taint from what they read (only their own): the
+    :mod:`~graphsplit.planning.rules.metadata_reads` rule asks what would be untainted if a
+    device or dtype read did not carry its tensor's taint.
+    """
     taint: dict[fx.Node, Taint] = {}
     for node in graph.nodes:
         if node.op == "output":
@@ -41,6 +48,8 @@ def compute_taint(graph: fx.Graph, trainable: frozenset[str]) -> Mapping[fx.Node
         own = _own_taint(node, trainable)
         if own is not None:
             taint[node] = own
+            continue
+        if node in clean:
             continue
         for producer in node.all_input_nodes:
             if producer in taint:
