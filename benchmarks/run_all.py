@@ -24,6 +24,9 @@ bench_split_scale = "benchmarks.bench_split_scale"
 bench_plan_scale = "benchmarks.bench_plan_scale"
 bench_diffsynth_bytes = "benchmarks.bench_diffsynth_bytes"
 bench_live_cache = "benchmarks.bench_live_cache"
+bench_safe_items = "benchmarks.bench_safe_items"
+bench_dpo_reference = "benchmarks.bench_dpo_reference"
+bench_signatures = "benchmarks.bench_signatures"
 
 
 def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
@@ -41,6 +44,10 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
              ["--cases", "sdxl", "flux", "flux_diffusers_ids", "--rounds", "3", *target]),
             ("DiffSynth cache bytes", bench_diffsynth_bytes, [*target]),
             ("cache while training", bench_live_cache, ["--rounds", "10", *target]),
+            ("safe items", bench_safe_items, [*target]),
+            ("DPO reference log-probs", bench_dpo_reference, [*target]),
+            ("a new shape signature", bench_signatures,
+             ["--cases", "branch", "flux", "wan", "--rounds", "5", *target]),
         ]  # fmt: skip
     return [
         ("step time", bench_step_time, ["--quick", *target]),
@@ -52,6 +59,9 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
         ("planning, full size", bench_plan_scale, ["--quick", *target]),
         ("DiffSynth cache bytes", bench_diffsynth_bytes, ["--quick", *target]),
         ("cache while training", bench_live_cache, ["--quick", *target]),
+        ("safe items", bench_safe_items, ["--quick", *target]),
+        ("DPO reference log-probs", bench_dpo_reference, ["--quick", *target]),
+        ("a new shape signature", bench_signatures, ["--quick", *target]),
     ]
 
 
