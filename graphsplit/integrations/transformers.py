@@ -183,6 +183,7 @@ def _split_and_cache(
     overwrite: bool,
     progress: bool | None,
 ) -> tuple[Split, CachedDataset, CacheInfo | None]:
+    _refuse_padding_to_the_batch(trainer)
     loss = TrainerLoss(trainer)
     loader = caching_loader(trainer)
     example = next(iter(loader))
@@ -213,6 +214,7 @@ def _split_live(
     _check_live(trainer)
     states = generator_states()
     try:
+        _refuse_padding_to_the_batch(trainer)
         example = next(iter(caching_loader(trainer)))
         parts = split(TrainerLoss(trainer), (example,))
     finally:
@@ -298,20 +300,55 @@ def _check_trainer(trainer: Any) -> None:
         )
 
 
+# Batches the collator check looks at before anything runs (collation only, no model).
+SHAPE_CHECK_BATCHES = 64
+
+
+def _refuse_padding_to_the_batch(trainer: Any) -> None:
+    """Refuse, before any model runs, a collator whose sample shapes depend on the batch.
+
+    A sample padded to its batch's longest has rows (its inputs, the teacher's logits) as long
+    as that batch; the trainer's sampler puts it in other batches every epoch, where the unsplit
+    run pads it to other lengths, and the loss sees every padded position (a KL over all
+    positions, a mean over the padded length). Those rows cannot stand in for it. Looks at the
+    first ``SHAPE_CHECK_BATCHES`` batches of the caching loader; the cache itself is checked
+    again once written (:func:`_refuse_several_shapes`).
+    """
+    loader = caching_loader(trainer)
+    seen: dict[tuple[tuple[str, tuple[int, ...]], ...], None] = {}
+    for number, batch in enumerate(loader):
+        if number == SHAPE_CHECK_BATCHES:
+            break
+        shape = tuple(
+            (str(name), tuple(value.shape[1:]))
+            for name, value in batch.items()
+            if isinstance(value, torch.Tensor) and value.dim() > 0
+        )
+        seen.setdefault(shape, None)
+        if len(seen) > 1:
+            first, other = (dict(one) for one in list(seen)[:2])
+            raise _padding_error(len(seen), first, other)
+
+
 def _refuse_several_shapes(cached: CachedDataset) -> None:
     shapes = cached.buckets()
     if len(shapes) <= 1:
         return
     names = list(cached.collation.order)
     examples = [dict(zip(names, shape)) for shape in list(shapes)[:2]]
-    raise user_error(
+    raise _padding_error(len(shapes), examples[0], examples[1])
+
+
+def _padding_error(count: int, first: Any, other: Any) -> CacheError:
+    return user_error(
         CacheError,
-        f"The trainer's collator gave the cached samples {len(shapes)} different shapes (e.g. "
-        f"{examples[0]} and {examples[1]}): a sample is padded to its batch's longest, so "
-        "its rows cannot join the other batches the trainer's sampler forms.",
+        f"The trainer's collator gives samples {count} different shapes in different batches "
+        f"(e.g. {first} and {other}): it pads each batch to its longest sample. The trainer's "
+        "sampler puts every sample in other batches each epoch, where the unsplit run pads it "
+        "to other lengths, so rows cached at one batch's length cannot stand in for it.",
         fix=Fix(
-            "pad every sample to one length, e.g. tokenizer(..., padding='max_length', "
-            "max_length=N) or DataCollatorWithPadding(tokenizer, padding='max_length', "
+            "pad every sample to one length, e.g. DataCollatorWithPadding(tokenizer, "
+            "padding='max_length', max_length=N) or tokenizer(..., padding='max_length', "
             "max_length=N); group_by_length still orders by the unpadded lengths"
         ),
     )
@@ -538,6 +575,7 @@ class _LiveCacheSteps(_checkpoint_callback_base()):
         live = self.rows.live
         if self.rows.cached is None and live.holds(str(i) for i in range(self.rows.size)):
             live.finish()
+            _refuse_several_shapes(live.dataset())
             self.rows.switch()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
