@@ -150,8 +150,10 @@ def split_trainer(
         :class:`TrainerSplit`.
 
     Raises:
-        SplitError: the trainer has no map-style train dataset, or uses a sampling strategy
-            that regroups batches itself (``batch_rebalance``).
+        SplitError: the trainer has no map-style train dataset, builds its batches itself
+            (overrides ``_prepare_inputs``, ``get_train_dataloader`` or ``_get_train_sampler``,
+            as TRL's on-policy distillation trainers do), or uses a sampling strategy that
+            regroups batches itself (``batch_rebalance``).
         CacheError: the collator gives samples different shapes in different batches.
 
     Example:
@@ -290,6 +292,34 @@ def _check_trainer(trainer: Any) -> None:
             f"per index), not {type(dataset).__name__}: the cache stores sample i at index i.",
             fix=Fix("pass train_dataset=... to the Trainer (a datasets.Dataset or a list)"),
         )
+    own = _batch_building_methods(type(trainer))
+    if own:
+        raise user_error(
+            SplitError,
+            f"{type(trainer).__name__} builds its training batches itself ({', '.join(own)} "
+            "overridden; TRL's on-policy DistillationTrainer / GKDTrainer generate the "
+            "completions with the student there): what the frozen model sees is made during "
+            "training, so its outputs cannot be cached before, and split_trainer would replace "
+            "that batch building.",
+            fix=Fix(
+                "distil on fixed completions instead: subclass Trainer or trl.SFTTrainer with a "
+                "compute_loss that calls the frozen teacher (docs/howto.md, 'Distillation with "
+                "a Trainer')"
+            ),
+        )
+    if getattr(trainer, "lmbda", 0) or getattr(trainer, "seq_kd", False):
+        raise user_error(
+            SplitError,
+            f"{type(trainer).__name__} trains on-policy (lmbda={getattr(trainer, 'lmbda', 0)}, "
+            f"seq_kd={getattr(trainer, 'seq_kd', False)}): its training step replaces batches "
+            "with the student's or the teacher's generations, so what the frozen teacher sees is "
+            "made during training and cannot be cached before.",
+            fix=Fix(
+                "distil on fixed completions: a Trainer or trl.SFTTrainer subclass whose "
+                "compute_loss calls the frozen teacher (docs/howto.md, 'Distillation with a "
+                "Trainer')"
+            ),
+        )
     strategy = getattr(trainer.args, "train_sampling_strategy", "random")
     if strategy == "batch_rebalance":
         raise user_error(
@@ -302,6 +332,21 @@ def _check_trainer(trainer: Any) -> None:
 
 # Batches the collator check looks at before anything runs (collation only, no model).
 SHAPE_CHECK_BATCHES = 64
+
+
+# The Trainer methods through which a trainer makes its own training batches.
+BATCH_BUILDING_METHODS = ("_prepare_inputs", "get_train_dataloader", "_get_train_sampler")
+
+
+def _batch_building_methods(trainer_class: type) -> list[str]:
+    """The batch-building methods ``trainer_class`` overrides (``Trainer``'s own: none)."""
+    from transformers import Trainer
+
+    return [
+        name
+        for name in BATCH_BUILDING_METHODS
+        if getattr(trainer_class, name, None) is not getattr(Trainer, name, None)
+    ]
 
 
 def _refuse_padding_to_the_batch(trainer: Any) -> None:

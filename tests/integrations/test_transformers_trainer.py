@@ -222,3 +222,50 @@ def test_a_wrapped_student_that_stage2_does_not_call_whole_is_refused(tmp_path):
     with refused as error, _student_called_as(stage2, wrapper, trainer.model):
         pass
     assert "train this split in one process" in str(error.value)
+
+
+def test_a_trainer_that_builds_its_own_batches_is_refused_naming_the_methods(tmp_path):
+    from graphsplit.errors import SplitError
+    from graphsplit.integrations.transformers import _batch_building_methods
+    from tests.integrations.kd import DistillationTrainer
+
+    class Generating(DistillationTrainer):
+        def _prepare_inputs(self, inputs):  # e.g. generates completions with the student
+            return super()._prepare_inputs(inputs)
+
+    trainer = make_trainer(str(tmp_path), padded_samples(4))
+    trainer.__class__ = Generating
+    with pytest.raises(SplitError, match=r"builds its training batches itself \(_prepare_inputs"):
+        split_trainer(trainer, str(tmp_path / "cache"))
+    assert not (tmp_path / "cache").exists()
+    assert _batch_building_methods(DistillationTrainer) == []
+
+
+def test_trls_on_policy_distillation_trainer_is_recognised_as_building_its_batches():
+    from graphsplit.integrations.transformers import _batch_building_methods
+
+    trl = pytest.importorskip("trl")
+    from trl.trainer.distillation_trainer import DistillationTrainer as TrlDistillation
+
+    assert _batch_building_methods(TrlDistillation) == [
+        "_prepare_inputs",
+        "get_train_dataloader",
+        "_get_train_sampler",
+    ]
+    assert _batch_building_methods(trl.SFTTrainer) == []  # SFT with a frozen teacher fits
+
+
+@pytest.mark.parametrize(
+    ("policy", "shown"), [({"lmbda": 0.5}, "lmbda=0.5"), ({"seq_kd": True}, "seq_kd=True")]
+)
+def test_an_on_policy_gkd_style_trainer_is_refused(tmp_path, policy, shown):
+    """GKDTrainer's training_step swaps the batch for generations with probability lmbda
+    (or the teacher's, under seq_kd); its compute_loss is not overridden in a checkable way."""
+    from graphsplit.errors import SplitError
+
+    trainer = make_trainer(str(tmp_path), padded_samples(4))
+    for name, value in policy.items():
+        setattr(trainer, name, value)
+    with pytest.raises(SplitError, match="trains on-policy") as error:
+        split_trainer(trainer, str(tmp_path / "cache"))
+    assert shown in str(error.value) and "trl.SFTTrainer subclass" in str(error.value)
