@@ -51,8 +51,12 @@ class _StopAfterSaving(TrainerCallback):
 
 @pytest.mark.parametrize(
     "arguments",
-    [{}, {"train_sampling_strategy": "group_by_length", "gradient_accumulation_steps": 2}],
-    ids=["plain", "group-by-length-accumulation"],
+    [
+        {},
+        {"train_sampling_strategy": "group_by_length", "gradient_accumulation_steps": 2},
+        {"dataloader_num_workers": 2},
+    ],
+    ids=["plain", "group-by-length-accumulation", "two-workers"],
 )
 def test_the_first_epoch_builds_the_cache_and_all_epochs_log_the_unsplit_losses(
     tmp_path, arguments
@@ -111,8 +115,20 @@ def test_a_checkpoint_mid_first_epoch_resumes_the_cache_and_the_losses(tmp_path)
     assert parts.live.complete and len(parts.live.dataset()) == 16
 
 
-def test_dropping_the_last_batch_is_refused_with_the_fix(tmp_path):
-    trainer = make_trainer(str(tmp_path), padded_samples(8), dataloader_drop_last=True)
-    with pytest.raises(SplitError, match="dataloader_drop_last=False") as error:
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        ({"dataloader_drop_last": True}, "dataloader_drop_last=False"),
+        (
+            {"dataloader_num_workers": 1, "dataloader_persistent_workers": True},
+            "dataloader_persistent_workers=False",
+        ),
+    ],
+    ids=["drop-last", "persistent-workers"],
+)
+def test_what_cache_while_training_cannot_do_is_refused_with_the_fix(tmp_path, arguments, said):
+    trainer = make_trainer(str(tmp_path), padded_samples(8), **arguments)
+    with pytest.raises(SplitError, match="cache_while_training") as error:
         split_trainer(trainer, str(tmp_path / "cache"), cache_while_training=True)
-    assert "without cache_while_training" in str(error.value)
+    assert said in str(error.value)
+    assert not (tmp_path / "cache").exists()
