@@ -143,8 +143,8 @@ def split_trainer(
         progress: show the caching progress bar.
         cache_while_training: no caching pass: the first epoch trains on raw batches (stage 1
             and stage 2, the unsplit losses bit for bit) and writes the cache as it goes; later
-            epochs train from it. One process, ``dataloader_drop_last=False``, no persistent
-            workers.
+            epochs train from it. Needs ``dataloader_drop_last=False`` and no persistent
+            workers; under ``accelerate launch`` each process writes its share.
 
     Returns:
         :class:`TrainerSplit`.
@@ -221,7 +221,14 @@ def _split_live(
         parts = split(TrainerLoss(trainer), (example,))
     finally:
         set_generator_states(states)
-    live = LiveCache(parts, cache_dir, storage_dtype=storage_dtype, overwrite=overwrite)
+    accelerator = trainer.accelerator
+    live = LiveCache(
+        parts,
+        cache_dir,
+        accelerator=accelerator if accelerator.num_processes > 1 else None,
+        storage_dtype=storage_dtype,
+        overwrite=overwrite,
+    )
     path = str(cache_dir)
     raw, _ = _dataset_and_collator(trainer, "Training")
     rows = _LiveRows(live, len(raw))
@@ -233,12 +240,6 @@ def _split_live(
 def _check_live(trainer: Any) -> None:
     args = trainer.args
     refusals = [
-        (
-            trainer.accelerator.num_processes > 1,
-            "runs in one process only for now (the trainer has "
-            f"{trainer.accelerator.num_processes})",
-            "cache first: split_trainer(trainer, cache_dir) without cache_while_training",
-        ),
         (
             args.dataloader_drop_last,
             "needs dataloader_drop_last=False: the first epoch must see every sample, since "
@@ -429,9 +430,22 @@ class _LiveRows(Dataset):
             self.switch()
 
     def switch(self) -> None:
-        """From now on: the cached rows."""
-        self.cached = self.live.dataset()
-        self.rows = {key: index for index, key in enumerate(self.cached.keys)}
+        """From now on: the cached rows (every sample's, else refused)."""
+        cached = self.live.dataset()
+        rows = {key: index for index, key in enumerate(cached.keys)}
+        missing = [index for index in range(self.size) if str(index) not in rows]
+        if missing:
+            raise user_error(
+                CacheError,
+                f"the cache at {self.live.path} lacks {len(missing)} of the {self.size} "
+                f"samples (dataset indices {missing[:5]}...) after the first epoch: it was "
+                "resumed from a checkpoint whose rows were not committed to this folder.",
+                fix=Fix(
+                    "resume with the cache folder the checkpoint was trained with, or start "
+                    "afresh with overwrite=True and a new output_dir"
+                ),
+            )
+        self.cached, self.rows = cached, rows
 
     def __len__(self) -> int:
         return self.size
@@ -607,8 +621,8 @@ class _CacheRecord(_checkpoint_callback_base()):
 
 class _LiveCacheSteps(_checkpoint_callback_base()):
     """Drives a live cache from the trainer's events: a checkpoint commits the rows computed
-    so far; the end of an epoch that saw every sample finishes the cache (later epochs read
-    it); the end of training before that commits and closes (a resumed run continues it)."""
+    so far; the end of an epoch not cut short finishes the cache (every process; later epochs
+    read it); the end of training before that commits and closes (a resumed run continues)."""
 
     def __init__(self, rows: _LiveRows) -> None:
         self.rows = rows
@@ -617,8 +631,12 @@ class _LiveCacheSteps(_checkpoint_callback_base()):
         self.rows.live.commit()
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # The trainer sets state.epoch to epoch + (step + 1) / steps_in_epoch at every step: a
+        # whole number at an epoch's last batch, a fraction where max_steps or a callback cut
+        # it short (the cache then stays open for a resume).
         live = self.rows.live
-        if self.rows.cached is None and live.holds(str(i) for i in range(self.rows.size)):
+        whole = state.epoch is not None and float(state.epoch).is_integer()
+        if self.rows.cached is None and whole:
             live.finish()
             _refuse_several_shapes(live.dataset())
             self.rows.switch()

@@ -168,9 +168,11 @@ def test_batch_dependent_shapes_past_the_checked_batches_are_refused_once_cached
     assert live.state.global_step == 4  # all of epoch 1 (8 samples in 2s), none of epoch 2
 
 
-def test_two_accelerate_processes_cache_their_shares_and_train_as_unsplit(tmp_path):
+@pytest.mark.parametrize("live", [False, True], ids=["cache-first", "cache-while-training"])
+def test_two_accelerate_processes_cache_their_shares_and_train_as_unsplit(tmp_path, live):
     """Under ``accelerate launch`` (2 CPU processes, gloo DDP) each process caches its share
-    and trains stage 2 through the DDP wrapper: the same losses and weights as unsplit."""
+    (first, or while training epoch 1) and trains stage 2 through the DDP wrapper: the same
+    losses and weights as unsplit."""
     pytest.importorskip("accelerate")
     worker = Path(__file__).with_name("trainer_worker.py")
     command = [
@@ -190,13 +192,15 @@ def test_two_accelerate_processes_cache_their_shares_and_train_as_unsplit(tmp_pa
         str(29500 + (os.getpid() + 500) % 1000),
         str(worker),
         str(tmp_path),
+        *(["live"] if live else []),
     ]
     finished = subprocess.run(command, env=worker_environment(), capture_output=True, timeout=300)
     assert finished.returncode == 0, finished.stderr.decode()[-4000:]
     reports = [json.loads((tmp_path / f"report.{rank}.json").read_text()) for rank in (0, 1)]
     for report in reports:
         assert report["world"] == 2 and report["wrapped"] == "DistributedDataParallel"
-        assert report["split"] == report["unsplit"] and len(report["split"]) == 4
+        assert report["split"] == report["unsplit"]
+        assert len(report["split"]) == (6 if live else 4)
         assert report["same_weights"] and report["cached"] == 16
 
 
