@@ -192,12 +192,6 @@ class LiveCache:
             outputs = {**outputs, SIGNATURE_KEY: plan.key}
         return self.split.stage2(**outputs)
 
-    def holds(self, keys: Any) -> bool:
-        """Whether every one of ``keys`` (str) is stored: committed, written, or in memory."""
-        if self._writer is None:
-            return self._info is not None and set(keys) <= set(self.dataset().keys)
-        return all(key in self._writer.known for key in keys)
-
     def commit(self) -> None:
         """Commit the rows held in memory now (e.g. as a checkpoint is saved): a ``LiveCache``
         made later on the folder, after an interruption, resumes with them."""
