@@ -141,3 +141,25 @@ def test_an_epoch_cut_short_by_max_steps_leaves_the_cache_open(tmp_path):
     trainer.train()
     assert not parts.live.complete
     assert not graphsplit.check_cache(str(tmp_path / "cache")).ok
+
+
+def test_a_first_epoch_that_lacks_samples_is_refused_at_its_end(tmp_path, monkeypatch):
+    """Rows of the batches before the checkpoint lost (here: never committed) -> refused
+    before a later epoch would look them up."""
+    from graphsplit.caching.live import LiveCache
+    from graphsplit.errors import CacheError
+
+    samples = padded_samples(16)
+    steps = {"save_strategy": "steps", "save_steps": 3, "num_train_epochs": 2}
+    monkeypatch.setattr(LiveCache, "commit", lambda self: None)
+    stopped = make_trainer(str(tmp_path / "run"), samples, **steps)
+    first = split_trainer(stopped, str(tmp_path / "cache"), cache_while_training=True)
+    stopped.add_callback(_StopAfterSaving(3))
+    with pytest.raises(_Interrupted):
+        stopped.train()
+    first.live.close()
+    resumed = make_trainer(str(tmp_path / "run"), samples, **steps)
+    split_trainer(resumed, str(tmp_path / "cache"), cache_while_training=True)
+    with pytest.raises(CacheError, match="lacks 12 of the 16 samples") as error:
+        resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
+    assert "resume with the cache folder the checkpoint was trained with" in str(error.value)
