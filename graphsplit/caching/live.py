@@ -192,6 +192,12 @@ class LiveCache:
             outputs = {**outputs, SIGNATURE_KEY: plan.key}
         return self.split.stage2(**outputs)
 
+    def commit(self) -> None:
+        """Commit the rows held in memory now (e.g. as a checkpoint is saved): a ``LiveCache``
+        made later on the folder, after an interruption, resumes with them."""
+        if self._writer is not None:
+            self._writer.commit()
+
     def finish(self) -> CacheInfo:
         """Write the manifest (every process calls it): the folder is a complete cache."""
         if self._info is None:

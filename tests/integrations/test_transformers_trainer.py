@@ -130,22 +130,49 @@ def test_resuming_from_a_checkpoint_of_another_cache_is_refused(tmp_path):
     assert "resume with the cache and models the checkpoint was trained with" in str(error.value)
 
 
-def test_samples_padded_to_their_batchs_longest_are_refused_with_the_fix(tmp_path):
-    def pad_to_longest(features):
-        longest = max(int(f["attention_mask"].sum()) for f in features)
-        return {k: torch.stack([f[k][:longest] for f in features]) for k in features[0]}
+def _pad_to_longest(features):
+    longest = max(int(f["attention_mask"].sum()) for f in features)
+    return {k: torch.stack([f[k][:longest] for f in features]) for k in features[0]}
 
+
+@pytest.mark.parametrize("live", [False, True], ids=["cache-first", "cache-while-training"])
+def test_samples_padded_to_their_batchs_longest_are_refused_before_any_model_runs(tmp_path, live):
     samples = padded_samples(8)
     trainer = make_trainer(str(tmp_path), samples, per_device_train_batch_size=2)
-    trainer.data_collator = pad_to_longest
-    with pytest.raises(CacheError, match="different shapes") as error:
-        split_trainer(trainer, str(tmp_path / "cache"))
+    trainer.data_collator = _pad_to_longest
+    calls = []
+    trainer.teacher.register_forward_hook(lambda *_: calls.append(1))
+    with pytest.raises(CacheError, match="different shapes in different batches") as error:
+        split_trainer(trainer, str(tmp_path / "cache"), cache_while_training=live)
     assert "padding='max_length'" in str(error.value)
+    assert "pads it to other lengths" in str(error.value)
+    assert calls == [] and not (tmp_path / "cache").exists()
 
 
-def test_two_accelerate_processes_cache_their_shares_and_train_as_unsplit(tmp_path):
+def test_batch_dependent_shapes_past_the_checked_batches_are_refused_once_cached(
+    tmp_path, monkeypatch
+):
+    from graphsplit.integrations import transformers as integration
+
+    monkeypatch.setattr(integration, "SHAPE_CHECK_BATCHES", 1)
+    trainer = make_trainer(str(tmp_path), padded_samples(8), per_device_train_batch_size=2)
+    trainer.data_collator = _pad_to_longest
+    with pytest.raises(CacheError, match="different shapes in different batches"):
+        split_trainer(trainer, str(tmp_path / "cache"))
+    # cache while training: epoch 1 trains on raw batches; its end refuses the later epochs
+    live = make_trainer(str(tmp_path / "live"), padded_samples(8), per_device_train_batch_size=2)
+    live.data_collator = _pad_to_longest
+    split_trainer(live, str(tmp_path / "live-cache"), cache_while_training=True)
+    with pytest.raises(CacheError, match="different shapes in different batches"):
+        live.train()
+    assert live.state.global_step == 4  # all of epoch 1 (8 samples in 2s), none of epoch 2
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["cache-first", "cache-while-training"])
+def test_two_accelerate_processes_cache_their_shares_and_train_as_unsplit(tmp_path, live):
     """Under ``accelerate launch`` (2 CPU processes, gloo DDP) each process caches its share
-    and trains stage 2 through the DDP wrapper: the same losses and weights as unsplit."""
+    (first, or while training epoch 1) and trains stage 2 through the DDP wrapper: the same
+    losses and weights as unsplit."""
     pytest.importorskip("accelerate")
     worker = Path(__file__).with_name("trainer_worker.py")
     command = [
@@ -165,13 +192,15 @@ def test_two_accelerate_processes_cache_their_shares_and_train_as_unsplit(tmp_pa
         str(29500 + (os.getpid() + 500) % 1000),
         str(worker),
         str(tmp_path),
+        *(["live"] if live else []),
     ]
     finished = subprocess.run(command, env=worker_environment(), capture_output=True, timeout=300)
     assert finished.returncode == 0, finished.stderr.decode()[-4000:]
     reports = [json.loads((tmp_path / f"report.{rank}.json").read_text()) for rank in (0, 1)]
     for report in reports:
         assert report["world"] == 2 and report["wrapped"] == "DistributedDataParallel"
-        assert report["split"] == report["unsplit"] and len(report["split"]) == 4
+        assert report["split"] == report["unsplit"]
+        assert len(report["split"]) == (6 if live else 4)
         assert report["same_weights"] and report["cached"] == 16
 
 
@@ -197,3 +226,50 @@ def test_a_wrapped_student_that_stage2_does_not_call_whole_is_refused(tmp_path):
     with refused as error, _student_called_as(stage2, wrapper, trainer.model):
         pass
     assert "train this split in one process" in str(error.value)
+
+
+def test_a_trainer_that_builds_its_own_batches_is_refused_naming_the_methods(tmp_path):
+    from graphsplit.errors import SplitError
+    from graphsplit.integrations.transformers import _batch_building_methods
+    from tests.integrations.kd import DistillationTrainer
+
+    class Generating(DistillationTrainer):
+        def _prepare_inputs(self, inputs):  # e.g. generates completions with the student
+            return super()._prepare_inputs(inputs)
+
+    trainer = make_trainer(str(tmp_path), padded_samples(4))
+    trainer.__class__ = Generating
+    with pytest.raises(SplitError, match=r"builds its training batches itself \(_prepare_inputs"):
+        split_trainer(trainer, str(tmp_path / "cache"))
+    assert not (tmp_path / "cache").exists()
+    assert _batch_building_methods(DistillationTrainer) == []
+
+
+def test_trls_on_policy_distillation_trainer_is_recognised_as_building_its_batches():
+    from graphsplit.integrations.transformers import _batch_building_methods
+
+    trl = pytest.importorskip("trl")
+    from trl.trainer.distillation_trainer import DistillationTrainer as TrlDistillation
+
+    assert _batch_building_methods(TrlDistillation) == [
+        "_prepare_inputs",
+        "get_train_dataloader",
+        "_get_train_sampler",
+    ]
+    assert _batch_building_methods(trl.SFTTrainer) == []  # SFT with a frozen teacher fits
+
+
+@pytest.mark.parametrize(
+    ("policy", "shown"), [({"lmbda": 0.5}, "lmbda=0.5"), ({"seq_kd": True}, "seq_kd=True")]
+)
+def test_an_on_policy_gkd_style_trainer_is_refused(tmp_path, policy, shown):
+    """GKDTrainer's training_step swaps the batch for generations with probability lmbda
+    (or the teacher's, under seq_kd); its compute_loss is not overridden in a checkable way."""
+    from graphsplit.errors import SplitError
+
+    trainer = make_trainer(str(tmp_path), padded_samples(4))
+    for name, value in policy.items():
+        setattr(trainer, name, value)
+    with pytest.raises(SplitError, match="trains on-policy") as error:
+        split_trainer(trainer, str(tmp_path / "cache"))
+    assert shown in str(error.value) and "trl.SFTTrainer subclass" in str(error.value)

@@ -1,10 +1,12 @@
 """Train the KD trainer unsplit, then split, in each process of an ``accelerate launch``.
 
     accelerate launch --multi_gpu --num_processes 2 tests/integrations/trainer_worker.py FOLDER
+    accelerate launch ... tests/integrations/trainer_worker.py FOLDER live
 
 (``--multi_gpu`` picks accelerate's torchrun launcher; ``use_cpu=True`` makes a gloo DDP run.)
 Each process writes ``FOLDER/report.<rank>.json``: both runs' logged losses, whether the split
-run's student weights equal the unsplit run's, and the cache's sample count.
+run's student weights equal the unsplit run's, and the cache's sample count. With ``live`` the
+split run caches while training (``cache_while_training=True``), for 3 epochs.
 """
 
 from __future__ import annotations
@@ -22,11 +24,17 @@ from tests.integrations.kd import logged_losses, make_trainer, padded_samples
 
 def main() -> None:
     folder = Path(sys.argv[1])
+    live = sys.argv[2:] == ["live"]
     samples = padded_samples(16)
+    epochs = {"num_train_epochs": 3} if live else {}
     runs = {}
     for name in ("unsplit", "split"):
-        trainer = make_trainer(str(folder / name), samples)
-        parts = split_trainer(trainer, str(folder / "cache")) if name == "split" else None
+        trainer = make_trainer(str(folder / name), samples, **epochs)
+        parts = (
+            split_trainer(trainer, str(folder / "cache"), cache_while_training=live)
+            if name == "split"
+            else None
+        )
         trainer.train()
         runs[name] = trainer
     unsplit, split = runs["unsplit"].model.state_dict(), runs["split"].model.state_dict()
@@ -36,7 +44,7 @@ def main() -> None:
         "unsplit": logged_losses(runs["unsplit"]),
         "split": logged_losses(runs["split"]),
         "same_weights": all(torch.equal(unsplit[key], split[key]) for key in unsplit),
-        "cached": len(parts.cached),
+        "cached": len(parts.live.dataset() if live else parts.cached),
         "wrapped": type(runs["split"].model_wrapped).__name__,
     }
     (folder / f"report.{rank}.json").write_text(json.dumps(report))

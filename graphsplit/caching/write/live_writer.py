@@ -247,6 +247,12 @@ class LiveWriter:
         if pending.nbytes >= limit:
             self._submit()
 
+    def commit(self) -> None:
+        """Save the rows held in memory as a shard now and wait until every shard of this run
+        is committed: a run resumed later finds them (a trainer's checkpoint covers them)."""
+        self._submit()
+        self._writer.wait()
+
     def _submit(self) -> None:
         if self._pending is not None:
             self._writer.submit(_digested(self._pending))

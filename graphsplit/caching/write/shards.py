@@ -183,6 +183,12 @@ class ShardWriter:
         self.bytes_submitted += shard.nbytes
         self._saving = (shard.index, self._saver.submit(self.save, shard))
 
+    def wait(self) -> None:
+        """Wait until every shard submitted so far is committed (a checkpoint then covers it)."""
+        self._collect_saving()
+        for commit in self._commits.values():
+            commit.result()
+
     def close(self, *, cancel: bool = False) -> dict[int, ShardProgress]:
         """Wait for every shard and return their progress records by shard index (none when
         ``cancel``)."""
