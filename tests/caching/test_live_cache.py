@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ from tests.caching.fixtures import (
     rows_by_key,
     worker_environment,
 )
+from tests.helpers import free_port
 
 LIVE_WORKER = Path(__file__).with_name("live_worker.py")
 
@@ -189,7 +189,7 @@ def test_two_accelerate_processes_write_one_cache(tmp_path, length, batches):
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
         "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-        "--dynamo_backend", "no", "--main_process_port", str(29600 + os.getpid() % 1000),
+        "--dynamo_backend", "no", "--main_process_port", str(free_port()),
         str(LIVE_WORKER), str(path), "--accelerate", "--length", str(length),
     ]  # fmt: skip
     run = subprocess.run(command, env=worker_environment(), cwd=ROOT, capture_output=True)

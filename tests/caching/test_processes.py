@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -25,6 +24,7 @@ from tests.caching.fixtures import (
     make_split,
     worker_environment,
 )
+from tests.helpers import free_port
 
 # -------------------------------------------------------------------------------- a real launch
 
@@ -52,7 +52,7 @@ def test_two_accelerate_processes_write_the_single_process_cache_and_train(tmp_p
         "--dynamo_backend",
         "no",
         "--main_process_port",
-        str(29500 + os.getpid() % 1000),
+        str(free_port()),
         str(WORKER),
         str(shared),
         "--accelerate",

@@ -8,7 +8,6 @@ picks the same samples in the same order, and stage 2 computes what ``compute_lo
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ pytest.importorskip("transformers")
 from graphsplit.errors import CacheError
 from graphsplit.integrations.transformers import TrainerLoss, split_trainer
 from tests.caching.fixtures import worker_environment
+from tests.helpers import free_port
 from tests.integrations.kd import logged_losses, make_trainer, padded_samples
 
 
@@ -189,7 +189,7 @@ def test_two_accelerate_processes_cache_their_shares_and_train_as_unsplit(tmp_pa
         "--dynamo_backend",
         "no",
         "--main_process_port",
-        str(29500 + (os.getpid() + 500) % 1000),
+        str(free_port()),
         str(worker),
         str(tmp_path),
         *(["live"] if live else []),

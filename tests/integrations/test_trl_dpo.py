@@ -9,7 +9,6 @@ columns and training losses are compared with ``==`` (bit for bit), the policies
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ pytest.importorskip("trl")
 from graphsplit.errors import SplitError, StaleCacheError
 from graphsplit.integrations.trl import cache_reference_log_probs
 from tests.caching.fixtures import worker_environment
+from tests.helpers import free_port
 from tests.integrations.dpo import make_dpo_trainer, preference_pairs
 
 COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -99,7 +99,7 @@ def test_two_accelerate_processes_cache_their_shares_and_train_as_trl(tmp_path):
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
         "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-        "--dynamo_backend", "no", "--main_process_port", str(29500 + (os.getpid() + 250) % 1000),
+        "--dynamo_backend", "no", "--main_process_port", str(free_port()),
         str(worker), str(tmp_path / "run"),
     ]  # fmt: skip
     (tmp_path / "run").mkdir()
