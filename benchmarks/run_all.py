@@ -24,6 +24,10 @@ bench_split_scale = "benchmarks.bench_split_scale"
 bench_plan_scale = "benchmarks.bench_plan_scale"
 bench_diffsynth_bytes = "benchmarks.bench_diffsynth_bytes"
 bench_live_cache = "benchmarks.bench_live_cache"
+bench_dpo_reference = "benchmarks.bench_dpo_reference"
+bench_safe_items = "benchmarks.bench_safe_items"
+bench_signatures = "benchmarks.bench_signatures"
+bench_calls_overhead = "benchmarks.bench_calls_overhead"
 
 
 def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
@@ -41,6 +45,10 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
              ["--cases", "sdxl", "flux", "flux_diffusers_ids", "--rounds", "3", *target]),
             ("DiffSynth cache bytes", bench_diffsynth_bytes, [*target]),
             ("cache while training", bench_live_cache, ["--rounds", "10", *target]),
+            ("DPO reference log-probs", bench_dpo_reference, [*target]),
+            ("safe items", bench_safe_items, [*target]),
+            ("shape signatures", bench_signatures, [*target]),
+            ("module-level path", bench_calls_overhead, ["--rounds", "40", *target]),
         ]  # fmt: skip
     return [
         ("step time", bench_step_time, ["--quick", *target]),
@@ -52,6 +60,10 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
         ("planning, full size", bench_plan_scale, ["--quick", *target]),
         ("DiffSynth cache bytes", bench_diffsynth_bytes, ["--quick", *target]),
         ("cache while training", bench_live_cache, ["--quick", *target]),
+        ("DPO reference log-probs", bench_dpo_reference, ["--quick", *target]),
+        ("safe items", bench_safe_items, ["--quick", *target]),
+        ("shape signatures", bench_signatures, ["--quick", *target]),
+        ("module-level path", bench_calls_overhead, ["--quick", *target]),
     ]
 
 
