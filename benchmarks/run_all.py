@@ -27,6 +27,7 @@ bench_live_cache = "benchmarks.bench_live_cache"
 bench_safe_items = "benchmarks.bench_safe_items"
 bench_dpo_reference = "benchmarks.bench_dpo_reference"
 bench_signatures = "benchmarks.bench_signatures"
+bench_calls_overhead = "benchmarks.bench_calls_overhead"
 
 
 def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
@@ -48,6 +49,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
             ("DPO reference log-probs", bench_dpo_reference, [*target]),
             ("a new shape signature", bench_signatures,
              ["--cases", "branch", "flux", "wan", "--rounds", "5", *target]),
+            ("module-level path", bench_calls_overhead, ["--rounds", "40", *target]),
         ]  # fmt: skip
     return [
         ("step time", bench_step_time, ["--quick", *target]),
@@ -62,6 +64,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
         ("safe items", bench_safe_items, ["--quick", *target]),
         ("DPO reference log-probs", bench_dpo_reference, ["--quick", *target]),
         ("a new shape signature", bench_signatures, ["--quick", *target]),
+        ("module-level path", bench_calls_overhead, ["--quick", *target]),
     ]
 
 

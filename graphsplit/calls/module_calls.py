@@ -58,19 +58,24 @@ class CallRouter:
     @contextlib.contextmanager
     def installed(self) -> Iterator[CallRouter]:
         """Route the modules' calls inside the block; their own ``forward`` comes back after."""
-        saved: list[tuple[nn.Module, bool, Any]] = []
+        # The instance dict is written directly: for a plain function that is what
+        # ``nn.Module.__setattr__`` ends in, after walking its parameter, buffer and module
+        # dicts, and stage 2 installs every frozen module's route on every step (276 modules
+        # on the tiny SD step: 0.54 ms through ``__setattr__``).
+        saved: list[tuple[dict[str, Any], bool, Any]] = []
         try:
             for path, module in self.modules.items():
-                had = "forward" in module.__dict__
-                saved.append((module, had, module.__dict__.get("forward")))
-                module.forward = self._routed(path, module, module.forward)
+                instance = module.__dict__
+                had = "forward" in instance
+                saved.append((instance, had, instance.get("forward")))
+                instance["forward"] = self._routed(path, module, module.forward)
             yield self
         finally:
-            for module, had, previous in reversed(saved):
+            for instance, had, previous in reversed(saved):
                 if had:
-                    module.forward = previous
+                    instance["forward"] = previous
                 else:
-                    module.__dict__.pop("forward", None)
+                    instance.pop("forward", None)
 
     def _routed(self, path: str, module: nn.Module, forward: Callable[..., Any]) -> Any:
         def routed(*args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,32 @@
+"""benchmarks/bench_calls_overhead.py runs (--quick: both cases, one round) and reports stage
+2's time against the step written by hand, stage 1 against the traced path and the bytes per
+sample of both paths; the losses of the three stage-2 variants agree before any timing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("diffusers")
+
+from benchmarks import bench_calls_overhead
+
+
+def test_quick_run_reports_overheads_and_bytes_for_sd_and_kd(tmp_path):
+    assert bench_calls_overhead.main(["--quick", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "calls_overhead.json").read_text())
+    assert payload["benchmark"] == "calls_overhead"
+    rows = {row["case"]: row for row in payload["results"]}
+    assert set(rows) == {"sd", "kd"}
+    for row in rows.values():
+        assert row["losses_agree_with_hand"] == {"calls": True, "traced": True}
+        for figure in ("calls_over_hand", "traced_over_hand", "stage1_calls_over_traced"):
+            assert set(row[figure]) == {"wall", "cpu"}
+            assert row[figure]["cpu"]["count"] == 1 and row[figure]["cpu"]["median"] > 0
+        assert row["samples"] > 0
+        assert row["bytes_per_sample"]["calls"] > 0 and row["bytes_per_sample"]["traced"] > 0
+    assert "teacher__0__logits" in rows["kd"]["calls_keys"]
+    assert "vae_quant_conv__0__out" in rows["sd"]["calls_keys"]
+    markdown = (tmp_path / "calls_overhead.md").read_text()
+    assert "calls stage 2 / by hand (CPU)" in markdown and "| sd (tiny) |" in markdown
