@@ -27,7 +27,6 @@ from graphsplit.errors import Fix, SplitError, TraceError, user_error
 from graphsplit.planning.codegen.stages import build_stage1, build_stage2, standalone_source
 from graphsplit.planning.cut.boundary import boundary_specs, choose_boundary
 from graphsplit.planning.cut.recompute import Recompute, check_recompute
-from graphsplit.planning.gc_deferral import deferred_collections
 from graphsplit.planning.leaf_rounds import trace_and_analyze
 from graphsplit.planning.patching.patcher import one_planning_at_a_time
 from graphsplit.planning.step.callables import as_step_module
@@ -247,10 +246,6 @@ class _Planner:
     recompute: Recompute
 
     def plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
-        with deferred_collections():  # speed only: see planning/gc_deferral.py
-            return self._plan(args, kwargs)
-
-    def _plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
         started = time.perf_counter()
         model = self.model
         # 1. Bind the example batch to forward's parameters; meta twins at two batch sizes.
