@@ -86,6 +86,8 @@ class Plan:
     signature: Signature
     example: str | None  # example_record() of the batch it was made from
     seconds: float  # what making it cost
+    # Inputs the example did not give, traced as forward's default (signatures/defaults.py).
+    defaulted: dict[str, Any] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
