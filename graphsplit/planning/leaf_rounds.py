@@ -262,7 +262,7 @@ def _trace_once(
     resolve_params(traced, model, param_names)
     check_grad_modes(traced.graph, trainable)
     check_opaque_nodes(traced.graph, trainable)
-    check_value_reads(traced.graph, trainable)
+    check_value_reads(traced.graph, trainable, several_samples=examples.batch_sizes != ONE_SAMPLE)
     notes = _opaque_notes(traced.graph) + _value_read_notes(traced.graph)
     return replace(traced, notes=traced.notes + notes)
 
@@ -334,8 +334,12 @@ def _trace_with_opaque_calls(
 
 
 def _answerable(examples: ExampleInputs) -> bool:
-    """Whether value reads may be answered: only when planned one sample per batch."""
-    return examples.batch_sizes == ONE_SAMPLE
+    """Whether value reads may be answered: planned one sample per batch, or from an example of
+    several samples (the probe trace is at the example's size, so the value read is the
+    trace's; only a per-sample value every sample shares is answered there,
+    ``value_reads._refuse_a_batch_value``). A one-sample example at the probe sizes is not:
+    its value is one sample's, the trace is of several; it is planned one sample per batch."""
+    return examples.batch_sizes == ONE_SAMPLE or example_batch_size(examples) > 1
 
 
 def _opaque_notes(graph: fx.Graph) -> tuple[str, ...]:
