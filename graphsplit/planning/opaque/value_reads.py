@@ -19,8 +19,9 @@ Glossary:
     answered read: a value read at a line the planning listed (``lines``), because making the
         code around it opaque failed (:mod:`graphsplit.planning.leaf_rounds` decides): the tensor
         must not depend on a trainable parameter or a random draw, and the plan must be one
-        sample per batch (a batch's value is one sample's; with several samples per batch it
-        would be the batch's own, and no other batch would match it).
+        sample per batch (a batch's value is one sample's), or made from an example of several
+        samples that each read the same value (a ``.tolist()`` of a per-sample tensor, every
+        row equal: one plan per value, the data bucketed by it; docs/algorithm.md, 5b).
     value check: the ``check_value`` node recording an answered read (``is_value_check``).
 
 A plan holding the example's value refuses, in stage 1, every sample that reads another value:
