@@ -193,6 +193,7 @@ def _refuse_a_batch_value(
         fix=Fix(BUCKET_FIX),
     )
     error.read_at = read_at
+    error.not_shared = True  # type: ignore[attr-defined]  # leaf_rounds shows this refusal
     raise error
 
 
