@@ -34,6 +34,7 @@ from graphsplit.planning.step.example_inputs import bind_examples
 from graphsplit.planning.step.frozen import FrozenSpec, resolve_frozen
 from graphsplit.planning.tracing.rewrites import restore_devices
 from graphsplit.report import plan_json, render_report
+from graphsplit.signatures.defaults import defaults_taken
 from graphsplit.signatures.dispatch import DEFAULT_MAX_PLANS, Plan, PlanSet
 from graphsplit.signatures.signature import Signature, example_record, signature_of
 
@@ -272,6 +273,7 @@ class _Planner:
             signature=signature_of(stage1, stage2),
             example=example_record(tuple(args), dict(kwargs)),
             seconds=time.perf_counter() - started,
+            defaulted=defaults_taken(model, examples.inputs),
         )
 
     @one_planning_at_a_time  # a plan made for a later batch waits like a split() does

@@ -262,7 +262,7 @@ def _trace_once(
     resolve_params(traced, model, param_names)
     check_grad_modes(traced.graph, trainable)
     check_opaque_nodes(traced.graph, trainable)
-    check_value_reads(traced.graph, trainable)
+    check_value_reads(traced.graph, trainable, several_samples=examples.batch_sizes != ONE_SAMPLE)
     notes = _opaque_notes(traced.graph) + _value_read_notes(traced.graph)
     return replace(traced, notes=traced.notes + notes)
 
@@ -288,6 +288,7 @@ def _trace_with_opaque_calls(
     depend on a trainable parameter or a random draw is refused there, naming the line.
     """
     read: str | None = None  # the user's line whose value read the newest sites are for
+    tentative: dict[str, Exception] = {}  # per read answered at batch > 1: the error before
     in_body = False  # whether that line is in the step's own code (never answered)
     chain: list[OpaqueSite] = []
     while True:
@@ -301,7 +302,16 @@ def _trace_with_opaque_calls(
         except TensorValueError as exc:
             if exc.read_at is not None:
                 if exc.read_at in answered:
-                    raise  # answered, and refused: its tensor is not frozen data
+                    # Answered, and refused: its tensor is not frozen data. At several samples
+                    # per batch, the refusal the read met before answering is the one to show
+                    # (it names the function and why); a value not every sample shares adds
+                    # the bucketing fix as a note.
+                    before = tentative.get(exc.read_at)
+                    if before is None:
+                        raise
+                    if getattr(exc, "not_shared", False):
+                        before.add_note(str(exc))
+                    raise before from None
                 read, chain = exc.read_at, []
                 in_body = read_in_step_body(exc)
             site = site_of_failure(exc, sites, model, run.trainable)
@@ -325,6 +335,8 @@ def _trace_with_opaque_calls(
         chain = []
         if read is None or in_body or not _answerable(examples):
             raise ending
+        if examples.batch_sizes != ONE_SAMPLE:
+            tentative[read] = ending
         answered.add(read)  # and trace again, the read answered (planning/opaque/value_reads.py)
         read = None
     for node in traced.graph.nodes:
@@ -334,8 +346,12 @@ def _trace_with_opaque_calls(
 
 
 def _answerable(examples: ExampleInputs) -> bool:
-    """Whether value reads may be answered: only when planned one sample per batch."""
-    return examples.batch_sizes == ONE_SAMPLE
+    """Whether value reads may be answered: planned one sample per batch, or from an example of
+    several samples (the probe trace is at the example's size, so the value read is the
+    trace's; only a per-sample value every sample shares is answered there,
+    ``value_reads._refuse_a_batch_value``). A one-sample example at the probe sizes is not:
+    its value is one sample's, the trace is of several; it is planned one sample per batch."""
+    return examples.batch_sizes == ONE_SAMPLE or example_batch_size(examples) > 1
 
 
 def _opaque_notes(graph: fx.Graph) -> tuple[str, ...]:

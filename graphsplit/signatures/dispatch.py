@@ -86,6 +86,8 @@ class Plan:
     signature: Signature
     example: str | None  # example_record() of the batch it was made from
     seconds: float  # what making it cost
+    # Inputs the example did not give, traced as forward's default (signatures/defaults.py).
+    defaulted: dict[str, Any] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -119,8 +121,11 @@ ONE_SAMPLE_STAGE2_FIX = Fix(
 def _refuse_several_samples(plan: Plan, batch: dict[str, Any]) -> None:
     """A plan made one sample per batch (``batch_sizes == (1, 1)``) trains one sample per
     batch: a stage-2 batch of several would break a size check deep in the user's code, or
-    compute something else."""
+    compute something else. A plan holding a value read off a batch of several samples
+    (``[v] * B``: each sample reads v) trains batches of B samples only."""
     if plan.batch_sizes != (1, 1):
+        if plan.signature.reads_values:
+            _refuse_other_batch_size(plan, batch, plan.batch_sizes[0])
         return
     for name, spec in plan.boundary.items():
         value = batch.get(name)
@@ -133,6 +138,24 @@ def _refuse_several_samples(plan: Plan, batch: dict[str, Any]) -> None:
                 f"{tuple(value.shape)}), but this plan runs one sample per batch: the step "
                 "only ran at batch size 1 when it was split.",
                 fix=ONE_SAMPLE_STAGE2_FIX,
+            )
+
+
+def _refuse_other_batch_size(plan: Plan, batch: dict[str, Any], size: int) -> None:
+    for name, spec in plan.boundary.items():
+        value = batch.get(name)
+        if spec.batch_dim is None or not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() > spec.batch_dim and value.shape[spec.batch_dim] != size:
+            raise user_error(
+                SplitError,
+                f"stage 2 got {value.shape[spec.batch_dim]} samples in {name!r}, but this plan "
+                f"holds a value read off frozen data for a batch of {size} samples "
+                f"({plan.signature}); its code was traced for {size} samples.",
+                fix=Fix(
+                    f"read the cache in batches of {size}: CachedDataset(path, split).loader("
+                    f"batch_size={size}, drop_last=True)"
+                ),
             )
 
 

@@ -39,6 +39,7 @@ from graphsplit.api import Split, split
 from graphsplit.caching import cache
 from graphsplit.caching.store.remote import location
 from graphsplit.errors import Fix, GraphsplitError, UnsupportedStorageError, user_error
+from graphsplit.signatures.defaults import batch_input_names
 from graphsplit.tools.launch import LaunchError, launched_accelerator, world_size
 from graphsplit.tools.progress import line_log
 from graphsplit.tools.spec import SpecError, StepSpec, load_spec
@@ -192,15 +193,16 @@ def _verify_first_batch(spec: StepSpec, parts: Split, loader: Any, main_process:
             fix=Fix("check the dataset"),
         )
     if isinstance(batch, Mapping):
-        missing = [name for name in parts.input_names if name not in batch]
+        names = batch_input_names(parts)  # not those the split took at forward's default
+        missing = [name for name in names if name not in batch]
         if missing:
             raise user_error(
                 SpecError,
                 f"--verify: the first batch has no {missing} (it has {sorted(batch)}), so the "
                 "step cannot be run on it.",
-                fix=Fix(f"make the batches dicts of the step's inputs {list(parts.input_names)}"),
+                fix=Fix(f"make the batches dicts of the step's inputs {list(names)}"),
             )
-        args, kwargs = (), {name: batch[name] for name in parts.input_names}
+        args, kwargs = (), {name: batch[name] for name in names}
     else:
         args, kwargs = tuple(batch), {}
     comparisons = verify(spec.model, parts, args, kwargs)

@@ -167,10 +167,13 @@ def test_a_value_read_of_a_random_draw_is_refused_and_the_rng_does_not_move():
     assert "fix:" in message
 
 
-def test_at_batch_two_a_value_read_is_not_answered_and_names_the_line():
-    """With several samples per batch the value would be the batch's: no other batch matches."""
+def test_at_batch_two_a_value_samples_do_not_share_is_not_answered_and_names_the_line():
+    """With several samples per batch only a value every sample shares is answered
+    (tests/signatures/test_batched_value_reads.py); lengths 4 and 3 are refused."""
+    example = prompt(4, size=2)
+    example["mask"][1, 3:] = 0
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(ReadsPromptLengths(), kwargs=prompt(4, size=2), path="trace")
+        graphsplit.split(ReadsPromptLengths(), kwargs=example, path="trace")
     message = str(caught.value)
     assert line_of(model_fn, ".tolist()") in message or "model_fn" in message
     assert "fix:" in message

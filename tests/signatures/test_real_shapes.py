@@ -70,19 +70,9 @@ def _time_ids(step: SDXLLoRAStep, size: int, seed: int) -> torch.Tensor:
     return torch.cat([step.compute_time_ids(s, c) for s, c in zip(original, crops, strict=True)])
 
 
-class SDXLStepOfTheCollatesFields(SDXLLoRAStep):
-    """The SDXL step taking the fields its collate yields: ``cache()`` asks a batch for every
-    input of the step, the ``None``-defaulted ``original_sizes`` / ``crop_top_lefts`` too."""
-
-    def forward(self, pixel_values, input_ids_one, input_ids_two, add_time_ids):
-        return super().forward(
-            pixel_values, input_ids_one, input_ids_two, add_time_ids=add_time_ids
-        )
-
-
 def test_sdxl_lora_over_two_buckets_trains_exactly_from_one_cache(tmp_path):
     torch.manual_seed(0)
-    step = SDXLStepOfTheCollatesFields(time_ids_in_collate=True)
+    step = SDXLLoRAStep(time_ids_in_collate=True)  # original_sizes / crop_top_lefts: None
 
     def batch(seed: int, height: int, width: int) -> dict[str, torch.Tensor]:
         ids = _captions(2, seed)
@@ -99,17 +89,9 @@ def test_sdxl_lora_over_two_buckets_trains_exactly_from_one_cache(tmp_path):
     assert {shape["pixel_values"][3] for shape in result.shapes} == {32, 48}
 
 
-class FluxStepOfTheCollatesFields(FluxFineTuneStep):
-    """The FLUX step without the prompt strings (its helpers take the batch size from the ids):
-    ``cache()`` asks a batch for every input, the ``None``-defaulted ``prompts`` too."""
-
-    def forward(self, pixel_values, tokens_one, tokens_two):
-        return super().forward(pixel_values, tokens_one, tokens_two)
-
-
 def test_flux_over_32x32_and_32x48_trains_exactly_from_one_cache(tmp_path):
     torch.manual_seed(0)
-    step = FluxStepOfTheCollatesFields(sigmas_by_index=True)
+    step = FluxFineTuneStep(sigmas_by_index=True)  # prompts: None, as the batches carry none
 
     def batch(seed: int, width: int) -> dict[str, torch.Tensor]:
         tokens_one, _ = ids_and_mask(2, vocab=VOCAB, seed=seed)

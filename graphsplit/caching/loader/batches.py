@@ -250,9 +250,11 @@ def batch_keys(batch: Any, positions: Sequence[int]) -> list[str]:
 
 
 def _batch_length(batch: Any, names: Sequence[str]) -> int:
+    # The inputs the batch holds: a missing one is refused with its own reason by stage 1.
+    present = [n for n in names if n in batch] if isinstance(batch, Mapping) else names
     sizes = [
         int(value.shape[0])
-        for value in as_mapping(batch, names).values()
+        for value in as_mapping(batch, present).values()
         if isinstance(value, torch.Tensor) and value.dim() > 0
     ]
     if isinstance(batch, Mapping) and "key" in batch:

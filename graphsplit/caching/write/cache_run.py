@@ -61,6 +61,7 @@ from graphsplit.caching.write.plan_rows import plan_record
 from graphsplit.caching.write.processes import Processes
 from graphsplit.caching.write.shards import write_shards
 from graphsplit.errors import CacheError, Fix, Remedy, user_error
+from graphsplit.signatures.defaults import batch_input_names
 from graphsplit.units import human_bytes
 
 if TYPE_CHECKING:
@@ -201,7 +202,7 @@ def cache(
     if type(shard_bytes) is not int or shard_bytes < 1:
         raise ValueError(f"shard_bytes must be a positive integer, got {shard_bytes!r}")
     processes = Processes(accelerator)
-    source = source_for(dataloader, split.input_names)
+    source = source_for(dataloader, batch_input_names(split))
 
     # 1. Fingerprint what produces the cache; every process must hold the same weights and code.
     current = fingerprint(split)

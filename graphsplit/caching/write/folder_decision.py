@@ -76,6 +76,7 @@ from graphsplit.errors import (
     TornFileError,
     user_error,
 )
+from graphsplit.signatures.defaults import batch_input_names
 from graphsplit.units import human_bytes
 
 __all__ = ["Decision", "decide", "remove_progress"]
@@ -219,7 +220,7 @@ def _resumable_header(
     reasons = [_header_differences(header, current, storage)]
     if header.layout.shard_bytes != shard_bytes:
         reasons.append(f"it used shard_bytes={header.layout.shard_bytes}")
-    if header.inputs != tuple(split.input_names):
+    if header.inputs != batch_input_names(split):
         reasons.append(f"its stage 1 took the inputs {list(header.inputs)}")
     described = "; ".join(reason for reason in reasons if reason)
     if not described:
@@ -258,7 +259,7 @@ def _new_header(
     batch_size = source.batch_size()
     header = CacheHeader(
         fingerprint=current,
-        inputs=tuple(split.input_names),
+        inputs=batch_input_names(split),
         boundary=tuple(split.boundary.values()),
         storage_dtype=storage,
         layout=ShardLayout(batches_per_shard=1, batch_size=batch_size, shard_bytes=shard_bytes),

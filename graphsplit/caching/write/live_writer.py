@@ -97,6 +97,7 @@ from graphsplit.caching.write.shards import (
     _to_storage,
 )
 from graphsplit.errors import CacheError, Fix, Remedy, StaleCacheError, user_error
+from graphsplit.signatures.defaults import batch_input_names
 
 __all__ = ["LiveWriter"]
 
@@ -432,7 +433,7 @@ def _refuse_or_remove(folder: Path, what: str, overwrite: bool) -> None:
 def _header(split: Any, current: Any, storage: str | None, shard_bytes: int) -> CacheHeader:
     return CacheHeader(
         fingerprint=current,
-        inputs=tuple(split.input_names),
+        inputs=batch_input_names(split),
         boundary=tuple(split.boundary.values()),
         storage_dtype=storage,
         layout=ShardLayout(batches_per_shard=1, batch_size=None, shard_bytes=shard_bytes),

@@ -24,6 +24,11 @@ from graphsplit.caching.format.fingerprint import fingerprint
 from graphsplit.caching.format.layout import CacheHeader, PlanRecord
 from graphsplit.caching.loader.batches import as_mapping
 from graphsplit.errors import CacheError, Fix, user_error
+from graphsplit.signatures.defaults import (
+    batch_input_names,
+    refuse_missing_given,
+    refuse_unread_values,
+)
 
 __all__ = ["note_plan", "plan_record", "refuse_other_boundary", "run_stage1"]
 
@@ -59,7 +64,9 @@ def run_stage1(
     plans, run as its ``stage1``). ``mode`` is the grad mode it runs under: a live cache
     passes ``torch.no_grad``, since stage 2 trains on the same outputs (autograd cannot save
     inference tensors)."""
-    inputs = as_mapping(batch, tuple(split.input_names))
+    refuse_unread_values(batch, split)
+    refuse_missing_given(batch, split)
+    inputs = as_mapping(batch, batch_input_names(split))
     if device is not None:
         inputs = {
             name: value.to(device) if isinstance(value, torch.Tensor) else value

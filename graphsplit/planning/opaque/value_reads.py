@@ -19,8 +19,9 @@ Glossary:
     answered read: a value read at a line the planning listed (``lines``), because making the
         code around it opaque failed (:mod:`graphsplit.planning.leaf_rounds` decides): the tensor
         must not depend on a trainable parameter or a random draw, and the plan must be one
-        sample per batch (a batch's value is one sample's; with several samples per batch it
-        would be the batch's own, and no other batch would match it).
+        sample per batch (a batch's value is one sample's), or made from an example of several
+        samples that each read the same value (a ``.tolist()`` of a per-sample tensor, every
+        row equal: one plan per value, the data bucketed by it; docs/algorithm.md, 5b).
     value check: the ``check_value`` node recording an answered read (``is_value_check``).
 
 A plan holding the example's value refuses, in stage 1, every sample that reads another value:
@@ -49,12 +50,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphsplit.errors import TensorValueError, user_error
+from graphsplit.errors import Fix, TensorValueError, user_error
 from graphsplit.planning.opaque.example_run import ExampleRun
 from graphsplit.planning.opaque.site_types import VALUE_FIX, ValueSite
 from graphsplit.planning.rules.size_guards import CheckSources
 from graphsplit.planning.rules.taint import compute_taint
 from graphsplit.planning.rules.user_lines import current_line, describe
+from graphsplit.planning.step.example_inputs import example_batch_size
 from graphsplit.runtime import _VALUE_READS as VALUE_READS
 from graphsplit.runtime import check_value
 
@@ -146,10 +148,53 @@ def answer(tracer: Any, proxy: fx.Proxy, read: Read) -> Any:
     finally:
         tracer.computing_meta = False
     value = read.apply(real)
+    batch = example_batch_size(run.examples)
+    if batch > 1:
+        _refuse_a_batch_value(real, read, batch, node, read_at)
     arguments = (proxy, read.value, value, read_at)
     check = tracer.create_proxy("call_function", check_value, arguments, {})
     check.node.meta[VALUE_READ] = AnsweredRead(read_at, read, value)
     return value
+
+
+BUCKET_FIX = (
+    "bucket the loader by this value, so that every sample of a batch reads the same (e.g. "
+    "by prompt length), or feed one sample per batch"
+)
+
+
+def _refuse_a_batch_value(
+    real: torch.Tensor, read: Read, batch: int, node: fx.Node, read_at: str
+) -> None:
+    """At several samples per batch, answer only a per-sample list every sample agrees on.
+
+    Stage 2 trains on batches regrouped from cached rows: a plan holding ``[3, 5]`` would be
+    wrong for its rows in another order, and a value of the whole batch for any regrouping.
+    A ``.tolist()`` of a tensor with one row per sample, every row equal, means "each sample
+    reads v": any batch of such rows, of the plan's size, reads the same list.
+    """
+    uniform = (
+        read is Read.TOLIST
+        and isinstance(real, torch.Tensor)
+        and real.dim() >= 1
+        and real.shape[0] == batch
+        and bool(torch.equal(real, real[:1].expand_as(real)))
+    )
+    if uniform:
+        return
+    error = user_error(
+        TensorValueError,
+        f"The step reads a value of frozen data ({_read_text(read)}) that the plan would hold, "
+        f"and the example batch of {batch} samples does not read one value per sample that "
+        "every sample shares: a plan holding it would be wrong for stage 2's batches, which "
+        "regroup the cached samples.",
+        node=node,
+        source=read_at,
+        fix=Fix(BUCKET_FIX),
+    )
+    error.read_at = read_at
+    error.not_shared = True  # type: ignore[attr-defined]  # leaf_rounds shows this refusal
+    raise error
 
 
 def _read_text(read: Read) -> str:
@@ -169,14 +214,30 @@ def answered_reads(graph: fx.Graph) -> list[AnsweredRead]:
     return [node.meta[VALUE_READ] for node in value_checks(graph)]
 
 
-def check_value_reads(graph: fx.Graph, trainable: frozenset[str]) -> None:
-    """Refuse an answered read the analysis found tainted (its value would change per step).
+def check_value_reads(
+    graph: fx.Graph, trainable: frozenset[str], *, several_samples: bool = False
+) -> None:
+    """Refuse an answered read the analysis found tainted (its value would change per step),
+    and, with several samples per batch, one whose tensor is not per sample along dim 0.
 
     The read was answered from what the graph showed at the time; the analysis sees the whole
     graph and every probe run (a mixing op, a trainable parameter read in a leaf module).
     """
     taint = compute_taint(graph, trainable)
     for node in value_checks(graph):
+        facts = node.args[0].meta.get("facts") if isinstance(node.args[0], fx.Node) else None
+        if several_samples and (facts is None or facts.batch_dim != 0 or facts.mixing is not None):
+            answered = node.meta[VALUE_READ]
+            raise user_error(
+                TensorValueError,
+                f"The step reads a value of frozen data ({_read_text(answered.read)}) whose "
+                "tensor mixes the samples of the batch (or has no sample dim first): a plan "
+                "holding it would be wrong for stage 2's batches, which regroup the cached "
+                "samples.",
+                node=node,
+                source=answered.read_at,
+                fix=Fix(BUCKET_FIX),
+            )
         if node in taint:
             answered = node.meta[VALUE_READ]
             raise user_error(
