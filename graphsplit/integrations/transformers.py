@@ -66,6 +66,15 @@ from graphsplit.caching import CachedDataset, CacheInfo, cache, collate
 from graphsplit.caching.format.fingerprint import fingerprint
 from graphsplit.caching.live import LiveCache
 from graphsplit.errors import CacheError, Fix, SplitError, user_error
+from graphsplit.integrations.trainer_checks import (
+    caching_loader,
+    check_live,
+    check_trainer,
+    dataset_and_collator,
+    refuse_padding_to_the_batch,
+    refuse_several_shapes,
+)
+from graphsplit.integrations.trainer_live import LiveCacheSteps, LiveRows, RawItem
 from graphsplit.planning.rules.random_draws import generator_states, set_generator_states
 
 __all__ = ["CachedBatch", "TrainerLoss", "TrainerSplit", "split_trainer"]
@@ -160,7 +169,7 @@ def split_trainer(
         >>> parts = split_trainer(trainer, "cache/")   # doctest: +SKIP
         >>> trainer.train()                            # doctest: +SKIP
     """
-    _check_trainer(trainer)
+    check_trainer(trainer)
     if cache_while_training:
         return _split_live(trainer, cache_dir, storage_dtype, overwrite)
     # The trainer seeded the generators in __init__; its sampler (group_by_length draws from
@@ -185,7 +194,7 @@ def _split_and_cache(
     overwrite: bool,
     progress: bool | None,
 ) -> tuple[Split, CachedDataset, CacheInfo | None]:
-    _refuse_padding_to_the_batch(trainer)
+    refuse_padding_to_the_batch(trainer)
     loss = TrainerLoss(trainer)
     loader = caching_loader(trainer)
     example = next(iter(loader))
@@ -202,7 +211,7 @@ def _split_and_cache(
     )
     accelerator.wait_for_everyone()
     cached = CachedDataset(cache_dir, parts)
-    _refuse_several_shapes(cached)
+    refuse_several_shapes(cached)
     return parts, cached, info
 
 
@@ -213,10 +222,10 @@ def _split_live(
     overwrite: bool,
 ) -> TrainerSplit:
     """``cache_while_training``: split, open the live cache, and train epoch 1 on raw batches."""
-    _check_live(trainer)
+    check_live(trainer)
     states = generator_states()
     try:
-        _refuse_padding_to_the_batch(trainer)
+        refuse_padding_to_the_batch(trainer)
         example = next(iter(caching_loader(trainer)))
         parts = split(TrainerLoss(trainer), (example,))
     finally:
@@ -230,174 +239,11 @@ def _split_live(
         overwrite=overwrite,
     )
     path = str(cache_dir)
-    raw, _ = _dataset_and_collator(trainer, "Training")
-    rows = _LiveRows(live, len(raw))
+    raw, _ = dataset_and_collator(trainer, "Training")
+    rows = LiveRows(live, len(raw))
     made = fingerprint(parts)
     _train_from_cache(trainer, parts, rows, path, made, live=live)
     return TrainerSplit(split=parts, cached=None, path=path, info=None, live=live)
-
-
-def _check_live(trainer: Any) -> None:
-    args = trainer.args
-    refusals = [
-        (
-            args.dataloader_drop_last,
-            "needs dataloader_drop_last=False: the first epoch must see every sample, since "
-            "later epochs' shuffles drop other ones",
-            "set dataloader_drop_last=False, or cache first without cache_while_training",
-        ),
-        (
-            args.dataloader_persistent_workers and args.dataloader_num_workers > 0,
-            "cannot use persistent dataloader workers: they would keep loading raw batches "
-            "after the first epoch",
-            "set dataloader_persistent_workers=False",
-        ),
-    ]
-    for refused, why, fix in refusals:
-        if refused:
-            raise user_error(SplitError, f"cache_while_training {why}.", fix=Fix(fix))
-
-
-def caching_loader(trainer: Any) -> DataLoader:
-    """The train dataset in order, through the trainer's collator (unused columns removed)."""
-    dataset, collator = _dataset_and_collator(trainer, "graphsplit cache")
-    return DataLoader(
-        dataset,
-        batch_size=trainer.args.per_device_train_batch_size,
-        shuffle=False,
-        collate_fn=collator,
-        num_workers=trainer.args.dataloader_num_workers,
-    )
-
-
-def _dataset_and_collator(trainer: Any, description: str) -> tuple[Any, Any]:
-    """The train dataset and collator as the trainer's own dataloader sees them."""
-    dataset, collator = trainer.train_dataset, trainer.data_collator
-    try:
-        import datasets
-    except ImportError:  # pragma: no cover - datasets is a dependency of transformers' extras
-        datasets = None
-    if datasets is not None and isinstance(dataset, datasets.Dataset):
-        dataset = trainer._remove_unused_columns(dataset, description=description)
-    else:
-        collator = trainer._get_collator_with_removed_columns(collator, description=description)
-    return dataset, collator
-
-
-def _check_trainer(trainer: Any) -> None:
-    dataset = trainer.train_dataset
-    if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset):
-        raise user_error(
-            SplitError,
-            "split_trainer needs the trainer's train_dataset as a map-style dataset (one item "
-            f"per index), not {type(dataset).__name__}: the cache stores sample i at index i.",
-            fix=Fix("pass train_dataset=... to the Trainer (a datasets.Dataset or a list)"),
-        )
-    own = _batch_building_methods(type(trainer))
-    if own:
-        raise user_error(
-            SplitError,
-            f"{type(trainer).__name__} builds its training batches itself ({', '.join(own)} "
-            "overridden; TRL's on-policy DistillationTrainer / GKDTrainer generate the "
-            "completions with the student there): what the frozen model sees is made during "
-            "training, so its outputs cannot be cached before, and split_trainer would replace "
-            "that batch building.",
-            fix=Fix(
-                "distil on fixed completions instead: subclass Trainer or trl.SFTTrainer with a "
-                "compute_loss that calls the frozen teacher (docs/howto.md, 'Distillation with "
-                "a Trainer')"
-            ),
-        )
-    if getattr(trainer, "lmbda", 0) or getattr(trainer, "seq_kd", False):
-        raise user_error(
-            SplitError,
-            f"{type(trainer).__name__} trains on-policy (lmbda={getattr(trainer, 'lmbda', 0)}, "
-            f"seq_kd={getattr(trainer, 'seq_kd', False)}): its training step replaces batches "
-            "with the student's or the teacher's generations, so what the frozen teacher sees is "
-            "made during training and cannot be cached before.",
-            fix=Fix(
-                "distil on fixed completions: a Trainer or trl.SFTTrainer subclass whose "
-                "compute_loss calls the frozen teacher (docs/howto.md, 'Distillation with a "
-                "Trainer')"
-            ),
-        )
-    strategy = getattr(trainer.args, "train_sampling_strategy", "random")
-    if strategy == "batch_rebalance":
-        raise user_error(
-            SplitError,
-            "split_trainer does not support train_sampling_strategy='batch_rebalance': its "
-            "batches are regrouped per process from the raw samples' lengths.",
-            fix=Fix("use train_sampling_strategy='random' or 'group_by_length'"),
-        )
-
-
-# Batches the collator check looks at before anything runs (collation only, no model).
-SHAPE_CHECK_BATCHES = 64
-
-
-# The Trainer methods through which a trainer makes its own training batches.
-BATCH_BUILDING_METHODS = ("_prepare_inputs", "get_train_dataloader", "_get_train_sampler")
-
-
-def _batch_building_methods(trainer_class: type) -> list[str]:
-    """The batch-building methods ``trainer_class`` overrides (``Trainer``'s own: none)."""
-    from transformers import Trainer
-
-    return [
-        name
-        for name in BATCH_BUILDING_METHODS
-        if getattr(trainer_class, name, None) is not getattr(Trainer, name, None)
-    ]
-
-
-def _refuse_padding_to_the_batch(trainer: Any) -> None:
-    """Refuse, before any model runs, a collator whose sample shapes depend on the batch.
-
-    A sample padded to its batch's longest has rows (its inputs, the teacher's logits) as long
-    as that batch; the trainer's sampler puts it in other batches every epoch, where the unsplit
-    run pads it to other lengths, and the loss sees every padded position (a KL over all
-    positions, a mean over the padded length). Those rows cannot stand in for it. Looks at the
-    first ``SHAPE_CHECK_BATCHES`` batches of the caching loader; the cache itself is checked
-    again once written (:func:`_refuse_several_shapes`).
-    """
-    loader = caching_loader(trainer)
-    seen: dict[tuple[tuple[str, tuple[int, ...]], ...], None] = {}
-    for number, batch in enumerate(loader):
-        if number == SHAPE_CHECK_BATCHES:
-            break
-        shape = tuple(
-            (str(name), tuple(value.shape[1:]))
-            for name, value in batch.items()
-            if isinstance(value, torch.Tensor) and value.dim() > 0
-        )
-        seen.setdefault(shape, None)
-        if len(seen) > 1:
-            first, other = (dict(one) for one in list(seen)[:2])
-            raise _padding_error(len(seen), first, other)
-
-
-def _refuse_several_shapes(cached: CachedDataset) -> None:
-    shapes = cached.buckets()
-    if len(shapes) <= 1:
-        return
-    names = list(cached.collation.order)
-    examples = [dict(zip(names, shape)) for shape in list(shapes)[:2]]
-    raise _padding_error(len(shapes), examples[0], examples[1])
-
-
-def _padding_error(count: int, first: Any, other: Any) -> CacheError:
-    return user_error(
-        CacheError,
-        f"The trainer's collator gives samples {count} different shapes in different batches "
-        f"(e.g. {first} and {other}): it pads each batch to its longest sample. The trainer's "
-        "sampler puts every sample in other batches each epoch, where the unsplit run pads it "
-        "to other lengths, so rows cached at one batch's length cannot stand in for it.",
-        fix=Fix(
-            "pad every sample to one length, e.g. DataCollatorWithPadding(tokenizer, "
-            "padding='max_length', max_length=N) or tokenizer(..., padding='max_length', "
-            "max_length=N); group_by_length still orders by the unpadded lengths"
-        ),
-    )
 
 
 # -- training from the cache ---------------------------------------------------------------------
@@ -414,57 +260,6 @@ class _CachedRows(Dataset):
         return self.cached[index]
 
 
-class _LiveRows(Dataset):
-    """Index ``i``: dataset item ``i`` with its index while the live cache is being written
-    (epoch 1), then sample ``i``'s cached rows (the cache names it ``str(i)``).
-
-    The switch is read when an epoch's iteration starts (workers copy the dataset then)."""
-
-    def __init__(self, live: LiveCache, size: int) -> None:
-        self.live = live
-        self.size = size
-        self.raw: Any = None  # the trainer's raw dataset, set by the dataloader
-        self.cached: CachedDataset | None = None
-        self.rows: dict[str, int] = {}
-        if live.complete:
-            self.switch()
-
-    def switch(self) -> None:
-        """From now on: the cached rows (every sample's, else refused)."""
-        cached = self.live.dataset()
-        rows = {key: index for index, key in enumerate(cached.keys)}
-        missing = [index for index in range(self.size) if str(index) not in rows]
-        if missing:
-            raise user_error(
-                CacheError,
-                f"the cache at {self.live.path} lacks {len(missing)} of the {self.size} "
-                f"samples (dataset indices {missing[:5]}...) after the first epoch: it was "
-                "resumed from a checkpoint whose rows were not committed to this folder.",
-                fix=Fix(
-                    "resume with the cache folder the checkpoint was trained with, or start "
-                    "afresh with overwrite=True and a new output_dir"
-                ),
-            )
-        self.cached, self.rows = cached, rows
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int) -> Any:
-        if self.cached is None:
-            return _RawItem(index, self.raw[index])
-        return self.cached[self.rows[str(index)]]
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "live": None}  # spawned workers need no writer
-
-
-@dataclass(frozen=True)
-class _RawItem:
-    index: int
-    item: Any
-
-
 class _Collate:
     """Cached rows -> :class:`CachedBatch`; raw items -> the trainer's collator's batch, keyed."""
 
@@ -472,7 +267,7 @@ class _Collate:
         self.collator = collator
 
     def __call__(self, items: list[Any]) -> dict[str, Any]:
-        if not items or not isinstance(items[0], _RawItem):
+        if not items or not isinstance(items[0], RawItem):
             return CachedBatch(collate(items))
         batch = LiveBatch(self.collator([item.item for item in items]))
         batch["key"] = [str(item.index) for item in items]
@@ -520,10 +315,10 @@ def _train_from_cache(
     }
     trainer.remove_callback(_CacheRecord)
     trainer.add_callback(_CacheRecord(record))
-    trainer.remove_callback(_LiveCacheSteps)
+    trainer.remove_callback(LiveCacheSteps)
     if live is not None:
-        assert isinstance(rows, _LiveRows)
-        trainer.add_callback(_LiveCacheSteps(rows))
+        assert isinstance(rows, LiveRows)
+        trainer.add_callback(LiveCacheSteps(rows))
     train = originals["train"]
 
     def train_checked(resume_from_checkpoint: Any = None, **kwargs: Any) -> Any:
@@ -546,9 +341,9 @@ def _cached_train_dataloader(trainer: Any, *, rows: Dataset) -> DataLoader:
     raw dataset (the same order and length groups as the unsplit run), picks the rows (or,
     while a live cache is written, the raw items)."""
     args = trainer.args
-    raw, collator = _dataset_and_collator(trainer, "Training")
+    raw, collator = dataset_and_collator(trainer, "Training")
     sampler = trainer._get_train_sampler(raw)
-    if isinstance(rows, _LiveRows):
+    if isinstance(rows, LiveRows):
         rows.raw = raw
     loader = DataLoader(
         rows,
@@ -617,34 +412,6 @@ class _CacheRecord(_checkpoint_callback_base()):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if folder.is_dir():
             (folder / RECORD_NAME).write_text(json.dumps(self.record, indent=1, sort_keys=True))
-
-
-class _LiveCacheSteps(_checkpoint_callback_base()):
-    """Drives a live cache from the trainer's events: a checkpoint commits the rows computed
-    so far; the end of an epoch not cut short finishes the cache (every process; later epochs
-    read it); the end of training before that commits and closes (a resumed run continues)."""
-
-    def __init__(self, rows: _LiveRows) -> None:
-        self.rows = rows
-
-    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.rows.live.commit()
-
-    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        # The trainer sets state.epoch to epoch + (step + 1) / steps_in_epoch at every step: a
-        # whole number at an epoch's last batch, a fraction where max_steps or a callback cut
-        # it short (the cache then stays open for a resume).
-        live = self.rows.live
-        whole = state.epoch is not None and float(state.epoch).is_integer()
-        if self.rows.cached is None and whole:
-            live.finish()
-            _refuse_several_shapes(live.dataset())
-            self.rows.switch()
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if not self.rows.live.complete:
-            self.rows.live.commit()
-            self.rows.live.close()
 
 
 def _check_record(trainer: Any, resume: Any, record: dict[str, Any]) -> None:

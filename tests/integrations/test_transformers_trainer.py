@@ -152,7 +152,7 @@ def test_samples_padded_to_their_batchs_longest_are_refused_before_any_model_run
 def test_batch_dependent_shapes_past_the_checked_batches_are_refused_once_cached(
     tmp_path, monkeypatch
 ):
-    from graphsplit.integrations import transformers as integration
+    from graphsplit.integrations import trainer_checks as integration
 
     monkeypatch.setattr(integration, "SHAPE_CHECK_BATCHES", 1)
     trainer = make_trainer(str(tmp_path), padded_samples(8), per_device_train_batch_size=2)
@@ -230,7 +230,7 @@ def test_a_wrapped_student_that_stage2_does_not_call_whole_is_refused(tmp_path):
 
 def test_a_trainer_that_builds_its_own_batches_is_refused_naming_the_methods(tmp_path):
     from graphsplit.errors import SplitError
-    from graphsplit.integrations.transformers import _batch_building_methods
+    from graphsplit.integrations.trainer_checks import batch_building_methods
     from tests.integrations.kd import DistillationTrainer
 
     class Generating(DistillationTrainer):
@@ -242,21 +242,21 @@ def test_a_trainer_that_builds_its_own_batches_is_refused_naming_the_methods(tmp
     with pytest.raises(SplitError, match=r"builds its training batches itself \(_prepare_inputs"):
         split_trainer(trainer, str(tmp_path / "cache"))
     assert not (tmp_path / "cache").exists()
-    assert _batch_building_methods(DistillationTrainer) == []
+    assert batch_building_methods(DistillationTrainer) == []
 
 
 def test_trls_on_policy_distillation_trainer_is_recognised_as_building_its_batches():
-    from graphsplit.integrations.transformers import _batch_building_methods
+    from graphsplit.integrations.trainer_checks import batch_building_methods
 
     trl = pytest.importorskip("trl")
     from trl.trainer.distillation_trainer import DistillationTrainer as TrlDistillation
 
-    assert _batch_building_methods(TrlDistillation) == [
+    assert batch_building_methods(TrlDistillation) == [
         "_prepare_inputs",
         "get_train_dataloader",
         "_get_train_sampler",
     ]
-    assert _batch_building_methods(trl.SFTTrainer) == []  # SFT with a frozen teacher fits
+    assert batch_building_methods(trl.SFTTrainer) == []  # SFT with a frozen teacher fits
 
 
 @pytest.mark.parametrize(
