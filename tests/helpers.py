@@ -83,6 +83,23 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def two_process_launch(*worker_argv: str) -> list[str]:
+    """The command that runs a worker script as two CPU processes under ``accelerate launch``.
+
+    ``--multi_gpu`` selects accelerate's torchrun launcher; the worker's
+    ``Accelerator(cpu=True)`` makes it a two-process CPU (gloo) run (``--cpu --num_processes
+    2`` alone starts only one process unless MPI is configured). Each launch takes a free port.
+    """
+    import sys
+
+    return [
+        *(sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu"),
+        *("--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"),
+        *("--dynamo_backend", "no", "--main_process_port", str(free_port())),
+        *worker_argv,
+    ]
+
+
 def tiny_llama_config(**overrides: Any) -> Any:
     """A two-layer ``LlamaConfig`` small enough for CPU tests: 32 wide, 2 heads, 1 KV head."""
     import transformers

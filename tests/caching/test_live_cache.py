@@ -29,7 +29,7 @@ from tests.caching.fixtures import (
     rows_by_key,
     worker_environment,
 )
-from tests.helpers import free_port
+from tests.helpers import two_process_launch
 
 LIVE_WORKER = Path(__file__).with_name("live_worker.py")
 
@@ -186,12 +186,9 @@ def test_a_killed_epoch_resumes(tmp_path):
 def test_two_accelerate_processes_write_one_cache(tmp_path, length, batches):
     pytest.importorskip("accelerate")
     path = tmp_path / "shared"
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
-        "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-        "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-        str(LIVE_WORKER), str(path), "--accelerate", "--length", str(length),
-    ]  # fmt: skip
+    command = two_process_launch(
+        str(LIVE_WORKER), str(path), "--accelerate", "--length", str(length)
+    )
     run = subprocess.run(command, env=worker_environment(), cwd=ROOT, capture_output=True)
     assert run.returncode == 0, run.stderr.decode()[-3000:]
     losses = [json.loads(Path(f"{path}.losses.{rank}.json").read_text()) for rank in (0, 1)]

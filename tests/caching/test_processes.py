@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -24,7 +23,7 @@ from tests.caching.fixtures import (
     make_split,
     worker_environment,
 )
-from tests.helpers import free_port
+from tests.helpers import two_process_launch
 
 # -------------------------------------------------------------------------------- a real launch
 
@@ -35,32 +34,9 @@ def test_two_accelerate_processes_write_the_single_process_cache_and_train(tmp_p
     cache(make_split(), loader(Pictures(12)), single, shard_bytes=SMALL, progress=False)
     shared = tmp_path / "shared"
     report = tmp_path / "report"
-    # `--multi_gpu` selects accelerate's torchrun launcher; the worker's Accelerator(cpu=True)
-    # makes it a two-process CPU (gloo) run. `--cpu --num_processes 2` alone starts only one
-    # process unless MPI is configured.
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(free_port()),
-        str(WORKER),
-        str(shared),
-        "--accelerate",
-        "--train-steps",
-        "3",
-        "--report",
-        str(report),
-    ]
+    command = two_process_launch(
+        str(WORKER), str(shared), "--accelerate", "--train-steps", "3", "--report", str(report)
+    )
     finished = subprocess.run(command, env=worker_environment(), capture_output=True, timeout=120)
     assert finished.returncode == 0, finished.stderr.decode()[-4000:]
     reports = [json.loads(report.with_suffix(f".{rank}.json").read_text()) for rank in (0, 1)]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ pytest.importorskip("transformers")
 from graphsplit.errors import CacheError
 from graphsplit.integrations.transformers import TrainerLoss, split_trainer
 from tests.caching.fixtures import worker_environment
-from tests.helpers import free_port
+from tests.helpers import two_process_launch
 from tests.integrations.kd import logged_losses, make_trainer, padded_samples
 
 
@@ -175,25 +174,7 @@ def test_two_accelerate_processes_cache_their_shares_and_train_as_unsplit(tmp_pa
     losses and weights as unsplit."""
     pytest.importorskip("accelerate")
     worker = Path(__file__).with_name("trainer_worker.py")
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(free_port()),
-        str(worker),
-        str(tmp_path),
-        *(["live"] if live else []),
-    ]
+    command = two_process_launch(str(worker), str(tmp_path), *(["live"] if live else []))
     finished = subprocess.run(command, env=worker_environment(), capture_output=True, timeout=300)
     assert finished.returncode == 0, finished.stderr.decode()[-4000:]
     reports = [json.loads((tmp_path / f"report.{rank}.json").read_text()) for rank in (0, 1)]

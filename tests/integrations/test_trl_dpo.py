@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ pytest.importorskip("trl")
 from graphsplit.errors import SplitError, StaleCacheError
 from graphsplit.integrations.trl import cache_reference_log_probs
 from tests.caching.fixtures import worker_environment
-from tests.helpers import free_port
+from tests.helpers import two_process_launch
 from tests.integrations.dpo import make_dpo_trainer, preference_pairs
 
 COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -96,12 +95,7 @@ def test_two_accelerate_processes_cache_their_shares_and_train_as_trl(tmp_path):
         str(tmp_path / "trl"), pairs, precompute_ref_log_probs=True, precompute_ref_batch_size=1
     )
     worker = Path(__file__).with_name("dpo_worker.py")
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
-        "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-        "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-        str(worker), str(tmp_path / "run"),
-    ]  # fmt: skip
+    command = two_process_launch(str(worker), str(tmp_path / "run"))
     (tmp_path / "run").mkdir()
     finished = subprocess.run(command, env=worker_environment(), capture_output=True, timeout=300)
     assert finished.returncode == 0, finished.stderr.decode()[-4000:]

@@ -5,9 +5,7 @@ from that cache, in a process that made neither, is bit-equal to the unsplit ste
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import torch
 
 import graphsplit
 from tests.caching.fixtures import worker_environment
+from tests.helpers import two_process_launch
 from tests.signatures.signature_worker import WIDTHS, widths_loader
 from tests.signatures.test_dispatch import _batch, _loss_and_grads, _model
 
@@ -24,12 +23,7 @@ WORKER = Path(__file__).with_name("signature_worker.py")
 def test_two_processes_caching_two_signatures_record_both_plans_and_train_exactly(tmp_path):
     pytest.importorskip("accelerate")
     path, report = tmp_path / "cache", tmp_path / "report"
-    command = [
-        *(sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu"),
-        *("--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no"),
-        *("--dynamo_backend", "no", "--main_process_port", str(29500 + os.getpid() % 1000 + 7)),
-        *(str(WORKER), str(path), str(report)),
-    ]
+    command = two_process_launch(str(WORKER), str(path), str(report))
     finished = subprocess.run(command, env=worker_environment(), capture_output=True, timeout=240)
     assert finished.returncode == 0, finished.stderr.decode()[-4000:]
     made = [json.loads(report.with_suffix(f".{rank}.json").read_text())["plans"] for rank in (0, 1)]
