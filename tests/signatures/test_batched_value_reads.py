@@ -23,8 +23,8 @@ from tests.signatures.epoch import epoch_exact
 
 
 def lengths_fn(head: torch.nn.Module, states, mask, target):
-    """DiffSynth's pattern without a frozen table sliced by the value (a per-plan constant:
-    a cache of several plans refuses one whose value differs between plans)."""
+    """DiffSynth's pattern without a frozen table sliced by the value (that per-plan constant
+    is tests/signatures/test_plan_constants.py's)."""
     lengths = mask.sum(dim=1).tolist()
     longest = max(lengths)
     scores = head(states).squeeze(-1)[:, :longest]

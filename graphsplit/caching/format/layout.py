@@ -5,6 +5,8 @@ A cache folder holds::
     manifest.json              Manifest, written last, atomically: the cache is complete iff
                                it exists
     constants.safetensors      per-dataset constants (boundary tensors without a batch dim)
+    constants-3f0c….safetensors  a plan's own constants, in a cache of several plans whose
+                               constants differ (Manifest.plans[key].constants)
     shard-00000.safetensors    per-sample rows, tensor names "{row}/{boundary name}"
     .partial/header.json       while writing: the CacheHeader the run started with (for resume;
                                graphsplit 0.1 named it .partial/plan.json, still read)
@@ -77,6 +79,7 @@ __all__ = [
     "LOCK_FILE",
     "MANIFEST_FILE",
     "PARTIAL_DIR",
+    "PLAN_CONSTANTS_PATTERN",
     "READABLE_VERSIONS",
     "RESUME_HEADER_FILE",
     "RESUME_HEADER_FILE_0_1",
@@ -90,6 +93,8 @@ __all__ = [
     "ShardProgress",
     "ShardRecord",
     "Unsynced",
+    "constants_records",
+    "plan_constants_file",
     "shard_file_name",
     "shard_progress_name",
     "tensor_name",
@@ -106,6 +111,7 @@ RESUME_HEADER_FILE = "header.json"
 RESUME_HEADER_FILE_0_1 = "plan.json"  # graphsplit 0.1's name for it: read, never written
 CONSTANTS_PROGRESS_FILE = "constants.json"
 SHARD_FILE_PATTERN = re.compile(r"shard-(\d{5,9})\.safetensors")
+PLAN_CONSTANTS_PATTERN = re.compile(r"constants-[0-9a-f]{16}\.safetensors")
 SHARD_PROGRESS_PATTERN = re.compile(r"shard-(\d{5,9})\.json")
 STORAGE_DTYPES = ("float16", "bfloat16")
 BOOT_ID = re.compile(r"[0-9a-f-]{0,64}")  # Linux's is a UUID; empty: unknown
@@ -122,6 +128,12 @@ def shard_file_name(index: int) -> str:
 def shard_progress_name(index: int) -> str:
     """``shard-00007.json`` (in ``.partial/``) for shard 7."""
     return f"shard-{index:05d}.json"
+
+
+def plan_constants_file(key: str) -> str:
+    """``constants-3f0c9a1e27b4d655.safetensors``: the constants of plan ``key`` (a signature
+    key, see :mod:`graphsplit.signatures.signature`)."""
+    return f"constants-{key}.safetensors"
 
 
 def tensor_name(row: int, name: str) -> str:
@@ -201,6 +213,10 @@ class PlanRecord:
     signature: str
     example: str
     code: str
+    # The plan's own per-dataset constants, when they are not the manifest's ``constants``
+    # (those are the constants of the plan of loader batch 0). Absent in caches written before
+    # constants were kept per plan, and for the plan of batch 0.
+    constants: ConstantsRecord | None = json_field(optional=True, default=None)  # noqa: RUF009
 
 
 @dataclass(frozen=True)
@@ -243,6 +259,15 @@ class Manifest:
     # The plans by signature key, the first plan's first; only in a cache of several plans.
     plans: Mapping[str, PlanRecord] | None = json_field(optional=True, default=None)
     first_plan: str | None = json_field(optional=True, default=None)
+
+
+def constants_records(manifest: Manifest) -> list[ConstantsRecord]:
+    """Every constants file a manifest records: the cache's, then each plan's own."""
+    records = [] if manifest.constants is None else [manifest.constants]
+    for plan in (manifest.plans or {}).values():
+        if plan.constants is not None:
+            records.append(plan.constants)
+    return records
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ In and out::
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -43,8 +44,10 @@ from graphsplit.caching.format.layout import (
     ConstantsProgress,
     ConstantsRecord,
     Manifest,
+    PlanRecord,
     ShardProgress,
     ShardRecord,
+    plan_constants_file,
     shard_file_name,
 )
 from graphsplit.caching.format.memory_order import Order
@@ -56,6 +59,9 @@ from graphsplit.caching.format.records import (
     to_json,
 )
 from graphsplit.errors import Fix, ManifestError, Remedy, user_error
+
+_PLAN_KEY = re.compile(r"[0-9a-f]{16}")
+_PLAN_KEY_MEANING = "a signature key (16 lowercase hex digits)"
 
 __all__ = [
     "constants_progress_from",
@@ -135,6 +141,7 @@ def manifest_from(reader: JsonReader, document: dict[str, Any]) -> Manifest:
         reader.fail("constants", "is null but the boundary has per-dataset constants")
     if manifest.constants is not None:
         _constants_rules(reader, manifest.constants, header, "constants")
+    _plan_constants_rules(reader, manifest.plans, header, "plans")
     for index, shard in enumerate(manifest.shards):
         _shard_rules(reader, shard, header, index, f"shards[{index}]")
     _error_rules(reader, manifest.max_abs_error, header, "max_abs_error")
@@ -160,6 +167,7 @@ def shard_progress_from(
     progress: ShardProgress = reader.read(ShardProgress, document)
     _shard_rules(reader, progress.shard, header, index, "")
     _error_rules(reader, progress.max_abs_error, header, "max_abs_error")
+    _plan_constants_rules(reader, progress.plans, header, "plans")
     return progress
 
 
@@ -225,11 +233,28 @@ def _header_rules(reader: JsonReader, header: CacheHeader) -> None:
         reader.fail("boundary", f"repeats a name: {names}")
 
 
-def _constants_rules(
-    reader: JsonReader, record: ConstantsRecord, header: CacheHeader, where: str
+def _plan_constants_rules(
+    reader: JsonReader, plans: Mapping[str, PlanRecord] | None, header: CacheHeader, where: str
 ) -> None:
-    if record.file != CONSTANTS_FILE:
-        reader.fail(f"{where}.file", f"is {record.file!r}; expected {CONSTANTS_FILE!r}")
+    """A plan's own constants: the file named by its key, the header's constant names."""
+    for key, plan in (plans or {}).items():
+        if plan.constants is None:
+            continue
+        if not _PLAN_KEY.fullmatch(key):
+            reader.fail(f"{where}", f"names the plan {key!r}; expected {_PLAN_KEY_MEANING}")
+        place = f"{where}.{key}.constants"
+        _constants_rules(reader, plan.constants, header, place, plan_constants_file(key))
+
+
+def _constants_rules(
+    reader: JsonReader,
+    record: ConstantsRecord,
+    header: CacheHeader,
+    where: str,
+    file: str = CONSTANTS_FILE,
+) -> None:
+    if record.file != file:
+        reader.fail(f"{where}.file", f"is {record.file!r}; expected {file!r}")
     specs = {spec.name: spec for spec in header.constant_specs}
     if set(record.dim_orders) != set(specs):
         reader.fail(

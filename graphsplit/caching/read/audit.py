@@ -33,9 +33,11 @@ from graphsplit.caching.format.layout import (
     FileRecord,
     Manifest,
     ShardRecord,
+    constants_records,
 )
 from graphsplit.caching.format.records import REBUILD
 from graphsplit.caching.format.shard_header import shard_tensors_problem
+from graphsplit.caching.read.collation import sample_signatures
 from graphsplit.caching.store import regular_files
 from graphsplit.caching.store.durability import restart_cause
 from graphsplit.caching.store.mapped import open_mapped
@@ -132,15 +134,16 @@ def check_cache(path: str | os.PathLike[str]) -> CacheReport:
     problems: list[CacheProblem] = []
     checked = 0
     cause = restart_cause(manifest)  # a cache written without fsync, before a restart
-    if manifest.constants is not None:
-        handle, problem = open_problem(folder / CONSTANTS_FILE, manifest.constants, checksum=True)
+    for record in constants_records(manifest):  # the cache's, then each plan's own
+        handle, problem = open_problem(folder / record.file, record, checksum=True)
         if problem is None:
             problem = _constants_problem(handle, manifest)
         if problem is not None:
-            reason = problem + cause + " (every batch needs it)"
-            problems.append(CacheProblem(CONSTANTS_FILE, reason))
+            needs = "every batch" if record.file == CONSTANTS_FILE else "every batch of its plan"
+            reason = f"{problem}{cause} ({needs} needs it)"
+            problems.append(CacheProblem(record.file, reason, _plan_keys(manifest, record)))
         else:
-            checked += manifest.constants.bytes
+            checked += record.bytes
     for record in manifest.shards:
         _, problem = open_problem(folder / record.file, record, manifest, checksum=True)
         if problem is None:
@@ -200,6 +203,15 @@ def open_problem(
         if problem is not None:
             return None, problem
     return handle, None
+
+
+def _plan_keys(manifest: Manifest, record: FileRecord) -> tuple[str, ...]:
+    """The samples of the plan whose own constants file is ``record`` (none for the cache's)."""
+    owner = [key for key, plan in (manifest.plans or {}).items() if plan.constants == record]
+    if not owner:
+        return ()
+    keys = [key for shard in manifest.shards for key in shard.keys]
+    return tuple(k for k, plan in zip(keys, sample_signatures(manifest)) if plan == owner[0])
 
 
 def _constants_problem(handle: Any, manifest: Manifest) -> str | None:

@@ -20,7 +20,7 @@ In and out::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,15 @@ class Collation:
     rows: tuple[tuple[str, int, torch.dtype], ...]  # (name, batch dim, dtype stage 2 takes)
     constants: Mapping[str, torch.Tensor]
     order: tuple[str, ...]
+    # A plan's own constants (by signature key) where they are not ``constants``: a cache of
+    # several plans whose constants differ (see caching.write.plan_constants).
+    plan_constants: Mapping[str, Mapping[str, torch.Tensor]] = field(default_factory=dict)
+
+    def constants_of(self, signature: str | None) -> Mapping[str, torch.Tensor]:
+        """The constants of the plan ``signature`` (None: a cache of one plan)."""
+        if signature is None:
+            return self.constants
+        return self.plan_constants.get(signature, self.constants)
 
 
 class CachedSample(dict):
@@ -75,7 +84,7 @@ def collate(items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
 
     Each row is stacked along its tensor's batch dim, straight from the shard's memory map
     into the batch in the dtype stage 2 takes (a lower ``storage_dtype`` is undone in the same
-    copy); the cache's constants are added. Samples in
+    copy); the constants of the samples' plan are added. Samples in
     one batch must have rows of the same shapes: a cache of several shapes is batched by
     :meth:`CachedDataset.loader` (or a :class:`~graphsplit.BucketBatchSampler`).
 
@@ -123,8 +132,6 @@ def collate(items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
             physical = [row.permute(within) for row in rows]
             stacked = _stack(physical, order.index(batch_dim), dtype)
             batch[name] = stacked.permute(inverse(order))
-    batch.update(collation.constants)
-    ordered: dict[str, Any] = {name: batch[name] for name in collation.order}
     signatures = {getattr(item, "signature", None) for item in items}
     if len(signatures) > 1:
         raise user_error(
@@ -134,6 +141,8 @@ def collate(items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
             fix=Fix("batch with cached.loader(batch_size), whose batches hold one plan each"),
         )
     (signature,) = signatures
+    batch.update(collation.constants_of(signature))
+    ordered: dict[str, Any] = {name: batch[name] for name in collation.order}
     if signature is not None:  # names the batch's plan for split.stage2's dispatch
         ordered[SIGNATURE_KEY] = signature
     return ordered

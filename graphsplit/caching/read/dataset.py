@@ -52,7 +52,7 @@ from graphsplit.caching.format.fingerprint import (
     warn_about_versions,
 )
 from graphsplit.caching.format.input_digests import item_input_digest
-from graphsplit.caching.format.layout import CONSTANTS_FILE, FileRecord, Manifest, tensor_name
+from graphsplit.caching.format.layout import ConstantsRecord, FileRecord, Manifest, tensor_name
 from graphsplit.caching.format.memory_order import inverse, row_order
 from graphsplit.caching.format.records import REBUILD
 from graphsplit.caching.loader.samples import describe_changes
@@ -186,15 +186,21 @@ class CachedDataset(torch.utils.data.Dataset):
         self.collation = Collation(
             path=self.path,
             rows=tuple((spec.name, spec.batch_dim, spec.dtype) for spec in header.sample_specs),
-            constants=self._load_constants(),
+            constants=self._load_constants(self.manifest.constants),
             order=tuple(self.boundary),
+            plan_constants={  # a plan's own constants (see caching.write.plan_constants)
+                key: self._load_constants(plan.constants)
+                for key, plan in (self.manifest.plans or {}).items()
+                if plan.constants is not None
+            },
         )
         if dataset is not None:
             verify_inputs(self, dataset)
 
     @property
     def constants(self) -> Mapping[str, torch.Tensor]:
-        """The per-dataset constants, in the dtypes stage 2 takes."""
+        """The per-dataset constants, in the dtypes stage 2 takes (in a cache of several plans:
+        loader batch 0's plan's; ``collation.constants_of(key)`` gives a plan's own)."""
         return self.collation.constants
 
     @property
@@ -353,9 +359,8 @@ class CachedDataset(torch.utils.data.Dataset):
             ),
         )
 
-    def _load_constants(self) -> dict[str, torch.Tensor]:
+    def _load_constants(self, record: ConstantsRecord | None) -> dict[str, torch.Tensor]:
         header = self.manifest.header
-        record = self.manifest.constants
         if record is None:
             return {}
         handle, problem = self._open_file(record, checksum=self.verify, manifest=None)
@@ -375,7 +380,7 @@ class CachedDataset(torch.utils.data.Dataset):
         if problem is not None:
             raise user_error(
                 CorruptCacheError,
-                f"{CONSTANTS_FILE} of the cache at {self.path} is damaged: "
+                f"{record.file} of the cache at {self.path} is damaged: "
                 f"{problem}{restart_cause(self.manifest)}; every batch needs it.",
                 fix=Fix(REBUILD, Remedy.OVERWRITE),
             )

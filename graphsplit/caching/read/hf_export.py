@@ -78,6 +78,11 @@ __all__ = [
     "to_hf_dataset",
 ]
 
+PLAN_CONSTANTS_EXPORT_FIX = Fix(
+    "train from the cache folder with graphsplit.CachedDataset (its loader gives each plan its "
+    "constants), or cache each shape signature into a cache of its own to export it"
+)
+
 
 def _datasets() -> Any:
     """``import datasets`` on first use: it is an optional dependency."""
@@ -120,11 +125,19 @@ def to_hf_dataset(
     :class:`HFCachedDataset` (or :class:`HFCachedIterable` when streamed).
 
     Raises:
-        HFExportError: ``datasets`` is missing, or a tensor's dtype has no Arrow type.
+        HFExportError: ``datasets`` is missing, a tensor's dtype has no Arrow type, or the
+            cache holds constants of several plans.
         CorruptCacheError, ManifestError, StaleCacheError: as ``CachedDataset`` raises them.
     """
     datasets = _datasets()
     cached = CachedDataset(path, split, verify=verify)
+    if cached.collation.plan_constants:  # the export record holds one set of constants
+        raise user_error(
+            HFExportError,
+            f"the cache at {cached.path} holds per-dataset constants of several plans "
+            f"({len(cached.collation.plan_constants) + 1} sets); an export carries one.",
+            fix=PLAN_CONSTANTS_EXPORT_FIX,
+        )
     header = cached.manifest.header
     specs = header.sample_specs
     stored = {spec.name: header.stored_dtype(spec) for spec in specs}

@@ -44,6 +44,7 @@ from graphsplit.caching.format.layout import (
     PlanRecord,
     ShardProgress,
     ShardRecord,
+    constants_records,
 )
 from graphsplit.caching.loader.batches import BatchSource, empty_loader_error, source_for
 from graphsplit.caching.store import file_writes, regular_files
@@ -57,6 +58,7 @@ from graphsplit.caching.store.record_files import (
 from graphsplit.caching.store.remote import RemotePath, location, make_folder
 from graphsplit.caching.store.remote_lock import RemoteLock
 from graphsplit.caching.write.folder_decision import Decision, decide, remove_progress
+from graphsplit.caching.write.plan_constants import refuse_unrecorded_constants
 from graphsplit.caching.write.plan_rows import plan_record
 from graphsplit.caching.write.processes import Processes
 from graphsplit.caching.write.shards import write_shards
@@ -300,6 +302,8 @@ def _finish(
         plans.update(progress.plans or {})
         _add_errors(errors, progress.max_abs_error)
     _refuse_repeated_keys(folder, shards)
+    first = getattr(getattr(split, "plan_set", None), "first", None)
+    refuse_unrecorded_constants(folder, header, shards, plans, first and first.key)
     constants = None
     if header.constant_specs:
         written = read_constants_progress(folder, header)
@@ -351,6 +355,8 @@ def _make_durable(folder: Path | RemotePath, manifest: Manifest, decision: Decis
         file_writes.fsync_file(folder / manifest.shards[index].file)
     if manifest.constants is not None and 0 in decision.finished:
         file_writes.fsync_file(folder / manifest.constants.file)
+    for record in constants_records(manifest)[1:]:  # plans' own: an earlier run may have left
+        file_writes.fsync_file(folder / record.file)
     file_writes.fsync_folder(folder)
 
 
@@ -405,7 +411,7 @@ def _refuse_repeated_keys(folder: Path, shards: Sequence[ShardRecord]) -> None:
 def _info(folder: Path | RemotePath, manifest: Manifest, *, written: int) -> CacheInfo:
     storage = manifest.header.storage_dtype
     total = sum(shard.bytes for shard in manifest.shards)
-    total += manifest.constants.bytes if manifest.constants else 0
+    total += sum(record.bytes for record in constants_records(manifest))
     return CacheInfo(
         path=folder,
         num_samples=manifest.num_samples,

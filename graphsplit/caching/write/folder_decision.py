@@ -46,12 +46,14 @@ from graphsplit.caching.format.layout import (
     CONSTANTS_FILE,
     MANIFEST_FILE,
     PARTIAL_DIR,
+    PLAN_CONSTANTS_PATTERN,
     SHARD_FILE_PATTERN,
     SHARD_PROGRESS_PATTERN,
     CacheHeader,
     Manifest,
     ShardLayout,
     ShardProgress,
+    constants_records,
 )
 from graphsplit.caching.loader.batches import BatchSource, empty_loader_error
 from graphsplit.caching.loader.samples import SampleChanges, loader_samples, merge, record_samples
@@ -374,7 +376,7 @@ def _stored_bytes_per_sample(header: CacheHeader) -> int:
 
 
 def _refuse_missing_files(folder: Path, manifest: Manifest) -> None:
-    records = [*manifest.shards, *([manifest.constants] if manifest.constants else [])]
+    records = [*manifest.shards, *constants_records(manifest)]
     for record in records:
         size = regular_files.regular_size(folder / record.file)
         if size != record.bytes:
@@ -399,7 +401,7 @@ def _checksummed_after_restart(folder: Path, manifest: Manifest) -> Manifest:
     Raises:
         CorruptCacheError: a file's checksum differs (a power cut lost what it held).
     """
-    records = [*manifest.shards, *([manifest.constants] if manifest.constants else [])]
+    records = [*manifest.shards, *constants_records(manifest)]
 
     def intact(record: Any) -> bool:
         return regular_files.file_matches(
@@ -435,6 +437,7 @@ def _remove_cache_files(folder: Path) -> None:
         if (
             SHARD_FILE_PATTERN.fullmatch(name)
             or name == CONSTANTS_FILE
+            or PLAN_CONSTANTS_PATTERN.fullmatch(name)
             or file_writes.TEMPORARY_FILE.fullmatch(name)
         ):
             file_writes.remove(folder / name)

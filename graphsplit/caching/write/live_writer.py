@@ -84,6 +84,7 @@ from graphsplit.caching.write.folder_decision import (
     remove_progress,
 )
 from graphsplit.caching.write.live_duplicates import drop_repeated_rows
+from graphsplit.caching.write.plan_constants import PlanConstants
 from graphsplit.caching.write.plan_rows import note_plan
 from graphsplit.caching.write.processes import Processes
 from graphsplit.caching.write.shards import (
@@ -91,10 +92,10 @@ from graphsplit.caching.write.shards import (
     ShardWriter,
     _add_rows,
     _digested,
-    _handle_constants,
     _note_progress,
     _snapshot,
     _to_storage,
+    _write_constants,
 )
 from graphsplit.errors import CacheError, Fix, Remedy, StaleCacheError, user_error
 from graphsplit.signatures.defaults import batch_input_names
@@ -148,7 +149,7 @@ class LiveWriter:
         self._writer = ShardWriter(folder, durable=durable)
         self._digester = ThreadPoolExecutor(1, thread_name_prefix="graphsplit-digest")
         self._pending: PendingShard | None = None
-        self._constants: dict[str, torch.Tensor] | None = None
+        self._constants = PlanConstants(folder, self.header, split, self.finished, durable=durable)
         self._write_constants = processes.is_main and 0 not in self.finished
         self._next_index = _first_index(self.finished, processes)
         self._position = 0
@@ -219,14 +220,12 @@ class LiveWriter:
             for name, value in outputs.items()
         }
         stored, errors = _to_storage(outputs, self.header)
-        self._constants = _handle_constants(
-            self.folder,
-            self.header,
+        own_errors = self._constants.handle(
             stored,
             errors,
             0 if self._write_constants else 1,
-            self._constants,
-            durable=self.durable,
+            plan,
+            lambda values, errs: _write_constants(self.folder, values, errs, durable=self.durable),
         )
         self._write_constants = False
         if len(fresh) < size:
@@ -243,7 +242,8 @@ class LiveWriter:
         self._position += len(fresh)
         pending.digesting.append(digesting)
         _add_rows(pending, self.header, stored, errors, [keys[row] for row in fresh], positions)
-        note_plan(pending, self.split, plan, len(fresh))
+        note_plan(pending, self.split, plan, len(fresh), self._constants.record)
+        _add_errors(pending.max_abs_error, own_errors)
         self.written_rows += len(fresh)
         if pending.nbytes >= limit:
             self._submit()

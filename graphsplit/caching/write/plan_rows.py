@@ -15,13 +15,13 @@ In and out::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from graphsplit.caching.format.fingerprint import fingerprint
-from graphsplit.caching.format.layout import CacheHeader, PlanRecord
+from graphsplit.caching.format.layout import CacheHeader, ConstantsRecord, PlanRecord
 from graphsplit.caching.loader.batches import as_mapping
 from graphsplit.errors import CacheError, Fix, user_error
 from graphsplit.signatures.defaults import (
@@ -33,22 +33,37 @@ from graphsplit.signatures.defaults import (
 __all__ = ["note_plan", "plan_record", "refuse_other_boundary", "run_stage1"]
 
 
-def note_plan(pending: Any, split: Any, plan: Any, rows: int) -> None:
-    """Record the batch's plan per row; a shard of the first plan's rows only records none."""
+def note_plan(
+    pending: Any,
+    split: Any,
+    plan: Any,
+    rows: int,
+    constants_of: Callable[[str], ConstantsRecord | None] = lambda key: None,
+) -> None:
+    """Record the batch's plan per row; a shard of the first plan's rows only records none,
+    unless that plan has a constants file of its own (``constants_of``, see
+    :mod:`~graphsplit.caching.write.plan_constants`)."""
     plan_set = getattr(split, "plan_set", None)
     if plan is None or plan_set is None:
         return
     pending.signatures += [plan.key] * rows
-    if plan is not plan_set.first or pending.plans:
+    own = constants_of(plan.key) is not None
+    if plan is not plan_set.first or pending.plans or own:
         for key in dict.fromkeys(pending.signatures):
             if key not in pending.plans:
-                pending.plans[key] = plan_record(plan_set.plans[key])
+                pending.plans[key] = plan_record(plan_set.plans[key], constants_of(key))
 
 
-def plan_record(plan: Any) -> PlanRecord:
-    """A plan as the cache records it (a :class:`~graphsplit.caching.format.layout.PlanRecord`)."""
+def plan_record(plan: Any, constants: ConstantsRecord | None = None) -> PlanRecord:
+    """A plan as the cache records it (a :class:`~graphsplit.caching.format.layout.PlanRecord`),
+    with its own ``constants`` file if it has one."""
     code = fingerprint(plan, allow_meta=True).code
-    return PlanRecord(signature=plan.signature.to_json(), example=plan.example or "", code=code)
+    return PlanRecord(
+        signature=plan.signature.to_json(),
+        example=plan.example or "",
+        code=code,
+        constants=constants,
+    )
 
 
 def run_stage1(

@@ -12,8 +12,9 @@ Glossary:
         into place (its checksum was computed from memory while it was saved); its progress
         record is written after that, so a record always names a whole file, durable unless
         the run is not.
-    constants: boundary tensors without a batch dim; batch 0 writes them, later batches must
-        compute the same values.
+    constants: boundary tensors without a batch dim; batch 0 writes them, the first batch of
+        another plan writes that plan's, later batches of a plan must compute the same values
+        (:mod:`~graphsplit.caching.write.plan_constants`).
 
 In and out::
 
@@ -54,6 +55,7 @@ from graphsplit.caching.format.records import to_json
 from graphsplit.caching.format.tensor_file import TensorBytes, rows_of
 from graphsplit.caching.loader.batches import BatchSource, as_mapping, batch_keys
 from graphsplit.caching.store import file_writes, remote
+from graphsplit.caching.write.plan_constants import PlanConstants
 from graphsplit.caching.write.plan_rows import note_plan, run_stage1
 from graphsplit.caching.write.processes import Processes
 from graphsplit.errors import CacheError, Fix, Remedy, user_error
@@ -113,7 +115,11 @@ def write_shards(
     shown = progress if processes.is_main else False  # one bar, on the main process
     bar = _progress_bar(shown, source.count(wanted), processes)
     seen_keys: dict[str, int] = {}
-    constants: dict[str, torch.Tensor] | None = None
+    constants = PlanConstants(folder, header, split, finished, durable=durable)
+
+    def write_base(values: Mapping[str, torch.Tensor], errors: Mapping[str, float]) -> None:
+        _write_constants(folder, values, errors, durable=durable)
+
     pending: PendingShard | None = None
     try:
         for batch in source.batches(wanted, finished, per_shard):
@@ -124,9 +130,7 @@ def write_shards(
             pending = pending or PendingShard(shard)
             outputs, plan = run_stage1(split, batch.data, len(batch.positions), device, header)
             stored, errors = _to_storage(outputs, header)
-            constants = _handle_constants(
-                folder, header, stored, errors, batch.index, constants, durable=durable
-            )
+            own_errors = constants.handle(stored, errors, batch.index, plan, write_base)
             keys = batch_keys(batch.data, batch.positions)
             _refuse_seen_keys(keys, batch.positions, seen_keys)
             # A copy: the loader may refill its tensors for the next batch while they are hashed.
@@ -135,7 +139,8 @@ def write_shards(
                 digester.submit(batch_input_digests, inputs, header.inputs, len(keys))
             )
             _add_rows(pending, header, stored, errors, keys, batch.positions)
-            note_plan(pending, split, plan, len(keys))
+            note_plan(pending, split, plan, len(keys), constants.record)
+            _add_errors(pending.max_abs_error, own_errors)
             if bar is not None:
                 bar.update(len(keys))
                 bar.set_postfix_str(
@@ -320,36 +325,10 @@ def _cast(value: torch.Tensor, dtype: torch.dtype, name: str) -> tuple[torch.Ten
     return stored, float((back - value).abs().masked_fill(~finite, 0).max())
 
 
-def _handle_constants(
-    folder: Path,
-    header: CacheHeader,
-    stored: Mapping[str, torch.Tensor],
-    errors: Mapping[str, float],
-    batch_index: int,
-    first: dict[str, torch.Tensor] | None,
-    *,
-    durable: bool,
-) -> dict[str, torch.Tensor] | None:
-    """Write the constants from batch 0; check later batches give the same values."""
-    if not header.constant_specs:
-        return None
-    constants = {spec.name: stored[spec.name] for spec in header.constant_specs}
-    if first is not None:
-        for name, value in constants.items():
-            if not torch.equal(value, first[name]):
-                raise user_error(
-                    CacheError,
-                    f"the per-dataset constant {name!r} differs between batches, so it is not a "
-                    "constant.",
-                    fix=Fix(
-                        "this is a graphsplit bug in finding batch dims; please report it with "
-                        "the step that triggers it"
-                    ),
-                )
-        return first
-    if batch_index == 0:
-        _write_constants(folder, constants, errors, durable=durable)
-    return {name: value.clone() for name, value in constants.items()}
+def _add_errors(into: dict[str, float], errors: Mapping[str, float]) -> None:
+    """The largest storage error per tensor."""
+    for name, error in errors.items():
+        into[name] = max(into.get(name, 0.0), error)
 
 
 def _write_constants(
