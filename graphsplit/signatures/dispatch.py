@@ -48,6 +48,7 @@ from graphsplit.errors import Fix, SplitError, user_error
 from graphsplit.planning.rules.random_draws import generator_states, set_generator_states
 from graphsplit.runtime import PlanMismatch
 from graphsplit.signatures.boundary_checks import SizeChecks
+from graphsplit.signatures.names import short_name
 from graphsplit.signatures.signature import (
     SIGNATURE_KEY,
     Signature,
@@ -151,7 +152,8 @@ def _refuse_other_batch_size(plan: Plan, batch: dict[str, Any], size: int) -> No
                 SplitError,
                 f"stage 2 got {value.shape[spec.batch_dim]} samples in {name!r}, but this plan "
                 f"holds a value read off frozen data for a batch of {size} samples "
-                f"({plan.signature}); its code was traced for {size} samples.",
+                f"({short_name(plan.signature, example=plan.example)}); its code was traced "
+                f"for {size} samples.",
                 fix=Fix(
                     f"read the cache in batches of {size}: CachedDataset(path, split).loader("
                     f"batch_size={size}, drop_last=True)"
@@ -245,7 +247,7 @@ class PlanSet:
         varying = self.varying()
         varying.setdefault(difference.what, difference.where)
         sizes = "; ".join(f"{what} (at {where})" for what, where in varying.items())
-        made = "; ".join(str(plan.signature) for plan in self.plans.values())
+        made = "; ".join(self.name(plan) for plan in self.plans.values())
         what_differed = refusal.reason.removesuffix("; split again for this size.")
         return user_error(
             SplitError,
@@ -255,6 +257,11 @@ class PlanSet:
             fix=MAX_PLANS_FIX,
             source=difference.where,
         )
+
+    def name(self, plan: Plan) -> str:
+        """The plan's signature in a few words: the checks that differ between the plans
+        (:mod:`~graphsplit.signatures.names`)."""
+        return short_name(plan.signature, self.varying(), plan.example)
 
     def varying(self) -> dict[str, str]:
         """``what -> user's line`` of each checked value whose expected value differs between
@@ -326,7 +333,8 @@ class PlanSet:
         if example is None or Signature.from_json(signature).reads_values:
             raise user_error(
                 SplitError,
-                f"the batch names the plan {key!r} ({Signature.from_json(signature)}), which "
+                f"the batch names the plan {key!r} "
+                f"({short_name(Signature.from_json(signature), self.varying())}), which "
                 "this process has not made, and the cache's record of it cannot rebuild it "
                 "(it reads a value from frozen data, or its example held values JSON cannot "
                 "hold).",
@@ -339,7 +347,7 @@ class PlanSet:
             raise user_error(
                 SplitError,
                 f"rebuilding the plan {key!r} from the cache's example made another plan "
-                f"({plan.signature}).",
+                f"({self.name(plan)}).",
                 fix=NO_STAGE2_PLAN_FIX,
             )
         self.plans[key] = plan

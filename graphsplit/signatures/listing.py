@@ -2,8 +2,11 @@
 
 A split whose plans hold no size check (every size flows through torch ops) lists nothing: its
 report is what it always was. Otherwise each plan made so far is one entry: its key (what a
-cache records per row), whether it is the first plan, and each checked value with the user's
-line that read it. Nothing timed: the same plans list the same (plan.json is compared).
+cache records per row), whether it is the first plan, its short name
+(:mod:`~graphsplit.signatures.names`: the checks that tell the plans apart) and, in plan.json,
+each checked value with the user's line that read it. The report and the picture show the
+short names and the lines of the checks that vary; a check every plan holds alike is counted,
+not repeated. Nothing timed: the same plans list the same (plan.json is compared).
 
 In and out::
 
@@ -39,6 +42,7 @@ def signature_entries(split: Any) -> list[dict[str, Any]]:
             {
                 "key": plan.key,
                 "first": index == 0,
+                "name": split.plan_set.name(plan),
                 "reads_values": plan.signature.reads_values,
                 "checks": [
                     {"what": what, "expected": value, "source": lines.get(what)}
@@ -61,10 +65,27 @@ def signature_lines(split: Any) -> list[str]:
         "whose checked values differ gets a plan of its own):",
     ]
     for entry in entries:
-        lines.append(f"  {entry['key']}" + (" (the first plan)" if entry["first"] else ""))
-        for check in entry["checks"]:
-            lines.append(f"    {check['what']} = {check['expected']}  {check['source'] or ''}")
+        first = " (the first plan)" if entry["first"] else ""
+        lines.append(f"  {entry['key']}{first}: {entry['name']}")
+    varying, alike = _checks_listed(split, entries)
+    if varying:
+        lines.append("  checked values that differ between the plans, read at:")
+        lines += [f"    {what}  {source}" for what, source in varying.items()]
+    if alike:
+        lines.append(
+            f"  {alike} other checked value(s), the same in every plan: listed in plan.json "
+            '("signatures")'
+        )
     return lines
+
+
+def _checks_listed(split: Any, entries: list[dict[str, Any]]) -> tuple[dict[str, str], int]:
+    """The checks whose values differ between the plans (each with its line; with one plan,
+    every check), and how many others every plan holds alike."""
+    every = {check["what"]: check["source"] or "" for e in entries for check in e["checks"]}
+    varying = split.plan_set.varying() if len(entries) > 1 else {}
+    shown = {what: every.get(what, source) for what, source in varying.items()} or every
+    return shown, len(every) - len(shown)
 
 
 def signatures_html(split: Any) -> str:
@@ -72,24 +93,20 @@ def signatures_html(split: Any) -> str:
     entries = signature_entries(split)
     if not entries:
         return ""
-    rows = []
-    for entry in entries:
-        for check in entry["checks"]:
-            rows.append(
-                "<tr>"
-                + "".join(
-                    f"<td>{html.escape(str(cell))}</td>"
-                    for cell in (
-                        entry["key"] + (" (first)" if entry["first"] else ""),
-                        check["what"],
-                        check["expected"],
-                        check["source"] or "",
-                    )
-                )
-                + "</tr>"
-            )
+    rows = [
+        f"<tr><td>{html.escape(entry['key'] + (' (first)' if entry['first'] else ''))}</td>"
+        f"<td>{html.escape(entry['name'])}</td></tr>"
+        for entry in entries
+    ]
+    varying, alike = _checks_listed(split, entries)
+    checks = "".join(
+        f"<li><code>{html.escape(what)}</code> {html.escape(source)}</li>"
+        for what, source in varying.items()
+    )
     return (
         "<h2>Shape signatures</h2>\n<p>One plan per signature; a batch whose checked values "
-        "differ gets a plan of its own.</p>\n<table><tr><th>plan</th><th>checked value</th>"
-        "<th>expected</th><th>line</th></tr>\n" + "\n".join(rows) + "\n</table>"
+        "differ gets a plan of its own.</p>\n<table><tr><th>plan</th><th>signature</th></tr>\n"
+        + "\n".join(rows)
+        + f"\n</table>\n<p>Checked values that tell the plans apart, read at:</p><ul>{checks}"
+        f"</ul><p>{alike} other checked value(s), the same in every plan (plan.json).</p>"
     )

@@ -96,7 +96,9 @@ def test_the_report_plan_json_and_picture_list_the_signatures(tmp_path):
     report = split.report()
     assert "Shape signatures (2 plan(s) of max_plans=8" in report
     what = "(encoder + (0.1 * randn_like)).shape[-1] * 2"
-    assert f"    {what} = 48  " in report and "width = int(h.shape[-1] * 2)" in report
+    assert f"    {what}  tests/signatures/test_boundary_checks.py:" in report
+    assert ": the check at test_boundary_checks.py:" in report
+    assert " (width = int(h.shape[-1] * 2)) = 48\n" in report
     entries = json.loads(json.dumps(split.to_json()))["signatures"]
     assert [entry["checks"][0]["expected"] for entry in entries] == [32, 48]
     assert [entry["first"] for entry in entries] == [True, False]

@@ -29,6 +29,7 @@ from graphsplit.signatures.defaults import (
     refuse_missing_given,
     refuse_unread_values,
 )
+from graphsplit.signatures.names import short_name
 
 __all__ = ["note_plan", "plan_record", "refuse_other_boundary", "run_stage1"]
 
@@ -134,7 +135,8 @@ def refuse_other_boundary(plan: Any, header: CacheHeader) -> None:
     if theirs != ours:
         raise user_error(
             CacheError,
-            f"the batch's plan ({plan.signature}) has another boundary than the cache's first "
+            f"the batch's plan ({short_name(plan.signature, example=plan.example)}) has another "
+            "boundary than the cache's first "
             f"plan: {theirs} against {ours}; one cache holds plans whose boundaries differ in "
             "sizes only.",
             fix=Fix("cache the batches of this signature into a cache of their own"),
