@@ -18,7 +18,7 @@ plan.json keeps the full signature (each check, its value and line).
 
 In and out::
 
-    short_name(signature, varying, example) -> "((video.shape[2] - 1) // 4) + 1 = 2 (video.shape[2]=5)"
+    short_name(signature, varying, example) -> "((video.shape[2] - 1) // 4) + 1 = 2 (…=5)"
     check_text(what, value, line, example) -> one check in a few words
 """
 
