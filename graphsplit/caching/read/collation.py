@@ -33,7 +33,15 @@ from graphsplit.errors import CacheError, Fix, user_error
 from graphsplit.signatures.signature import SIGNATURE_KEY
 from graphsplit.units import some_keys
 
-__all__ = ["CachedSample", "Collation", "collate", "sample_signatures"]
+__all__ = ["MIXED_SHAPES_FIX", "CachedSample", "Collation", "collate", "sample_signatures"]
+
+
+MIXED_SHAPES_FIX = Fix(
+    "batch samples of one shape together: cached.loader(batch_size, seed=0), for cached = "
+    "CachedDataset(path, split), batches the cache by shape (or DataLoader(cached, batch_sampler="
+    "graphsplit.BucketBatchSampler(cached, batch_size), collate_fn=graphsplit.collate)); to "
+    "have fewer shapes, pad the raw data in stage 1 to a multiple (pad_to_multiple_of=...)"
+)
 
 
 @dataclass(frozen=True)
@@ -117,12 +125,7 @@ def collate(items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
             raise user_error(
                 CacheError,
                 _mixed_shapes_reason(name, items, rows),
-                fix=Fix(
-                    "batch samples of one shape together: cached.loader(batch_size) for a "
-                    "CachedDataset cached, or DataLoader(cached, batch_sampler="
-                    "graphsplit.BucketBatchSampler(cached, batch_size), "
-                    "collate_fn=graphsplit.collate)"
-                ),
+                fix=MIXED_SHAPES_FIX,
             )
         order = _batch_order(name, column, batch_dim, items)
         if order is None:
@@ -193,4 +196,9 @@ def _mixed_shapes_reason(
     for item, row in zip(items, rows):
         by_shape.setdefault(tuple(row.shape), []).append(str(item.get("key")))
     listed = "; ".join(f"{shape} for {some_keys(keys, 3)}" for shape, keys in by_shape.items())
-    return f"cannot batch {name!r}: the samples have different shapes: {listed}."
+    return (
+        f"cannot batch {name!r}: the samples have different shapes: {listed}. graphsplit does "
+        "not pad cached rows to a batch's longest: a row's frozen values were computed at its "
+        "own batch's padding, and rows padded after the fact are not shown to give the unsplit "
+        'step\'s loss (docs/howto.md, "Datasets of many shapes").'
+    )
