@@ -80,7 +80,8 @@ def test_collate_refuses_mixed_shapes(tmp_path):
     with pytest.raises(
         CacheError,
         match=r"(?s)cannot batch 'latents'.*\(4, 4, 4\) for 'pic000'.*"
-        r"\(4, 6, 6\) for 'pic001'.*fix:.*cached\.loader\(batch_size\).*BucketBatchSampler",
+        r"\(4, 6, 6\) for 'pic001'.*does not pad cached rows.*fix:.*cached\.loader\(batch_size, "
+        r"seed=0\).*BucketBatchSampler",
     ):
         collate([cached[0], cached[2]])
 
