@@ -53,7 +53,8 @@ def _flux() -> tuple[Any, Callable[[int, int], Batch], tuple[int, int]]:
     import torch
 
     from tests.conformance.matrix import ids_and_mask
-    from tests.signatures.test_real_shapes import VOCAB, FluxStepOfTheCollatesFields, _pixels
+    from tests.conformance.test_flux import FluxFineTuneStep
+    from tests.signatures.test_real_shapes import VOCAB, _pixels
 
     torch.manual_seed(0)
 
@@ -64,7 +65,8 @@ def _flux() -> tuple[Any, Callable[[int, int], Batch], tuple[int, int]]:
             "tokens_two": ids_and_mask(2, vocab=VOCAB, seed=seed + 50)[0],
         }
 
-    return FluxStepOfTheCollatesFields(sigmas_by_index=True), batch, (32, 48)
+    # prompts: None, as the batches carry none (tests/signatures/test_real_shapes.py)
+    return FluxFineTuneStep(sigmas_by_index=True), batch, (32, 48)
 
 
 def _wan() -> tuple[Any, Callable[[int, int], Batch], tuple[int, int]]:
