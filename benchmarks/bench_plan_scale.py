@@ -382,6 +382,20 @@ def build_wan(batch: int = 1) -> tuple[nn.Module, tuple]:
     return WanLoRAStep(vae, text_encoder, transformer), (video, ids, mask)
 
 
+def _with_first_shape(args: tuple, shape: tuple[int, ...]) -> tuple:
+    """``args`` with the first (the pixels or the clip) replaced by an empty meta tensor."""
+    with META:
+        return (torch.empty(shape), *args[1:])
+
+
+# Another shape signature per case (``--new-signature``): 768 x 1024 images, a 49-frame clip.
+RESHAPED: dict[str, Callable[[tuple], tuple]] = {
+    "sdxl": lambda args: _with_first_shape(args, (args[0].shape[0], 3, 768, RESOLUTION)),
+    "flux": lambda args: _with_first_shape(args, (args[0].shape[0], 3, 768, RESOLUTION)),
+    "wan": lambda args: _with_first_shape(args, (args[0].shape[0], 3, 49, *WAN_VIDEO[1:])),
+}
+
+
 BUILDERS: dict[str, Callable[[int], tuple[nn.Module, tuple[torch.Tensor, ...]]]] = {
     "tiny": build_tiny,
     "sdxl": build_sdxl,
@@ -441,12 +455,15 @@ def measure_case(
     *,
     heap: bool = True,
     profile: bool = False,
+    new_signature: bool = False,
 ) -> dict[str, Any]:
     """Build ``case`` on meta and split it ``rounds`` times; everything a row of the table needs.
 
     ``heap=False`` skips the extra ``split()`` under tracemalloc (the baseline comparison's
     children only need the timings and the digest). ``profile=True`` adds one more ``split()``
     under cProfile and the phases it spent its time in (:mod:`benchmarks.plan_profile`).
+    ``new_signature=True`` times a plan for another shape (:data:`RESHAPED`) as the dispatcher
+    makes it (:func:`_new_signature`).
     """
     import graphsplit
 
@@ -505,6 +522,8 @@ def measure_case(
         if heap:
             peak = python_heap_peak_bytes(lambda: graphsplit.split(model, args))
             row["peak_python_mib"] = mib(peak)
+        if new_signature and case in RESHAPED:
+            row["new_signature"] = _new_signature(model, args, RESHAPED[case](args), rounds)
         if profile:
             from benchmarks.plan_profile import phase_profile
 
@@ -515,6 +534,41 @@ def measure_case(
         row["status"] = f"failed: {type(exc).__name__}: {text}"
     row["max_rss_mib"] = mib(peak_rss_bytes())
     return row
+
+
+def _new_signature(model: nn.Module, args: tuple, other: tuple, rounds: int) -> dict[str, Any]:
+    """A plan for ``other`` made as ``PlanSet`` makes one (``split.plan_set._make_plan``), on a
+    split of ``args`` made untimed just before, against a first ``split()``, interleaved; and
+    whether it is the plan a split of ``other`` alone makes."""
+    import graphsplit
+
+    fresh: list[Any] = []
+
+    def new_split(name: str, _: int) -> None:
+        fresh[:] = [graphsplit.split(model, args)] if name == "new signature" else []
+
+    def new_plan() -> None:
+        fresh.append(fresh[0].plan_set._make_plan(other, {}))
+
+    timings = interleaved(
+        {"first split": lambda: graphsplit.split(model, args), "new signature": new_plan},
+        rounds=max(1, rounds),
+        warmup=0,
+        before_each=new_split,
+    )
+    made = plan_digest(fresh[1])
+    del fresh[:]
+    alone = plan_digest(graphsplit.split(model, other))
+    return {
+        "shape": list(other[0].shape),
+        "first_cpu_seconds": timings.spread("first split", "cpu").to_json(),
+        "new_cpu_seconds": timings.spread("new signature", "cpu").to_json(),
+        "new_over_first": {
+            clock: timings.ratio("new signature", "first split", clock).to_json()
+            for clock in ("wall", "cpu")
+        },
+        "same_plan_as_its_own_split": made == alone,
+    }
 
 
 # -- orchestration (parent process) -----------------------------------------------------------
@@ -528,6 +582,7 @@ def run_case(
     code: Path | None = None,
     heap: bool = True,
     profile: bool = False,
+    new_signature: bool = False,
 ) -> dict[str, Any]:
     """Run ``--child case`` in a fresh interpreter; a crash becomes a failed row.
 
@@ -537,6 +592,7 @@ def run_case(
     argv += ["--batch", str(batch)] if batch else []
     argv += [] if heap else ["--no-heap"]
     argv += ["--profile"] if profile else []
+    argv += ["--new-signature"] if new_signature else []
     try:
         return run_child("benchmarks.bench_plan_scale", argv, timeout=timeout, cwd=code)
     except subprocess.TimeoutExpired:
@@ -579,6 +635,10 @@ def _spread(row: dict[str, Any], key: str) -> str:
 
 def to_markdown(results: list[dict[str, Any]]) -> str:
     table = _main_table(results)
+    signed = [row for row in results if "new_signature" in row]
+    if signed:
+        table += "\n\nA new shape signature's plan against the first split:\n\n"
+        table += _signature_table(signed)
     for row in results:
         if "profile" in row:
             from benchmarks.plan_profile import profile_table
@@ -591,6 +651,22 @@ def to_markdown(results: list[dict[str, Any]]) -> str:
     if not compared:
         return table
     return f"{table}\n{baseline_table(compared, 'case')}"
+
+
+def _signature_table(rows: list[dict[str, Any]]) -> str:
+    header = ["case", "new shape", "first split CPU s", "new plan CPU s", "new / first, CPU",
+              "new / first, wall", "same plan as its own split"]  # fmt: skip
+    cells = []
+    for row in rows:
+        signed = row["new_signature"]
+        cells.append([
+            row["case"], " x ".join(map(str, signed["shape"])),
+            _spread(signed, "first_cpu_seconds"), _spread(signed, "new_cpu_seconds"),
+            ratio_text(signed["new_over_first"]["cpu"]),
+            ratio_text(signed["new_over_first"]["wall"]),
+            "yes" if signed["same_plan_as_its_own_split"] else "**no**",
+        ])  # fmt: skip
+    return markdown_table(header, cells, "llrrrrl")
 
 
 def _main_table(results: list[dict[str, Any]]) -> str:
@@ -648,6 +724,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also profile one more split() per case and report where it went (cProfile)",
     )
+    command.add_argument(
+        "--new-signature",
+        action="store_true",
+        help="also time a plan for another shape (768 x 1024 images, 49 frames) made as the "
+        "dispatcher makes it, against a first split (interleaved, --rounds pairs)",
+    )
     command.add_argument("--child", choices=ALL_CASES, help=argparse.SUPPRESS)
     command.add_argument("--no-heap", action="store_true", help=argparse.SUPPRESS)
     options = command.parse_args(argv)
@@ -659,6 +741,7 @@ def main(argv: list[str] | None = None) -> int:
                 options.rounds,
                 heap=not options.no_heap,
                 profile=options.profile,
+                new_signature=options.new_signature,
             )
             reply_to_parent(row)
         return 0
@@ -683,6 +766,7 @@ def _run(case: str, options: argparse.Namespace, baseline: Path | None) -> dict[
         rounds=options.rounds,
         threads=options.threads,
         profile=options.profile,
+        new_signature=options.new_signature,
     )
     print(
         f"{case}: {row['status'].splitlines()[0]}; split {_fmt(row, 'split_seconds', '.2f')} s,"

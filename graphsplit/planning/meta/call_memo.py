@@ -67,9 +67,10 @@ _MISSING = object()
 class CallMemo:
     """One analysis's memoised module calls (see the module docstring)."""
 
-    def __init__(self, op_memo: Any, shared: SharedMemos | None = None) -> None:
+    def __init__(self, op_memo: Any) -> None:
         self.op_memo = op_memo
-        shared = shared or SharedMemos()  # one split's tables (shared_memos), or its own
+        # One split's tables (shared_memos), or tables of its own.
+        shared = getattr(op_memo, "shared", None) or SharedMemos()
         self.seen: set[Any] = shared.seen  # (class, arguments) met once: the next is watched
         # call signature -> entry; None: refused
         self.entries: dict[Any, _Entry | None] = shared.call_entries

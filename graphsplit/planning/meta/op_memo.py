@@ -208,7 +208,8 @@ class OpMemo(TorchDispatchMode):
         self.fake_attributes = (
             None if self._attributes is None else dict(self._attributes, _fake_device=None)
         )
-        self.calls = CallMemo(self, shared)
+        self.shared = shared  # the split's tables, the call memo's too (shared_memos)
+        self.calls = CallMemo(self)
 
     def new_fake(self, elem: torch.Tensor, device: torch.device) -> FakeTensor:
         """``FakeTensor(self.fake_mode, elem, device)`` for a meta ``elem``, made quickly.
