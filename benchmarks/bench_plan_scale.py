@@ -9,6 +9,10 @@ device, which is all ``split()`` needs (it reads shapes, dtypes and devices only
 - ``flux``: a 12B-parameter ``FluxTransformer2DModel`` with LoRA, a T5-XXL-sized
   ``T5EncoderModel`` (512 tokens), a CLIP-L text model for the pooled embedding and a Flux VAE
   (16 latent channels); a rectified-flow step written as users write it, batch 1 at 1024 px.
+- ``wan``: Wan 2.1 14B text-to-video: diffusers' ``WanTransformer3DModel`` at the 14B config
+  with peft LoRA on its attention projections, a UMT5-XXL ``UMT5EncoderModel`` (512 tokens)
+  called with its attention mask, and the Wan VAE (``AutoencoderKLWan``'s default config)
+  encoding the clip; a flow-matching step, batch 1, 81 frames at 480 x 832 (``WAN_VIDEO``).
 - ``tiny``: the zoo's tiny SD step on ``meta`` (for the smoke test).
 
 Each case runs in a fresh subprocess (``--child CASE``), so its ``ru_maxrss`` is its own: it
@@ -19,7 +23,8 @@ a second ``split()`` under tracemalloc, the process's RSS before and after, and 
 weights *would* take, so "no real weight memory" can be checked against it. A case that fails
 inside graphsplit is recorded with its error text (``status: "failed: ..."``); the others run.
 
-    python -m benchmarks.bench_plan_scale                   # sdxl and flux
+    python -m benchmarks.bench_plan_scale                   # sdxl, flux (both), wan
+    python -m benchmarks.bench_plan_scale --cases wan --profile   # and where its split goes
     python -m benchmarks.bench_plan_scale --cases tiny --out /tmp/results
     python -m benchmarks.bench_plan_scale --quick --out /tmp/results  # smoke test: tiny, once
     python -m benchmarks.bench_plan_scale --baseline HEAD~3 --rounds 4   # before/after ratios
@@ -72,7 +77,7 @@ from benchmarks.common import (
     write_results,
 )
 
-DEFAULT_CASES = ("sdxl", "flux", "flux_diffusers_ids")
+DEFAULT_CASES = ("sdxl", "flux", "flux_diffusers_ids", "wan")
 ALL_CASES = ("tiny", *DEFAULT_CASES)
 META = torch.device("meta")
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -147,6 +152,33 @@ FLUX_DIT = {
     "guidance_embeds": True,
     "axes_dims_rope": (16, 56, 56),
 }
+UMT5_XXL = {
+    "vocab_size": 256384,
+    "d_model": 4096,
+    "d_ff": 10240,
+    "d_kv": 64,
+    "num_layers": 24,
+    "num_heads": 64,
+    "feed_forward_proj": "gated-gelu",
+    "is_encoder_decoder": False,
+    "use_cache": False,
+}
+WAN_DIT = {  # Wan 2.1 T2V 14B
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 40,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 13824,
+    "num_layers": 40,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+}
+WAN_VIDEO = (81, 480, 832)  # frames, height, width: Wan 2.1's 480p clip
+WAN_TOKENS = 512
 RESOLUTION = 1024
 T5_TOKENS = 512
 CLIP_TOKENS = 77
@@ -253,6 +285,42 @@ class FluxLoRAStep(nn.Module):
         return F.mse_loss(self.unpack(pred, c, h, w).float(), target.float())
 
 
+class WanLoRAStep(nn.Module):
+    """A flow-matching LoRA step for Wan 2.1 text-to-video, as users write it.
+
+    ``forward(video, input_ids, attention_mask)``: the VAE's latent mean, normalised with the
+    VAE's ``latents_mean`` / ``latents_std``; the UMT5 prompt embeddings with the padding
+    zeroed as ``WanPipeline`` does (its ``seq_lens`` loop, written without reading the mask's
+    values); ``t ~ U(0, 1)``, ``x_t = (1 - t) x0 + t noise``; the DiT predicts ``noise - x0``.
+    """
+
+    def __init__(self, vae, text_encoder, transformer) -> None:
+        super().__init__()
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.transformer = transformer
+
+    def forward(self, video, input_ids, attention_mask) -> torch.Tensor:
+        config = self.vae.config
+        x0 = self.vae.encode(video).latent_dist.mode()
+        mean = torch.tensor(config.latents_mean, device=x0.device, dtype=x0.dtype)
+        std = torch.tensor(config.latents_std, device=x0.device, dtype=x0.dtype)
+        x0 = (x0 - mean.view(1, -1, 1, 1, 1)) / std.view(1, -1, 1, 1, 1)
+        prompt = self.text_encoder(input_ids, attention_mask=attention_mask).last_hidden_state
+        prompt = prompt * attention_mask[..., None].to(prompt.dtype)
+        b = x0.shape[0]
+        noise = torch.randn_like(x0)
+        t = torch.rand(b, device=x0.device, dtype=x0.dtype)
+        x_t = (1 - t.view(b, 1, 1, 1, 1)) * x0 + t.view(b, 1, 1, 1, 1) * noise
+        pred = self.transformer(
+            hidden_states=x_t,
+            timestep=t * 1000,
+            encoder_hidden_states=prompt,
+            return_dict=False,
+        )[0]
+        return F.mse_loss(pred.float(), (noise - x0).float())
+
+
 def build_tiny(batch: int = 2) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     from tests.zoo import SD_SIZES, build_sd_lora_step
 
@@ -299,11 +367,41 @@ def build_flux_diffusers_ids(batch: int = 1) -> tuple[nn.Module, tuple]:
     return build_flux(batch, diffusers_helpers=True)
 
 
+def build_wan(batch: int = 1) -> tuple[nn.Module, tuple]:
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    frames, height, width = WAN_VIDEO
+    with META:
+        vae = _frozen(AutoencoderKLWan())
+        text_encoder = _frozen(UMT5EncoderModel(UMT5Config(**UMT5_XXL)))
+        transformer = _lora(_frozen(WanTransformer3DModel(**WAN_DIT)))
+        video = torch.empty(batch, 3, frames, height, width)
+        ids = torch.zeros(batch, WAN_TOKENS, dtype=torch.long)
+        mask = torch.ones(batch, WAN_TOKENS, dtype=torch.long)
+    return WanLoRAStep(vae, text_encoder, transformer), (video, ids, mask)
+
+
+def _with_first_shape(args: tuple, shape: tuple[int, ...]) -> tuple:
+    """``args`` with the first (the pixels or the clip) replaced by an empty meta tensor."""
+    with META:
+        return (torch.empty(shape), *args[1:])
+
+
+# Another shape signature per case (``--new-signature``): 768 x 1024 images, a 49-frame clip.
+RESHAPED: dict[str, Callable[[tuple], tuple]] = {
+    "sdxl": lambda args: _with_first_shape(args, (args[0].shape[0], 3, 768, RESOLUTION)),
+    "flux": lambda args: _with_first_shape(args, (args[0].shape[0], 3, 768, RESOLUTION)),
+    "wan": lambda args: _with_first_shape(args, (args[0].shape[0], 3, 49, *WAN_VIDEO[1:])),
+}
+
+
 BUILDERS: dict[str, Callable[[int], tuple[nn.Module, tuple[torch.Tensor, ...]]]] = {
     "tiny": build_tiny,
     "sdxl": build_sdxl,
     "flux": build_flux,
     "flux_diffusers_ids": build_flux_diffusers_ids,
+    "wan": build_wan,
 }
 
 
@@ -351,12 +449,21 @@ def _canonical(value: Any) -> Any:
 
 
 def measure_case(
-    case: str, batch: int | None = None, rounds: int = 1, *, heap: bool = True
+    case: str,
+    batch: int | None = None,
+    rounds: int = 1,
+    *,
+    heap: bool = True,
+    profile: bool = False,
+    new_signature: bool = False,
 ) -> dict[str, Any]:
     """Build ``case`` on meta and split it ``rounds`` times; everything a row of the table needs.
 
     ``heap=False`` skips the extra ``split()`` under tracemalloc (the baseline comparison's
-    children only need the timings and the digest).
+    children only need the timings and the digest). ``profile=True`` adds one more ``split()``
+    under cProfile and the phases it spent its time in (:mod:`benchmarks.plan_profile`).
+    ``new_signature=True`` times a plan for another shape (:data:`RESHAPED`) as the dispatcher
+    makes it (:func:`_new_signature`).
     """
     import graphsplit
 
@@ -415,11 +522,53 @@ def measure_case(
         if heap:
             peak = python_heap_peak_bytes(lambda: graphsplit.split(model, args))
             row["peak_python_mib"] = mib(peak)
+        if new_signature and case in RESHAPED:
+            row["new_signature"] = _new_signature(model, args, RESHAPED[case](args), rounds)
+        if profile:
+            from benchmarks.plan_profile import phase_profile
+
+            components = dict(model.named_children()) if isinstance(model, nn.Module) else {}
+            row["profile"] = phase_profile(lambda: graphsplit.split(model, args), components)
     except Exception as exc:  # a failing case is a result, not a crash of the benchmark
         text = str(exc).strip() or repr(exc)
         row["status"] = f"failed: {type(exc).__name__}: {text}"
     row["max_rss_mib"] = mib(peak_rss_bytes())
     return row
+
+
+def _new_signature(model: nn.Module, args: tuple, other: tuple, rounds: int) -> dict[str, Any]:
+    """A plan for ``other`` made as ``PlanSet`` makes one (``split.plan_set._make_plan``), on a
+    split of ``args`` made untimed just before, against a first ``split()``, interleaved; and
+    whether it is the plan a split of ``other`` alone makes."""
+    import graphsplit
+
+    fresh: list[Any] = []
+
+    def new_split(name: str, _: int) -> None:
+        fresh[:] = [graphsplit.split(model, args)] if name == "new signature" else []
+
+    def new_plan() -> None:
+        fresh.append(fresh[0].plan_set._make_plan(other, {}))
+
+    timings = interleaved(
+        {"first split": lambda: graphsplit.split(model, args), "new signature": new_plan},
+        rounds=max(1, rounds),
+        warmup=0,
+        before_each=new_split,
+    )
+    made = plan_digest(fresh[1])
+    del fresh[:]
+    alone = plan_digest(graphsplit.split(model, other))
+    return {
+        "shape": list(other[0].shape),
+        "first_cpu_seconds": timings.spread("first split", "cpu").to_json(),
+        "new_cpu_seconds": timings.spread("new signature", "cpu").to_json(),
+        "new_over_first": {
+            clock: timings.ratio("new signature", "first split", clock).to_json()
+            for clock in ("wall", "cpu")
+        },
+        "same_plan_as_its_own_split": made == alone,
+    }
 
 
 # -- orchestration (parent process) -----------------------------------------------------------
@@ -432,6 +581,8 @@ def run_case(
     threads: int = 1,
     code: Path | None = None,
     heap: bool = True,
+    profile: bool = False,
+    new_signature: bool = False,
 ) -> dict[str, Any]:
     """Run ``--child case`` in a fresh interpreter; a crash becomes a failed row.
 
@@ -440,6 +591,8 @@ def run_case(
     argv = ["--child", case, "--rounds", str(rounds), "--threads", str(threads)]
     argv += ["--batch", str(batch)] if batch else []
     argv += [] if heap else ["--no-heap"]
+    argv += ["--profile"] if profile else []
+    argv += ["--new-signature"] if new_signature else []
     try:
         return run_child("benchmarks.bench_plan_scale", argv, timeout=timeout, cwd=code)
     except subprocess.TimeoutExpired:
@@ -482,12 +635,38 @@ def _spread(row: dict[str, Any], key: str) -> str:
 
 def to_markdown(results: list[dict[str, Any]]) -> str:
     table = _main_table(results)
+    signed = [row for row in results if "new_signature" in row]
+    if signed:
+        table += "\n\nA new shape signature's plan against the first split:\n\n"
+        table += _signature_table(signed)
+    for row in results:
+        if "profile" in row:
+            from benchmarks.plan_profile import profile_table
+
+            table += f"\n\nWhere `{row['case']}`'s split goes (cProfile):\n\n"
+            table += profile_table(row["profile"])
     compared = [
         (row["case"], row["versus_baseline"]) for row in results if "versus_baseline" in row
     ]
     if not compared:
         return table
     return f"{table}\n{baseline_table(compared, 'case')}"
+
+
+def _signature_table(rows: list[dict[str, Any]]) -> str:
+    header = ["case", "new shape", "first split CPU s", "new plan CPU s", "new / first, CPU",
+              "new / first, wall", "same plan as its own split"]  # fmt: skip
+    cells = []
+    for row in rows:
+        signed = row["new_signature"]
+        cells.append([
+            row["case"], " x ".join(map(str, signed["shape"])),
+            _spread(signed, "first_cpu_seconds"), _spread(signed, "new_cpu_seconds"),
+            ratio_text(signed["new_over_first"]["cpu"]),
+            ratio_text(signed["new_over_first"]["wall"]),
+            "yes" if signed["same_plan_as_its_own_split"] else "**no**",
+        ])  # fmt: skip
+    return markdown_table(header, cells, "llrrrrl")
 
 
 def _main_table(results: list[dict[str, Any]]) -> str:
@@ -524,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         choices=ALL_CASES,
         default=list(DEFAULT_CASES),
-        help="cases to run (default: sdxl flux; tiny is the zoo's tiny SD step)",
+        help="cases to run (default: sdxl flux flux_diffusers_ids wan; tiny: the zoo's tiny SD)",
     )
     command.add_argument(
         "--timeout", type=float, default=600, help="seconds allowed per case (default 600)"
@@ -540,13 +719,29 @@ def main(argv: list[str] | None = None) -> int:
         help="also time another graphsplit (a git revision, or a folder holding a graphsplit "
         "package) in --rounds alternating pairs of children, and compare the plans",
     )
+    command.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one more split() per case and report where it went (cProfile)",
+    )
+    command.add_argument(
+        "--new-signature",
+        action="store_true",
+        help="also time a plan for another shape (768 x 1024 images, 49 frames) made as the "
+        "dispatcher makes it, against a first split (interleaved, --rounds pairs)",
+    )
     command.add_argument("--child", choices=ALL_CASES, help=argparse.SUPPRESS)
     command.add_argument("--no-heap", action="store_true", help=argparse.SUPPRESS)
     options = command.parse_args(argv)
     if options.child:
         with torch_threads(options.threads):
             row = measure_case(
-                options.child, options.batch, options.rounds, heap=not options.no_heap
+                options.child,
+                options.batch,
+                options.rounds,
+                heap=not options.no_heap,
+                profile=options.profile,
+                new_signature=options.new_signature,
             )
             reply_to_parent(row)
         return 0
@@ -565,7 +760,13 @@ def main(argv: list[str] | None = None) -> int:
 def _run(case: str, options: argparse.Namespace, baseline: Path | None) -> dict[str, Any]:
     """One case's row; with a baseline, its alternating comparison too."""
     row = run_case(
-        case, options.timeout, options.batch, rounds=options.rounds, threads=options.threads
+        case,
+        options.timeout,
+        options.batch,
+        rounds=options.rounds,
+        threads=options.threads,
+        profile=options.profile,
+        new_signature=options.new_signature,
     )
     print(
         f"{case}: {row['status'].splitlines()[0]}; split {_fmt(row, 'split_seconds', '.2f')} s,"

@@ -4,9 +4,13 @@ For each case, a step whose plan holds a size check, and batches of two signatur
 
 - plan time: each round times ``graphsplit.split(step, example)`` (the first split: trace,
   analysis, cut, codegen) and the making of the second signature's plan as the dispatcher makes
-  it (``split.plan_set._make_plan``, what ``cache()`` calls when a batch needs a plan), in
-  alternating order; the figure is the median of the same-round ratios "new plan / first
-  split", with its IQR, on the wall clock and the CPU clock.
+  it (``split.plan_set._make_plan``, what ``cache()`` calls when a batch needs a plan) on a
+  split of ``example`` made untimed just before (so the planner has made the first plan only,
+  as in a real run), in alternating order; the figure is the median of the same-round ratios
+  "new plan / first split", with its IQR, on the wall clock and the CPU clock. The new plan's
+  digest is compared with that of a split made from the second batch alone
+  (:func:`benchmarks.bench_plan_scale.plan_digest`): what the planner reuses from the first
+  plan must not change the plan.
 - bytes per sample: one ``cache()`` over the mixed loader (every signature in one folder, per
   row plan keys in the manifest) against one cache per signature (what the by-hand workflow
   kept), all files of the folders counted.
@@ -53,7 +57,8 @@ def _flux() -> tuple[Any, Callable[[int, int], Batch], tuple[int, int]]:
     import torch
 
     from tests.conformance.matrix import ids_and_mask
-    from tests.signatures.test_real_shapes import VOCAB, FluxStepOfTheCollatesFields, _pixels
+    from tests.conformance.test_flux import FluxFineTuneStep
+    from tests.signatures.test_real_shapes import VOCAB, _pixels
 
     torch.manual_seed(0)
 
@@ -64,7 +69,8 @@ def _flux() -> tuple[Any, Callable[[int, int], Batch], tuple[int, int]]:
             "tokens_two": ids_and_mask(2, vocab=VOCAB, seed=seed + 50)[0],
         }
 
-    return FluxStepOfTheCollatesFields(sigmas_by_index=True), batch, (32, 48)
+    # prompts: None, as the batches carry none (tests/signatures/test_real_shapes.py)
+    return FluxFineTuneStep(sigmas_by_index=True), batch, (32, 48)
 
 
 def _wan() -> tuple[Any, Callable[[int, int], Batch], tuple[int, int]]:
@@ -106,20 +112,33 @@ def _cache_bytes(split: Any, batches: list[Batch], folder: Path) -> int:
 
 def measure(case: str, rounds: int, batches_per_shape: int) -> dict[str, Any]:
     import graphsplit
+    from benchmarks.bench_plan_scale import plan_digest
 
     step, make_batch, shapes = CASES[case]()
     example, other = make_batch(shapes[0], 0), make_batch(shapes[1], 1)
-    split = graphsplit.split(step, kwargs=example)
-    assert split.plan_set is not None
+    fresh: list[Any] = []
+
+    def new_split(name: str, _: int) -> None:  # untimed: the split whose planner plans anew
+        fresh[:] = [graphsplit.split(step, kwargs=example)] if name == "new signature" else []
+
+    def new_signature() -> None:
+        fresh.append(fresh[0].plan_set._make_plan((), other))
+
     timings = interleaved(
         {
             "first split": lambda: graphsplit.split(step, kwargs=example),
-            "new signature": lambda: split.plan_set._make_plan((), other),
+            "new signature": new_signature,
         },
         rounds=rounds,
+        before_each=new_split,
     )
-    new_plan = split.plan_set._make_plan((), other)
+    new_split("new signature", 0)
+    new_signature()
+    split, new_plan = fresh
     assert new_plan.key != split.plans[0].key, "the second shape must need a plan of its own"
+    # The plan the split's planner made anew is the one a split of that batch makes.
+    alone = graphsplit.split(step, kwargs=other).plans[0]
+    same_plan = plan_digest(new_plan) == plan_digest(alone)
     by_shape = {
         shape: [make_batch(shape, 10 + i) for i in range(batches_per_shape)] for shape in shapes
     }
@@ -141,6 +160,7 @@ def measure(case: str, rounds: int, batches_per_shape: int) -> dict[str, Any]:
             clock: timings.ratio("new signature", "first split", clock).to_json()
             for clock in ("wall", "cpu")
         },
+        "same_plan_as_its_own_split": same_plan,
         "first_split_s": timings.spread("first split").to_json(),
         "new_signature_s": timings.spread("new signature").to_json(),
         "samples": samples,
@@ -162,6 +182,7 @@ def to_markdown(results: list[dict[str, Any]]) -> str:
         "new signature's plan, s",
         "new / first (wall)",
         "new / first (CPU)",
+        "same plan as its own split",
         "bytes/sample, one mixed cache",
         "bytes/sample, a cache per shape",
     ]
@@ -173,12 +194,13 @@ def to_markdown(results: list[dict[str, Any]]) -> str:
             cell(r["new_signature_s"], ".2f"),
             cell(r["new_over_first"]["wall"], ".2f"),
             cell(r["new_over_first"]["cpu"], ".2f"),
+            "yes" if r["same_plan_as_its_own_split"] else "**no**",
             f"{r['bytes_per_sample']['one_mixed_cache']:,.0f}",
             f"{r['bytes_per_sample']['one_cache_per_shape']:,.0f}",
         ]
         for r in results
     ]
-    return markdown_table(header, rows, "llrrrrrr")
+    return markdown_table(header, rows, "llrrrrlrr")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
             ("cache bytes", bench_cache_bytes, ["--cases", "tiny", "sdxl", *target]),
             ("planning, synthetic", bench_split_scale, ["--full", "--rounds", "3", *target]),
             ("planning, full size", bench_plan_scale,
-             ["--cases", "sdxl", "flux", "flux_diffusers_ids", "--rounds", "3", *target]),
+             ["--cases", "sdxl", "flux", "flux_diffusers_ids", "wan", "--rounds", "3", *target]),
             ("DiffSynth cache bytes", bench_diffsynth_bytes, [*target]),
             ("cache while training", bench_live_cache, ["--rounds", "10", *target]),
             ("safe items", bench_safe_items, [*target]),

@@ -28,6 +28,7 @@ from graphsplit.planning.codegen.stages import build_stage1, build_stage2, stand
 from graphsplit.planning.cut.boundary import boundary_specs, choose_boundary
 from graphsplit.planning.cut.recompute import Recompute, check_recompute
 from graphsplit.planning.leaf_rounds import trace_and_analyze
+from graphsplit.planning.meta.shared_memos import SharedMemos, sharing
 from graphsplit.planning.patching.patcher import one_planning_at_a_time
 from graphsplit.planning.step.callables import as_step_module
 from graphsplit.planning.step.example_inputs import bind_examples
@@ -240,11 +241,16 @@ def _split_traced(
 
 @dataclass(frozen=True)
 class _Planner:
-    """Makes a plan from an example batch: the steps below, for the step module ``model``."""
+    """Makes a plan from an example batch: the steps below, for the step module ``model``.
+
+    Every plan it makes (the first, and one per later shape signature) reads and fills the
+    same memos of meta runs (:mod:`graphsplit.planning.meta.shared_memos`).
+    """
 
     model: nn.Module
     trainable: frozenset[str]
     recompute: Recompute
+    memos: SharedMemos = field(default_factory=SharedMemos, repr=False, compare=False)
 
     def plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
         started = time.perf_counter()
@@ -252,7 +258,8 @@ class _Planner:
         # 1. Bind the example batch to forward's parameters; meta twins at two batch sizes.
         examples = bind_examples(model, args, kwargs)
         # 2. Trace and analyse (in rounds), then give the graph back the step's real device.
-        traced = trace_and_analyze(model, examples, self.trainable)
+        with sharing(self.memos):
+            traced = trace_and_analyze(model, examples, self.trainable)
         restore_devices(traced.graph, examples.device)
         # 3. Choose the boundary: the one place where that decision is taken.
         cut = choose_boundary(traced.graph, self.trainable, recompute=self.recompute, model=model)

@@ -35,7 +35,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
-from graphsplit.planning.meta import call_memo
+from graphsplit.planning.meta import call_memo, shared_memos
 from graphsplit.planning.meta.call_memo import CallMemo
 from graphsplit.planning.meta.op_memo import OpMemo
 from graphsplit.planning.patching.module_state import is_helper_object, restore_attributes
@@ -192,7 +192,7 @@ def analysis_view(model: nn.Module) -> Iterator[None]:
     module_dicts, helpers, hook_tables = _snapshot(modules)
     helper_dicts = [(obj, dict(vars(obj))) for obj in helpers]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    _FAKE_MODES.append((mode, OpMemo(mode)))
+    _FAKE_MODES.append((mode, OpMemo(mode, shared_memos.current())))
     try:
         for module in modules:
             for table in (module._parameters, module._buffers):

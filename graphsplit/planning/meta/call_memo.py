@@ -32,8 +32,9 @@ repeated node (10k ``Linear``/``tanh``/``add`` nodes of a chain) its meta contex
 the memo answers either at once. A signature's first run is not watched (most occur once: the
 key would be paid for nothing); the second is watched and kept, the later ones are answered.
 What no key can see (Python globals a library reads, class attributes) is taken to be fixed
-during one analysis. Entries live as long as the analysis's op memo (one ``analysis_view``),
-so every ``split()`` pays its own.
+during one split. Entries hold metadata only and live as long as the split's planner
+(:mod:`graphsplit.planning.meta.shared_memos`): a round or a later shape signature's plan
+reads what earlier analyses kept, and every ``split()`` pays its own.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from graphsplit.planning.meta.call_signature import (
     sameness,
     value_key,
 )
+from graphsplit.planning.meta.shared_memos import SharedMemos
 from graphsplit.planning.patching.originals import PLAIN_VALUE_TYPES
 
 _META = torch.device("meta")
@@ -67,9 +69,12 @@ class CallMemo:
 
     def __init__(self, op_memo: Any) -> None:
         self.op_memo = op_memo
-        self.seen: set[Any] = set()  # (class, arguments) met once: the next one is watched
-        self.entries: dict[Any, _Entry | None] = {}  # call signature -> entry; None: refused
-        self.nodes: dict[Any, _NodeEntry | None] = {}  # the same for whole nodes
+        # One split's tables (shared_memos), or tables of its own.
+        shared = getattr(op_memo, "shared", None) or SharedMemos()
+        self.seen: set[Any] = shared.seen  # (class, arguments) met once: the next is watched
+        # call signature -> entry; None: refused
+        self.entries: dict[Any, _Entry | None] = shared.call_entries
+        self.nodes: dict[Any, _NodeEntry | None] = shared.node_entries  # the same for nodes
         self.hits = 0
         self.misses = 0
 

@@ -25,9 +25,11 @@ Why not torch's own cache: ``FakeTensorMode`` does cache dispatch results (and i
 its hit path rebuilds a hash key through pytree for every argument and re-validates the entry;
 the analysis spends most of its time there. This mode sits just above the analysis's fake mode
 (below the op recorder, which still sees every op) and answers a repeated signature with new
-fake tensors of the recorded metadata, at a fraction of the cost. Results never leave one
-analysis (:class:`OpMemo` lives as long as its fake mode), so every ``split()`` pays its own
-first runs.
+fake tensors of the recorded metadata, at a fraction of the cost. An :class:`OpMemo` lives as
+long as its fake mode; its table of results (metadata only) is one split's
+(:mod:`graphsplit.planning.meta.shared_memos`): the rounds of a plan and the plans of later
+shape signatures read what the earlier analyses ran, and every ``split()`` pays its own first
+runs.
 
 Every op of a meta run passes this mode on its way to the fake mode, so it is also where an op
 that reads tensor values is told apart by type
@@ -44,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from graphsplit.planning.meta.call_memo import CallMemo
 from graphsplit.planning.meta.meta_failures import reads_values, run_value_reading_op
+from graphsplit.planning.meta.shared_memos import SharedMemos
 from graphsplit.planning.patching.originals import PLAIN_VALUE_TYPES
 
 _META = torch.device("meta")
@@ -186,11 +189,11 @@ _PLAIN_VALUE_CLASSES = tuple(PLAIN_VALUE_TYPES)
 class OpMemo(TorchDispatchMode):
     """Answers repeated op signatures with fresh fake tensors; see the module docstring."""
 
-    def __init__(self, fake_mode: FakeTensorMode) -> None:
+    def __init__(self, fake_mode: FakeTensorMode, shared: SharedMemos | None = None) -> None:
         super().__init__()
         self.fake_mode = fake_mode
         # signature -> tuple of (shape, stride, dtype, device) per output; None: do not memoise
-        self.results: dict[Any, tuple | None] = {}
+        self.results: dict[Any, tuple | None] = {} if shared is None else shared.op_results
         self.hits = 0
         self.misses = 0
         # Ops that may write, draw, read data or do what the memo cannot see: the module-call
@@ -205,6 +208,7 @@ class OpMemo(TorchDispatchMode):
         self.fake_attributes = (
             None if self._attributes is None else dict(self._attributes, _fake_device=None)
         )
+        self.shared = shared  # the split's tables, the call memo's too (shared_memos)
         self.calls = CallMemo(self)
 
     def new_fake(self, elem: torch.Tensor, device: torch.device) -> FakeTensor:
