@@ -24,9 +24,11 @@ Glossary:
 
 Exact: for the same seed the trainer's sampler picks the same samples in the same order as in
 the unsplit run (it is built from the raw dataset, so ``group_by_length`` sees the raw lengths),
-and stage 2 computes what ``compute_loss`` computes from the cached stage-1 values. Every sample
-must have the same shape whatever batch it is collated in (pad to one length), since the cache
-stores rows and the trainer's batches regroup them.
+and stage 2 computes what ``compute_loss`` computes from the cached stage-1 values. A sample must
+have the same shape in every batch it is collated in, since the cache stores rows and the
+trainer's batches regroup them: where the collator pads each batch to its longest, every batch
+(caching and training) holds samples it pads to one length (:mod:`.trainer_groups`), which
+changes the batches' composition as ``group_by_length`` does.
 
 In and out::
 
@@ -178,7 +180,16 @@ def split_trainer(
             (overrides ``_prepare_inputs``, ``get_train_dataloader`` or ``_get_train_sampler``,
             as TRL's on-policy distillation trainers do), or uses a sampling strategy that
             regroups batches itself (``batch_rebalance``).
-        CacheError: the collator gives samples different shapes in different batches.
+        CacheError: the collator's padding depends on more than the samples themselves (not
+            their own length, that rounded up, or one length for all).
+
+    Padding to the batch's longest (``DataCollatorWithPadding``'s default, TRL's collators):
+    the samples are grouped by the length the collator pads each alone to, and the trainer's
+    sampler is replaced by a seeded, shuffled :class:`~graphsplit.BucketBatchSampler` over the
+    groups (every batch holds one group's samples; accelerate shards it across processes), in
+    the caching pass and every epoch, so each sample is padded as when it was cached. The batch
+    composition differs from the trainer's own sampler's, as with ``group_by_length``;
+    :func:`batch_by_padded_length` gives an unsplit trainer the same batches.
 
     Example:
         >>> parts = split_trainer(trainer, "cache/")   # doctest: +SKIP
