@@ -130,6 +130,7 @@ def check_trainer(trainer: Any) -> None:
                 "Trainer')"
             ),
         )
+    refuse_a_teacher_it_cannot_cache(trainer)
     strategy = getattr(trainer.args, "train_sampling_strategy", "random")
     if strategy == "batch_rebalance":
         raise user_error(
@@ -138,6 +139,36 @@ def check_trainer(trainer: Any) -> None:
             "batches are regrouped per process from the raw samples' lengths.",
             fix=Fix("use train_sampling_strategy='random' or 'group_by_length'"),
         )
+
+
+TEACHER_FIX = Fix(
+    "freeze the teacher and call it without a KV cache before split_trainer: "
+    "trainer.teacher_model.requires_grad_(False); trainer.teacher_model.config.use_cache = False"
+)
+
+
+def refuse_a_teacher_it_cannot_cache(trainer: Any) -> None:
+    """TRL's ``GKDTrainer`` (``lmbda=0``) runs its ``teacher_model`` under ``no_grad`` but leaves
+    it trainable (graphsplit caches frozen modules' work only) and lets it return a KV cache
+    (a ``DynamicCache``, not a tensor a cache can store)."""
+    teacher = getattr(trainer, "teacher_model", None)
+    if not isinstance(teacher, torch.nn.Module):
+        return
+    trainable = any(parameter.requires_grad for parameter in teacher.parameters())
+    caching = bool(getattr(getattr(teacher, "config", None), "use_cache", False))
+    if not trainable and not caching:
+        return
+    what = (
+        "has trainable parameters (it runs under no_grad, but is not frozen)"
+        if trainable
+        else ("returns a KV cache (config.use_cache=True), which is not a tensor a cache can store")
+    )
+    raise user_error(
+        SplitError,
+        f"{type(trainer).__name__}'s teacher_model {what}: split_trainer caches the work of "
+        "frozen modules whose outputs are tensors.",
+        fix=TEACHER_FIX,
+    )
 
 
 # The Trainer methods through which a trainer makes its own training batches.
