@@ -10,7 +10,10 @@ every batch is full (a group's shorter last batch is within rounding, docs/howto
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +25,8 @@ from transformers import DataCollatorWithPadding, TrainerCallback
 import graphsplit
 from graphsplit.errors import CacheError
 from graphsplit.integrations.transformers import batch_by_padded_length, split_trainer
+from tests.caching.fixtures import worker_environment
+from tests.helpers import two_process_launch
 from tests.integrations.dpo import word_tokenizer
 from tests.integrations.kd import logged_losses, make_padding_trainer, unpadded_samples
 
@@ -169,3 +174,19 @@ def test_one_length_for_all_keeps_the_trainers_own_sampler(tmp_path):
     assert batch_by_padded_length(trainer) is None
     parts = split_trainer(trainer, str(tmp_path / "cache"))
     assert parts.groups is None and len(parts.cached.buckets()) == 1
+
+
+def test_two_accelerate_processes_train_padding_groups_as_unsplit(tmp_path):
+    """Under ``accelerate launch`` (2 CPU processes, gloo DDP) each process caches its share of
+    the groups' batches and trains its share of every epoch's batches (accelerate shards the
+    group sampler as it shards the trainer's own): the unsplit run's losses and weights."""
+    pytest.importorskip("accelerate")
+    worker = Path(__file__).with_name("trainer_worker.py")
+    command = two_process_launch(str(worker), str(tmp_path), "groups")
+    finished = subprocess.run(command, env=worker_environment(), capture_output=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr.decode()[-4000:]
+    for rank in (0, 1):
+        report = json.loads((tmp_path / f"report.{rank}.json").read_text())
+        assert report["world"] == 2 and report["wrapped"] == "DistributedDataParallel"
+        assert report["split"] == report["unsplit"] and len(report["split"]) == 8
+        assert report["same_weights"] and report["cached"] == 32
