@@ -286,9 +286,10 @@ class _CachedRows(Dataset):
     def __init__(self, cached: CachedDataset, groups: PaddingGroups | None) -> None:
         self.cached = cached
         self.rows = None if groups is None else {k: i for i, k in enumerate(cached.keys)}
+        self.size = len(cached) if groups is None else len(groups.shapes)  # fillers left out
 
     def __len__(self) -> int:
-        return len(self.cached) if self.rows is None else len(self.rows)
+        return self.size
 
     def __getitem__(self, index: int) -> Any:
         return self.cached[index if self.rows is None else self.rows[str(index)]]

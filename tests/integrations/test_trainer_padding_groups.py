@@ -104,6 +104,7 @@ def test_a_groups_shorter_caching_batch_is_filled_to_the_batch_size(tmp_path):
     assert sorted(k for k in keys if "~" not in k) == sorted(str(i) for i in range(16))
     assert len(keys) == 20  # 10 -> 3 batches (2 fillers), 6 -> 2 batches (2 fillers)
     assert graphsplit.check_cache(str(tmp_path / "cache")).ok
+    assert len(trainer.get_train_dataloader().dataset) == 16  # the samples, not the fillers
 
 
 class _Interrupted(Exception):
