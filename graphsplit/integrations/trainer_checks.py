@@ -2,9 +2,10 @@
 
 A trainer is refused up front where its cache could not stand in for the unsplit run: a
 trainer that builds its own batches (on-policy distillation generates them during training),
-a train dataset without indices, a collator that pads each batch to its longest sample (the
-sampler regroups samples every epoch, so a row cached at one batch's length cannot stand in
-for the sample in another), and options a first epoch that writes the cache cannot honour.
+a train dataset without indices, a collator whose padding depends on more than the samples
+themselves (a row cached at one batch's padding cannot stand in for the sample in another;
+padding to the batch's longest is grouped instead, :mod:`.trainer_groups`), and options a
+first epoch that writes the cache cannot honour.
 Kept apart from the integration itself so that each file has one job: what is refused and
 why here, how the trainer trains from the cache there.
 """
@@ -18,16 +19,21 @@ from torch.utils.data import DataLoader
 
 from graphsplit.caching import CachedDataset
 from graphsplit.errors import CacheError, Fix, SplitError, user_error
+from graphsplit.integrations.trainer_groups import (
+    UNGROUPABLE_FIX,
+    CachingBatches,
+    CheckedCollate,
+    Indexed,
+    PaddingGroups,
+)
 
 __all__ = [
     "BATCH_BUILDING_METHODS",
-    "SHAPE_CHECK_BATCHES",
     "batch_building_methods",
     "caching_loader",
     "check_live",
     "check_trainer",
     "dataset_and_collator",
-    "refuse_padding_to_the_batch",
     "refuse_several_shapes",
 ]
 
@@ -53,9 +59,17 @@ def check_live(trainer: Any) -> None:
             raise user_error(SplitError, f"cache_while_training {why}.", fix=Fix(fix))
 
 
-def caching_loader(trainer: Any) -> DataLoader:
-    """The train dataset in order, through the trainer's collator (unused columns removed)."""
+def caching_loader(trainer: Any, groups: PaddingGroups | None = None) -> DataLoader:
+    """The train dataset in order, through the trainer's collator (unused columns removed); in
+    padding groups, the groups' caching batches, each sample keyed by its dataset index."""
     dataset, collator = dataset_and_collator(trainer, "graphsplit cache")
+    if groups is not None:
+        return DataLoader(
+            Indexed(dataset),
+            batch_sampler=CachingBatches(groups, trainer._train_batch_size),
+            collate_fn=CheckedCollate(collator, groups),
+            num_workers=trainer.args.dataloader_num_workers,
+        )
     return DataLoader(
         dataset,
         batch_size=trainer.args.per_device_train_batch_size,
@@ -116,6 +130,7 @@ def check_trainer(trainer: Any) -> None:
                 "Trainer')"
             ),
         )
+    refuse_a_teacher_it_cannot_cache(trainer)
     strategy = getattr(trainer.args, "train_sampling_strategy", "random")
     if strategy == "batch_rebalance":
         raise user_error(
@@ -126,8 +141,34 @@ def check_trainer(trainer: Any) -> None:
         )
 
 
-# Batches the collator check looks at before anything runs (collation only, no model).
-SHAPE_CHECK_BATCHES = 64
+TEACHER_FIX = Fix(
+    "freeze the teacher and call it without a KV cache before split_trainer: "
+    "trainer.teacher_model.requires_grad_(False); trainer.teacher_model.config.use_cache = False"
+)
+
+
+def refuse_a_teacher_it_cannot_cache(trainer: Any) -> None:
+    """TRL's ``GKDTrainer`` (``lmbda=0``) runs its ``teacher_model`` under ``no_grad`` but leaves
+    it trainable (graphsplit caches frozen modules' work only) and lets it return a KV cache
+    (a ``DynamicCache``, not a tensor a cache can store)."""
+    teacher = getattr(trainer, "teacher_model", None)
+    if not isinstance(teacher, torch.nn.Module):
+        return
+    trainable = any(parameter.requires_grad for parameter in teacher.parameters())
+    caching = bool(getattr(getattr(teacher, "config", None), "use_cache", False))
+    if not trainable and not caching:
+        return
+    what = (
+        "has trainable parameters (it runs under no_grad, but is not frozen)"
+        if trainable
+        else ("returns a KV cache (config.use_cache=True), which is not a tensor a cache can store")
+    )
+    raise user_error(
+        SplitError,
+        f"{type(trainer).__name__}'s teacher_model {what}: split_trainer caches the work of "
+        "frozen modules whose outputs are tensors.",
+        fix=TEACHER_FIX,
+    )
 
 
 # The Trainer methods through which a trainer makes its own training batches.
@@ -145,32 +186,6 @@ def batch_building_methods(trainer_class: type) -> list[str]:
     ]
 
 
-def refuse_padding_to_the_batch(trainer: Any) -> None:
-    """Refuse, before any model runs, a collator whose sample shapes depend on the batch.
-
-    A sample padded to its batch's longest has rows (its inputs, the teacher's logits) as long
-    as that batch; the trainer's sampler puts it in other batches every epoch, where the unsplit
-    run pads it to other lengths, and the loss sees every padded position (a KL over all
-    positions, a mean over the padded length). Those rows cannot stand in for it. Looks at the
-    first ``SHAPE_CHECK_BATCHES`` batches of the caching loader; the cache itself is checked
-    again once written (:func:`refuse_several_shapes`).
-    """
-    loader = caching_loader(trainer)
-    seen: dict[tuple[tuple[str, tuple[int, ...]], ...], None] = {}
-    for number, batch in enumerate(loader):
-        if number == SHAPE_CHECK_BATCHES:
-            break
-        shape = tuple(
-            (str(name), tuple(value.shape[1:]))
-            for name, value in batch.items()
-            if isinstance(value, torch.Tensor) and value.dim() > 0
-        )
-        seen.setdefault(shape, None)
-        if len(seen) > 1:
-            first, other = (dict(one) for one in list(seen)[:2])
-            raise padding_error(len(seen), first, other)
-
-
 def refuse_several_shapes(cached: CachedDataset) -> None:
     shapes = cached.buckets()
     if len(shapes) <= 1:
@@ -184,12 +199,8 @@ def padding_error(count: int, first: Any, other: Any) -> CacheError:
     return user_error(
         CacheError,
         f"The trainer's collator gives samples {count} different shapes in different batches "
-        f"(e.g. {first} and {other}): it pads each batch to its longest sample. The trainer's "
-        "sampler puts every sample in other batches each epoch, where the unsplit run pads it "
-        "to other lengths, so rows cached at one batch's length cannot stand in for it.",
-        fix=Fix(
-            "pad every sample to one length, e.g. DataCollatorWithPadding(tokenizer, "
-            "padding='max_length', max_length=N) or tokenizer(..., padding='max_length', "
-            "max_length=N); group_by_length still orders by the unpadded lengths"
-        ),
+        f"(e.g. {first} and {other}), although it gives every sample alone one shape: its "
+        "padding depends on more than the samples themselves, so rows cached in one batch "
+        "cannot stand in for the samples in the batches the trainer's sampler makes.",
+        fix=UNGROUPABLE_FIX,
     )

@@ -36,9 +36,10 @@ class LiveRows(Dataset):
 
     The switch is read when an epoch's iteration starts (workers copy the dataset then)."""
 
-    def __init__(self, live: LiveCache, size: int) -> None:
+    def __init__(self, live: LiveCache, size: int, *, grouped: bool = False) -> None:
         self.live = live
         self.size = size
+        self.grouped = grouped  # padding groups: the cache holds several shapes by design
         self.raw: Any = None  # the trainer's raw dataset, set by the dataloader
         self.cached: CachedDataset | None = None
         self.rows: dict[str, int] = {}
@@ -94,7 +95,8 @@ class LiveCacheSteps(TrainerCallback):
         whole = state.epoch is not None and float(state.epoch).is_integer()
         if self.rows.cached is None and whole:
             live.finish()
-            refuse_several_shapes(live.dataset())
+            if not self.rows.grouped:
+                refuse_several_shapes(live.dataset())
             self.rows.switch()
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -24,9 +24,11 @@ Glossary:
 
 Exact: for the same seed the trainer's sampler picks the same samples in the same order as in
 the unsplit run (it is built from the raw dataset, so ``group_by_length`` sees the raw lengths),
-and stage 2 computes what ``compute_loss`` computes from the cached stage-1 values. Every sample
-must have the same shape whatever batch it is collated in (pad to one length), since the cache
-stores rows and the trainer's batches regroup them.
+and stage 2 computes what ``compute_loss`` computes from the cached stage-1 values. A sample must
+have the same shape in every batch it is collated in, since the cache stores rows and the
+trainer's batches regroup them: where the collator pads each batch to its longest, every batch
+(caching and training) holds samples it pads to one length (:mod:`.trainer_groups`), which
+changes the batches' composition as ``group_by_length`` does.
 
 In and out::
 
@@ -71,13 +73,25 @@ from graphsplit.integrations.trainer_checks import (
     check_live,
     check_trainer,
     dataset_and_collator,
-    refuse_padding_to_the_batch,
     refuse_several_shapes,
 )
+from graphsplit.integrations.trainer_groups import PaddingGroups, batch_shape, check_batch
 from graphsplit.integrations.trainer_live import LiveCacheSteps, LiveRows, RawItem
+from graphsplit.integrations.trainer_loader import (
+    batch_by_padded_length,
+    epoch_callback,
+    train_dataloader,
+    trainer_padding_groups,
+)
 from graphsplit.planning.rules.random_draws import generator_states, set_generator_states
 
-__all__ = ["CachedBatch", "TrainerLoss", "TrainerSplit", "split_trainer"]
+__all__ = [
+    "CachedBatch",
+    "TrainerLoss",
+    "TrainerSplit",
+    "batch_by_padded_length",
+    "split_trainer",
+]
 
 RECORD_NAME = "graphsplit.json"
 
@@ -124,6 +138,9 @@ class TrainerSplit:
     info: CacheInfo | None
     live: LiveCache | None = None
     """Under ``cache_while_training``: the cache being written (``cached`` is ``None``)."""
+    groups: PaddingGroups | None = None
+    """Where the collator pads each batch to its longest: the samples grouped by the length it
+    pads them to (every batch holds one group's samples); ``None``: one shape for all."""
 
 
 def split_trainer(
@@ -163,7 +180,16 @@ def split_trainer(
             (overrides ``_prepare_inputs``, ``get_train_dataloader`` or ``_get_train_sampler``,
             as TRL's on-policy distillation trainers do), or uses a sampling strategy that
             regroups batches itself (``batch_rebalance``).
-        CacheError: the collator gives samples different shapes in different batches.
+        CacheError: the collator's padding depends on more than the samples themselves (not
+            their own length, that rounded up, or one length for all).
+
+    Padding to the batch's longest (``DataCollatorWithPadding``'s default, TRL's collators):
+    the samples are grouped by the length the collator pads each alone to, and the trainer's
+    sampler is replaced by a seeded, shuffled :class:`~graphsplit.BucketBatchSampler` over the
+    groups (every batch holds one group's samples; accelerate shards it across processes), in
+    the caching pass and every epoch, so each sample is padded as when it was cached. The batch
+    composition differs from the trainer's own sampler's, as with ``group_by_length``;
+    :func:`batch_by_padded_length` gives an unsplit trainer the same batches.
 
     Example:
         >>> parts = split_trainer(trainer, "cache/")   # doctest: +SKIP
@@ -176,29 +202,29 @@ def split_trainer(
     # the global generator) must find them as the unsplit run does.
     states = generator_states()
     try:
+        groups = trainer_padding_groups(trainer)
         parts, cached, info = _split_and_cache(
-            trainer, cache_dir, storage_dtype, overwrite, progress
+            trainer, groups, cache_dir, storage_dtype, overwrite, progress
         )
     finally:
         set_generator_states(states)
     path = str(cache_dir)
     made = cached.manifest.header.fingerprint
-    _train_from_cache(trainer, parts, _CachedRows(cached), path, made)
-    return TrainerSplit(split=parts, cached=cached, path=path, info=info)
+    _train_from_cache(trainer, parts, _CachedRows(cached, groups), path, made, groups)
+    return TrainerSplit(split=parts, cached=cached, path=path, info=info, groups=groups)
 
 
 def _split_and_cache(
     trainer: Any,
+    groups: PaddingGroups | None,
     cache_dir: str | os.PathLike[str],
     storage_dtype: torch.dtype | None,
     overwrite: bool,
     progress: bool | None,
 ) -> tuple[Split, CachedDataset, CacheInfo | None]:
-    refuse_padding_to_the_batch(trainer)
     loss = TrainerLoss(trainer)
-    loader = caching_loader(trainer)
-    example = next(iter(loader))
-    parts = split(loss, (example,))
+    loader = caching_loader(trainer, groups)
+    parts = split(loss, (_example(loader),))
     accelerator = trainer.accelerator
     info = cache(
         parts,
@@ -211,8 +237,15 @@ def _split_and_cache(
     )
     accelerator.wait_for_everyone()
     cached = CachedDataset(cache_dir, parts)
-    refuse_several_shapes(cached)
+    if groups is None:
+        refuse_several_shapes(cached)
     return parts, cached, info
+
+
+def _example(loader: DataLoader) -> dict[str, Any]:
+    """The first caching batch without its sample keys: the step's ``inputs``."""
+    batch = next(iter(loader))
+    return {name: value for name, value in batch.items() if name != "key"}
 
 
 def _split_live(
@@ -225,9 +258,8 @@ def _split_live(
     check_live(trainer)
     states = generator_states()
     try:
-        refuse_padding_to_the_batch(trainer)
-        example = next(iter(caching_loader(trainer)))
-        parts = split(TrainerLoss(trainer), (example,))
+        groups = trainer_padding_groups(trainer)
+        parts = split(TrainerLoss(trainer), (_example(caching_loader(trainer, groups)),))
     finally:
         set_generator_states(states)
     accelerator = trainer.accelerator
@@ -240,37 +272,45 @@ def _split_live(
     )
     path = str(cache_dir)
     raw, _ = dataset_and_collator(trainer, "Training")
-    rows = LiveRows(live, len(raw))
+    rows = LiveRows(live, len(raw), grouped=groups is not None)
     made = fingerprint(parts)
-    _train_from_cache(trainer, parts, rows, path, made, live=live)
-    return TrainerSplit(split=parts, cached=None, path=path, info=None, live=live)
+    _train_from_cache(trainer, parts, rows, path, made, groups, live=live)
+    return TrainerSplit(split=parts, cached=None, path=path, info=None, live=live, groups=groups)
 
 
 # -- training from the cache ---------------------------------------------------------------------
 class _CachedRows(Dataset):
-    """Index ``i``: sample ``i``'s cached rows (dataset item ``i``)."""
+    """Index ``i``: sample ``i``'s cached rows (dataset item ``i``; in a cache of padding
+    groups, the rows keyed ``str(i)``)."""
 
-    def __init__(self, cached: CachedDataset) -> None:
+    def __init__(self, cached: CachedDataset, groups: PaddingGroups | None) -> None:
         self.cached = cached
+        self.rows = None if groups is None else {k: i for i, k in enumerate(cached.keys)}
+        self.size = len(cached) if groups is None else len(groups.shapes)  # fillers left out
 
     def __len__(self) -> int:
-        return len(self.cached)
+        return self.size
 
     def __getitem__(self, index: int) -> Any:
-        return self.cached[index]
+        return self.cached[index if self.rows is None else self.rows[str(index)]]
 
 
 class _Collate:
-    """Cached rows -> :class:`CachedBatch`; raw items -> the trainer's collator's batch, keyed."""
+    """Cached rows -> :class:`CachedBatch`; raw items -> the trainer's collator's batch, keyed
+    (and, in padding groups, checked to pad each sample to its group's shape)."""
 
-    def __init__(self, collator: Any = None) -> None:
+    def __init__(self, collator: Any = None, groups: PaddingGroups | None = None) -> None:
         self.collator = collator
+        self.groups = groups
 
     def __call__(self, items: list[Any]) -> dict[str, Any]:
         if not items or not isinstance(items[0], RawItem):
             return CachedBatch(collate(items))
         batch = LiveBatch(self.collator([item.item for item in items]))
-        batch["key"] = [str(item.index) for item in items]
+        indices = [item.index for item in items]
+        if self.groups is not None:
+            check_batch(batch_shape(batch), self.groups.shapes[indices[0]], indices)
+        batch["key"] = [str(index) for index in indices]
         return batch
 
 
@@ -280,11 +320,21 @@ def _train_from_cache(
     rows: Dataset,
     path: str,
     made: Any,
+    groups: PaddingGroups | None,
     live: LiveCache | None = None,
 ) -> None:
     """Point the trainer's train dataloader at the cache, and its training loss at stage 2."""
+    _, collator = dataset_and_collator(trainer, "Training")
     trainer.get_train_dataloader = types.MethodType(
-        partial(_cached_train_dataloader, rows=rows), trainer
+        partial(
+            train_dataloader,
+            rows=rows,
+            collate=_Collate(collator, groups),
+            groups=groups,
+            epochs=epoch_callback(trainer) if groups is not None else None,
+            live=rows if isinstance(rows, LiveRows) else None,
+        ),
+        trainer,
     )
     originals = _originals(trainer)  # a second split_trainer wraps the trainer's own methods
     unsplit = originals["compute_loss"]
@@ -334,38 +384,6 @@ def _originals(trainer: Any) -> dict[str, Any]:
     return trainer.__dict__.setdefault(
         "_graphsplit_originals", {"compute_loss": trainer.compute_loss, "train": trainer.train}
     )
-
-
-def _cached_train_dataloader(trainer: Any, *, rows: Dataset) -> DataLoader:
-    """``Trainer.get_train_dataloader`` over the cache: the trainer's sampler, built from the
-    raw dataset (the same order and length groups as the unsplit run), picks the rows (or,
-    while a live cache is written, the raw items)."""
-    args = trainer.args
-    raw, collator = dataset_and_collator(trainer, "Training")
-    sampler = trainer._get_train_sampler(raw)
-    if isinstance(rows, LiveRows):
-        rows.raw = raw
-    loader = DataLoader(
-        rows,
-        batch_size=trainer._train_batch_size,
-        sampler=sampler,
-        collate_fn=_Collate(collator),
-        drop_last=args.dataloader_drop_last,
-        num_workers=args.dataloader_num_workers,
-        pin_memory=args.dataloader_pin_memory,
-        persistent_workers=args.dataloader_persistent_workers,
-        prefetch_factor=args.dataloader_prefetch_factor,
-        worker_init_fn=partial(
-            _seed_worker, num_workers=args.dataloader_num_workers, rank=args.process_index
-        ),
-    )
-    return trainer.accelerator.prepare(loader)
-
-
-def _seed_worker(worker_id: int, num_workers: int, rank: int) -> None:
-    from transformers.trainer_utils import seed_worker
-
-    seed_worker(worker_id, num_workers=num_workers, rank=rank)
 
 
 @contextlib.contextmanager

@@ -89,3 +89,35 @@ def make_trainer(output_dir: str, samples: list[dict], **arguments: Any) -> Dist
 
 def logged_losses(trainer: Trainer) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def unpadded_samples(lengths: list[int], seed: int = 0) -> list[dict[str, list[int]]]:
+    """One unpadded sample per length (token ids 2..63); a collator pads them."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        {
+            "input_ids": torch.randint(2, VOCAB, (length,), generator=generator).tolist(),
+            "attention_mask": [1] * length,
+        }
+        for length in lengths
+    ]
+
+
+class PaddedDistillationTrainer(DistillationTrainer):
+    """The KD loss on batches a collator padded: the labels are the real tokens (-100 on pads)."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+        return super().compute_loss(
+            model, {**inputs, "labels": labels}, return_outputs, num_items_in_batch
+        )
+
+
+def make_padding_trainer(
+    output_dir: str, samples: list[dict], collator: Any, **arguments: Any
+) -> PaddedDistillationTrainer:
+    """The KD trainer with ``collator`` (one that pads each batch) on unpadded samples."""
+    trainer = make_trainer(output_dir, samples, **arguments)
+    trainer.__class__ = PaddedDistillationTrainer
+    trainer.data_collator = collator
+    return trainer

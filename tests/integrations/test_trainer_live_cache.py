@@ -163,3 +163,13 @@ def test_a_first_epoch_that_lacks_samples_is_refused_at_its_end(tmp_path, monkey
     with pytest.raises(CacheError, match="lacks 12 of the 16 samples") as error:
         resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-3"))
     assert "resume with the cache folder the checkpoint was trained with" in str(error.value)
+
+
+def test_caching_while_training_into_a_bucket_is_refused_naming_the_fix(tmp_path):
+    """A live cache is written to a local or shared folder (cache first to write a bucket)."""
+    from graphsplit.errors import CacheError
+
+    trainer = make_trainer(str(tmp_path), padded_samples(8))
+    with pytest.raises(CacheError, match="local or shared folder, not to s3://bucket/cache") as e:
+        split_trainer(trainer, "s3://bucket/cache", cache_while_training=True)
+    assert "write a bucket with graphsplit.cache" in str(e.value)

@@ -129,44 +129,6 @@ def test_resuming_from_a_checkpoint_of_another_cache_is_refused(tmp_path):
     assert "resume with the cache and models the checkpoint was trained with" in str(error.value)
 
 
-def _pad_to_longest(features):
-    longest = max(int(f["attention_mask"].sum()) for f in features)
-    return {k: torch.stack([f[k][:longest] for f in features]) for k in features[0]}
-
-
-@pytest.mark.parametrize("live", [False, True], ids=["cache-first", "cache-while-training"])
-def test_samples_padded_to_their_batchs_longest_are_refused_before_any_model_runs(tmp_path, live):
-    samples = padded_samples(8)
-    trainer = make_trainer(str(tmp_path), samples, per_device_train_batch_size=2)
-    trainer.data_collator = _pad_to_longest
-    calls = []
-    trainer.teacher.register_forward_hook(lambda *_: calls.append(1))
-    with pytest.raises(CacheError, match="different shapes in different batches") as error:
-        split_trainer(trainer, str(tmp_path / "cache"), cache_while_training=live)
-    assert "padding='max_length'" in str(error.value)
-    assert "pads it to other lengths" in str(error.value)
-    assert calls == [] and not (tmp_path / "cache").exists()
-
-
-def test_batch_dependent_shapes_past_the_checked_batches_are_refused_once_cached(
-    tmp_path, monkeypatch
-):
-    from graphsplit.integrations import trainer_checks as integration
-
-    monkeypatch.setattr(integration, "SHAPE_CHECK_BATCHES", 1)
-    trainer = make_trainer(str(tmp_path), padded_samples(8), per_device_train_batch_size=2)
-    trainer.data_collator = _pad_to_longest
-    with pytest.raises(CacheError, match="different shapes in different batches"):
-        split_trainer(trainer, str(tmp_path / "cache"))
-    # cache while training: epoch 1 trains on raw batches; its end refuses the later epochs
-    live = make_trainer(str(tmp_path / "live"), padded_samples(8), per_device_train_batch_size=2)
-    live.data_collator = _pad_to_longest
-    split_trainer(live, str(tmp_path / "live-cache"), cache_while_training=True)
-    with pytest.raises(CacheError, match="different shapes in different batches"):
-        live.train()
-    assert live.state.global_step == 4  # all of epoch 1 (8 samples in 2s), none of epoch 2
-
-
 @pytest.mark.parametrize("live", [False, True], ids=["cache-first", "cache-while-training"])
 def test_two_accelerate_processes_cache_their_shares_and_train_as_unsplit(tmp_path, live):
     """Under ``accelerate launch`` (2 CPU processes, gloo DDP) each process caches its share

@@ -11,8 +11,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from graphsplit.errors import CacheError
-from graphsplit.integrations.transformers import split_trainer
+from graphsplit.integrations.transformers import batch_by_padded_length, split_trainer
 from tests.integrations.kd import logged_losses
 from tests.integrations.sft import make_sft_trainer, texts
 
@@ -36,7 +35,18 @@ def test_sft_with_a_frozen_teacher_trains_from_the_cache_as_unsplit(tmp_path, li
     assert "teacher" not in dict(parts.split.stage2.named_children())
 
 
-def test_sfts_default_padding_to_the_longest_is_refused(tmp_path):
-    trainer = make_sft_trainer(str(tmp_path), texts(16), pad_to_multiple_of=None)
-    with pytest.raises(CacheError, match="different shapes in different batches"):
-        split_trainer(trainer, str(tmp_path / "cache"))
+def test_sfts_default_padding_to_the_longest_trains_in_batches_of_one_length(tmp_path):
+    """TRL's collator pads each batch to its longest: split_trainer groups the texts by
+    length (16 texts, 5 lengths); batches of 1, so every batch is full."""
+    data = texts(16)
+    unpadded = {"pad_to_multiple_of": None, "per_device_train_batch_size": 1}
+    unsplit = make_sft_trainer(str(tmp_path / "unsplit"), data, **unpadded)
+    assert batch_by_padded_length(unsplit) is not None
+    unsplit.train()
+    trainer = make_sft_trainer(str(tmp_path / "split"), data, **unpadded)
+    parts = split_trainer(trainer, str(tmp_path / "cache"))
+    trainer.train()
+    assert logged_losses(trainer) == logged_losses(unsplit)
+    assert len(logged_losses(trainer)) == 32
+    assert _same_weights(trainer, unsplit)
+    assert len(parts.groups.groups) == 5
