@@ -44,6 +44,8 @@ class Probe:
 
     calls: dict[CallId, ProbedCall]
     result: Any
+    nested: set[tuple[str, str]] = field(default_factory=set)
+    """``(outer, inner)`` module paths: ``inner`` was called inside an outermost call of ``outer``."""
 
 
 def probe(
@@ -83,7 +85,7 @@ def probe(
             for (name, tensor), version in zip(seen.tensors.items(), seen.versions)
             if tensor._version != version
         ]
-    return Probe(calls, result)
+    return Probe(calls, result, router.nested)
 
 
 def _leaves(args: tuple, kwargs: dict) -> list[Any]:
