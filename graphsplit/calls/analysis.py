@@ -45,7 +45,7 @@ class Probe:
     calls: dict[CallId, ProbedCall]
     result: Any
     nested: set[tuple[str, str]] = field(default_factory=set)
-    """``(outer, inner)`` module paths: ``inner`` was called inside an outermost call of ``outer``."""
+    """``(outer, inner)``: ``inner`` was called inside an outermost call of ``outer``."""
 
 
 def probe(

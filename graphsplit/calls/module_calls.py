@@ -56,11 +56,20 @@ class CallRouter:
         self.order: list[CallId] = []
         self.outer = ""
         self.nested: set[tuple[str, str]] = set()
-        """``(outer, inner)``: a call of ``inner`` was made inside an outermost call of ``outer``."""
+        """``(outer, inner)``: ``inner`` was called inside an outermost call of ``outer``."""
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[CallRouter]:
         """Route the modules' calls inside the block; their own ``forward`` comes back after."""
+        saved = self.install()
+        try:
+            yield self
+        finally:
+            restore(saved)
+
+    def install(self) -> list[tuple[dict[str, Any], bool, Any]]:
+        """Route the modules' calls until :func:`restore` is given what this returns (stage 2
+        pairs the two in a ``try`` / ``finally``: a context manager costs a few µs a step)."""
         # The instance dict is written directly: for a plain function that is what
         # ``nn.Module.__setattr__`` ends in, after walking its parameter, buffer and module
         # dicts. The routes are installed per run, not once: a route left on the user's
@@ -74,13 +83,10 @@ class CallRouter:
                 had = "forward" in instance
                 saved.append((instance, had, instance.get("forward")))
                 instance["forward"] = self._routed(path, module, module.forward)
-            yield self
-        finally:
-            for instance, had, previous in reversed(saved):
-                if had:
-                    instance["forward"] = previous
-                else:
-                    instance.pop("forward", None)
+        except BaseException:
+            restore(saved)
+            raise
+        return saved
 
     def _routed(self, path: str, module: nn.Module, forward: Callable[..., Any]) -> Any:
         def routed(*args: Any, **kwargs: Any) -> Any:
@@ -99,6 +105,15 @@ class CallRouter:
                 self.depth -= 1
 
         return routed
+
+
+def restore(saved: list[tuple[dict[str, Any], bool, Any]]) -> None:
+    """Give the modules :meth:`CallRouter.install` routed their own ``forward`` back."""
+    for instance, had, previous in reversed(saved):
+        if had:
+            instance["forward"] = previous
+        else:
+            instance.pop("forward", None)
 
 
 def needed_routes(

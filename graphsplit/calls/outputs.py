@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from graphsplit.calls.model_outputs import build, is_model_output
+
 SINGLE = "out"
 """The field name of an output that is one tensor."""
 
@@ -80,13 +82,9 @@ def rebuild(structure: Structure, tensors: Mapping[str, torch.Tensor], prefix: s
             for key, child in zip(structure.keys, structure.children)
         }
         container = structure.container or dict
-        return container(**items) if _is_model_output(container) else container(items)
+        return build(container, items) if is_model_output(container) else container(items)
     items = [
         rebuild(child, tensors, _join(prefix, index))
         for index, child in enumerate(structure.children)
     ]
     return items if structure.kind == "list" else tuple(items)
-
-
-def _is_model_output(container: type) -> bool:
-    return any(base.__name__ == "ModelOutput" for base in container.__mro__)

@@ -22,7 +22,7 @@ from torch import nn
 from graphsplit.calls import generators
 from graphsplit.calls.call_plan import CallPlan
 from graphsplit.calls.holders import answering
-from graphsplit.calls.module_calls import CallRouter
+from graphsplit.calls.module_calls import CallRouter, restore
 from graphsplit.calls.outputs import flatten
 from graphsplit.errors import Fix, SplitError, user_error
 
@@ -159,6 +159,8 @@ class CallStage2(nn.Module):
             if spec.name in batch or spec.kind == "constant"
         }
         args, kwargs = plan.call_arguments(values)
-        router = CallRouter(self._routed, answering(plan, batch))
-        with router.installed():
+        saved = CallRouter(self._routed, answering(plan, batch)).install()
+        try:
             return self._step(*args, **kwargs)
+        finally:
+            restore(saved)
