@@ -28,6 +28,7 @@ bench_safe_items = "benchmarks.bench_safe_items"
 bench_dpo_reference = "benchmarks.bench_dpo_reference"
 bench_signatures = "benchmarks.bench_signatures"
 bench_calls_overhead = "benchmarks.bench_calls_overhead"
+bench_cache_overlap = "benchmarks.bench_cache_overlap"
 
 
 def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
@@ -50,6 +51,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
             ("a new shape signature", bench_signatures,
              ["--cases", "branch", "flux", "wan", "--rounds", "5", *target]),
             ("module-level path", bench_calls_overhead, ["--rounds", "40", *target]),
+            ("cache() against stage 1", bench_cache_overlap, ["--rounds", "9", *target]),
         ]  # fmt: skip
     return [
         ("step time", bench_step_time, ["--quick", *target]),
@@ -65,6 +67,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
         ("DPO reference log-probs", bench_dpo_reference, ["--quick", *target]),
         ("a new shape signature", bench_signatures, ["--quick", *target]),
         ("module-level path", bench_calls_overhead, ["--quick", *target]),
+        ("cache() against stage 1", bench_cache_overlap, ["--quick", *target]),
     ]
 
 
