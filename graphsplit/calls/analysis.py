@@ -43,6 +43,7 @@ class ProbedCall:
     parts: dict[str, tuple[Structure | None, NotATensor | None]] | None = None
     """A ``ModelOutput``'s fields, each flattened alone (None for any other output)."""
     reads: Reads = field(default_factory=Reads)
+    watched: bool = False  # its reads were recorded (only an output not cacheable whole)
     output_type: type | None = None
 
 
@@ -62,6 +63,7 @@ def probe(
     kwargs: dict[str, Any],
     modules: dict[str, nn.Module],
     seed: int,
+    batch_size: int = 1,
 ) -> Probe:
     """Run ``step`` from ``seed`` (every generator) with the frozen modules' calls recorded."""
     calls: dict[CallId, ProbedCall] = {}
@@ -91,7 +93,9 @@ def probe(
                         seen.tensors.update(tensors)
                 except NotATensor as error:
                     seen.parts[key] = (None, error)
-            watched.append((output, watch(output, seen.reads)))
+            if not _whole_cacheable(seen, batch_size):  # else its class stays the user's
+                seen.watched = True
+                watched.append((output, watch(output, seen.reads)))
         seen.versions = [t._version for t in seen.tensors.values()]
         calls[call] = seen
         return output
@@ -193,6 +197,8 @@ def _narrow(call: CallId, probes: list[Probe | None], batch_size: int) -> None:
     if seen.parts is None or _whole_cacheable(seen, batch_size):
         return
     views = [p.calls[call] for p in probes if p is not None and call in p.calls]
+    if any(view.parts is not None and not view.watched for view in views):
+        return  # a run whose reads were not recorded: nothing proves the field reads
     reads = Reads()
     for view in views:
         reads.merge(view.reads)

@@ -61,13 +61,13 @@ def split_calls(
     batch_size = _batch_size(values)
     try:
         with _grad_flags(named, trainable):
-            first = probe(module, step.args, step.kwargs, routed, SEEDS[0])
-            second = probe(module, step.args, step.kwargs, routed, SEEDS[1])
+            first = probe(module, step.args, step.kwargs, routed, SEEDS[0], batch_size)
+            second = probe(module, step.args, step.kwargs, routed, SEEDS[1], batch_size)
             alone = None
             if batch_size > 1:
                 one = _last_sample(signature, values, batch_size)
                 try:
-                    alone = probe(module, *one, routed, SEEDS[0])
+                    alone = probe(module, *one, routed, SEEDS[0], 1)
                 except Exception:  # the step needs several samples: mixing is not disproved
                     alone = Probe({}, None)
     except GraphsplitError:

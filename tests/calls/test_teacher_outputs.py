@@ -121,3 +121,29 @@ def test_stage2s_answer_refuses_a_field_the_plan_left_out():
     message = str(caught.value)
     assert "reads .loss of teacher call 0's output" in message
     assert "left out" in message and "fix:" in message
+
+
+class Plain(nn.Module):
+    """The teacher called without labels or a cache: its output is cacheable whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.teacher = tiny_llama(1, 16).eval().requires_grad_(False)
+        self.head = nn.Linear(VOCAB, 1)
+        self.seen: list[type] = []
+
+    def forward(self, input_ids):
+        out = self.teacher(input_ids=input_ids, use_cache=False)
+        self.seen.append(type(out))
+        return self.head(out[0]).sum()
+
+
+def test_an_output_cacheable_whole_keeps_its_class_and_is_cached_whole():
+    step = Plain()
+    input_ids = _batch(2)["input_ids"]
+    split = graphsplit.split(step, (input_ids,), path="calls")
+    assert split.plan.cached[("teacher", 0)].structure.left_out == ()
+    assert {t.__name__ for t in step.seen} == {"CausalLMOutputWithPast"}
+    assert all(t is type(step.teacher(input_ids=input_ids[:1], use_cache=False)) for t in step.seen)
+    want = step(input_ids)
+    assert torch.equal(split.stage2(**split.stage1(input_ids)), want)
