@@ -16,10 +16,10 @@ For each case, one step split twice, ``path="calls"`` and ``path="trace"``:
   folder counted.
 
 Cases: ``sd`` (the zoo's SD-1.5 LoRA step: frozen VAE and CLIP text encoder, a LoRA UNet),
-``kd`` (knowledge distillation: a frozen Llama teacher called with the labels too, a trainable
-Llama student, the loss half cross-entropy half KL; the teacher is called without labels and
-with ``use_cache=False``, since the module-level path refuses a call with any output it cannot
-cache per sample: the scalar ``.loss`` that labels add, the ``DynamicCache`` of eval mode).
+``kd`` (knowledge distillation: a frozen Llama teacher called with the labels too, as the
+trainer example calls it, a trainable Llama student, the loss half cross-entropy half KL; the
+module-level path caches the teacher's ``.logits``, which the step reads, and leaves out its
+scalar ``.loss`` and its ``DynamicCache``).
 ``--size`` picks the zoo size of both.
 
     python -m benchmarks.bench_calls_overhead --help
@@ -124,11 +124,10 @@ def _kd_step(hidden: int) -> Any:
 
         def forward(self, input_ids: Any, attention_mask: Any, labels: Any) -> Any:
             with torch.no_grad():
-                # Without labels and with use_cache=False: the module-level path refuses a
-                # call with any output it cannot cache per sample, and the teacher's scalar
-                # .loss (labels given) and its DynamicCache (eval mode's default) are such.
+                # As the trainer example calls it: labels given (a scalar .loss) and the
+                # cache on (a DynamicCache); the module-level path caches the .logits read.
                 teacher_logits = self.teacher(
-                    input_ids=input_ids, attention_mask=attention_mask, use_cache=False
+                    input_ids=input_ids, attention_mask=attention_mask, labels=labels
                 ).logits
             student = self.student(
                 input_ids=input_ids, attention_mask=attention_mask, labels=labels

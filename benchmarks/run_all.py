@@ -29,6 +29,7 @@ bench_dpo_reference = "benchmarks.bench_dpo_reference"
 bench_signatures = "benchmarks.bench_signatures"
 bench_calls_overhead = "benchmarks.bench_calls_overhead"
 bench_trainer_live = "benchmarks.bench_trainer_live"
+bench_cache_overlap = "benchmarks.bench_cache_overlap"
 
 
 def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
@@ -52,6 +53,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
              ["--cases", "branch", "flux", "wan", "--rounds", "5", *target]),
             ("module-level path", bench_calls_overhead, ["--rounds", "40", *target]),
             ("Trainer, cache while training", bench_trainer_live, ["--rounds", "10", *target]),
+            ("cache() against stage 1", bench_cache_overlap, ["--rounds", "9", *target]),
         ]  # fmt: skip
     return [
         ("step time", bench_step_time, ["--quick", *target]),
@@ -68,6 +70,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
         ("a new shape signature", bench_signatures, ["--quick", *target]),
         ("module-level path", bench_calls_overhead, ["--quick", *target]),
         ("Trainer, cache while training", bench_trainer_live, ["--quick", *target]),
+        ("cache() against stage 1", bench_cache_overlap, ["--quick", *target]),
     ]
 
 

@@ -9,6 +9,8 @@ and, at the end of the run, whether the step mutated those outputs in place.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +18,8 @@ import torch
 from torch import nn
 
 from graphsplit.calls import generators
+from graphsplit.calls.field_reads import Reads, field_names, unwatch, watch
+from graphsplit.calls.model_outputs import is_model_output
 from graphsplit.calls.module_calls import CallId, CallRouter
 from graphsplit.calls.outputs import NotATensor, Structure, flatten
 from graphsplit.calls.provenance import CallInputs, carries_grad
@@ -36,6 +40,11 @@ class ProbedCall:
     not_a_tensor: NotATensor | None = None
     versions: list[int] = field(default_factory=list)
     mutated_later: list[str] = field(default_factory=list)
+    parts: dict[str, tuple[Structure | None, NotATensor | None]] | None = None
+    """A ``ModelOutput``'s fields, each flattened alone (None for any other output)."""
+    reads: Reads = field(default_factory=Reads)
+    watched: bool = False  # its reads were recorded (only an output not cacheable whole)
+    output_type: type | None = None
 
 
 @dataclass
@@ -44,6 +53,8 @@ class Probe:
 
     calls: dict[CallId, ProbedCall]
     result: Any
+    nested: set[tuple[str, str]] = field(default_factory=set)
+    """``(outer, inner)``: ``inner`` was called inside an outermost call of ``outer``."""
 
 
 def probe(
@@ -52,6 +63,7 @@ def probe(
     kwargs: dict[str, Any],
     modules: dict[str, nn.Module],
     seed: int,
+    batch_size: int = 1,
 ) -> Probe:
     """Run ``step`` from ``seed`` (every generator) with the frozen modules' calls recorded."""
     calls: dict[CallId, ProbedCall] = {}
@@ -68,22 +80,41 @@ def probe(
         seen = ProbedCall(call, inputs, carries_grad(live), draws, mutates, None)
         try:
             seen.structure, seen.tensors = flatten(output)
-            seen.versions = [t._version for t in seen.tensors.values()]
         except NotATensor as error:
             seen.not_a_tensor = error
+        if isinstance(output, Mapping) and is_model_output(type(output)):
+            seen.parts = {}
+            seen.output_type = type(output)
+            for key in list(output):
+                try:
+                    part, tensors = flatten(output[key], key)
+                    seen.parts[key] = (part, None)
+                    if seen.not_a_tensor is not None:
+                        seen.tensors.update(tensors)
+                except NotATensor as error:
+                    seen.parts[key] = (None, error)
+            if not _whole_cacheable(seen, batch_size):  # else its class stays the user's
+                seen.watched = True
+                watched.append((output, watch(output, seen.reads)))
+        seen.versions = [t._version for t in seen.tensors.values()]
         calls[call] = seen
         return output
 
+    watched: list[tuple[Any, type]] = []
     router = CallRouter(modules, record)
-    with generators.seeded(seed), torch.enable_grad(), router.installed():
-        result = step(*args, **kwargs)
+    try:
+        with generators.seeded(seed), torch.enable_grad(), router.installed():
+            result = step(*args, **kwargs)
+    finally:
+        for output, original in watched:
+            unwatch(output, original)
     for seen in calls.values():
         seen.mutated_later = [
             name
             for (name, tensor), version in zip(seen.tensors.items(), seen.versions)
             if tensor._version != version
         ]
-    return Probe(calls, result)
+    return Probe(calls, result, router.nested)
 
 
 def _leaves(args: tuple, kwargs: dict) -> list[Any]:
@@ -106,6 +137,7 @@ def judge(
     """
     verdicts = []
     for call, seen in first.calls.items():
+        _narrow(call, [first, second, alone], batch_size)
         verdict = _judge(seen, second.calls.get(call), batch_size)
         if verdict.cached:
             other = None if alone is None else alone.calls.get(call)
@@ -148,15 +180,80 @@ def _mixed_fields(seen: ProbedCall, alone: ProbedCall | None) -> str | None:
     return ", ".join(differing) if differing else None
 
 
+def _whole_cacheable(seen: ProbedCall, batch_size: int) -> bool:
+    if seen.not_a_tensor is not None:
+        return False
+    if not is_batched(seen.inputs.tensors(), batch_size):
+        return True
+    return all(batch_dim(t, batch_size) is not None for t in seen.tensors.values())
+
+
+def _narrow(call: CallId, probes: list[Probe | None], batch_size: int) -> None:
+    """A ``ModelOutput`` the cache cannot hold whole, read by the step only field by field
+    (in every probe): each probe's view of the call narrowed to the fields read, the others
+    left out (stage 2's stand-in raises on them). Not read by name alone: left as it is, and
+    the verdict says what read it whole."""
+    seen = probes[0].calls[call]  # type: ignore[union-attr]
+    if seen.parts is None or _whole_cacheable(seen, batch_size):
+        return
+    views = [p.calls[call] for p in probes if p is not None and call in p.calls]
+    if any(view.parts is not None and not view.watched for view in views):
+        return  # a run whose reads were not recorded: nothing proves the field reads
+    reads = Reads()
+    for view in views:
+        reads.merge(view.reads)
+    if reads.whole is not None:
+        seen.reads.whole = reads.whole
+        return
+    names = field_names(type_of(seen))
+    needed = [name for name in sorted(names, key=_order(type_of(seen))) if name in reads.fields]
+    for view in views:
+        if view.parts is None:
+            continue
+        left_out = tuple(key for key in view.parts if key not in reads.fields)
+        bad = [view.parts[key][1] for key in needed if key in view.parts and view.parts[key][1]]
+        if bad:
+            view.not_a_tensor = bad[0]
+            continue
+        children = tuple(
+            view.parts[key][0] if key in view.parts else Structure("none")  # type: ignore[misc]
+            for key in needed
+        )
+        view.structure = Structure("mapping", view.output_type, tuple(needed), children, left_out)
+        kept = {
+            name: tensor
+            for name, tensor in view.tensors.items()
+            if any(name == key or name.startswith(key + "__") for key in needed)
+        }
+        view.mutated_later = [name for name in view.mutated_later if name in kept]
+        view.tensors = kept
+        view.not_a_tensor = None
+
+
+def type_of(seen: ProbedCall) -> type:
+    return seen.output_type  # type: ignore[return-value]
+
+
+def _order(container: type) -> Any:
+    order = {f.name: i for i, f in enumerate(dataclasses.fields(container))}
+    return lambda name: order[name]
+
+
 def _judge(seen: ProbedCall, other: ProbedCall | None, batch_size: int) -> CallVerdict:
     path, index = seen.call
 
     def verdict(kind: Verdict, detail: str = "") -> CallVerdict:
         return CallVerdict(path, index, kind, detail)
 
+    whole = (
+        f"; the step reads the output as a whole ({seen.reads.whole}), so no field of it can "
+        "be left out"
+        if seen.reads.whole
+        else ""
+    )
     if seen.not_a_tensor is not None:
         error = seen.not_a_tensor
-        return verdict(Verdict.NON_TENSOR, f"{error.where} is a {error.type_name}")
+        return verdict(Verdict.NON_TENSOR, f"{error.where} is a {error.type_name}{whole}")
     if seen.trainable_input:
         return verdict(Verdict.TRAINABLE_INPUT)
     if other is None:
@@ -174,7 +271,7 @@ def _judge(seen: ProbedCall, other: ProbedCall | None, batch_size: int) -> CallV
     if is_batched(seen.inputs.tensors(), batch_size):
         unbatched = [name for name, t in seen.tensors.items() if batch_dim(t, batch_size) is None]
         if unbatched:
-            return verdict(Verdict.NOT_PER_SAMPLE, ", ".join(unbatched))
+            return verdict(Verdict.NOT_PER_SAMPLE, ", ".join(unbatched) + whole)
     return verdict(Verdict.CACHED)
 
 

@@ -10,6 +10,7 @@ any other value (a string, a flag) is a constant of the plan, checked equal on e
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -101,12 +102,22 @@ class CallPlan:
         """The cached call stage 1 stops after (the last in the step's order)."""
         return next(reversed(self.cached), None) if self.cached else None
 
+    @functools.cached_property
+    def _by_name(self) -> bool:
+        """Whether every parameter can be passed by name (no ``*args``, ``**kwargs`` or
+        positional-only one): then the step is called with ``**values`` (what
+        ``BoundArguments`` would give, without its cost on every stage-2 step)."""
+        nameable = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return all(p.kind in nameable for p in self.signature.parameters.values())
+
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The step's inputs by name, for a batch given as the step takes it."""
         return dict(self.signature.bind(*args, **kwargs).arguments)
 
     def call_arguments(self, values: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` to call the step with its inputs by name."""
+        if self._by_name:
+            return (), values
         bound = inspect.BoundArguments(self.signature, values)  # type: ignore[arg-type]
         return bound.args, bound.kwargs
 

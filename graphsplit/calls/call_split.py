@@ -18,7 +18,7 @@ from graphsplit.artifacts import BoundarySpec
 from graphsplit.calls.analysis import Probe, batch_dim, is_batched, judge, probe
 from graphsplit.calls.call_plan import CallPlan, cached_call, input_spec
 from graphsplit.calls.call_report import CallSplit
-from graphsplit.calls.module_calls import frozen_modules
+from graphsplit.calls.module_calls import frozen_modules, needed_routes
 from graphsplit.calls.stages import CallStage1, CallStage2
 from graphsplit.errors import Fix, GraphsplitError, SplitError, user_error
 from graphsplit.planning.step.callables import as_step_module
@@ -61,13 +61,13 @@ def split_calls(
     batch_size = _batch_size(values)
     try:
         with _grad_flags(named, trainable):
-            first = probe(module, step.args, step.kwargs, routed, SEEDS[0])
-            second = probe(module, step.args, step.kwargs, routed, SEEDS[1])
+            first = probe(module, step.args, step.kwargs, routed, SEEDS[0], batch_size)
+            second = probe(module, step.args, step.kwargs, routed, SEEDS[1], batch_size)
             alone = None
             if batch_size > 1:
                 one = _last_sample(signature, values, batch_size)
                 try:
-                    alone = probe(module, *one, routed, SEEDS[0])
+                    alone = probe(module, *one, routed, SEEDS[0], 1)
                 except Exception:  # the step needs several samples: mixing is not disproved
                     alone = Probe({}, None)
     except GraphsplitError:
@@ -112,6 +112,8 @@ def split_calls(
             tensor = seen.tensors[field]
             dim = batch_dim(tensor, batch_size) if per_sample else None
             boundary[key] = _spec(key, tensor, dim, f"{call[0]} call {call[1]}: {field}")
+    nested = first.nested | second.nested | (alone.nested if alone is not None else set())
+    routes = needed_routes(module, routed, {call[0] for call in cached}, nested)
     plan = CallPlan(
         signature=signature,
         inputs=inputs,
@@ -121,8 +123,8 @@ def split_calls(
         boundary=boundary,
     )
     return CallSplit(
-        stage1=CallStage1(module, plan, routed),
-        stage2=CallStage2(module, plan, routed),
+        stage1=CallStage1(module, plan, routes),
+        stage2=CallStage2(module, plan, routes),
         boundary=boundary,
         input_names=tuple(values),
         trainable=trainable,

@@ -34,6 +34,6 @@ def answering(plan: CallPlan, cached: Mapping[str, torch.Tensor]) -> Handler:
                 )
             return forward(*args, **kwargs)
         fields = {field: cached[key] for field, key in planned.keys.items()}
-        return rebuild(planned.structure, fields)
+        return rebuild(planned.structure, fields, label=f"{call[0]} call {call[1]}")
 
     return handle

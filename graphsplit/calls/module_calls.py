@@ -54,14 +54,28 @@ class CallRouter:
         self.counts: dict[str, int] = {}
         self.depth = 0
         self.order: list[CallId] = []
+        self.outer = ""
+        self.nested: set[tuple[str, str]] = set()
+        """``(outer, inner)``: ``inner`` was called inside an outermost call of ``outer``."""
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[CallRouter]:
         """Route the modules' calls inside the block; their own ``forward`` comes back after."""
+        saved = self.install()
+        try:
+            yield self
+        finally:
+            restore(saved)
+
+    def install(self) -> list[tuple[dict[str, Any], bool, Any]]:
+        """Route the modules' calls until :func:`restore` is given what this returns (stage 2
+        pairs the two in a ``try`` / ``finally``: a context manager costs a few µs a step)."""
         # The instance dict is written directly: for a plain function that is what
         # ``nn.Module.__setattr__`` ends in, after walking its parameter, buffer and module
-        # dicts, and stage 2 installs every frozen module's route on every step (276 modules
-        # on the tiny SD step: 0.54 ms through ``__setattr__``).
+        # dicts. The routes are installed per run, not once: a route left on the user's
+        # modules between steps would go with them into ``copy.deepcopy`` / pickling (a
+        # deep copy's routes still calling the original's forward) and be what the user
+        # sees of their model outside a step.
         saved: list[tuple[dict[str, Any], bool, Any]] = []
         try:
             for path, module in self.modules.items():
@@ -69,22 +83,21 @@ class CallRouter:
                 had = "forward" in instance
                 saved.append((instance, had, instance.get("forward")))
                 instance["forward"] = self._routed(path, module, module.forward)
-            yield self
-        finally:
-            for instance, had, previous in reversed(saved):
-                if had:
-                    instance["forward"] = previous
-                else:
-                    instance.pop("forward", None)
+        except BaseException:
+            restore(saved)
+            raise
+        return saved
 
     def _routed(self, path: str, module: nn.Module, forward: Callable[..., Any]) -> Any:
         def routed(*args: Any, **kwargs: Any) -> Any:
             if self.depth:
+                self.nested.add((self.outer, path))
                 return forward(*args, **kwargs)
             index = self.counts.get(path, 0)
             self.counts[path] = index + 1
             call = (path, index)
             self.order.append(call)
+            self.outer = path
             self.depth += 1
             try:
                 return self.handler(call, module, forward, args, kwargs)
@@ -92,3 +105,43 @@ class CallRouter:
                 self.depth -= 1
 
         return routed
+
+
+def restore(saved: list[tuple[dict[str, Any], bool, Any]]) -> None:
+    """Give the modules :meth:`CallRouter.install` routed their own ``forward`` back."""
+    for instance, had, previous in reversed(saved):
+        if had:
+            instance["forward"] = previous
+        else:
+            instance.pop("forward", None)
+
+
+def needed_routes(
+    model: nn.Module,
+    frozen: dict[str, nn.Module],
+    cached: set[str],
+    nested: set[tuple[str, str]],
+) -> dict[str, nn.Module]:
+    """The frozen modules a stage routes: the modules of ``cached`` calls, and every frozen
+    module whose call can hold one of their calls, so that the stage counts exactly the
+    outermost calls the probe (every frozen module routed) counted.
+
+    A call of a cached module ``m`` is outermost when no frozen module's call is running. A
+    frozen module whose call runs around ``m``'s is either above ``m`` (under any of the paths
+    ``m`` is registered at) or called ``m`` without holding it (a module kept in a plain
+    attribute or a closure): the probe saw those in ``nested``. Routing them too keeps
+    ``m``'s inner calls uncounted; every other frozen module runs without a route.
+    """
+    paths_of: dict[int, list[str]] = {}
+    for path, module in model.named_modules(remove_duplicate=False):
+        paths_of.setdefault(id(module), []).append(path)
+    keep = set(cached)
+    for path in cached:
+        for alias in paths_of.get(id(frozen[path]), [path]):
+            parts = alias.split(".")
+            for end in range(1, len(parts)):
+                above = ".".join(parts[:end])
+                if above in frozen:
+                    keep.add(above)
+    keep |= {outer for outer, inner in nested if inner in cached}
+    return {path: module for path, module in frozen.items() if path in keep}

@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+from graphsplit.calls.field_reads import guarded
+from graphsplit.calls.model_outputs import build, is_model_output
+
 SINGLE = "out"
 """The field name of an output that is one tensor."""
 
@@ -37,6 +40,7 @@ class Structure:
     container: type | None = None
     keys: tuple[Any, ...] = ()
     children: tuple[Structure, ...] = ()
+    left_out: tuple[str, ...] = ()  # a ModelOutput's fields the step does not read, not cached
 
 
 def _join(prefix: str, key: Any) -> str:
@@ -68,8 +72,22 @@ def flatten(value: Any, prefix: str = "") -> tuple[Structure, dict[str, torch.Te
     raise NotATensor(prefix, value)
 
 
-def rebuild(structure: Structure, tensors: Mapping[str, torch.Tensor], prefix: str = "") -> Any:
-    """The output :func:`flatten` took apart, its tensors taken from ``tensors``."""
+def tensors_of(value: Any, structure: Structure) -> dict[str, torch.Tensor]:
+    """The tensors of ``value`` that ``structure`` holds (only its kept fields, when some of a
+    ``ModelOutput``'s are left out)."""
+    if not structure.left_out:
+        return flatten(value)[1]
+    tensors: dict[str, torch.Tensor] = {}
+    for key in structure.keys:
+        tensors.update(flatten(getattr(value, key), key)[1])
+    return tensors
+
+
+def rebuild(
+    structure: Structure, tensors: Mapping[str, torch.Tensor], prefix: str = "", label: str = ""
+) -> Any:
+    """The output :func:`flatten` took apart, its tensors taken from ``tensors``; ``label``
+    names the call in the error a left-out field's read raises."""
     if structure.kind == "tensor":
         return tensors[prefix or SINGLE]
     if structure.kind == "none":
@@ -80,13 +98,14 @@ def rebuild(structure: Structure, tensors: Mapping[str, torch.Tensor], prefix: s
             for key, child in zip(structure.keys, structure.children)
         }
         container = structure.container or dict
-        return container(**items) if _is_model_output(container) else container(items)
+        if not is_model_output(container):
+            return container(items)
+        made = build(container, items)
+        if structure.left_out:
+            made = guarded(made, structure.keys, structure.left_out, label)
+        return made
     items = [
         rebuild(child, tensors, _join(prefix, index))
         for index, child in enumerate(structure.children)
     ]
     return items if structure.kind == "list" else tuple(items)
-
-
-def _is_model_output(container: type) -> bool:
-    return any(base.__name__ == "ModelOutput" for base in container.__mro__)

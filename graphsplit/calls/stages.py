@@ -22,8 +22,8 @@ from torch import nn
 from graphsplit.calls import generators
 from graphsplit.calls.call_plan import CallPlan
 from graphsplit.calls.holders import answering
-from graphsplit.calls.module_calls import CallRouter
-from graphsplit.calls.outputs import flatten
+from graphsplit.calls.module_calls import CallRouter, restore
+from graphsplit.calls.outputs import tensors_of
 from graphsplit.errors import Fix, SplitError, user_error
 
 
@@ -108,7 +108,7 @@ class CallStage1(nn.Module):
             output = forward(*a, **kw)
             planned = plan.cached.get(call)
             if planned is not None:
-                _, tensors = flatten(output)
+                tensors = tensors_of(output, planned.structure)
                 for field, key in planned.keys.items():
                     outputs[key] = tensors[field]
                 if call == last:
@@ -159,6 +159,8 @@ class CallStage2(nn.Module):
             if spec.name in batch or spec.kind == "constant"
         }
         args, kwargs = plan.call_arguments(values)
-        router = CallRouter(self._routed, answering(plan, batch))
-        with router.installed():
+        saved = CallRouter(self._routed, answering(plan, batch)).install()
+        try:
             return self._step(*args, **kwargs)
+        finally:
+            restore(saved)
