@@ -69,6 +69,29 @@ NOT_RUN: dict[str, str] = {
     "python -m benchmarks.bench_plan_scale --cases sdxl flux flux_diffusers_ids --rounds 3 "
     "--baseline ba75bc5 --out benchmarks/results": _measurement("minutes (SDXL and Flux sizes)"),
     "python -m benchmarks.bench_dpo_reference --out benchmarks/results": _measurement("90 s"),
+    "python -m benchmarks.bench_split_scale --sizes 10000 --rounds 3 --baseline HEAD --out "
+    "benchmarks/results": _measurement("70 s, twice with its baseline worktree"),
+    "python -m benchmarks.bench_plan_scale --cases sdxl flux --rounds 3 --baseline 7461967 --out "
+    "benchmarks/results": _measurement("minutes (SDXL and Flux sizes, with a baseline worktree)"),
+    "python -m benchmarks.bench_plan_scale --cases sdxl --rounds 5 --baseline 7461967 --out "
+    "benchmarks/results": _measurement("minutes (SDXL size, with a baseline worktree)"),
+    "python -m benchmarks.bench_calls_overhead --rounds 40 --out benchmarks/results": _measurement(
+        "15 s"
+    ),
+    "python -m benchmarks.bench_calls_overhead --rounds 60 --out benchmarks/results": _measurement(
+        "25 s"
+    ),
+    "python -m benchmarks.bench_calls_overhead --cases kd --rounds 300 --out benchmarks/results": (
+        _measurement("12 s")
+    ),
+    "python -m benchmarks.bench_cache_overlap --rounds 15 --out benchmarks/results": _measurement(
+        "80 s"
+    ),
+    "python -m benchmarks.bench_trainer_live --out benchmarks/results": _measurement("minutes"),
+    "python -m benchmarks.bench_trainer_live --samples 256 --teacher 512 --out "
+    "benchmarks/results/big": _measurement("minutes"),
+    "python -m benchmarks.bench_trainer_live --samples 128 --student 128 --teacher 1024 "
+    "--rounds 8 --out benchmarks/results/xl": _measurement("minutes"),
     "python -m benchmarks.gpu --out benchmarks/results": "needs a CUDA device (its --dry-run, "
     "on the line below, runs here)",
 }
