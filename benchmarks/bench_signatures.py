@@ -12,9 +12,9 @@ For each case, a step whose plan holds a size check, and batches of two signatur
   (:func:`benchmarks.bench_plan_scale.plan_digest`): what the planner reuses from the first
   plan must not change the plan.
 - where the new plan goes (``--profile``): one more new plan, made as above on a fresh split,
-  its node runs timed and each classed as met by the first plan (same function, same
-  argument metadata) or new to it (:mod:`benchmarks.signature_profile`); the share met is the
-  most that reusing the first plan's work could save.
+  its node runs timed and each classed as met by the first plan (same target, arguments of
+  the same shapes and values) or new to it (:mod:`benchmarks.signature_profile`); the share
+  met is the most that reusing the first plan's work could save.
 - bytes per sample: one ``cache()`` over the mixed loader (every signature in one folder, per
   row plan keys in the manifest) against one cache per signature (what the by-hand workflow
   kept), all files of the folders counted.
@@ -149,7 +149,7 @@ def measure(
     if profile:
         from benchmarks.signature_profile import new_plan_profile
 
-        where = new_plan_profile(graphsplit.split(step, kwargs=example), (), other)
+        where = new_plan_profile(step, example, other)
     by_shape = {
         shape: [make_batch(shape, 10 + i) for i in range(batches_per_shape)] for shape in shapes
     }
@@ -216,7 +216,8 @@ def to_markdown(results: list[dict[str, Any]]) -> str:
     profiled = [r for r in results if r.get("new_plan_profile")]
     if not profiled:
         return table
-    parts = ("met by the first plan", "new to this plan", "no key", "outside node runs")
+    from benchmarks.signature_profile import PARTS
+
     profile_rows = [
         [
             r["case"],
@@ -224,13 +225,13 @@ def to_markdown(results: list[dict[str, Any]]) -> str:
             *(
                 f"{r['new_plan_profile']['seconds'][part]:.3f} "
                 f"({r['new_plan_profile']['seconds'][part] / r['new_plan_profile']['plan_s']:.0%})"
-                for part in parts
+                for part in PARTS
             ),
         ]
         for r in profiled
     ]
-    header = ["case", "new plan, s", *(f"{part}, s" for part in parts)]
-    return table + "\n\n" + markdown_table(header, profile_rows, "lrrrrr")
+    header = ["case", "new plan, s", *(f"{part}, s" for part in PARTS)]
+    return table + "\n" + markdown_table(header, profile_rows, "lrrrr")
 
 
 def main(argv: list[str] | None = None) -> int:
