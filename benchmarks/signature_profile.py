@@ -34,7 +34,12 @@ from torch.utils._pytree import tree_flatten
 
 from graphsplit.planning.meta import meta_interpreter
 
+Batch = dict[str, Any] | tuple[Any, ...]
 PARTS = ("met by the first plan", "new to this plan", "outside node runs")
+
+
+def _as_call(batch: Batch) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return ((), dict(batch)) if isinstance(batch, dict) else (tuple(batch), {})
 
 
 def _described(interpreter: Any, node: Any) -> Any:
@@ -67,9 +72,10 @@ def _watching(on_run: Callable[[Any, Any, Callable[[], Any]], Any]) -> Callable[
     return undo
 
 
-def new_plan_profile(step: Any, example: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
+def new_plan_profile(step: Any, example: Batch, other: Batch) -> dict[str, Any]:
     """Split ``step`` on ``example`` (noting what each node run of its plan did), then make the
-    plan for ``other`` as the dispatcher makes it, timing each node run by part."""
+    plan for ``other`` as the dispatcher makes it, timing each node run by part. A batch is
+    the step's keyword arguments (a dict) or its positional ones (a tuple)."""
     import graphsplit
 
     met: set[Any] = set()
@@ -80,16 +86,18 @@ def new_plan_profile(step: Any, example: dict[str, Any], other: dict[str, Any]) 
 
     undo = _watching(noted)
     try:
-        split = graphsplit.split(step, kwargs=example)
+        split = graphsplit.split(step, *_as_call(example))
     finally:
         undo()
     seconds = dict.fromkeys(PARTS, 0.0)
     counts = dict.fromkeys(PARTS[:2], 0)
+    parts_of: dict[str, set[str]] = {}  # node target -> the parts its runs were classed in
     keying = [0.0]  # the profile's own descriptions: taken off the plan's time
 
     def timed(interpreter: Any, node: Any, run: Callable[[], Any]) -> Any:
         started = time.perf_counter()
         part = PARTS[0] if _described(interpreter, node) in met else PARTS[1]
+        parts_of.setdefault(str(node.target), set()).add(part)
         keying[0] += time.perf_counter() - started
         started = time.perf_counter()
         try:
@@ -101,7 +109,7 @@ def new_plan_profile(step: Any, example: dict[str, Any], other: dict[str, Any]) 
     undo = _watching(timed)
     try:
         started = time.perf_counter()
-        plan = split.plan_set._make_plan((), other)
+        plan = split.plan_set._make_plan(*_as_call(other))
         total = time.perf_counter() - started - keying[0]
     finally:
         undo()
@@ -111,5 +119,44 @@ def new_plan_profile(step: Any, example: dict[str, Any], other: dict[str, Any]) 
         "plan_key": plan.key,
         "seconds": seconds,
         "node_runs": counts,
+        "parts_by_target": {target: sorted(parts) for target, parts in parts_of.items()},
         "reuse_ceiling": seconds[PARTS[0]] / total,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.signature_profile CASE [--full-size] [--repeat N]``: print each
+    repeat's profile of a new plan (a fresh split each time) as one JSON line."""
+    import argparse
+    import json
+
+    from benchmarks.common import torch_threads
+
+    command = argparse.ArgumentParser(prog="python -m benchmarks.signature_profile")
+    command.add_argument(
+        "case",
+        help="a bench_signatures case, or with --full-size a "
+        "bench_plan_scale case that has a second shape (sdxl, flux, wan)",
+    )
+    command.add_argument("--full-size", action="store_true", help="the model on meta at full size")
+    command.add_argument("--repeat", type=int, default=3)
+    args = command.parse_args(argv)
+    if args.full_size:
+        from benchmarks import bench_plan_scale
+
+        step, example = bench_plan_scale.BUILDERS[args.case](1)
+        other = bench_plan_scale.RESHAPED[args.case](example)
+    else:
+        from benchmarks.bench_signatures import CASES
+
+        step, make_batch, shapes = CASES[args.case]()
+        example, other = make_batch(shapes[0], 0), make_batch(shapes[1], 1)
+    with torch_threads(1):
+        for _ in range(args.repeat):
+            row = new_plan_profile(step, example, other)
+            print(json.dumps({"case": args.case, **row}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
