@@ -11,6 +11,10 @@ For each case, a step whose plan holds a size check, and batches of two signatur
   digest is compared with that of a split made from the second batch alone
   (:func:`benchmarks.bench_plan_scale.plan_digest`): what the planner reuses from the first
   plan must not change the plan.
+- where the new plan goes (``--profile``): one more new plan, made as above on a fresh split,
+  its node runs timed and each classed as met by the first plan (same target, arguments of
+  the same shapes and values) or new to it (:mod:`benchmarks.signature_profile`); the share
+  met is the most that reusing the first plan's work could save.
 - bytes per sample: one ``cache()`` over the mixed loader (every signature in one folder, per
   row plan keys in the manifest) against one cache per signature (what the by-hand workflow
   kept), all files of the folders counted.
@@ -110,7 +114,9 @@ def _cache_bytes(split: Any, batches: list[Batch], folder: Path) -> int:
     return _folder_bytes(folder)
 
 
-def measure(case: str, rounds: int, batches_per_shape: int) -> dict[str, Any]:
+def measure(
+    case: str, rounds: int, batches_per_shape: int, *, profile: bool = False
+) -> dict[str, Any]:
     import graphsplit
     from benchmarks.bench_plan_scale import plan_digest
 
@@ -139,6 +145,11 @@ def measure(case: str, rounds: int, batches_per_shape: int) -> dict[str, Any]:
     # The plan the split's planner made anew is the one a split of that batch makes.
     alone = graphsplit.split(step, kwargs=other).plans[0]
     same_plan = plan_digest(new_plan) == plan_digest(alone)
+    where = None
+    if profile:
+        from benchmarks.signature_profile import new_plan_profile
+
+        where = new_plan_profile(step, example, other)
     by_shape = {
         shape: [make_batch(shape, 10 + i) for i in range(batches_per_shape)] for shape in shapes
     }
@@ -161,6 +172,7 @@ def measure(case: str, rounds: int, batches_per_shape: int) -> dict[str, Any]:
             for clock in ("wall", "cpu")
         },
         "same_plan_as_its_own_split": same_plan,
+        "new_plan_profile": where,
         "first_split_s": timings.spread("first split").to_json(),
         "new_signature_s": timings.spread("new signature").to_json(),
         "samples": samples,
@@ -200,18 +212,40 @@ def to_markdown(results: list[dict[str, Any]]) -> str:
         ]
         for r in results
     ]
-    return markdown_table(header, rows, "llrrrrlrr")
+    table = markdown_table(header, rows, "llrrrrlrr")
+    profiled = [r for r in results if r.get("new_plan_profile")]
+    if not profiled:
+        return table
+    from benchmarks.signature_profile import PARTS
+
+    profile_rows = [
+        [
+            r["case"],
+            f"{r['new_plan_profile']['plan_s']:.3f}",
+            *(
+                f"{r['new_plan_profile']['seconds'][part]:.3f} "
+                f"({r['new_plan_profile']['seconds'][part] / r['new_plan_profile']['plan_s']:.0%})"
+                for part in PARTS
+            ),
+        ]
+        for r in profiled
+    ]
+    header = ["case", "new plan, s", *(f"{part}, s" for part in PARTS)]
+    return table + "\n" + markdown_table(header, profile_rows, "lrrrr")
 
 
 def main(argv: list[str] | None = None) -> int:
     command = timing_options(parser("bench_signatures", __doc__), rounds=5)
     command.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["flux", "wan"])
     command.add_argument("--batches", type=int, default=4, help="cached batches per shape")
+    command.add_argument(
+        "--profile", action="store_true", help="where one more new plan goes, by node run"
+    )
     args = command.parse_args(argv)
     rounds, batches = (1, 1) if args.quick else (args.rounds, args.batches)
     cases = ["branch"] if args.quick else args.cases
     with torch_threads(args.threads) as threads:
-        results = [measure(case, rounds, batches) for case in cases]
+        results = [measure(case, rounds, batches, profile=args.profile) for case in cases]
     payload = report(
         "signatures",
         results,

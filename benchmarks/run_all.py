@@ -30,6 +30,7 @@ bench_signatures = "benchmarks.bench_signatures"
 bench_calls_overhead = "benchmarks.bench_calls_overhead"
 bench_trainer_live = "benchmarks.bench_trainer_live"
 bench_cache_overlap = "benchmarks.bench_cache_overlap"
+bench_dispatch = "benchmarks.bench_dispatch"
 
 
 def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
@@ -54,6 +55,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
             ("module-level path", bench_calls_overhead, ["--rounds", "40", *target]),
             ("Trainer, cache while training", bench_trainer_live, ["--rounds", "10", *target]),
             ("cache() against stage 1", bench_cache_overlap, ["--rounds", "9", *target]),
+            ("stage-2 dispatch", bench_dispatch, ["--rounds", "15", *target]),
         ]  # fmt: skip
     return [
         ("step time", bench_step_time, ["--quick", *target]),
@@ -71,6 +73,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
         ("module-level path", bench_calls_overhead, ["--quick", *target]),
         ("Trainer, cache while training", bench_trainer_live, ["--quick", *target]),
         ("cache() against stage 1", bench_cache_overlap, ["--quick", *target]),
+        ("stage-2 dispatch", bench_dispatch, ["--quick", *target]),
     ]
 
 
