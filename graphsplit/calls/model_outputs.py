@@ -41,28 +41,29 @@ def build(container: type, items: dict[str, Any]) -> Any:
     return _filled(container, names, items)
 
 
-def maker(container: type, given: tuple[str, ...]) -> Callable[[tuple[Any, ...]], Any]:
-    """``make(values)`` is ``build(container, dict(zip(given, values)))`` for tensor ``values``
-    (stage 2 makes one maker per cached call, once: the fields it gives never change).
+def maker(container: type, given: tuple[str, ...]) -> list[Callable[[tuple[Any, ...]], Any]]:
+    """A one-item list whose function makes ``build(container, dict(zip(given, values)))``
+    for tensor ``values`` (stage 2 makes one per cached call, once: the fields it gives never
+    change; the caller calls ``made[0](values)``, so that the function can be swapped).
 
     The first call goes through :func:`build` (checked against the constructor as always);
-    when that check passed, every later call fills the object without :func:`build`'s
-    per-call lookups: the attributes from a template of every field set to None, then the
-    given fields, attribute and item, in field order (what :func:`_filled` does).
+    when that check passed, the item becomes a filler that skips :func:`build`'s per-call
+    lookups: the attributes from a template of every field set to None, then the given
+    fields, attribute and item, in field order (what :func:`_filled` does).
     """
-    state: list[Callable[[tuple[Any, ...]], Any] | None] = [None]
+    made: list[Callable[[tuple[Any, ...]], Any]] = []
 
-    def make(values: tuple[Any, ...]) -> Any:
-        fill = state[0]
-        if fill is not None:
-            return fill(values)
-        made = build(container, dict(zip(given, values)))
+    def first(values: tuple[Any, ...]) -> Any:
+        output = build(container, dict(zip(given, values)))
         names = _CHECKED.get(container)
         if names is not None and given and all(name in names for name in given):
-            state[0] = _filler(container, names, given)
-        return made
+            made[0] = _filler(container, names, given)
+        else:
+            made[0] = lambda values: build(container, dict(zip(given, values)))
+        return output
 
-    return make
+    made.append(first)
+    return made
 
 
 def _filler(

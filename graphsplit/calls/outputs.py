@@ -150,14 +150,27 @@ def _model_output_answer(structure: Structure, keys: Mapping[str, str], label: s
         return None
     boundary = tuple(keys[field] for field in given)
     make = maker(container, given)
-    if not structure.left_out:
-        return lambda cached: make(tuple(cached[key] for key in boundary))
-    guard = guard_class(container, structure.keys, structure.left_out, label)
+    guard = (
+        guard_class(container, structure.keys, structure.left_out, label)
+        if structure.left_out
+        else None
+    )
     set_class = object.__setattr__  # what ``guarded`` does, its class found once
+    if len(boundary) == 1:  # one field (a teacher's logits): no generator per step
+        (key,) = boundary
+
+        def answer_one(cached: Mapping[str, torch.Tensor]) -> Any:
+            made = make[0]((cached[key],))
+            if guard is not None:
+                set_class(made, "__class__", guard)
+            return made
+
+        return answer_one
 
     def answer(cached: Mapping[str, torch.Tensor]) -> Any:
-        made = make(tuple(cached[key] for key in boundary))
-        set_class(made, "__class__", guard)
+        made = make[0](tuple([cached[key] for key in boundary]))
+        if guard is not None:
+            set_class(made, "__class__", guard)
         return made
 
     return answer

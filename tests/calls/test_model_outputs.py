@@ -85,7 +85,7 @@ def test_a_maker_makes_what_the_constructor_makes_on_every_call(container, items
     make = model_outputs.maker(container, tuple(items))
     for scale in (1.0, 2.0, 3.0):  # the first call builds and checks, the later ones fill
         values = {name: value * scale for name, value in items.items()}
-        made = make(tuple(values.values()))
+        made = make[0](tuple(values.values()))
         assert _same(made, container(**values))
 
 
