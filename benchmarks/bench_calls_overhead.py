@@ -4,7 +4,8 @@ bytes against the traced path, on the same step.
 For each case, one step split twice, ``path="calls"`` and ``path="trace"``:
 
 - stage-2 overhead: each round runs one training step (forward and backward, the generators
-  seeded alike) of the calls path's ``stage2`` on its cached batch, and of the step the user
+  seeded alike) of the calls path's ``stage2`` on a batch read back from its cache
+  (``CachedDataset`` and ``collate``, as a training loop reads it), and of the step the user
   writes by hand with the frozen calls removed (the denoiser on the cached latent parameters and
   text embedding; the student on the cached teacher logits), in alternating order. The figure
   is the median of the same-round ratios "calls stage 2 / by hand", with its IQR, on the wall
@@ -20,7 +21,12 @@ Cases: ``sd`` (the zoo's SD-1.5 LoRA step: frozen VAE and CLIP text encoder, a L
 trainer example calls it, a trainable Llama student, the loss half cross-entropy half KL; the
 module-level path caches the teacher's ``.logits``, which the step reads, and leaves out its
 scalar ``.loss`` and its ``DynamicCache``).
-``--size`` picks the zoo size of both.
+``kd-wide`` (the same KD step with 512-wide Llamas: a student step of about 10 ms on one
+thread, beside the tiny one's 1.1 ms). On KD the hand step reads the very tensors the calls
+path's stage 2 reads (its cached batch's inputs and ``teacher__0__logits``), and a fourth
+variant, "free call", runs the user's step with the teacher's call answered by an output built
+beforehand: the floor of any stage 2 that keeps the user's code (its teacher call, its
+``no_grad`` block, the step module's own call). ``--size`` picks the zoo size of sd and kd.
 
     python -m benchmarks.bench_calls_overhead --help
 """
@@ -52,14 +58,21 @@ Batch = dict[str, Any]
 class Case:
     """A step, its batches and the hand-written stage 2 on a cached batch of either path.
 
-    ``by_hand(calls_boundary)`` returns the loss of the step with the frozen calls removed,
-    computed from the raw batch's frozen outputs (``frozen(batch)``, computed once, untimed).
+    ``by_hand(batch, frozen)`` returns the loss of the step with the frozen calls removed.
+    With ``from_cache`` (KD), ``batch`` and ``frozen`` are read from the very batch the calls
+    path's stage 2 gets from its cache (``from_cache(cached_batch) -> (batch, frozen)``), so
+    both run on the same tensors; without (SD, whose calls boundary holds no text embedding),
+    ``frozen(batch)`` computes them from the raw batch once, untimed. ``free_call(batch,
+    frozen)``, when given, makes a call that runs the user's step with its frozen call answered
+    by an output built beforehand (the step with a free cache: the floor of any stage 2).
     """
 
     step: Any
     batches: list[Batch]
     frozen: Callable[[Batch], dict[str, Any]]
     by_hand: Callable[[Batch, dict[str, Any]], Any]
+    from_cache: Callable[[Batch], tuple[Batch, dict[str, Any]]] | None = None
+    free_call: Callable[[Batch, dict[str, Any]], Callable[[], Any]] | None = None
 
 
 # -- SD-1.5 LoRA ------------------------------------------------------------------------------
@@ -140,14 +153,16 @@ def _kd_step(hidden: int) -> Any:
 
 
 KD_HIDDEN = {"tiny": 32, "small": 128}
+WIDE_HIDDEN = 512
+"""``kd-wide``: the KD step with 512-wide Llamas, a student step of about 10 ms on one thread."""
 
 
-def _kd(size: str, count: int) -> Case:
+def _kd(size: str, count: int, hidden: int | None = None) -> Case:
     import torch
 
     from tests.integrations.kd import padded_samples
 
-    step = _kd_step(KD_HIDDEN[size])
+    step = _kd_step(hidden or KD_HIDDEN[size])
     samples = padded_samples(4 * count)
     batches = [
         {name: torch.stack([s[name] for s in samples[i : i + 4]]) for name in samples[0]}
@@ -167,10 +182,35 @@ def _kd(size: str, count: int) -> Case:
         student = step.student(**batch)
         return step.distillation_loss(student, cached["teacher_logits"])
 
-    return Case(step, batches, frozen, by_hand)
+    inputs = ("input_ids", "attention_mask", "labels")
+
+    def from_cache(cached: Batch) -> tuple[Batch, dict[str, Any]]:
+        return {name: cached[name] for name in inputs}, {
+            "teacher_logits": cached["teacher__0__logits"]
+        }
+
+    def free_call(batch: Batch, cached: dict[str, Any]) -> Callable[[], Any]:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        output = CausalLMOutputWithPast(logits=cached["teacher_logits"])  # built once
+
+        def run() -> Any:
+            step.teacher.__dict__["forward"] = lambda *args, **kwargs: output
+            try:
+                return step(**batch)
+            finally:
+                del step.teacher.__dict__["forward"]
+
+        return run
+
+    return Case(step, batches, frozen, by_hand, from_cache, free_call)
 
 
-CASES = {"sd": _sd, "kd": _kd}
+def _kd_wide(size: str, count: int) -> Case:
+    return _kd(size, count, WIDE_HIDDEN)
+
+
+CASES = {"sd": _sd, "kd": _kd, "kd-wide": _kd_wide}
 
 
 # -- measuring --------------------------------------------------------------------------------
@@ -189,6 +229,15 @@ def _cache_bytes(split: Any, batches: list[Batch], folder: Path) -> tuple[int, i
     return _folder_bytes(folder), sum(len(batch["key"]) for batch in keyed)
 
 
+def _cached_batch(split: Any, folder: Path, rows: int) -> Batch:
+    """The first ``rows`` samples of a cache, as training reads them (``CachedDataset``,
+    ``collate``): what stage 2 gets in a real loop."""
+    from graphsplit import CachedDataset, collate
+
+    dataset = CachedDataset(folder, split)
+    return collate([dataset[index] for index in range(rows)])
+
+
 def measure(case_name: str, size: str, rounds: int, batches: int) -> dict[str, Any]:
     import torch
 
@@ -196,57 +245,65 @@ def measure(case_name: str, size: str, rounds: int, batches: int) -> dict[str, A
 
     case = CASES[case_name](size, batches)
     example = case.batches[0]
+    rows = len(next(iter(example.values())))
     calls = graphsplit.split(case.step, kwargs=example, path="calls")
     traced = graphsplit.split(case.step, kwargs=example, path="trace")
-    calls_boundary = calls.stage1(**example)
-    traced_boundary = traced.stage1(**example)
-    frozen = case.frozen(example)
     parameters = [p for p in case.step.parameters() if p.requires_grad]
-
-    def train(loss: Callable[[], Any]) -> Callable[[], None]:
-        def run() -> None:
-            # The CPU generator alone: torch.manual_seed also queues CUDA / XPU / MTIA seeds,
-            # each capturing a stack trace (0.3 ms a call), the same in every variant.
-            torch.default_generator.manual_seed(0)
-            loss().backward()
-
-        return run
-
-    def reset(name: str, index: int) -> None:
-        for param in parameters:
-            param.grad = None
-
-    # The same seed and the same cached values: the three losses must agree before timing.
-    torch.manual_seed(0)
-    hand_loss = case.by_hand(example, frozen)
-    torch.manual_seed(0)
-    calls_loss = calls.stage2(**calls_boundary)
-    torch.manual_seed(0)
-    traced_loss = traced.stage2(**traced_boundary)
-    agree = {
-        "calls": bool(torch.allclose(calls_loss, hand_loss, rtol=1e-5, atol=1e-6)),
-        "traced": bool(torch.allclose(traced_loss, hand_loss, rtol=1e-5, atol=1e-6)),
-    }
-    stage2 = interleaved(
-        {
-            "by hand": train(lambda: case.by_hand(example, frozen)),
-            "calls stage 2": train(lambda: calls.stage2(**calls_boundary)),
-            "traced stage 2": train(lambda: traced.stage2(**traced_boundary)),
-        },
-        rounds=rounds,
-        before_each=reset,
-    )
-    stage1 = interleaved(
-        {
-            "calls stage 1": lambda: calls.stage1(**example),
-            "traced stage 1": lambda: traced.stage1(**example),
-        },
-        rounds=rounds,
-    )
     with tempfile.TemporaryDirectory() as folder:
+        # Both stage 2s train on a batch read back from their own cache, as in a real loop.
         calls_bytes, samples = _cache_bytes(calls, case.batches, Path(folder) / "calls")
         traced_bytes, _ = _cache_bytes(traced, case.batches, Path(folder) / "traced")
-    return {
+        calls_boundary = _cached_batch(calls, Path(folder) / "calls", rows)
+        traced_boundary = _cached_batch(traced, Path(folder) / "traced", rows)
+        if case.from_cache is not None:  # the hand step on the calls path's very tensors
+            hand_batch, frozen = case.from_cache(calls_boundary)
+        else:
+            hand_batch, frozen = example, case.frozen(example)
+
+        def train(loss: Callable[[], Any]) -> Callable[[], None]:
+            def run() -> None:
+                # The CPU generator alone: torch.manual_seed also queues CUDA / XPU / MTIA
+                # seeds, each capturing a stack trace (0.3 ms a call), the same in every variant.
+                torch.default_generator.manual_seed(0)
+                loss().backward()
+
+            return run
+
+        def reset(name: str, index: int) -> None:
+            for param in parameters:
+                param.grad = None
+
+        variants = {
+            "by hand": lambda: case.by_hand(hand_batch, frozen),
+            "calls stage 2": lambda: calls.stage2(**calls_boundary),
+            "traced stage 2": lambda: traced.stage2(**traced_boundary),
+        }
+        if case.free_call is not None:
+            variants["free call"] = case.free_call(hand_batch, frozen)
+        # The same seed and the same cached values: the losses must agree before timing.
+        losses = {}
+        for name, variant in variants.items():
+            torch.manual_seed(0)
+            losses[name] = variant()
+        hand_loss = losses["by hand"]
+        agree = {
+            name.split()[0]: bool(torch.allclose(loss, hand_loss, rtol=1e-5, atol=1e-6))
+            for name, loss in losses.items()
+            if name != "by hand"
+        }
+        stage2 = interleaved(
+            {name: train(variant) for name, variant in variants.items()},
+            rounds=rounds,
+            before_each=reset,
+        )
+        stage1 = interleaved(
+            {
+                "calls stage 1": lambda: calls.stage1(**example),
+                "traced stage 1": lambda: traced.stage1(**example),
+            },
+            rounds=rounds,
+        )
+    result = {
         "case": case_name,
         "size": size,
         "losses_agree_with_hand": agree,
@@ -271,6 +328,16 @@ def measure(case_name: str, size: str, rounds: int, batches: int) -> dict[str, A
         "samples": samples,
         "bytes_per_sample": {"calls": calls_bytes / samples, "traced": traced_bytes / samples},
     }
+    if case.free_call is not None:
+        result["free_call_over_hand"] = {
+            clock: stage2.ratio("free call", "by hand", clock).to_json()
+            for clock in ("wall", "cpu")
+        }
+        result["calls_over_free_call"] = {
+            clock: stage2.ratio("calls stage 2", "free call", clock).to_json()
+            for clock in ("wall", "cpu")
+        }
+    return result
 
 
 def to_markdown(results: list[dict[str, Any]]) -> str:
@@ -280,6 +347,8 @@ def to_markdown(results: list[dict[str, Any]]) -> str:
         "calls stage 2 / by hand (CPU)",
         "calls stage 2 / by hand (wall)",
         "traced stage 2 / by hand (CPU)",
+        "free call / by hand (CPU)",
+        "calls stage 2 / free call (CPU)",
         "stage 1 calls / traced (CPU)",
         "stage 1 calls / traced (wall)",
         "bytes/sample calls",
@@ -292,6 +361,8 @@ def to_markdown(results: list[dict[str, Any]]) -> str:
             ratio_text(r["calls_over_hand"]["cpu"]),
             ratio_text(r["calls_over_hand"]["wall"]),
             ratio_text(r["traced_over_hand"]["cpu"]),
+            ratio_text(r["free_call_over_hand"]["cpu"]) if "free_call_over_hand" in r else "-",
+            ratio_text(r["calls_over_free_call"]["cpu"]) if "calls_over_free_call" in r else "-",
             ratio_text(r["stage1_calls_over_traced"]["cpu"]),
             ratio_text(r["stage1_calls_over_traced"]["wall"]),
             f"{r['bytes_per_sample']['calls']:,.0f}",
@@ -299,12 +370,14 @@ def to_markdown(results: list[dict[str, Any]]) -> str:
         ]
         for r in results
     ]
-    return markdown_table(header, rows, "lrrrrrrrr")
+    return markdown_table(header, rows, "lrrrrrrrrrr")
 
 
 def main(argv: list[str] | None = None) -> int:
     command = timing_options(parser("bench_calls_overhead", __doc__), rounds=30)
-    command.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["sd", "kd"])
+    command.add_argument(
+        "--cases", nargs="+", choices=sorted(CASES), default=["sd", "kd", "kd-wide"]
+    )
     command.add_argument("--size", choices=["tiny", "small"], default="tiny")
     command.add_argument("--batches", type=int, default=4, help="cached batches per path")
     args = command.parse_args(argv)

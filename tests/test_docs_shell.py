@@ -87,6 +87,11 @@ NOT_RUN: dict[str, str] = {
     "python -m benchmarks.bench_cache_overlap --rounds 15 --out benchmarks/results": _measurement(
         "80 s"
     ),
+    "python -m benchmarks.bench_calls_overhead --cases kd kd-wide --rounds 600 --out "
+    "benchmarks/results": _measurement("minutes (600 rounds of a 10 ms step)"),
+    "python -m benchmarks.bench_calls_overhead --cases sd --rounds 40 --out benchmarks/results": (
+        _measurement("15 s")
+    ),
     "python -m benchmarks.bench_trainer_live --out benchmarks/results": _measurement("minutes"),
     "python -m benchmarks.bench_trainer_live --samples 256 --teacher 512 --out "
     "benchmarks/results/big": _measurement("minutes"),

@@ -110,6 +110,13 @@ class CallPlan:
         nameable = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         return all(p.kind in nameable for p in self.signature.parameters.values())
 
+    @functools.cached_property
+    def tensor_inputs(self) -> tuple[str, ...] | None:
+        """The inputs' names when every one crosses as it is (a tensor), else None."""
+        if all(spec.kind == "tensor" for spec in self.inputs):
+            return tuple(spec.name for spec in self.inputs)
+        return None
+
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The step's inputs by name, for a batch given as the step takes it."""
         return dict(self.signature.bind(*args, **kwargs).arguments)

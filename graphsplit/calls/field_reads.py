@@ -127,12 +127,18 @@ def _whole_slot(base: type, slot: str, what: str) -> Any:
 
 def guarded(output: Any, kept: tuple[str, ...], left_out: tuple[str, ...], label: str) -> Any:
     """``output`` (built with the ``kept`` fields) as a stand-in whose other reads raise."""
-    base = type(output)
+    # ``object.__setattr__``, not ``output.__class__ = ...``: ``ModelOutput.__setattr__`` looks
+    # up the dataclass fields on every call to find that ``__class__`` is none of them.
+    object.__setattr__(output, "__class__", guard_class(type(output), kept, left_out, label))
+    return output
+
+
+def guard_class(base: type, kept: tuple[str, ...], left_out: tuple[str, ...], label: str) -> type:
+    """The class :func:`guarded` gives an output of class ``base`` (made once per key)."""
     key = (base, kept, left_out, label)
     if key not in _GUARDS:
         _GUARDS[key] = _subclass(base, _guard_namespace(base, frozenset(kept), left_out, label))
-    output.__class__ = _GUARDS[key]
-    return output
+    return _GUARDS[key]
 
 
 def _guard_namespace(

@@ -14,26 +14,37 @@ from typing import Any
 import torch
 
 from graphsplit.calls.call_plan import CallPlan
-from graphsplit.calls.module_calls import Handler
-from graphsplit.calls.outputs import rebuild
+from graphsplit.calls.module_calls import CallId, Handler
+from graphsplit.calls.outputs import Answer, answerer
 from graphsplit.errors import Fix, SplitError, user_error
 
 
-def answering(plan: CallPlan, cached: Mapping[str, torch.Tensor]) -> Handler:
-    """The handler that answers ``plan``'s cached calls from ``cached`` (boundary key -> tensor)."""
+def answers(plan: CallPlan) -> dict[CallId, Answer]:
+    """Per cached call of ``plan``, the function that rebuilds its output (made once a stage)."""
+    return {
+        call: answerer(planned.structure, planned.keys, f"{call[0]} call {call[1]}")
+        for call, planned in plan.cached.items()
+    }
+
+
+def answering(
+    plan: CallPlan, cached: Mapping[str, torch.Tensor], made: dict[CallId, Answer] | None = None
+) -> Handler:
+    """The handler that answers ``plan``'s cached calls from ``cached`` (boundary key -> tensor),
+    with ``made`` (:func:`answers` of the same plan) when the caller keeps them."""
+    table = answers(plan) if made is None else made
 
     def handle(call: Any, module: Any, forward: Any, args: tuple, kwargs: dict) -> Any:
-        planned = plan.cached.get(call)
-        if planned is None:
-            if call[0] in plan.dropped:
-                raise user_error(
-                    SplitError,
-                    f"this batch makes call {call[1]} of {call[0]}, which the module-level plan "
-                    "did not see; stage 2 does not hold that module.",
-                    fix=Fix("split with an example batch that makes the same frozen calls"),
-                )
-            return forward(*args, **kwargs)
-        fields = {field: cached[key] for field, key in planned.keys.items()}
-        return rebuild(planned.structure, fields, label=f"{call[0]} call {call[1]}")
+        answer = table.get(call)
+        if answer is not None:
+            return answer(cached)
+        if call[0] in plan.dropped:
+            raise user_error(
+                SplitError,
+                f"this batch makes call {call[1]} of {call[0]}, which the module-level plan "
+                "did not see; stage 2 does not hold that module.",
+                fix=Fix("split with an example batch that makes the same frozen calls"),
+            )
+        return forward(*args, **kwargs)
 
     return handle

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +39,52 @@ def build(container: type, items: dict[str, Any]) -> Any:
     if names is None or not _plain_branch(names, items):
         return container(**items)
     return _filled(container, names, items)
+
+
+def maker(container: type, given: tuple[str, ...]) -> list[Callable[[tuple[Any, ...]], Any]]:
+    """A one-item list whose function makes ``build(container, dict(zip(given, values)))``
+    for tensor ``values`` (stage 2 makes one per cached call, once: the fields it gives never
+    change; the caller calls ``made[0](values)``, so that the function can be swapped).
+
+    The first call goes through :func:`build` (checked against the constructor as always);
+    when that check passed, the item becomes a filler that skips :func:`build`'s per-call
+    lookups: the attributes from a template of every field set to None, then the given
+    fields, attribute and item, in field order (what :func:`_filled` does).
+    """
+    made: list[Callable[[tuple[Any, ...]], Any]] = []
+
+    def first(values: tuple[Any, ...]) -> Any:
+        output = build(container, dict(zip(given, values)))
+        names = _CHECKED.get(container)
+        if names is not None and given and all(name in names for name in given):
+            made[0] = _filler(container, names, given)
+        else:
+            made[0] = lambda values: build(container, dict(zip(given, values)))
+        return output
+
+    made.append(first)
+    return made
+
+
+def _filler(
+    container: type, names: tuple[str, ...], given: tuple[str, ...]
+) -> Callable[[tuple[Any, ...]], Any]:
+    template = dict.fromkeys(names)
+    ordered = tuple(sorted(range(len(given)), key=lambda index: names.index(given[index])))
+    fields = tuple((given[index], index) for index in ordered)
+    new, setitem = container.__new__, OrderedDict.__setitem__
+
+    def fill(values: tuple[Any, ...]) -> Any:
+        made = new(container)
+        attributes = made.__dict__
+        attributes.update(template)
+        for name, index in fields:
+            value = values[index]
+            attributes[name] = value
+            setitem(made, name, value)
+        return made
+
+    return fill
 
 
 def _plain_branch(names: tuple[str, ...], items: dict[str, Any]) -> bool:

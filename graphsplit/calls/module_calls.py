@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -43,14 +42,17 @@ def key_of(call: CallId, field: str) -> str:
     return f"{path.replace('.', '_')}__{index}__{field}"
 
 
-@dataclass
 class CallRouter:
-    """Routes the outermost calls of ``modules`` (path -> module) to ``handler``."""
+    """Routes the outermost calls of ``modules`` (path -> module) to ``handler``.
 
-    modules: dict[str, nn.Module]
-    handler: Handler
+    A plain class with slots, not a dataclass: stage 2 makes one per step.
+    """
 
-    def __post_init__(self) -> None:
+    __slots__ = ("counts", "depth", "handler", "modules", "nested", "order", "outer")
+
+    def __init__(self, modules: dict[str, nn.Module], handler: Handler) -> None:
+        self.modules = modules
+        self.handler = handler
         self.counts: dict[str, int] = {}
         self.depth = 0
         self.order: list[CallId] = []

@@ -10,14 +10,14 @@ no tensor the cache can hold: :class:`NotATensor` names it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from graphsplit.calls.field_reads import guarded
-from graphsplit.calls.model_outputs import build, is_model_output
+from graphsplit.calls.field_reads import guard_class, guarded
+from graphsplit.calls.model_outputs import build, is_model_output, maker
 
 SINGLE = "out"
 """The field name of an output that is one tensor."""
@@ -109,3 +109,68 @@ def rebuild(
         for index, child in enumerate(structure.children)
     ]
     return items if structure.kind == "list" else tuple(items)
+
+
+Answer = Callable[[Mapping[str, torch.Tensor]], Any]
+"""``answer(cached)``: one cached call's output, rebuilt from a batch's boundary tensors."""
+
+
+def answerer(structure: Structure, keys: Mapping[str, str], label: str) -> Answer:
+    """``rebuild(structure, {field: cached[key] for field, key in keys.items()}, label=label)``
+    as a function made once per cached call (stage 2 answers the call on every step).
+
+    A lone tensor is read from the batch; a ``ModelOutput`` whose fields are tensors (or
+    None) is filled by a :func:`~graphsplit.calls.model_outputs.maker` and given its guard
+    class directly; any other structure goes through :func:`rebuild`.
+    """
+    if structure.kind == "tensor":
+        key = keys[SINGLE]
+        return lambda cached: cached[key]
+    fast = _model_output_answer(structure, keys, label)
+    if fast is not None:
+        return fast
+    pairs = tuple(keys.items())
+
+    def answer(cached: Mapping[str, torch.Tensor]) -> Any:
+        return rebuild(structure, {field: cached[key] for field, key in pairs}, label=label)
+
+    return answer
+
+
+def _model_output_answer(structure: Structure, keys: Mapping[str, str], label: str) -> Any:
+    container = structure.container
+    if structure.kind != "mapping" or container is None or not is_model_output(container):
+        return None
+    if any(child.kind not in ("tensor", "none") for child in structure.children):
+        return None
+    given = tuple(
+        str(key) for key, child in zip(structure.keys, structure.children) if child.kind == "tensor"
+    )
+    if not given:
+        return None
+    boundary = tuple(keys[field] for field in given)
+    make = maker(container, given)
+    guard = (
+        guard_class(container, structure.keys, structure.left_out, label)
+        if structure.left_out
+        else None
+    )
+    set_class = object.__setattr__  # what ``guarded`` does, its class found once
+    if len(boundary) == 1:  # one field (a teacher's logits): no generator per step
+        (key,) = boundary
+
+        def answer_one(cached: Mapping[str, torch.Tensor]) -> Any:
+            made = make[0]((cached[key],))
+            if guard is not None:
+                set_class(made, "__class__", guard)
+            return made
+
+        return answer_one
+
+    def answer(cached: Mapping[str, torch.Tensor]) -> Any:
+        made = make[0](tuple([cached[key] for key in boundary]))
+        if guard is not None:
+            set_class(made, "__class__", guard)
+        return made
+
+    return answer

@@ -21,7 +21,7 @@ from torch import nn
 
 from graphsplit.calls import generators
 from graphsplit.calls.call_plan import CallPlan
-from graphsplit.calls.holders import answering
+from graphsplit.calls.holders import answering, answers
 from graphsplit.calls.module_calls import CallRouter, restore
 from graphsplit.calls.outputs import tensors_of
 from graphsplit.errors import Fix, SplitError, user_error
@@ -151,15 +151,26 @@ class CallStage2(nn.Module):
         object.__setattr__(self, "_plan", plan)
         object.__setattr__(self, "_routed", routed)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The answers are closures, made again on the first step after unpickling.
+        return {key: value for key, value in self.__dict__.items() if key != "_answers"}
+
     def forward(self, **batch: Any) -> Any:
         plan: CallPlan = self._plan
-        values = {
-            spec.name: spec.decode(batch[spec.name])
-            for spec in plan.inputs
-            if spec.name in batch or spec.kind == "constant"
-        }
+        names = plan.tensor_inputs
+        if names is not None:  # every input crosses as it is: no decoding
+            values = {name: batch[name] for name in names if name in batch}
+        else:
+            values = {
+                spec.name: spec.decode(batch[spec.name])
+                for spec in plan.inputs
+                if spec.name in batch or spec.kind == "constant"
+            }
         args, kwargs = plan.call_arguments(values)
-        saved = CallRouter(self._routed, answering(plan, batch)).install()
+        made = self.__dict__.get("_answers")
+        if made is None:
+            made = self.__dict__["_answers"] = answers(plan)
+        saved = CallRouter(self._routed, answering(plan, batch, made)).install()
         try:
             return self._step(*args, **kwargs)
         finally:

@@ -11,8 +11,10 @@ from transformers.modeling_outputs import (
     ModelOutput,
 )
 
+from graphsplit import SplitError
 from graphsplit.calls import model_outputs
 from graphsplit.calls.model_outputs import build
+from graphsplit.calls.outputs import Structure, answerer, rebuild
 
 
 def _same(made, want) -> bool:
@@ -68,3 +70,43 @@ def test_a_class_whose_constructor_does_more_is_always_constructed():
     assert model_outputs._CHECKED[Renamed] is None
     assert _same(made, Renamed(first=t)) and made.second is t
     assert _same(build(Renamed, {"first": u}), Renamed(first=u))
+
+
+@pytest.mark.parametrize(
+    "container, items",
+    [
+        (CausalLMOutputWithPast, {"logits": t}),
+        (CausalLMOutputWithPast, {"logits": t, "loss": u}),  # given out of field order
+        (BaseModelOutputWithPooling, {"pooler_output": u}),  # the first field not given
+        (Renamed, {"first": t}),  # always constructed
+    ],
+)
+def test_a_maker_makes_what_the_constructor_makes_on_every_call(container, items):
+    make = model_outputs.maker(container, tuple(items))
+    for scale in (1.0, 2.0, 3.0):  # the first call builds and checks, the later ones fill
+        values = {name: value * scale for name, value in items.items()}
+        made = make[0](tuple(values.values()))
+        assert _same(made, container(**values))
+
+
+def test_an_answer_with_left_out_fields_is_the_rebuilt_output_on_every_call():
+    structure = Structure(
+        "mapping", CausalLMOutputWithPast, ("logits",), (Structure("tensor"),), ("loss", "cache")
+    )
+    answer = answerer(structure, {"logits": "teacher__0__logits"}, "teacher call 0")
+    for _ in range(3):
+        logits = torch.randn(2, 3)
+        made = answer({"teacher__0__logits": logits})
+        want = rebuild(structure, {"logits": logits}, label="teacher call 0")
+        assert type(made) is type(want) and type(made).__mro__[1] is CausalLMOutputWithPast
+        assert made.logits is logits and made["logits"] is logits
+        with pytest.raises(SplitError) as caught:
+            made.loss  # noqa: B018 (the read is the test)
+        assert "left out ['loss', 'cache']" in str(caught.value) and "fix:" in str(caught.value)
+
+
+def test_a_lone_tensor_and_a_tuple_are_answered_as_rebuilt():
+    assert answerer(Structure("tensor"), {"out": "k"}, "m call 0")({"k": t}) is t
+    pair = Structure("tuple", tuple, (), (Structure("tensor"), Structure("none")))
+    made = answerer(pair, {"0": "a"}, "m call 0")({"a": u})
+    assert type(made) is tuple and len(made) == 2 and made[0] is u and made[1] is None
