@@ -92,6 +92,12 @@ NOT_RUN: dict[str, str] = {
     "python -m benchmarks.bench_calls_overhead --cases sd --rounds 40 --out benchmarks/results": (
         _measurement("15 s")
     ),
+    "python -m benchmarks.bench_split_scale --sizes 10000 --rounds 5 --baseline 6108010 --out "
+    "benchmarks/results": _measurement("2 minutes, with its baseline worktree"),
+    "python -m benchmarks.bench_plan_scale --cases sdxl flux --rounds 3 --baseline 6108010 --out "
+    "benchmarks/results": _measurement("3 minutes (SDXL and Flux sizes, with a baseline worktree)"),
+    "python -m benchmarks.bench_plan_scale --cases sdxl --rounds 5 --baseline 72d9ca5 --out "
+    "benchmarks/results": _measurement("3 minutes (SDXL size, with a baseline worktree)"),
     "python -m benchmarks.bench_trainer_live --out benchmarks/results": _measurement("minutes"),
     "python -m benchmarks.bench_trainer_live --samples 256 --teacher 512 --out "
     "benchmarks/results/big": _measurement("minutes"),
@@ -239,13 +245,7 @@ def test_every_shell_command_runs(commands, runs, tmp_path):
         pytest.importorskip("s3fs")
         from tests.caching.s3_server import LocalS3
 
-        server = LocalS3()  # sets this process's AWS endpoint and keys
-        for name in _buckets(runs):
-            # moto keeps one store per process: the docs' snippets may have made the bucket.
-            if server.fs.exists(name):
-                server.fs.rm(name, recursive=True)
-                server.fs.invalidate_cache()
-            server.fs.mkdir(name)
+        server = LocalS3(*_buckets(runs))  # this process's AWS endpoint and keys; empty buckets
     try:
         environment = _environment(tmp_path)
         for command in runs:

@@ -53,6 +53,11 @@ class LocalS3:
             s3fs.S3FileSystem.clear_instance_cache()
             self.fs = s3fs.S3FileSystem(skip_instance_cache=True)
             for name in buckets:
+                # moto keeps one store per process, shared by every server it starts: a bucket
+                # an earlier test made is emptied, so each LocalS3 starts from empty buckets.
+                if self.fs.exists(name):
+                    self.fs.rm(name, recursive=True)
+                    self.fs.invalidate_cache()
                 self.fs.mkdir(name)
         except BaseException:
             self.stop()
