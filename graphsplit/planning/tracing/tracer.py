@@ -54,6 +54,7 @@ from graphsplit.errors import Fix, TensorValueError, TraceError, user_error
 from graphsplit.planning.meta.analysis_view import module_called
 from graphsplit.planning.meta.tracing_interpreter import TracingInterpreter
 from graphsplit.planning.opaque.value_reads import NOT_ANSWERED, Read, answer
+from graphsplit.planning.patching.autograd_functions import record_autograd_functions
 from graphsplit.planning.patching.checkpoint_regions import record_checkpoints
 from graphsplit.planning.patching.einops_calls import record_einops_calls
 from graphsplit.planning.patching.leaf_methods import record_leaf_methods
@@ -452,6 +453,7 @@ def _trace_graph(
         accept_traced_sizes(patcher)
         record_torch_calls(patcher, tracer)
         record_checkpoints(patcher, tracer)
+        record_autograd_functions(patcher, tracer)
         record_einops_calls(patcher, tracer)
         record_legacy_constructor(patcher, tracer)
         assume_tensor_checks(patcher)
