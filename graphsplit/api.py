@@ -30,6 +30,7 @@ from graphsplit.planning.cut.recompute import Recompute, check_recompute
 from graphsplit.planning.leaf_rounds import trace_and_analyze
 from graphsplit.planning.meta.shared_memos import SharedMemos, sharing
 from graphsplit.planning.patching.patcher import one_planning_at_a_time
+from graphsplit.planning.rules.constant_sizes import guard_constant_sizes
 from graphsplit.planning.step.callables import as_step_module
 from graphsplit.planning.step.example_inputs import bind_examples
 from graphsplit.planning.step.frozen import FrozenSpec, resolve_frozen
@@ -263,6 +264,7 @@ class _Planner:
         restore_devices(traced.graph, examples.device)
         # 3. Choose the boundary: the one place where that decision is taken.
         cut = choose_boundary(traced.graph, self.trainable, recompute=self.recompute, model=model)
+        guard_constant_sizes(traced.graph, cut)  # a constant's shape is fixed per plan
         boundary = boundary_specs(cut)
         keys = list(boundary)
         # 4. Generate the two stages from the cut.

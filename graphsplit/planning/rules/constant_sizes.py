@@ -1,0 +1,93 @@
+"""Fix the sizes a per-dataset constant is made from: one plan's constants are one tensor each.
+
+A per-dataset constant reads no value of the batch, so a plan computes it once and the cache
+stores it once per plan (:mod:`graphsplit.caching.write.plan_constants`). It may still read the
+batch's *sizes*: transformers' Llama builds ``position_ids = torch.arange(seq_len)`` and the
+causal mask's ``kv_indices`` from ``inputs_embeds.shape[1]``, a size that flows through torch
+ops only and so is no part of the plan's signature. One plan then served batches of two lengths
+and its "constant" had two shapes: ``cache()`` stopped at the second length ("the per-dataset
+constant 'position_ids' differs between batches of one plan"), and a cache of padded batches
+could not be written at all.
+
+Such a size is therefore made a size guard (:mod:`graphsplit.planning.rules.size_guards`): the
+stages check it, it is part of the signature, and a batch of another length gets a plan of its
+own with its own constants, as a length the step turns into a Python int already does
+(padding groups, docs/howto.md). A size that follows the batch size is never guarded here: a
+constant does not change with it.
+
+Glossary:
+    boundary constant: a boundary node whose facts say it is a per-dataset constant.
+    size value: a plain int node read from the size of a tensor computed from the batch
+        (``x.shape[1]``, ``x.size(1)``, arithmetic on them).
+
+In: the traced graph and the cut. Out: size guards added to ``node.meta["guards"]`` of the size
+values the boundary constants read:
+
+    guard_constant_sizes(graph, cut) -> None
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch.fx as fx
+
+from graphsplit.artifacts import Cut, Guard
+from graphsplit.planning.rules.size_guards import GUARDS, is_size_guard
+
+__all__ = ["guard_constant_sizes"]
+
+
+def guard_constant_sizes(graph: fx.Graph, cut: Cut) -> None:
+    """Add a size guard to every size value a boundary constant is computed from."""
+    data = _computed_from_inputs(graph)
+    for constant in cut.boundary:
+        constant_facts = constant.meta.get("facts")
+        if constant_facts is None or not constant_facts.is_constant:
+            continue
+        for size in _size_values_read(constant, data):
+            guards = size.meta.setdefault(GUARDS, [])
+            if not any(is_size_guard(guard) for guard in guards):
+                guards.append(Guard(size, operator.index, size.meta["val"], _source(constant)))
+
+
+def _size_values_read(constant: fx.Node, data: set[fx.Node]) -> list[fx.Node]:
+    """The size values among ``constant``'s ancestors, the first read of each size only."""
+    found, seen, todo = [], set(), list(constant.all_input_nodes)
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if _is_size_value(node, data):
+            found.append(node)
+            continue  # its own inputs are the tensor whose size it reads
+        todo.extend(node.all_input_nodes)
+    return sorted(found, key=_position(constant.graph))
+
+
+def _is_size_value(node: fx.Node, data: set[fx.Node]) -> bool:
+    value = node.meta.get("val")
+    if isinstance(value, bool) or not isinstance(value, int) or node not in data:
+        return False
+    node_facts = node.meta.get("facts")
+    if node_facts is not None and node_facts.is_batch_size:
+        return False
+    return node.op in ("call_function", "call_method")
+
+
+def _computed_from_inputs(graph: fx.Graph) -> set[fx.Node]:
+    data: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder" or any(arg in data for arg in node.all_input_nodes):
+            data.add(node)
+    return data
+
+
+def _position(graph: fx.Graph):
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
+def _source(node: fx.Node) -> str:
+    return str(node.meta.get("source", "<unknown>"))
