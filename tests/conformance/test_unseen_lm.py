@@ -360,3 +360,65 @@ def test_the_cache_check_catches_a_boundary_that_depends_on_a_trained_weight(tmp
     split = graphsplit.split(step, batch, frozen=lambda name, _: name.startswith("model.vit"))
     with pytest.raises(AssertionError):
         assert_trains_from_its_cache(step, split, [batch])
+
+
+# --- distillation across architectures ------------------------------------------------------
+
+
+class CrossArchitectureDistillation(nn.Module):
+    """transformers' research distillation loss: a frozen BERT teacher (eval) scores the
+    sequence, a DistilBERT student (dropout live) matches its temperature-softened logits
+    beside its own cross-entropy."""
+
+    def __init__(self, temperature: float = 2.0, alpha: float = 0.5) -> None:
+        super().__init__()
+        teacher = transformers.BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=32,
+            num_labels=3,
+        )
+        student = transformers.DistilBertConfig(
+            vocab_size=VOCAB,
+            dim=32,
+            n_layers=1,
+            n_heads=2,
+            hidden_dim=64,
+            max_position_embeddings=32,
+            num_labels=3,
+        )
+        self.teacher = transformers.BertForSequenceClassification(teacher)
+        self.teacher.eval().requires_grad_(False)
+        self.student = transformers.DistilBertForSequenceClassification(student).train()
+        self.temperature, self.alpha = temperature, alpha
+
+    def forward(self, input_ids, attention_mask, labels):
+        student_output = self.student(
+            input_ids=input_ids, attention_mask=attention_mask, labels=labels
+        )
+        with torch.no_grad():
+            teacher_output = self.teacher(input_ids=input_ids, attention_mask=attention_mask)
+        t = self.temperature
+        loss_kd = F.kl_div(
+            F.log_softmax(student_output.logits / t, dim=-1),
+            F.softmax(teacher_output.logits / t, dim=-1),
+            reduction="batchmean",
+        ) * (t**2)
+        return self.alpha * student_output.loss + (1.0 - self.alpha) * loss_kd
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_bert_to_distilbert_distillation_caches_the_teachers_soft_targets(size, tmp_path):
+    torch.manual_seed(0)
+    step = CrossArchitectureDistillation()
+    ids, mask = ids_and_mask(size)
+    batch = (ids, mask, torch.arange(size) % 3)
+    split = split_and_verify(step, batch)
+    assert {path.split(".")[0] for path in stage2_paths(split)} == {"student"}
+    cached = {key: spec.shape for key, spec in split.boundary.items()}
+    assert cached.pop("softmax") == (size, 3)  # the softened targets, 3 floats a sample
+    assert set(cached) == set(split.input_names)
+    assert_trains_from_its_cache(step, split, [batch], tmp_path / "cache")
