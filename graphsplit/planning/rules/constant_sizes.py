@@ -13,7 +13,10 @@ Such a size is therefore made a size guard (:mod:`graphsplit.planning.rules.size
 stages check it, it is part of the signature, and a batch of another length gets a plan of its
 own with its own constants, as a length the step turns into a Python int already does
 (padding groups, docs/howto.md). A size that follows the batch size is never guarded here: a
-constant does not change with it.
+constant does not change with it. Nor is a size of an opaque call's output (a prompt trimmed
+by ``.tolist()`` code): a guard there would make the call refuse every other length
+(:func:`~graphsplit.planning.rules.opaque_call.recheck_shapes`), where the plan serves them
+today; such a constant still makes ``cache()`` stop at a second length.
 
 Glossary:
     boundary constant: a boundary node whose facts say it is a per-dataset constant.
@@ -33,6 +36,7 @@ import operator
 import torch.fx as fx
 
 from graphsplit.artifacts import Cut, Guard
+from graphsplit.planning.rules.opaque_call import is_opaque
 from graphsplit.planning.rules.size_guards import GUARDS, is_size_guard
 
 __all__ = ["guard_constant_sizes"]
@@ -40,23 +44,24 @@ __all__ = ["guard_constant_sizes"]
 
 def guard_constant_sizes(graph: fx.Graph, cut: Cut) -> None:
     """Add a size guard to every size value a boundary constant is computed from."""
-    data = _computed_from_inputs(graph)
+    data, opaque = _computed_from_inputs(graph)
     for constant in cut.boundary:
         constant_facts = constant.meta.get("facts")
         if constant_facts is None or not constant_facts.is_constant:
             continue
-        for size in _size_values_read(constant, data):
+        for size in _size_values_read(constant, data, opaque):
             guards = size.meta.setdefault(GUARDS, [])
             if not any(is_size_guard(guard) for guard in guards):
                 guards.append(Guard(size, operator.index, size.meta["val"], _source(constant)))
 
 
-def _size_values_read(constant: fx.Node, data: set[fx.Node]) -> list[fx.Node]:
-    """The size values among ``constant``'s ancestors, the first read of each size only."""
+def _size_values_read(constant: fx.Node, data: set[fx.Node], opaque: set[fx.Node]) -> list[fx.Node]:
+    """The size values among ``constant``'s ancestors, the first read of each size only; none
+    read from an opaque call's output or upstream of it."""
     found, seen, todo = [], set(), list(constant.all_input_nodes)
     while todo:
         node = todo.pop()
-        if node in seen:
+        if node in seen or node in opaque:
             continue
         seen.add(node)
         if _is_size_value(node, data):
@@ -76,12 +81,16 @@ def _is_size_value(node: fx.Node, data: set[fx.Node]) -> bool:
     return node.op in ("call_function", "call_method")
 
 
-def _computed_from_inputs(graph: fx.Graph) -> set[fx.Node]:
+def _computed_from_inputs(graph: fx.Graph) -> tuple[set[fx.Node], set[fx.Node]]:
+    """The nodes computed from the step's inputs; apart, those computed from an opaque call."""
     data: set[fx.Node] = set()
+    opaque: set[fx.Node] = set()
     for node in graph.nodes:
-        if node.op == "placeholder" or any(arg in data for arg in node.all_input_nodes):
+        if is_opaque(node) or any(arg in opaque for arg in node.all_input_nodes):
+            opaque.add(node)
+        elif node.op == "placeholder" or any(arg in data for arg in node.all_input_nodes):
             data.add(node)
-    return data
+    return data, opaque
 
 
 def _position(graph: fx.Graph):
