@@ -5,6 +5,8 @@
   after the token embedding may be cached;
 - LoRA on a seq2seq T5's decoder (``task_type="SEQ_2_SEQ_LM"``): the labels are shifted into
   decoder inputs inside the model, the frozen encoder is cached;
+- a LoRA Llama as ``Trainer.compute_loss`` calls it (``model(**inputs).loss``, ``use_cache``
+  left at its default, so every layer is handed a ``DynamicCache``);
 - LoRA Llama with ``gradient_checkpointing_enable()`` (reentrant and not) and
   ``enable_input_require_grads()``, as peft's ``prepare_model_for_kbit_training`` sets it up;
 - TRL SFT, padding-free (``DataCollatorForLanguageModeling(padding_free=True)``: the samples
@@ -158,10 +160,27 @@ def test_t5_decoder_lora_caches_the_encoder(size, tmp_path):
     assert "model.base_model.model.decoder" in held
     assert not {path for path in held if ".encoder" in path}
     assert (size, 8, 32) in {spec.shape for spec in split.boundary.values()}  # encoder states
-    # use_cache defaults to True in training: the decoder builds an EncoderDecoderCache, which
-    # cannot cross traced layers, so the decoder is one stage-2 call (report says why).
-    assert any("EncoderDecoderCache" in note for note in split.notes)
+    # use_cache defaults to True in training: the decoder builds an EncoderDecoderCache and
+    # hands it to every layer; those calls are traced through, so the decoder's frozen
+    # embedding lookup is cached too.
+    assert "model_base_model_model_decoder_embed_tokens" in split.boundary
+    assert not any("kept" in note for note in split.notes)
     assert_trains_from_its_cache(step, split, [batch, _seq2seq_batch(size, seed=1)], tmp_path)
+
+
+def test_lora_llama_with_the_default_use_cache_caches_the_frozen_work(tmp_path):
+    """Before, the ``DynamicCache`` handed to each layer made fx refuse the layer calls, and
+    the whole Llama stayed one stage-2 call: nothing but the token ids was cached."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(tiny_llama_config())
+    lora = _random_lora_b(peft.get_peft_model(model, _lora(task_type="CAUSAL_LM")))
+    step = CausalLanguageModelling(lora)
+    batch = _causal_batch(2)
+    split = split_and_verify(step, batch)
+    assert "model_base_model_model_model_embed_tokens" in split.boundary
+    assert "model.base_model.model.model.embed_tokens" not in stage2_paths(split)
+    assert not any("kept" in note for note in split.notes)
+    assert_trains_from_its_cache(step, split, [batch, _causal_batch(2, seed=1)], tmp_path)
 
 
 # --- gradient checkpointing -----------------------------------------------------------------

@@ -68,6 +68,7 @@ from graphsplit.planning.patching.traced_arguments import (
     record_legacy_constructor,
 )
 from graphsplit.planning.patching.traced_builtins import replace_python_builtins, replace_range
+from graphsplit.planning.patching.traced_values import holds_an_object_fx_cannot_hold
 from graphsplit.planning.rules.checkpoint import CHECKPOINT, CheckpointRegion
 from graphsplit.planning.rules.grad_modes import check_autocast, current_modes, mark_switched
 from graphsplit.planning.rules.random_draws import (
@@ -108,6 +109,7 @@ class StepTracer(fx.Tracer):
         # view's meta twin, its result a meta constant stage 1 could never run with.
         self.proxy_buffer_attributes = True
         self.leaf_names = leaf_names
+        self.through: set[str] = set()  # leaves traced through for this call (call_module)
         self.example_values = example_values
         self.guards: list[Guard] = []
         # __index__ guards and the user instruction that read them (see concrete()).
@@ -139,6 +141,8 @@ class StepTracer(fx.Tracer):
         return super().create_arg(a)
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        if qualified_name in self.through:  # handed an object no node can hold: traced through
+            return False
         return qualified_name in self.leaf_names or super().is_leaf_module(module, qualified_name)
 
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
@@ -164,7 +168,13 @@ class StepTracer(fx.Tracer):
             return module_called(module, lambda: forward(*args, **kwargs), args, kwargs)
         if self.submodule_paths is not None and module not in self.submodule_paths:
             return self._call_foreign_module(module, forward, args, kwargs)
-        return super().call_module(module, forward, args, kwargs)
+        if not holds_an_object_fx_cannot_hold((args, kwargs)):
+            return super().call_module(module, forward, args, kwargs)
+        self.through.add(path := self.path_of_module(module))
+        try:
+            return super().call_module(module, forward, args, kwargs)
+        finally:
+            self.through.discard(path)
 
     def _call_foreign_module(self, module, forward, args, kwargs):
         """A module the step holds nowhere in its tree (``loss_fct = CrossEntropyLoss()``
