@@ -74,3 +74,30 @@ def test_a_layer_handed_a_store_is_traced_through_and_its_frozen_work_cached():
 )
 def test_what_fx_cannot_hold(value, refused):
     assert holds_an_object_fx_cannot_hold(value) is refused
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.key = nn.Linear(4, 4)
+
+    def encode(self, x, store: KeyStore):
+        return store.update(self.key(x))
+
+
+class CallsALeafMethodWithAStore(nn.Module):
+    """A frozen leaf's own method (recorded as one node otherwise) handed the store."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = Encoder().requires_grad_(False)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.encoder.encode(x, KeyStore())).mean()
+
+
+def test_a_leaf_method_handed_a_store_is_traced_through():
+    torch.manual_seed(0)
+    split = split_and_verify(CallsALeafMethodWithAStore(), (batch(2, 4),), path="trace")
+    assert "encoder" not in {name.split(".")[0] for name, _ in split.stage2.named_modules()}

@@ -24,7 +24,10 @@ from typing import Any
 from torch import nn
 
 from graphsplit.planning.patching.patcher import Patcher
-from graphsplit.planning.patching.traced_values import contains_proxy
+from graphsplit.planning.patching.traced_values import (
+    contains_proxy,
+    holds_an_object_fx_cannot_hold,
+)
 
 __all__ = ["is_recording_wrapper", "record_leaf_methods", "wrapped_like"]
 
@@ -114,6 +117,8 @@ def _recording(
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
         if tracer.computing_meta or not contains_proxy((args, kwargs)):
+            return original(*args, **kwargs)
+        if holds_an_object_fx_cannot_hold((args, kwargs)):  # no node could hold it: trace
             return original(*args, **kwargs)
         if inline:
             with tracer.rolled_back_on_error():
