@@ -162,7 +162,7 @@ class CallStage2(nn.Module):
             values = {name: batch[name] for name in names if name in batch}
         else:
             values = {
-                spec.name: spec.decode(batch[spec.name])
+                spec.name: spec.decode(batch.get(spec.name))  # a constant is not in it
                 for spec in plan.inputs
                 if spec.name in batch or spec.kind == "constant"
             }

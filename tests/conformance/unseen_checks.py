@@ -71,3 +71,27 @@ def assert_cache_round_trip(
         compared += 1
     assert compared >= 2
     assert next(cached, None) is None
+
+
+def word_tokenizer(words: Iterable[str], *, eos: str | None = "</s>") -> Any:
+    """A real ``PreTrainedTokenizerFast`` over a word-level vocabulary (no hub download).
+
+    The scripts call their tokenizer on the batch's strings inside the step (``padding=
+    "max_length"``, ``truncation=True``, ``return_tensors="pt"``); this one runs the same
+    transformers code path. Id 0 is ``<pad>``, 1 is ``<unk>``, 2 is ``eos`` when given (appended
+    to every text, as T5's tokenizer appends ``</s>``).
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<unk>"] + ([eos] if eos else [])
+    vocab = {word: index for index, word in enumerate([*specials, *dict.fromkeys(words)])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    if eos:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"$A {eos}", special_tokens=[(eos, vocab[eos])]
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token=eos
+    )
