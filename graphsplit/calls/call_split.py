@@ -155,6 +155,8 @@ def _last(value: Any, batch_size: int) -> Any:
         return value[-1:]
     if isinstance(value, list | tuple) and len(value) == batch_size:
         return list(value[-1:]) if isinstance(value, list) else tuple(value[-1:])
+    if type(value) is dict:  # SDXL's added_cond_kwargs: {"text_embeds": ..., "time_ids": ...}
+        return {key: _last(item, batch_size) for key, item in value.items()}
     return value
 
 
@@ -175,8 +177,8 @@ def _input_boundary(
     for spec in inputs:
         if spec.kind == "constant":
             continue
-        tensor = spec.encode(values[spec.name])
-        boundary[spec.name] = _spec(spec.name, tensor, batch_dim(tensor, batch_size), "input")
+        for key, tensor in spec.crossing(values[spec.name]).items():
+            boundary[key] = _spec(key, tensor, batch_dim(tensor, batch_size), "input")
     return boundary
 
 
