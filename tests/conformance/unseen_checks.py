@@ -58,7 +58,12 @@ def assert_cache_round_trip(
         split, (batch for batch in loader) if as_iterable else loader, folder / "cache"
     )
     dataset = graphsplit.CachedDataset(folder / "cache", split)
-    cached = iter(dataset.loader(batch_size=rows_per_batch, shuffle=False))
+    # Rows in the order they were written (``loader()`` groups the batches by shape).
+    starts = range(0, len(dataset), rows_per_batch)
+    cached = (
+        graphsplit.collate([dataset[row] for row in range(start, start + rows_per_batch)])
+        for start in starts
+    )
     params = [param for param in trainable.parameters() if param.requires_grad]
     assert params
     compared = 0
