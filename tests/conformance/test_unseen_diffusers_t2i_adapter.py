@@ -29,12 +29,13 @@ from tests.conformance.unseen_checks import (  # noqa: E402
 
 
 def build(seed: int = 0):
-    """``main()``'s models (diffusers' own tiny SDXL-adapter test configs) and the loop body."""
+    """``main()``'s models (diffusers' own tiny SDXL-adapter test configs, one layer per
+    block) and the loop body."""
     torch.manual_seed(seed)
     unet = diffusers.UNet2DConditionModel(
         block_out_channels=(32, 64),
-        layers_per_block=2,
-        sample_size=32,
+        layers_per_block=1,
+        sample_size=16,
         in_channels=4,
         out_channels=4,
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
@@ -43,7 +44,7 @@ def build(seed: int = 0):
         use_linear_projection=True,
         addition_embed_type="text_time",
         addition_time_embed_dim=8,
-        transformer_layers_per_block=(1, 2),
+        transformer_layers_per_block=(1, 1),
         projection_class_embeddings_input_dim=80,  # 6 * 8 + 32
         cross_attention_dim=64,
     )
@@ -166,7 +167,7 @@ def build(seed: int = 0):
     return types.SimpleNamespace(step=training_step, adapter=t2iadapter, get_sigmas=get_sigmas)
 
 
-def _batch(size: int, seed: int = 0, resolution: int = 64) -> dict:
+def _batch(size: int, seed: int = 0, resolution: int = 32) -> dict:
     """The script's ``collate_fn`` output: pixels, conditioning images, precomputed prompts."""
     generator = torch.Generator().manual_seed(seed)
     return {
