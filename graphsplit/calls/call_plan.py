@@ -28,7 +28,9 @@ NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
 
 @dataclass(frozen=True)
 class InputSpec:
-    """One parameter of the step: ``kind`` is ``"tensor"``, ``"numbers"`` or ``"constant"``."""
+    """One parameter of the step: ``kind`` is ``"tensor"``, ``"numbers"``, ``"tensors"`` (a
+    dict of batched tensors, SDXL's ``added_cond_kwargs``: each crosses as ``name__key``) or
+    ``"constant"``."""
 
     name: str
     kind: str
@@ -49,6 +51,24 @@ class InputSpec:
             )
         return value
 
+    def crossing(self, value: Any) -> dict[str, Any]:
+        """The boundary entries for this input's ``value``, by boundary key."""
+        if self.kind == "tensors":
+            return {f"{self.name}__{key}": value[key] for key in self.value}
+        return {self.name: self.encode(value)}
+
+    def gather(self, batch: dict[str, Any]) -> Any:
+        """The value stage 2 passes the step, from its batch (a constant is not in it)."""
+        if self.kind == "tensors":
+            return {key: batch[f"{self.name}__{key}"] for key in self.value}
+        return self.decode(batch.get(self.name))
+
+    def present(self, batch: dict[str, Any]) -> bool:
+        """Whether stage 2's batch gives this input (a constant always is)."""
+        if self.kind == "tensors":
+            return all(f"{self.name}__{key}" in batch for key in self.value)
+        return self.name in batch or self.kind == "constant"
+
     def decode(self, value: Any) -> Any:
         """The value stage 2 passes the step for what crossed."""
         if self.kind == "numbers":
@@ -66,10 +86,16 @@ def _same_constant(a: Any, b: Any) -> bool:
         return a is b
 
 
+def _batched(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() >= 1
+
+
 def input_spec(name: str, value: Any) -> InputSpec:
     """How the input ``name`` crosses, from its example value."""
     if isinstance(value, torch.Tensor):
         return InputSpec(name, "tensor")
+    if type(value) is dict and value and all(_batched(item) for item in value.values()):
+        return InputSpec(name, "tensors", dict, value=tuple(value))
     if isinstance(value, list | tuple) and value:
         kinds = {type(item) for item in value}
         if len(kinds) == 1 and next(iter(kinds)) in NUMBER_DTYPES:

@@ -153,15 +153,23 @@ def _last_sample(
 def _last(value: Any, batch_size: int) -> Any:
     if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch_size:
         return value[-1:]
+    if type(value) in (list, tuple) and _holds_tensors(value):  # a webdataset (image, text)
+        return type(value)(_last(item, batch_size) for item in value)
     if isinstance(value, list | tuple) and len(value) == batch_size:
         return list(value[-1:]) if isinstance(value, list) else tuple(value[-1:])
+    if type(value) is dict:  # SDXL's added_cond_kwargs: {"text_embeds": ..., "time_ids": ...}
+        return {key: _last(item, batch_size) for key, item in value.items()}
     return value
 
 
+def _holds_tensors(value: Any) -> bool:
+    return any(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(value))
+
+
 def _batch_size(values: dict[str, Any]) -> int:
-    for value in values.values():
-        if isinstance(value, torch.Tensor) and value.dim() >= 1:
-            return int(value.shape[0])
+    for leaf in torch.utils._pytree.tree_leaves(list(values.values())):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 1:
+            return int(leaf.shape[0])
     for value in values.values():
         if isinstance(value, list | tuple):
             return len(value)
@@ -175,8 +183,8 @@ def _input_boundary(
     for spec in inputs:
         if spec.kind == "constant":
             continue
-        tensor = spec.encode(values[spec.name])
-        boundary[spec.name] = _spec(spec.name, tensor, batch_dim(tensor, batch_size), "input")
+        for key, tensor in spec.crossing(values[spec.name]).items():
+            boundary[key] = _spec(key, tensor, batch_dim(tensor, batch_size), "input")
     return boundary
 
 

@@ -99,7 +99,10 @@ class CallStage1(nn.Module):
         plan: CallPlan = self._plan
         values = plan.bind(args, kwargs)
         crossing = {
-            spec.name: spec.encode(values[spec.name]) for spec in plan.inputs if spec.name in values
+            key: value
+            for spec in plan.inputs
+            if spec.name in values
+            for key, value in spec.crossing(values[spec.name]).items()
         }
         outputs: dict[str, Any] = {}
         last = plan.last
@@ -161,11 +164,7 @@ class CallStage2(nn.Module):
         if names is not None:  # every input crosses as it is: no decoding
             values = {name: batch[name] for name in names if name in batch}
         else:
-            values = {
-                spec.name: spec.decode(batch[spec.name])
-                for spec in plan.inputs
-                if spec.name in batch or spec.kind == "constant"
-            }
+            values = {spec.name: spec.gather(batch) for spec in plan.inputs if spec.present(batch)}
         args, kwargs = plan.call_arguments(values)
         made = self.__dict__.get("_answers")
         if made is None:

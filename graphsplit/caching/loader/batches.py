@@ -70,8 +70,9 @@ class IndexedSource(BatchSource):
     """A DataLoader over a map-style dataset: every batch's dataset indices are known upfront,
     so a process loads only the batches it computes, through a loader built like the user's."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, input_names: Sequence[str]) -> None:
         self.loader = loader
+        self.input_names = tuple(input_names)
         self.index_lists = [list(indices) for indices in loader.batch_sampler]
         self.num_batches = len(self.index_lists)
         self.num_samples = sum(len(indices) for indices in self.index_lists)
@@ -104,6 +105,7 @@ class IndexedSource(BatchSource):
             loader.dataset, batch_sampler=[self.index_lists[j] for j in chosen], **options
         )
         for j, data in zip(chosen, subset):
+            _refuse_rows_per_item(data, self.input_names, self.index_lists[j])
             yield Batch(j, self.index_lists[j], data)
 
     def refuse_reordered_resume(self, finished: Finished, per_shard: int) -> None:
@@ -194,7 +196,7 @@ def source_for(loader: Any, input_names: Sequence[str]) -> BatchSource:
                 ),
             )
         if not isinstance(loader.dataset, IterableDataset) and batch_sampler is not None:
-            return IndexedSource(loader)
+            return IndexedSource(loader, input_names)
     return StreamSource(loader, input_names)
 
 
@@ -273,6 +275,30 @@ def _batch_length(batch: Any, names: Sequence[str]) -> int:
         "cannot tell how many samples a batch holds: it has no 'key' list and no batched tensor "
         f"among {list(names)}.",
         fix=Fix("give each batch a 'key' list"),
+    )
+
+
+def _refuse_rows_per_item(batch: Any, names: Sequence[str], indices: Sequence[int]) -> None:
+    """A map-style loader's samples are named by dataset index, one row each. A collate
+    function that makes several rows of one item (DreamBooth's prior preservation appends each
+    item's class image after the instance images) leaves rows without a name of their own."""
+    values = (
+        as_mapping(batch, [n for n in names if n in batch]) if isinstance(batch, Mapping) else {}
+    )
+    sizes = [v.shape[0] for v in values.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    if not sizes or len(indices) in sizes:  # an unbatched input beside batched ones is fine
+        return
+    rows = int(sizes[0])
+    raise user_error(
+        CacheError,
+        f"a batch holds {rows} rows but its sampler gave {len(indices)} dataset indices "
+        f"({list(indices)[:8]}): the collate function makes other than one row per item (as "
+        "prior preservation's collate_fn does, appending class examples), and a DataLoader's "
+        "cached rows are named by their dataset index.",
+        fix=Fix(
+            "pass the batches as an iterable, graphsplit.cache(split, (batch for batch in "
+            "loader), path): its rows are then numbered as they come"
+        ),
     )
 
 

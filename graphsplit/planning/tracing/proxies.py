@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from graphsplit.artifacts import Guard
-from graphsplit.errors import Fix, SplitError, user_error
+from graphsplit.errors import Fix, SplitError, TraceError, user_error
 from graphsplit.planning.opaque.value_reads import NOT_ANSWERED, Read, answer
 from graphsplit.planning.patching.originals import python_len
 from graphsplit.planning.rules.size_guards import Formatted
@@ -197,6 +197,35 @@ def refuse_a_size_as_key(error: KeyError) -> None:
         fix=Fix(
             "look the value up outside the step (in the data pipeline, passing the result as "
             "an input), or hold the table as a tensor and index it with a tensor"
+        ),
+    ) from error
+
+
+def refuse_traced_text(error: TypeError, example_values: dict[str, Any]) -> None:
+    """A batch field of strings (a list of prompts) is traced, item by item: code that needs
+    the real text (a tokenizer's Rust core) raises ``TypeError`` on a traced item. Refused as
+    a ``TraceError`` at the step's line that passed it (``path="auto"`` then tries the
+    module-level path), not left as the library's bare error."""
+    leaves = torch.utils._pytree.tree_leaves(example_values)
+    if not any(isinstance(leaf, str) for leaf in leaves):
+        return
+    traceback, place, outer = error.__traceback__, None, None
+    while traceback is not None:
+        name = traceback.tb_frame.f_code.co_filename
+        if not is_internal(name):
+            here = frame_location_of(name, traceback.tb_lineno)
+            place = here
+            outer = here if "site-packages" not in name else outer
+        traceback = traceback.tb_next
+    place = outer or place
+    raise user_error(
+        TraceError,
+        f"the step passed a batch field of strings to code that needs the real text ({error}); "
+        "graphsplit traces a batch's strings, so it cannot run that code while tracing.",
+        source=describe(place) if place is not None else None,
+        fix=Fix(
+            "tokenize in the data pipeline (the collate function) and pass the token ids to "
+            "the step, which then encodes them traced and cacheable"
         ),
     ) from error
 

@@ -90,6 +90,7 @@ from graphsplit.planning.tracing.proxies import (
     TracedAttribute,
     TracedValue,
     refuse_a_size_as_key,
+    refuse_traced_text,
     texts_reaching,
 )
 from graphsplit.planning.tracing.rewrites import restore_input_names
@@ -472,6 +473,9 @@ def _trace_graph(
             graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
         except KeyError as error:
             refuse_a_size_as_key(error)
+            raise
+        except TypeError as error:
+            refuse_traced_text(error, example_values)
             raise
     tracer.keep_pending_guards()
     return tracer, graph
