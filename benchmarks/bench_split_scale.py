@@ -14,12 +14,15 @@ maximum resident set size so far.
     python -m benchmarks.bench_split_scale --sizes 50 500 --out /tmp/results
     python -m benchmarks.bench_split_scale --quick --out /tmp/results   # smoke test
     python -m benchmarks.bench_split_scale --sizes 10000 --baseline HEAD~3 --rounds 4
+    python -m benchmarks.bench_split_scale --sizes 10000 --baseline HEAD~3 --rounds 4 --repeated 5
 
 With ``--baseline`` (a git revision or a folder holding a ``graphsplit`` package), each size
 also runs ``--rounds`` pairs of fresh processes, one importing this checkout's graphsplit and
 one the baseline's, alternating which goes first; each splits once after a warm-up, and the
 table gains the median (IQR) of the same-round ratios current / baseline and whether both made
-the same plan (:func:`benchmarks.bench_plan_scale.plan_digest`).
+the same plan (:func:`benchmarks.bench_plan_scale.plan_digest`). With ``--repeated SPLITS`` each
+child instead keeps one split and times SPLITS more in the same process (their median), which is
+where a process that already holds a split pays its full garbage collections.
 
 Writes ``bench_split_scale.json`` and ``bench_split_scale.md`` (a table) to ``--out``.
 """
@@ -108,26 +111,45 @@ def measure(nodes: int, *, rounds: int = 1) -> dict[str, Any]:
     }
 
 
-def measure_once(nodes: int) -> dict[str, Any]:
-    """One timed ``split()`` after a warm-up, and its plan's digest (a baseline child's row)."""
+def measure_once(nodes: int, *, repeated: int = 0) -> dict[str, Any]:
+    """One timed ``split()`` after a warm-up, and its plan's digest (a baseline child's row).
+
+    ``repeated``: instead, one untimed split that the process keeps (as a training script
+    keeps its split), then ``repeated`` timed splits in the same process, as :func:`measure`
+    times them; the row holds their median, each one's seconds, and the kept split's digest.
+    """
     from benchmarks.bench_plan_scale import plan_digest
 
     graphsplit.split(*build_step(10))  # warm-up: first-call costs of torch and fx
     model, args = build_step(nodes)
-    holder: list[Any] = []
-    timings = interleaved({"split": lambda: holder.append(graphsplit.split(model, args))},
-                          rounds=1, warmup=0)  # fmt: skip
+    if repeated:
+        kept = graphsplit.split(model, args)
+        timings = interleaved(
+            {"split": lambda: graphsplit.split(model, args)}, rounds=repeated, warmup=0
+        )
+    else:
+        made: list[Any] = []
+        timings = interleaved(
+            {"split": lambda: made.append(graphsplit.split(model, args))}, rounds=1, warmup=0
+        )
+        kept = made[0]
     return {
         "nodes": nodes,
-        "wall": timings.seconds("split")[0],
-        "cpu": timings.seconds("split", "cpu")[0],
-        "plan_digest": plan_digest(holder[0]),
+        "wall": timings.spread("split").median,
+        "cpu": timings.spread("split", "cpu").median,
+        "cpu_all": timings.seconds("split", "cpu"),
+        "plan_digest": plan_digest(kept),
     }
 
 
-def compare(nodes: int, baseline: Path, *, rounds: int, threads: int) -> dict[str, Any]:
-    """Alternating children of this graphsplit and the baseline's on one graph size."""
+def compare(
+    nodes: int, baseline: Path, *, rounds: int, threads: int, repeated: int = 0
+) -> dict[str, Any]:
+    """Alternating children of this graphsplit and the baseline's on one graph size
+    (``repeated``: each child times that many splits in one process, see :func:`measure_once`)."""
     argv = ["--child", str(nodes), "--threads", str(threads)]
+    if repeated:
+        argv += ["--repeated", str(repeated)]
 
     def measure_child(code: Path | None) -> tuple[float, float, str]:
         row = run_child("benchmarks.bench_split_scale", argv, cwd=code)
@@ -154,11 +176,18 @@ def to_markdown(results: list[dict[str, Any]], where: dict[str, Any]) -> str:
         + markdown_table(header, rows, "rrrrrrrr")
     )
     compared = [
-        (row["nodes"], row["versus_baseline"]) for row in results if "versus_baseline" in row
+        (_label(row["nodes"], row["versus_baseline"]), row["versus_baseline"])
+        for row in results
+        if "versus_baseline" in row
     ]
     if not compared:
         return page
     return f"{page}\n{baseline_table(compared, 'nodes', first_align='r')}"
+
+
+def _label(nodes: int, versus: dict[str, Any]) -> str:
+    repeated = versus.get("repeated")
+    return f"{nodes}, {repeated} repeated splits per child" if repeated else str(nodes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,11 +208,19 @@ def main(argv: list[str] | None = None) -> int:
         help="also time another graphsplit (a git revision, or a folder holding a graphsplit "
         "package) in --rounds alternating pairs of child processes per size",
     )
+    command.add_argument(
+        "--repeated",
+        type=int,
+        default=0,
+        metavar="SPLITS",
+        help="with --baseline: each child keeps one split and times SPLITS more in the same "
+        "process (their median), instead of one split in a fresh process",
+    )
     command.add_argument("--child", type=int, help=argparse.SUPPRESS)
     options = command.parse_args(argv)
     if options.child:
         with torch_threads(options.threads):
-            reply_to_parent(measure_once(options.child))
+            reply_to_parent(measure_once(options.child, repeated=options.repeated))
         return 0
     sizes = options.sizes or (FULL_SIZES if options.full else DEFAULT_SIZES)
     if options.quick:
@@ -208,8 +245,18 @@ def _measure_all(sizes, options: argparse.Namespace, baseline: Path | None) -> i
                 flush=True,
             )
             if baseline is not None:
-                versus = compare(nodes, baseline, rounds=options.rounds, threads=options.threads)
-                row["versus_baseline"] = {"baseline": options.baseline, **versus}
+                versus = compare(
+                    nodes,
+                    baseline,
+                    rounds=options.rounds,
+                    threads=options.threads,
+                    repeated=options.repeated,
+                )
+                row["versus_baseline"] = {
+                    "baseline": options.baseline,
+                    "repeated": options.repeated,
+                    **versus,
+                }
                 print(
                     f"{nodes:>6} nodes: current / baseline CPU {ratio_text(versus['cpu_ratio'])}, "
                     f"same plan: {versus['same_plan']}",

@@ -99,6 +99,30 @@ NOT_RUN: dict[str, str] = {
     "python -m benchmarks.bench_plan_scale --cases sdxl --rounds 5 --baseline 72d9ca5 --out "
     "benchmarks/results": _measurement("3 minutes (SDXL size, with a baseline worktree)"),
     "python -m benchmarks.flow_profile --nodes 10000 --repeat 3": _measurement("20 s"),
+    "python -m benchmarks.bench_split_scale --sizes 10000 --rounds 3 --repeated 4 --baseline "
+    "../wt-gcchain-base --out benchmarks/results": _measurement(
+        "4 minutes, with a baseline worktree"
+    ),
+    "python -m benchmarks.bench_plan_scale --cases sdxl flux --rounds 3 --baseline "
+    "../wt-gcchain-base --out benchmarks/results": _measurement(
+        "6 minutes (SDXL and Flux sizes, with a baseline worktree)"
+    ),
+    "python -m benchmarks.bench_split_scale --sizes 10000 --rounds 5 --baseline "
+    "../wt-gcchain-base --out benchmarks/results": _measurement(
+        "3 minutes, with a baseline worktree"
+    ),
+    "python -m benchmarks.bench_split_scale --sizes 10000 --rounds 4 --repeated 3 --baseline "
+    "../wt-gcchain-base --out benchmarks/results": _measurement(
+        "4 minutes, with a baseline worktree"
+    ),
+    "python -m benchmarks.bench_split_scale --sizes 10000 --rounds 3 --repeated 3 --baseline "
+    "../wt-gcchain-base --out benchmarks/results": _measurement(
+        "3 minutes, with a baseline worktree"
+    ),
+    "python -m benchmarks.bench_plan_scale --cases sdxl flux --rounds 2 --baseline "
+    "../wt-gcchain-base --out benchmarks/results": _measurement(
+        "2 minutes (SDXL and Flux sizes, with a baseline worktree)"
+    ),
     "python -m benchmarks.bench_trainer_live --out benchmarks/results": _measurement("minutes"),
     "python -m benchmarks.bench_trainer_live --samples 256 --teacher 512 --out "
     "benchmarks/results/big": _measurement("minutes"),

@@ -240,22 +240,22 @@ def _trace_once(
     sites: list[OpaqueSite],
     answered: set[str],
 ) -> Traced:
+    is_trainable_call = _trainable_calls(model, trainable)
+
     def reads_trainable(node: fx.Node) -> bool:
-        return _is_trainable_call(node, model, trainable) or (
-            node.op == "get_attr" and node.target in trainable
-        )
+        return is_trainable_call(node) or (node.op == "get_attr" and node.target in trainable)
 
     run = ExampleRun(model, examples, trainable, reads_trainable)  # real weights: before the view
     with analysis_view(model):
 
         def recorded(node: fx.Node) -> bool:
-            return not _is_trainable_call(node, model, trainable)
+            return not is_trainable_call(node)
 
         traced = _trace_with_opaque_calls(model, examples, leaves, recorded, run, sites, answered)
         insert_codecs(traced.graph)
         if examples.batch_sizes == ONE_SAMPLE:
             _check_one_sample_inputs(traced.graph, examples)
-        calls = frozenset(n for n in traced.graph.nodes if _is_trainable_call(n, model, trainable))
+        calls = frozenset(n for n in traced.graph.nodes if is_trainable_call(n))
         analyze(traced, model, examples, trainable_calls=calls)
     if examples.batch_sizes == ONE_SAMPLE:
         _one_sample_facts(traced.graph)
@@ -423,13 +423,29 @@ def _one_sample_facts(graph: fx.Graph) -> None:
         node.meta["facts"] = new
 
 
-def _is_trainable_call(node: fx.Node, model: nn.Module, trainable: frozenset[str]) -> bool:
-    """A call into a module that holds a trainable parameter: it runs in stage 2 regardless."""
-    owner = module_owner(node)
-    if owner is None:
-        return False
-    module = model.get_submodule(owner.target)
-    return any(name in trainable for name, _ in module.named_parameters(prefix=owner.target))
+def _trainable_calls(model: nn.Module, trainable: frozenset[str]) -> Callable[[fx.Node], bool]:
+    """Whether a node is a call into a module that holds a trainable parameter (it runs in
+    stage 2 regardless), answered once per module path.
+
+    Asked for every node twice (while traced, and of the traced graph); a path names one
+    module for the whole plan (stage code calls it by that path), so its answer is kept:
+    walking a module's parameters per node was a cost of its own on long chains.
+    """
+    known: dict[str, bool] = {}
+
+    def is_trainable_call(node: fx.Node) -> bool:
+        owner = module_owner(node)
+        if owner is None:
+            return False
+        path = owner.target
+        answer = known.get(path)
+        if answer is None:
+            module = model.get_submodule(path)
+            answer = any(name in trainable for name, _ in module.named_parameters(prefix=path))
+            known[path] = answer
+        return answer
+
+    return is_trainable_call
 
 
 def _initial_leaves(model: nn.Module) -> frozenset[str]:

@@ -69,3 +69,14 @@ def test_baseline_run_compares_alternating_children_and_their_plans(tmp_path):
         assert set(versus["timings"][clock]) == {"current", "baseline"}
         assert versus[f"{clock}_ratio"]["count"] == 1 and versus[f"{clock}_ratio"]["median"] > 0
     assert "Against the baseline" in (tmp_path / "bench_split_scale.md").read_text()
+
+
+def test_repeated_children_time_several_splits_in_one_process(tmp_path):
+    row = bench_split_scale.measure_once(10, repeated=3)
+    assert len(row["cpu_all"]) == 3 and row["cpu"] == sorted(row["cpu_all"])[1]
+    argv = ["--sizes", "10", "--rounds", "1", "--repeated", "2", "--baseline", str(REPOSITORY)]
+    assert bench_split_scale.main([*argv, "--out", str(tmp_path)]) == 0
+    (result,) = json.loads((tmp_path / "bench_split_scale.json").read_text())["results"]
+    versus = result["versus_baseline"]
+    assert versus["repeated"] == 2 and versus["same_plan"] is True
+    assert "10, 2 repeated splits per child" in (tmp_path / "bench_split_scale.md").read_text()

@@ -98,28 +98,18 @@ def analyze(
     for node in traced.graph.nodes:
         if node.op == "output":
             continue
-        if node in skip:  # runs in stage 2 whatever it is: shape and type are enough
-            facts = _value_facts(first.env[node], first.env[node], batch_sizes, depends[node])
-            facts = replace(facts, batch_layout=BatchLayout.UNKNOWN, batch_dim=None)
-            facts = replace(facts, bytes_per_sample=0)
-        else:
-            facts = _value_facts(first.env[node], second.env[node], batch_sizes, depends[node])
-        if facts.per_sample and not facts.depends_on_data:
-            # Follows the batch size but not the data (torch.arange(B), torch.zeros(B, ...)):
-            # a row belongs to a position in the batch, not to a sample, so it is not cached.
-            facts = replace(
-                facts, batch_layout=BatchLayout.UNKNOWN, batch_dim=None, bytes_per_sample=0
-            )
+        skipped = node in skip  # runs in stage 2 whatever it is: shape and type are enough
         record = first.records.get(node, _NOTHING_RECORDED)
         mixing = None
-        if node not in skip:
+        if not skipped:
             mixing = mixing_of(record.ops, second.records.get(node, _NOTHING_RECORDED).ops)
-        if mixing is None and _constant_from_data(facts):
-            mixing = Mixing(MixingCause.NO_BATCH_DIM)
-        node.meta["facts"] = replace(
-            facts,
-            flops=record.flops,
-            random_ops=tuple(sorted({op.name for op in record.ops if op.draws_random})),
+        node.meta["facts"] = _node_facts(
+            first.env[node],
+            first.env[node] if skipped else second.env[node],
+            batch_sizes,
+            depends_on_data=depends[node],
+            skipped=skipped,
+            record=record,
             mixing=mixing,
         )
 
@@ -254,15 +244,26 @@ def _reads_only_metadata_of_first(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in _METADATA_FUNCTIONS
 
 
-def _constant_from_data(facts: NodeFacts) -> bool:
-    """A tensor computed from the batch's data that has no batch dim: it mixes the samples."""
-    return facts.depends_on_data and facts.is_tensor and facts.batch_layout is BatchLayout.CONSTANT
-
-
-def _value_facts(
-    value_a: Any, value_b: Any, batch_sizes: tuple[int, int], depends_on_data: bool
+def _node_facts(
+    value_a: Any,
+    value_b: Any,
+    batch_sizes: tuple[int, int],
+    *,
+    depends_on_data: bool,
+    skipped: bool,
+    record: OpRecord,
+    mixing: Mixing | None,
 ) -> NodeFacts:
-    """Facts read off a node's values at the two batch sizes (its ops are added later)."""
+    """A node's facts, read off its values at the two batch sizes and its first run's ops.
+
+    Built once per node (10k nodes make ``dataclasses.replace`` of a draft a cost of its own).
+    ``skipped``: the second run skipped the node (``value_b`` is then ``value_a``), so no
+    layout is known; ``mixing``: what :func:`mixing_of` found in the two runs' ops.
+    """
+    ops = {
+        "flops": record.flops,
+        "random_ops": tuple(sorted({op.name for op in record.ops if op.draws_random})),
+    }
     if not isinstance(value_a, torch.Tensor) or not isinstance(value_b, torch.Tensor):
         return NodeFacts(
             is_tensor=False,
@@ -278,8 +279,19 @@ def _value_facts(
                 type(value_a) is int and type(value_b) is int and (value_a, value_b) == batch_sizes
             ),
             number=fixed_number(value_a, value_b),
+            mixing=mixing,
+            **ops,
         )
-    layout, batch_dim = batch_layout_of(tuple(value_a.shape), tuple(value_b.shape), batch_sizes)
+    layout, batch_dim = BatchLayout.UNKNOWN, None
+    if not skipped:
+        layout, batch_dim = batch_layout_of(tuple(value_a.shape), tuple(value_b.shape), batch_sizes)
+    if layout is BatchLayout.PER_SAMPLE and not depends_on_data:
+        # Follows the batch size but not the data (torch.arange(B), torch.zeros(B, ...)):
+        # a row belongs to a position in the batch, not to a sample, so it is not cached.
+        layout, batch_dim = BatchLayout.UNKNOWN, None
+    if mixing is None and depends_on_data and layout is BatchLayout.CONSTANT:
+        # A tensor computed from the batch's data that has no batch dim: it mixes the samples.
+        mixing = Mixing(MixingCause.NO_BATCH_DIM)
     total = value_a.numel() * value_a.element_size()
     return NodeFacts(
         is_tensor=True,
@@ -291,6 +303,8 @@ def _value_facts(
         bytes_per_sample=total // batch_sizes[0] if layout is BatchLayout.PER_SAMPLE else 0,
         total_bytes=total,
         depends_on_data=depends_on_data,
+        mixing=mixing,
+        **ops,
     )
 
 

@@ -41,7 +41,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from graphsplit.planning.patching.leaf_methods import is_recording_wrapper
-from graphsplit.planning.patching.originals import PLAIN_VALUE_TYPES, python_isinstance
+from graphsplit.planning.patching.originals import (
+    PLAIN_VALUE_TYPES,
+    python_isinstance,
+    python_range,
+)
 
 # Hook tables that run around forward (``Module._call_impl`` reads them): a module or any
 # module under it with one of them set is always run. State-dict hooks play no part in a call.
@@ -284,25 +288,36 @@ def _wrapped_method(module: nn.Module, wrapper: FunctionType) -> Any:
 
 def global_state() -> tuple:
     """Torch's global switches an op's result depends on; ``TypeError`` while a global module
-    hook is registered (it would run in every module call a repeat skips)."""
-    if any(map(len, _GLOBAL_HOOKS)):
+    hook is registered (it would run in every module call a repeat skips).
+
+    Asked for every node whose arguments were met before (10k times on a 10k-node chain), so
+    torch's queries are bound once, before a trace replaces ``torch.is_autocast_enabled`` and
+    Python's ``len`` and ``range`` with Python wrappers that answer these same values here.
+    """
+    if any(_GLOBAL_HOOKS):
         raise TypeError("a global module hook")
+    depth = _function_stack_depth()
     return (
-        torch.is_grad_enabled(),
-        torch.is_inference_mode_enabled(),
-        torch.get_default_dtype(),
-        torch.is_autocast_enabled("cpu"),
-        torch.is_autocast_enabled("cuda"),
-        torch.get_autocast_dtype("cpu"),
-        torch.get_autocast_dtype("cuda"),
-        torch._C._len_torch_function_stack(),
-        tuple(
-            type(torch._C._get_function_stack_at(i))
-            for i in range(torch._C._len_torch_function_stack())
-        ),
+        _is_grad_enabled(),
+        _is_inference_mode_enabled(),
+        _get_default_dtype(),
+        _is_autocast_enabled("cpu"),
+        _is_autocast_enabled("cuda"),
+        _get_autocast_dtype("cpu"),
+        _get_autocast_dtype("cuda"),
+        depth,
+        tuple([type(_function_mode_at(i)) for i in python_range(depth)]) if depth else (),
     )
 
 
+_is_grad_enabled = torch.is_grad_enabled
+_is_inference_mode_enabled = torch.is_inference_mode_enabled
+_get_default_dtype = torch.get_default_dtype
+_is_autocast_enabled = torch.is_autocast_enabled
+_get_autocast_dtype = torch.get_autocast_dtype
+_function_stack_depth = torch._C._len_torch_function_stack
+_function_mode_at = torch._C._get_function_stack_at
+# The global hook tables (dicts torch fills in place): a non-empty one is a hook.
 _GLOBAL_HOOKS = tuple(
     getattr(torch.nn.modules.module, name)
     for name in (
