@@ -7,13 +7,11 @@ Glossary:
         Modules that mix both are traced into when :func:`trace_step` is asked to.
     leaf method call: ``vae.encode(x)`` on a leaf module, recorded as ``get_attr(vae)`` followed
         by ``call_method(encode)``, just like ``forward`` (see
-        :mod:`graphsplit.planning.patching.leaf_methods`); methods of a mixed module
-        (``dit.patchify(x)``) are traced into instead.
+        :mod:`graphsplit.planning.patching.leaf_methods`); a mixed module's methods are traced into.
     meta value: every node carries ``node.meta["val"]``, the value its op produced on ``meta``
-        tensors (computed by
-        :class:`~graphsplit.planning.meta.tracing_interpreter.TracingInterpreter`). Python control
-        flow on shapes, ranks, dtypes and devices reads these values; control flow on tensor
-        *values* raises :class:`~graphsplit.errors.TraceError`.
+        tensors (:class:`~graphsplit.planning.meta.tracing_interpreter.TracingInterpreter`).
+        Control flow on shapes, ranks, dtypes, devices reads these; on tensor *values* it
+        raises :class:`~graphsplit.errors.TraceError`.
     guard: a Python value the trace read from a meta value (a ``len``, ``bool``, ``int``,
         ``__index__``), kept so the analysis can check it does not change with the batch size;
         also listed in ``node.meta["guards"]``, where stage 2 finds the sizes to recheck
