@@ -343,3 +343,45 @@ def test_stage_holding_a_meta_parameter_refuses_to_run():
     model.head.to("meta")
     with pytest.raises(MetaParameterError, match=r"'head\.weight'"):
         split.stage2(**boundary)
+
+
+class _TupleBatchStep(nn.Module):
+    """A webdataset-style step: the batch is one ``(image, label)`` tuple parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(4, 4).requires_grad_(False)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, batch):
+        image, target = batch
+        return F.mse_loss(self.head(self.encoder(image)), target)
+
+
+def test_a_tuple_batch_is_refused_naming_the_field_and_the_unpacking_fix():
+    step = _TupleBatchStep()
+    with pytest.raises(SplitError) as caught:
+        graphsplit.split(step, args=((torch.randn(2, 4), torch.randn(2, 1)),), path="trace")
+    message = str(caught.value)
+    assert "inside a list or tuple (batch)" in message
+    assert "unpack the tuple into the step's parameters" in message_lines(caught.value)["fix"]
+    # The default path goes on to the module-level path, which takes the tuple as it is.
+    batch_args = ((torch.randn(3, 4), torch.randn(3, 1)),)
+    split = graphsplit.split(step, args=batch_args)
+    assert "module-level path" in split.report().splitlines()[0]
+    graphsplit.verify(step, split, batch_args)
+
+
+def test_a_batch_without_any_batched_tensor_is_refused_with_the_fix():
+    class Step(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(()))
+
+        def forward(self, scale):
+            return self.weight * scale
+
+    with pytest.raises(SplitError) as caught:
+        graphsplit.split(Step(), args=(torch.tensor(2.0),), path="trace")
+    assert "holds no tensor with a batch dimension" in str(caught.value)
+    assert "pass at least one batched tensor" in message_lines(caught.value)["fix"]

@@ -120,6 +120,25 @@ def _example_batch_size(inputs: dict[str, Any]) -> int:
     for value in inputs.values():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             return int(value.shape[0])
+    nested = [
+        name
+        for name, value in inputs.items()
+        if type(value) in (list, tuple)
+        and any(
+            isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(list(value))
+        )
+    ]
+    if nested:  # a webdataset-style ``(image, text)`` batch: its fields have no names to bind
+        raise user_error(
+            SplitError,
+            f"The example batch holds its tensors inside a list or tuple ({', '.join(nested)}): "
+            "the whole-step trace binds one batch field per step parameter (or per key of a "
+            "dict batch), so it finds no batched tensor.",
+            fix=Fix(
+                "unpack the tuple into the step's parameters (def step(image, text): ..., "
+                "called with args=(image, text)) or make the batch a dict of named fields"
+            ),
+        )
     raise user_error(
         SplitError,
         "The example batch holds no tensor with a batch dimension.",
