@@ -113,7 +113,12 @@ def test_packed_image_patches_are_refused_naming_the_line_and_both_paths():
         graphsplit.split(step, batch)
     trace_refusal = str(caught.value)
     assert line_of(VisionLanguageSFT.forward, "return self.model(") in trace_refusal
-    assert "tolist()" in trace_refusal  # the whole-step trace: a value read inside the model
+    # The whole-step trace: a value read inside the model, typed as one, naming the library's
+    # line (transformers' own .tolist() of the image grid), not "make the step device-agnostic".
+    assert "The step reads the value of a tensor (Tensor.tolist() reads" in trace_refusal
+    read_at = trace_refusal.split("reads the tensor's values, at ", 1)[1].split("\n")[0]
+    assert "transformers" in read_at and "tolist()" in read_at
+    assert "device-agnostic" not in trace_refusal
     assert "fix:" in trace_refusal
     # The note says the module-level path refused too; its own error (the cause, printed
     # with the traceback) gives each frozen call's reason and its fix.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import pytest
@@ -16,7 +17,11 @@ from torch._subclasses.fake_tensor import (
 
 from graphsplit.errors import TensorValueError, TraceError
 from graphsplit.planning.meta.analysis_view import analysis_view
-from graphsplit.planning.meta.meta_failures import meta_failure, reads_values
+from graphsplit.planning.meta.meta_failures import (
+    TensorMethodValueRead,
+    meta_failure,
+    reads_values,
+)
 from graphsplit.planning.meta.tracing_interpreter import TracingInterpreter
 
 
@@ -98,3 +103,56 @@ def test_meta_failure_decides_by_type():
     op = torch.ops.aten._local_scalar_dense.default
     assert type(meta_failure(node, DataDependentOutputException(op))) is TensorValueError
     assert type(meta_failure(node, RuntimeError("a.item() and b.tolist()"))) is TraceError
+
+
+def lists_a_plain_meta_tensor(x: torch.Tensor) -> list:
+    """``tolist()`` in a library's Python on a plain meta tensor (the fake mode set aside, as
+    for a module called whole): the method itself refuses with a ``RuntimeError`` about
+    storage, past the ATen ops a value read is typed at."""
+    with unset_fake_temporarily():
+        sizes = torch.ones(2, 3, dtype=torch.long, device="meta")
+        return sizes.tolist()  # the read
+
+
+def arrays_a_plain_meta_tensor(x: torch.Tensor) -> object:
+    with unset_fake_temporarily():
+        sizes = torch.ones(2, 3, dtype=torch.long, device="meta")
+        return sizes.numpy()  # the read
+
+
+@pytest.mark.parametrize(
+    ("function", "method"),
+    [(lists_a_plain_meta_tensor, "tolist"), (arrays_a_plain_meta_tensor, "numpy")],
+)
+def test_a_value_method_on_a_plain_meta_tensor_is_a_value_read_naming_its_line(function, method):
+    with pytest.raises(TensorValueError) as caught:
+        _meta_run(function, torch.empty(3, device="meta"))
+    typed = caught.value.__cause__
+    assert type(typed) is TensorMethodValueRead
+    assert isinstance(typed, DataDependentOutputException)  # a value read by its type
+    assert typed.method == method
+    line = f"{_line_of(function, '# the read')}  return sizes.{method}()  # the read"
+    assert caught.value.reason.startswith(
+        f"The step reads the value of a tensor (Tensor.{method}() reads the tensor's values, "
+        f"at {line})"
+    )
+    assert "storage" not in str(caught.value)  # the method's own untyped words are not shown
+
+
+def _line_of(function: Callable[..., object], marker: str) -> str:
+    """``tests/planning/test_meta_failures.py:N``: the line of ``function`` holding ``marker``."""
+    lines, first = inspect.getsourcelines(function)
+    offset = next(index for index, text in enumerate(lines) if marker in text)
+    return f"tests/planning/test_meta_failures.py:{first + offset}"
+
+
+def test_a_value_method_on_a_real_tensor_is_left_alone():
+    """Only a meta tensor's read is refused: ``tolist()`` of a real tensor the code holds
+    (a table made before the analysis) still answers."""
+    table = torch.arange(3)
+
+    def lists_a_real_tensor(x: torch.Tensor) -> torch.Tensor:
+        assert table.tolist() == [0, 1, 2]
+        return x
+
+    assert _meta_run(lists_a_real_tensor, torch.empty(3, device="meta")).shape == (3,)

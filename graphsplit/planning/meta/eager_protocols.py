@@ -10,6 +10,11 @@ Glossary:
         torch reads the index's value (``.item()``) and selects that row; a fake tensor has no
         value. Only the shape matters here, and every row has the same shape, so the analysis
         selects row 0. The graph keeps the ``getitem`` node as written: stages index by value.
+    value method: ``x.tolist()``, ``x.numpy()``. Unlike ``.item()`` they read values in Python,
+        past the ATen ops the meta run types its failures at, and on meta fail with a plain
+        ``RuntimeError`` about storage. Here they raise the typed value read
+        (:class:`~graphsplit.planning.meta.meta_failures.TensorMethodValueRead`), so the step
+        is refused (or the code around them retried) as for ``.item()``.
 
 In: nothing. Out: a context manager, entered inside
 :func:`~graphsplit.planning.meta.analysis_view.meta_execution` wherever the analysis runs a node:
@@ -26,8 +31,12 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from graphsplit.planning.meta.meta_failures import TensorMethodValueRead
+from graphsplit.planning.rules.user_lines import current_line
+
 _META = torch.device("meta")
 _INDEXING = frozenset({torch.Tensor.__getitem__, torch.Tensor.__setitem__})
+_VALUE_METHODS = {torch.Tensor.tolist: "tolist", torch.Tensor.numpy: "numpy"}
 
 
 def _is_device(value: Any) -> bool:
@@ -75,7 +84,8 @@ def _zero_dim_as_int(index: Any) -> Any:
 
 
 class _EagerProtocolsOnMeta(TorchFunctionMode):
-    """Device moves stay on meta; 0-dim integer indices select by shape (see the glossary)."""
+    """Device moves stay on meta; 0-dim integer indices select by shape; value methods are
+    typed value reads (see the glossary)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -86,6 +96,8 @@ class _EagerProtocolsOnMeta(TorchFunctionMode):
             return args[0].to(_META, non_blocking=non_blocking)
         elif func in _INDEXING:
             args = (args[0], _zero_dim_as_int(args[1]), *args[2:])
+        elif func in _VALUE_METHODS and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            raise TensorMethodValueRead(_VALUE_METHODS[func], current_line())
         return func(*args, **kwargs)
 
 

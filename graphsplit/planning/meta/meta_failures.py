@@ -48,6 +48,22 @@ VALUE_READ_FAILURES: tuple[type[Exception], ...] = (
 )
 
 
+class TensorMethodValueRead(DataDependentOutputException):
+    """A tensor method that reads values in Python, not through an ATen op (``tolist()``,
+    ``numpy()``), called on a meta tensor: raised by the eager protocols on meta
+    (:mod:`~graphsplit.planning.meta.eager_protocols`), where the method itself would fail with
+    a plain ``RuntimeError`` about storage. Typed as the op it stands for, so it is a value
+    read like ``.item()``. ``line`` is where it was called (``file:line  code``), often inside
+    a library's model, below the step's line the error names."""
+
+    def __init__(self, method: str, line: str) -> None:
+        super().__init__(torch.ops.aten._local_scalar_dense.default)
+        self.method, self.line = method, line
+
+    def __str__(self) -> str:
+        return f"Tensor.{self.method}() reads the tensor's values, at {self.line}"
+
+
 def reads_values(func: Any) -> bool:
     """Whether the ATen op ``func`` needs its inputs' values (by its tags, once per op)."""
     known = _READS_VALUES.get(func)
