@@ -7,7 +7,9 @@ line) and a fix; errors about the arguments name the offending argument and a fi
 from __future__ import annotations
 
 import inspect
+import math
 import random
+import re
 
 import numpy
 import pytest
@@ -385,3 +387,57 @@ def test_a_batch_without_any_batched_tensor_is_refused_with_the_fix():
         graphsplit.split(Step(), args=(torch.tensor(2.0),), path="trace")
     assert "holds no tensor with a batch dimension" in str(caught.value)
     assert "pass at least one batched tensor" in message_lines(caught.value)["fix"]
+
+
+def _clean_caption(caption: str) -> str:
+    """Caption cleaning as DeepFloyd's and PixArt's scripts do it: a regex needs real text."""
+    return re.sub(r"\s+", " ", caption).strip()
+
+
+class _CaptionStep(nn.Module):
+    """A step that cleans its batch's captions (or only counts them) before encoding."""
+
+    def __init__(self, scale: object = 2.0, *, clean: bool = True) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(4, 4).requires_grad_(False)
+        self.head = nn.Linear(4, 1)
+        self.scale, self.clean = scale, clean
+
+    def forward(self, batch):
+        captions = batch["caption"]
+        if self.clean:
+            captions = [_clean_caption(text) for text in captions]
+        features = _scaled(self.encoder(batch["x"]), self.scale)
+        return self.head(features).mean() + 0 * len(captions)
+
+
+def _scaled(features: torch.Tensor, scale: object) -> torch.Tensor:
+    return features * math.sqrt(scale)
+
+
+def _caption_batch() -> dict:
+    return {"x": torch.randn(2, 4), "caption": ["a  cat", "a dog "]}
+
+
+def test_batch_strings_reaching_code_that_needs_real_text_are_refused_at_the_users_line():
+    with pytest.raises(TraceError) as caught:
+        graphsplit.split(_CaptionStep(), args=(_caption_batch(),), path="trace")
+    message = str(caught.value)
+    assert message.startswith(
+        "the step passed a batch field of strings to code that needs the real text "
+    )
+    assert line_of(_clean_caption, 're.sub(r"\\s+"') in message
+    assert "tokenize in the data pipeline" in message_lines(caught.value)["fix"]
+    assert type(caught.value.__cause__) is TypeError  # the library's own error, kept
+
+
+def test_another_type_error_in_a_step_whose_batch_holds_strings_keeps_its_own_message():
+    """The user's own bug (``math.sqrt`` of a string scale) is not a text-tracing refusal
+    because the batch happens to hold captions: it is the error eager gives."""
+    step = _CaptionStep(scale="2", clean=False)
+    with pytest.raises(TypeError) as eager:
+        step(_caption_batch())
+    with pytest.raises(TypeError) as caught:
+        graphsplit.split(step, args=(_caption_batch(),), path="trace")
+    assert type(caught.value) is TypeError
+    assert str(caught.value) == str(eager.value)

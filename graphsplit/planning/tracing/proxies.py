@@ -210,6 +210,11 @@ def refuse_traced_text(error: TypeError, example_values: dict[str, Any]) -> None
     if not any(isinstance(leaf, str) for leaf in leaves):
         return
     traceback, place, outer = error.__traceback__, None, None
+    innermost = traceback
+    while innermost is not None and innermost.tb_next is not None:
+        innermost = innermost.tb_next
+    if innermost is None or not _holds_traced_text(innermost.tb_frame.f_locals):
+        return  # the code that raised was handed no traced text: another TypeError
     while traceback is not None:
         name = traceback.tb_frame.f_code.co_filename
         if not is_internal(name):
@@ -228,6 +233,26 @@ def refuse_traced_text(error: TypeError, example_values: dict[str, Any]) -> None
             "the step, which then encodes them traced and cacheable"
         ),
     ) from error
+
+
+def _holds_traced_text(names: dict[str, Any]) -> bool:
+    """Whether a frame's locals hold a traced batch string (or a list of them), directly or
+    one container deep: what code that needs the real text was handed. Told by the proxy's
+    type and its meta value, so a ``TypeError`` of other code in a step whose batch also
+    holds strings keeps its own message."""
+    for value in names.values():
+        kind = type(value)
+        items = value.values() if issubclass(kind, dict) else value
+        for item in items if issubclass(kind, (list, tuple, dict)) else (value,):
+            if issubclass(type(item), TracedValue) and _is_text(item.node.meta.get("val")):
+                return True
+    return False
+
+
+def _is_text(value: Any) -> bool:
+    if issubclass(type(value), (list, tuple)):  # fx keeps a list as its immutable_list
+        return any(issubclass(type(item), str) for item in value)
+    return issubclass(type(value), str)
 
 
 def texts_reaching(texts: list[Guard], arguments: Any) -> list[Guard]:
