@@ -69,8 +69,12 @@ def test_memory_layout_of_stage1_outputs_survives_the_cache(tmp_path):
     assert torch.equal(mixed[1], collate([cached[4]])["latents"][0])
     odd = cached[1]
     odd.dim_orders = ((0, 3, 1, 2),)
-    with pytest.raises(CacheError, match="stored in different memory layouts"):
+    with pytest.raises(CacheError, match="stored in different memory layouts") as caught:
         collate([cached[0], odd])
+    # The message names each layout's samples, the cause and the fix.
+    message = str(caught.value)
+    assert f"for {cached[0]['key']!r}" in message and f"for {odd['key']!r}" in message
+    assert "batches of different sizes" in message and "drop_last=True" in message
 
 
 def channels_last_strides(shape):
