@@ -144,6 +144,23 @@ def test_duplicate_keys_are_refused(split, tmp_path):
         cache(split, batches, tmp_path, progress=False)
 
 
+class _UnshardedStream(torch.utils.data.IterableDataset):
+    """Ignores get_worker_info(): every worker of a DataLoader yields every sample."""
+
+    def __iter__(self):
+        pictures = Pictures(2)
+        return (pictures[index] for index in range(len(pictures)))
+
+
+def test_repeated_keys_from_unsharded_workers_name_the_workers_and_the_fix(split, tmp_path):
+    streamed = torch.utils.data.DataLoader(_UnshardedStream(), batch_size=2, num_workers=2)
+    with pytest.raises(CacheError, match="sample key 'pic000' twice") as caught:
+        cache(split, streamed, tmp_path, progress=False)
+    message = str(caught.value)
+    assert "runs 2 workers over an IterableDataset" in message
+    assert "get_worker_info()" in message and "num_workers=0" in message
+
+
 # ------------------------------------------------------------------------ durability and cost
 
 
