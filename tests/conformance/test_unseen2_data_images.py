@@ -340,3 +340,32 @@ def test_the_cache_read_back_shuffled_trains_as_the_step_on_those_samples(split,
     assert orders[0] != orders[1]
     written = [[images[i]["key"] for i in range(s, s + 4)] for s in (0, 4)]
     assert orders[0] != written
+
+
+# --- streaming with workers --------------------------------------------------------------------
+
+
+class ShardedStream(StreamedImages):
+    """A streaming dataset that gives each worker its own samples, as the torch docs say to."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        for index in range(start, len(self.images), step):
+            yield self.images[index]
+
+
+@pytest.mark.slow
+def test_streaming_with_two_workers(split, tmp_path):
+    """Sharded per worker, the batches come from the workers in turn: cached in that order.
+    Not sharded, every worker yields every sample: cache() refuses the repeated keys."""
+    loader = DataLoader(ShardedStream(8), batch_size=2, num_workers=2)
+    keys = [f"sample-{index:06d}" for index in (0, 2, 1, 3, 4, 6, 5, 7)]
+    assert_cache_round_trip(
+        split, training_step, loader, tmp_path / "cache", PARAMS, expected_keys=keys
+    )
+    repeated = DataLoader(StreamedImages(2), batch_size=2, num_workers=2)
+    with pytest.raises(CacheError, match="sample key 'sample-000000' twice") as caught:
+        graphsplit.cache(split, repeated, tmp_path / "repeated", progress=False)
+    message = str(caught.value)
+    assert "2 workers over an IterableDataset" in message and "get_worker_info()" in message
