@@ -69,8 +69,12 @@ def test_memory_layout_of_stage1_outputs_survives_the_cache(tmp_path):
     assert torch.equal(mixed[1], collate([cached[4]])["latents"][0])
     odd = cached[1]
     odd.dim_orders = ((0, 3, 1, 2),)
-    with pytest.raises(CacheError, match="stored in different memory layouts"):
+    with pytest.raises(CacheError, match="stored in different memory layouts") as caught:
         collate([cached[0], odd])
+    # The message names each layout's samples, the cause and the fix.
+    message = str(caught.value)
+    assert f"for {cached[0]['key']!r}" in message and f"for {odd['key']!r}" in message
+    assert "batches of different sizes" in message and "drop_last=True" in message
 
 
 def channels_last_strides(shape):
@@ -138,6 +142,23 @@ def test_duplicate_keys_are_refused(split, tmp_path):
     batches[1]["key"] = batches[0]["key"]
     with pytest.raises(CacheError, match=r"(?s)sample key 'pic000' twice.*unique 'key'"):
         cache(split, batches, tmp_path, progress=False)
+
+
+class _UnshardedStream(torch.utils.data.IterableDataset):
+    """Ignores get_worker_info(): every worker of a DataLoader yields every sample."""
+
+    def __iter__(self):
+        pictures = Pictures(2)
+        return (pictures[index] for index in range(len(pictures)))
+
+
+def test_repeated_keys_from_unsharded_workers_name_the_workers_and_the_fix(split, tmp_path):
+    streamed = torch.utils.data.DataLoader(_UnshardedStream(), batch_size=2, num_workers=2)
+    with pytest.raises(CacheError, match="sample key 'pic000' twice") as caught:
+        cache(split, streamed, tmp_path, progress=False)
+    message = str(caught.value)
+    assert "runs 2 workers over an IterableDataset" in message
+    assert "get_worker_info()" in message and "num_workers=0" in message
 
 
 # ------------------------------------------------------------------------ durability and cost

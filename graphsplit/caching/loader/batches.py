@@ -16,6 +16,7 @@ In and out::
         .batches(wanted, finished, batches_per_shard) -> Iterator[Batch]
         .refuse_reordered_resume(finished, batches_per_shard)
     as_mapping(batch, names) -> {name: value}         batch_keys(batch, positions) -> [key]
+    unsharded_workers(source) -> int   # workers of a DataLoader over an IterableDataset
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from graphsplit.caching.format.layout import ShardProgress
 from graphsplit.errors import CacheError, Fix, Remedy, StaleCacheError, user_error
 
-__all__ = ["Batch", "BatchSource", "as_mapping", "batch_keys", "source_for"]
+__all__ = ["Batch", "BatchSource", "as_mapping", "batch_keys", "source_for", "unsharded_workers"]
 
 Wanted = Callable[[int], bool]  # whether this process computes the batch of that index
 Finished = Mapping[int, ShardProgress]  # the finished shards of an interrupted run, by index
@@ -198,6 +199,18 @@ def source_for(loader: Any, input_names: Sequence[str]) -> BatchSource:
         if not isinstance(loader.dataset, IterableDataset) and batch_sampler is not None:
             return IndexedSource(loader, input_names)
     return StreamSource(loader, input_names)
+
+
+def unsharded_workers(source: BatchSource) -> int:
+    """The number of worker processes of a DataLoader over an IterableDataset (0 otherwise):
+    each runs the dataset's own ``__iter__``, so one that ignores ``get_worker_info()`` gives
+    every sample once per worker, which a repeated key reveals."""
+    from torch.utils.data import DataLoader, IterableDataset
+
+    loader = getattr(source, "loader", None)
+    if isinstance(loader, DataLoader) and isinstance(loader.dataset, IterableDataset):
+        return loader.num_workers if loader.num_workers > 1 else 0
+    return 0
 
 
 def as_mapping(batch: Any, names: Sequence[str]) -> dict[str, Any]:

@@ -176,13 +176,27 @@ def _batch_order(
     within = {None if order is None else row_order(order, batch_dim) for order in orders}
     within = {None if order == tuple(sorted(order or ())) else order for order in within}
     if len(within) > 1:
+        by_layout: dict[str, list[str]] = {}
+        for item, order in zip(items, orders):
+            layout = None if order is None else row_order(order, batch_dim)
+            layout = None if layout == tuple(sorted(layout or ())) else layout
+            by_layout.setdefault("contiguous" if layout is None else str(layout), []).append(
+                str(item.get("key"))
+            )
+        listed = "; ".join(
+            f"{layout} for {some_keys(keys, 3)}" for layout, keys in by_layout.items()
+        )
         raise user_error(
             CacheError,
             f"cannot batch {name!r}: its samples were stored in different memory layouts "
-            f"({sorted(map(str, within))}).",
+            f"({listed}). Stage 1 computed them in batches of different sizes (a bucket's "
+            "shorter last batch: a convolution returns channels-last at batch 2 and contiguous "
+            "at 1), and stage 2's random draws follow the layout, so this batch would not "
+            "train as the unsplit step.",
             fix=Fix(
-                "batch samples of one bucket together; if they are, report this with the step "
-                "that produced them"
+                "cache and train with the same batch size and drop_last=True in both samplers "
+                "(or buckets holding a multiple of the batch size), so every batch holds rows "
+                "stage 1 computed at the batch size stage 2 trains with"
             ),
         )
     recorded = [order for order in orders if order is not None]

@@ -53,7 +53,12 @@ from graphsplit.caching.format.layout import (
 from graphsplit.caching.format.memory_order import Order, memory_order
 from graphsplit.caching.format.records import to_json
 from graphsplit.caching.format.tensor_file import TensorBytes, rows_of
-from graphsplit.caching.loader.batches import BatchSource, as_mapping, batch_keys
+from graphsplit.caching.loader.batches import (
+    BatchSource,
+    as_mapping,
+    batch_keys,
+    unsharded_workers,
+)
 from graphsplit.caching.store import file_writes, remote
 from graphsplit.caching.write.plan_constants import PlanConstants
 from graphsplit.caching.write.plan_rows import note_plan, run_stage1
@@ -132,7 +137,7 @@ def write_shards(
             stored, errors = _to_storage(outputs, header)
             own_errors = constants.handle(stored, errors, batch.index, plan, write_base)
             keys = batch_keys(batch.data, batch.positions)
-            _refuse_seen_keys(keys, batch.positions, seen_keys)
+            _refuse_seen_keys(keys, batch.positions, seen_keys, source)
             # A copy: the loader may refill its tensors for the next batch while they are hashed.
             inputs = _snapshot(as_mapping(batch.data, header.inputs))
             pending.digesting.append(
@@ -415,17 +420,31 @@ def _add_rows(
             pending.max_abs_error[spec.name] = error
 
 
-def _refuse_seen_keys(keys: Sequence[str], positions: Sequence[int], seen: dict[str, int]) -> None:
+def _refuse_seen_keys(
+    keys: Sequence[str], positions: Sequence[int], seen: dict[str, int], source: BatchSource
+) -> None:
     for key, position in zip(keys, positions):
         if key in seen:
+            workers = unsharded_workers(source)
+            cause = (
+                f" The loader runs {workers} workers over an IterableDataset: each worker "
+                "iterates the whole dataset unless its __iter__ gives every worker its own "
+                "samples."
+                if workers
+                else ""
+            )
+            fix = (
+                "shard the IterableDataset by worker in its __iter__ (torch.utils.data."
+                "get_worker_info(): start at info.id, step by info.num_workers) or use "
+                "num_workers=0, and rerun with {remedy}"
+                if workers
+                else "give every sample a unique 'key' and rerun with {remedy}"
+            )
             raise user_error(
                 CacheError,
                 f"the loader gave the sample key {key!r} twice (positions {seen[key]} and "
-                f"{position}).",
-                fix=Fix(
-                    "give every sample a unique 'key' and rerun with {remedy}",
-                    Remedy.OVERWRITE,
-                ),
+                f"{position}).{cause}",
+                fix=Fix(fix, Remedy.OVERWRITE),
             )
         seen[key] = position
 
