@@ -73,7 +73,7 @@ def test_the_adapter_off_reference_under_no_grad_is_cached():
     # Cached under one set of weights, right after an optimizer step moved the adapters.
     boundary = split.stage1(*_xy(seed=5))
     with torch.no_grad():
-        for name, param in step.named_parameters():
+        for param in step.parameters():
             if param.requires_grad:
                 param.add_(0.1)
     torch.manual_seed(1)
