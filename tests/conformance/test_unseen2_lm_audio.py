@@ -1,4 +1,8 @@
-"""Conformance: ``run_audio_classification.py`` with ``--freeze_feature_encoder``.
+"""Conformance: transformers' speech scripts with a frozen encoder.
+
+Whisper fine-tuning as ``run_speech_recognition_seq2seq.py --freeze_encoder`` sets it up (the
+frozen encoder's states cached, the whole decoder trained, labels of two lengths through one
+cache); and ``run_audio_classification.py`` with ``--freeze_feature_encoder``:
 
 transformers' ``examples/pytorch/audio-classification/run_audio_classification.py`` builds
 ``AutoModelForAudioClassification`` (here ``Wav2Vec2ForSequenceClassification``), calls
@@ -17,6 +21,8 @@ import torch
 from torch import nn
 
 import graphsplit
+from tests.conformance.test_unseen_lm import assert_trains_from_its_cache, stage2_paths
+from tests.helpers import split_and_verify
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,3 +93,64 @@ def test_audio_classification_caches_the_frozen_feature_encoder(size):
     got, got_grads = _loss_and_grads(lambda: split.stage2(**boundary), params, 7)
     assert torch.equal(want, got)
     assert all(torch.equal(a, b) for a, b in zip(want_grads, got_grads, strict=True))
+
+
+# --- run_speech_recognition_seq2seq.py --freeze_encoder --------------------------------------
+
+
+class WhisperFineTuning(nn.Module):
+    """``run_speech_recognition_seq2seq.py`` with ``--freeze_encoder``: ``model.freeze_encoder()``
+    and ``model.model.encoder.gradient_checkpointing = False`` as the script sets them; the
+    whole decoder trains; ``Seq2SeqTrainer`` calls ``model(**batch).loss``."""
+
+    def __init__(self, vocab: int = 64) -> None:
+        super().__init__()
+        config = transformers.WhisperConfig(
+            vocab_size=vocab,
+            num_mel_bins=8,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=2,
+            decoder_attention_heads=2,
+            encoder_ffn_dim=32,
+            decoder_ffn_dim=32,
+            d_model=16,
+            max_source_positions=16,
+            max_target_positions=32,
+            pad_token_id=vocab - 1,
+            decoder_start_token_id=vocab - 2,
+            bos_token_id=vocab - 2,
+            eos_token_id=vocab - 3,
+        )
+        self.model = transformers.WhisperForConditionalGeneration(config).train()
+        self.model.freeze_encoder()
+        self.model.model.encoder.gradient_checkpointing = False
+
+    def forward(self, input_features, labels):
+        return self.model(input_features=input_features, labels=labels).loss
+
+
+def _speech_batch(size: int, tokens: int = 7, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """``DataCollatorSpeechSeq2SeqWithPadding``: log-mel features, labels padded with -100
+    (the leading decoder-start token already cut by the collator)."""
+    generator = torch.Generator().manual_seed(seed)
+    features = torch.randn(size, 8, 32, generator=generator)  # 2 * max_source_positions
+    labels = torch.randint(0, 61, (size, tokens), generator=generator)
+    labels[0, tokens - 2 :] = -100
+    return features, labels
+
+
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_whisper_with_a_frozen_encoder_caches_its_states(size, tmp_path):
+    torch.manual_seed(0)
+    step = WhisperFineTuning()
+    batch = _speech_batch(size)
+    split = split_and_verify(step, batch)
+    held = stage2_paths(split)
+    assert "model.model.decoder" in held
+    assert not {path for path in held if path.startswith("model.model.encoder")}
+    cached = {key: spec.shape[1:] for key, spec in split.boundary.items()}
+    assert cached.pop("model_model_encoder_0") == (16, 16)  # the encoder's last hidden state
+    assert set(cached) == {"labels"}
+    other = _speech_batch(size, tokens=5, seed=1)  # other label lengths: a plan of its own
+    assert_trains_from_its_cache(step, split, [batch, other], tmp_path / "cache")
