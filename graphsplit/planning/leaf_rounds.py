@@ -66,7 +66,7 @@ from graphsplit.planning.opaque.value_reads import (
 from graphsplit.planning.patching.autocast_queries import autocast_queries_answer_for_meta
 from graphsplit.planning.patching.distribution_draws import meta_samplers_registered
 from graphsplit.planning.patching.patcher import Patcher, cyclic_gc_paused
-from graphsplit.planning.rules.grad_modes import check_grad_modes
+from graphsplit.planning.rules.grad_modes import check_grad_modes, deferred_calls_to_trace_into
 from graphsplit.planning.rules.opaque_call import OPAQUE, is_opaque
 from graphsplit.planning.rules.random_draws import generator_states, set_generator_states
 from graphsplit.planning.step.example_inputs import (
@@ -193,7 +193,10 @@ def _rounds(
         notes: list[str] = []
         traced = _trace_once(model, examples, param_names, leaves, trainable, sites, answered)
         for _ in range(MAX_ROUNDS):
-            expand = _mixed_calls_worth_tracing(traced, trainable) & leaves
+            deferred = deferred_calls_to_trace_into(
+                traced.graph, trainable, leaves, param_names.values()
+            )
+            expand = (_mixed_calls_worth_tracing(traced, trainable) | deferred) & leaves
             if not expand:
                 break
             try:
@@ -210,6 +213,7 @@ def _rounds(
                 f"traced into {', '.join(sorted(expand))}: its inputs are cacheable and, as "
                 "one call, it mixes frozen and trainable parameters or the batch's samples"
             )
+        check_grad_modes(traced.graph, trainable)  # the calls no round could trace into
         return replace(traced, notes=traced.notes + tuple(notes))
 
 
@@ -260,7 +264,7 @@ def _trace_once(
     if examples.batch_sizes == ONE_SAMPLE:
         _one_sample_facts(traced.graph)
     resolve_params(traced, model, param_names)
-    check_grad_modes(traced.graph, trainable)
+    check_grad_modes(traced.graph, trainable, defer_mixed_calls=True)  # refused after rounds
     check_opaque_nodes(traced.graph, trainable)
     check_value_reads(traced.graph, trainable, several_samples=examples.batch_sizes != ONE_SAMPLE)
     notes = _opaque_notes(traced.graph) + _value_read_notes(traced.graph)

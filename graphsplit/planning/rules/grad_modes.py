@@ -28,11 +28,13 @@ In: the tracer while it creates nodes; after the analysis, the graph and the tra
 
     current_modes() -> Modes
     check_autocast(graph)                  # trace.py, once the step is traced
-    check_grad_modes(graph, trainable)     # rounds.py, once NodeFacts.params are known
+    check_grad_modes(graph, trainable, defer_mixed_calls=...)   # leaf_rounds.py, per trace
+    deferred_calls_to_trace_into(graph, trainable, leaves, parameters)   # leaf_rounds.py
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -146,12 +148,20 @@ def check_autocast(graph: fx.Graph) -> None:
             )
 
 
-def check_grad_modes(graph: fx.Graph, trainable: frozenset[str]) -> None:
+def check_grad_modes(
+    graph: fx.Graph, trainable: frozenset[str], *, defer_mixed_calls: bool = False
+) -> None:
     """Refuse the first trainable-dependent op traced under a grad mode the step switched.
+
+    With ``defer_mixed_calls``, a switched leaf call of a module holding frozen and trainable
+    parameters, fed nothing trainable-dependent, counts as frozen here (and so does the work
+    on its outputs): traced into, it may use its frozen ones only (a peft model under ``with
+    model.disable_adapter():``, TRL's DPO reference). The rounds trace into such calls and
+    check the final graph without deferring.
 
     Needs ``NodeFacts.params`` (:func:`graphsplit.planning.analyse.node_facts.resolve_params`).
     """
-    depends = _trainable_dependent(graph, trainable)
+    depends = _trainable_dependent(graph, trainable, defer_mixed_calls)
     for node in graph.nodes:
         switched = node.meta.get(MODES)
         if switched is None or not switched.grad_switched or node not in depends:
@@ -174,10 +184,14 @@ def check_grad_modes(graph: fx.Graph, trainable: frozenset[str]) -> None:
         )
 
 
-def _trainable_dependent(graph: fx.Graph, trainable: frozenset[str]) -> dict[fx.Node, tuple]:
+def _trainable_dependent(
+    graph: fx.Graph, trainable: frozenset[str], defer_mixed_calls: bool = False
+) -> dict[fx.Node, tuple]:
     """Nodes that read a trainable parameter or depend on one, with the first such names."""
     depends: dict[fx.Node, tuple] = {}
     for node in graph.nodes:
+        if defer_mixed_calls and _switched_mixed_call_fed_frozen(node, trainable, depends):
+            continue
         facts = node.meta.get("facts")
         read = tuple(sorted(facts.params & trainable)) if facts is not None else ()
         if read:
@@ -187,6 +201,46 @@ def _trainable_dependent(graph: fx.Graph, trainable: frozenset[str]) -> dict[fx.
         if producer is not None:
             depends[node] = depends[producer]
     return depends
+
+
+def deferred_calls_to_trace_into(
+    graph: fx.Graph, trainable: frozenset[str], leaves: frozenset[str], parameters: Iterable[str]
+) -> frozenset[str]:
+    """The leaves to trace into for the calls ``defer_mixed_calls`` let through: each such
+    call's module and every leaf under it holding frozen and trainable ``parameters`` (all
+    names), at once: a round per level would run out of rounds on a model of a few layers."""
+    depends: dict[fx.Node, tuple] = {}
+    targets = [
+        node.target
+        for node in graph.nodes
+        if node.op == "call_module" and _switched_mixed_call_fed_frozen(node, trainable, depends)
+    ]
+    names = tuple(parameters)
+
+    def mixed(leaf: str) -> bool:
+        held = {name for name in names if name.startswith(leaf + ".")}
+        return bool(held & trainable) and bool(held - trainable)
+
+    return frozenset(
+        leaf
+        for leaf in leaves
+        if any(leaf == target or leaf.startswith(f"{target}.") for target in targets)
+        and mixed(leaf)
+    )
+
+
+def _switched_mixed_call_fed_frozen(
+    node: fx.Node, trainable: frozenset[str], depends: dict[fx.Node, tuple]
+) -> bool:
+    """A leaf module call under a switched grad mode, holding frozen and trainable parameters,
+    fed nothing trainable-dependent."""
+    facts, switched = node.meta.get("facts"), node.meta.get(MODES)
+    if node.op != "call_module" or facts is None or switched is None:
+        return False
+    if not switched.grad_switched:
+        return False
+    mixed = bool(facts.params & trainable) and bool(facts.params - trainable)
+    return mixed and not any(arg in depends for arg in node.all_input_nodes)
 
 
 def _is_metadata(value: object) -> bool:
