@@ -264,10 +264,11 @@ def plan_cost(boundary, stage2: set[fx.Node], prices: Prices) -> int:
 
 
 def _required(graph: fx.Graph, taint: dict[fx.Node, Taint]) -> set[fx.Node]:
-    """What stage 2 must compute: the output, and every tainted node (the cut drains both to
-    its sink: a random draw must happen in stage 2 even when its value is unused)."""
+    """What stage 2 must compute: the output, and every random draw (it must happen in stage 2
+    even when its value is unused). A tainted node neither reads runs nowhere: the cut drains
+    only live tainted nodes to its sink."""
     output = next(node for node in graph.nodes if node.op == "output")
-    return set(output.all_input_nodes) | set(taint)
+    return set(output.all_input_nodes) | {node for node in taint if facts(node).random_ops}
 
 
 def _forbidden(graph: fx.Graph, taint: dict[fx.Node, Taint], prices: Prices) -> set[fx.Node]:
@@ -287,6 +288,8 @@ def stage2_walk(
     boundary values, as ``planning.cut.stages_for`` does -- or None if that reaches a
     forbidden node."""
     forbidden = _forbidden(graph, taint, prices)
+    # A batch size is read off any per-sample boundary tensor (``Cut.reanchored``).
+    anchored = any("facts" in n.meta and facts(n).per_sample for n in boundary)
     seen: set[fx.Node] = set()
     pending = list(_required(graph, taint))
     while pending:
@@ -296,7 +299,8 @@ def stage2_walk(
         if node in forbidden:
             return None
         seen.add(node)
-        pending.extend(node.all_input_nodes)
+        if not (anchored and node not in taint and facts(node).is_batch_size):
+            pending.extend(node.all_input_nodes)
     return seen
 
 
@@ -336,7 +340,10 @@ def chosen_cost(graph: fx.Graph, cut, prices: Prices) -> int:
     """The chosen plan's cost, counted as :func:`brute_force_optimum` counts every plan."""
     stage2 = stage2_walk(graph, cut.taint, prices, set(cut.boundary) | set(cut.baked))
     assert stage2 is not None, "the chosen boundary makes stage 2 run forbidden work"
-    assert set(cut.stage2) <= stage2  # stage 2 may skip dead tainted work; never more
+    # Stage 2 may skip dead tainted work; never more, but for the size reads of a batch size
+    # it reads off a tensor it has rather than off the anchor (``stages_for``'s choice).
+    extra = set(cut.stage2) - stage2
+    assert not [n.name for n in extra if n in cut.taint or facts(n).is_tensor]
     return plan_cost(cut.boundary, stage2, prices)
 
 

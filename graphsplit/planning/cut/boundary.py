@@ -107,6 +107,7 @@ def _flow_network(
     """The node-split network as an edge list (capacity ``None``: infinite); with
     ``anchorable``, batch-size values need no inputs."""
     nodes = [node for node in graph.nodes if node.op != "output"]
+    live = _live(graph)
     # Tie-breakers: 1 per node stage 2 recomputes, 2 per boundary tensor (at most 3n together);
     # a baked number costs more than all of those, so stage 2 computes a size itself when it
     # has what it is read from; bytes cost more than every baked number together.
@@ -121,7 +122,7 @@ def _flow_network(
             network[v_in, v_out] = bake
         else:
             network[v_in, v_out] = None
-        if node in taint:
+        if node in taint and node in live:  # a dead one (a VQ loss nobody reads) runs nowhere
             network[v_in, _STAGE2_TERMINAL] = None
         elif node in prices.work:
             network[_STAGE1_TERMINAL, v_in] = prices.work[node] * weight + 1
@@ -273,11 +274,8 @@ def stages_for(
     assert all(is_fixed_number(node, taint) for node in baked), "only fixed numbers are baked"
     # Stage 1 also runs the checks of values the plan holds (nothing uses them: value_reads).
     boundary_set = set(boundary) | set(baked) | set(value_checks(graph))
-    output = next(node for node in graph.nodes if node.op == "output")
     stage2: set[fx.Node] = set()
-    # Every random draw runs in stage 2, used or not: skipping one would shift the draws after it.
-    draws = [n for n in graph.nodes if "facts" in n.meta and facts(n).random_ops]
-    pending = list(output.all_input_nodes) + draws
+    pending = _stage2_roots(graph)
     deferred: list[fx.Node] = []  # batch-size values: their inputs are needed only maybe
     while pending:
         node = pending.pop()
@@ -318,6 +316,27 @@ def stages_for(
         anchor,
         baked=numbers,
     )
+
+
+def _stage2_roots(graph: fx.Graph) -> list[fx.Node]:
+    """What stage 2 must run: the step's outputs, and every random draw, used or not
+    (skipping one would shift the draws after it)."""
+    output = next(node for node in graph.nodes if node.op == "output")
+    draws = [n for n in graph.nodes if "facts" in n.meta and facts(n).random_ops]
+    return list(output.all_input_nodes) + draws
+
+
+def _live(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes :func:`stages_for` may put in stage 2: the roots and all they read. A tainted
+    node outside it runs in neither stage, so it must not pull its inputs onto the boundary."""
+    live: set[fx.Node] = set()
+    pending = _stage2_roots(graph)
+    while pending:
+        node = pending.pop()
+        if node not in live:
+            live.add(node)
+            pending.extend(node.all_input_nodes)
+    return live
 
 
 def _size_inputs(node: fx.Node, available: set[fx.Node]) -> set[fx.Node] | None:

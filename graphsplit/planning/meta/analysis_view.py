@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from graphsplit.planning.meta import call_memo, shared_memos
 from graphsplit.planning.meta.call_memo import CallMemo
+from graphsplit.planning.meta.module_moves import moves_stay_on_meta
 from graphsplit.planning.meta.op_memo import OpMemo
 from graphsplit.planning.patching.module_state import is_helper_object, restore_attributes
 from graphsplit.planning.patching.originals import PLAIN_VALUE_TYPES
@@ -201,7 +202,8 @@ def analysis_view(model: nn.Module) -> Iterator[None]:
                         continue
                     replaced.append((table, name, tensor))
                     table[name] = _meta_twin(tensor, meta_of)
-        yield
+        with moves_stay_on_meta():  # the step's own vae.to(device) keeps the view's weights
+            yield
     finally:
         _FAKE_MODES.pop()
         for table, name, tensor in reversed(replaced):

@@ -50,6 +50,7 @@ import torch.fx as fx
 from graphsplit.artifacts import Cut, Guard
 from graphsplit.errors import Fix, SplitError, user_error
 from graphsplit.planning.rules.node_inputs import reads_through
+from graphsplit.planning.rules.weight_sizes import is_weight_size
 from graphsplit.runtime import check_size, check_size_read
 
 # Where the tracer lists the guards read from a node (see trace.trace_step).
@@ -249,7 +250,7 @@ def recheck_size_guards_in_stage1(
         node
         for node in graph.nodes
         if any(is_size_guard(guard) for guard in node.meta.get(GUARDS, ()))
-        and _recomputation(node, in_stage2) is not None
+        and _recomputation(node, in_stage2, weights=False) is not None
     }
     _insert_checks(stage, graph, env, sources=sources, skip=skip, readings=False)
 
@@ -339,6 +340,9 @@ def _insert_checks(
         if chain is None:
             continue
         for needed in chain:
+            if any(arg not in env for arg in needed.all_input_nodes):  # a weight size
+                env[needed] = needed.meta["val"]
+                continue
             with stage.inserting_after(_insertion_point(stage, needed, env, cursor)):
                 env[needed] = cursor = stage.node_copy(needed, env.__getitem__)
         point = _insertion_point(stage, node, env, cursor, itself=True)
@@ -380,13 +384,19 @@ def _what(node: fx.Node, guard: Guard) -> str:
     return f"{reading or 'int'}({text})"
 
 
-def _recomputation(node: fx.Node, available: Collection[fx.Node]) -> list[fx.Node] | None:
-    """Nodes a stage must add to compute ``node`` (in graph order), or None if it cannot."""
+def _recomputation(
+    node: fx.Node, available: Collection[fx.Node], *, weights: bool = True
+) -> list[fx.Node] | None:
+    """Nodes a stage must add to compute ``node`` (in graph order), or None if it cannot;
+    with ``weights``, a weight size it cannot compute is among them, written as its value."""
     needed: dict[fx.Node, None] = {}
     pending = [node]
     while pending:
         current = pending.pop()
         if current in available or current in needed:
+            continue
+        if _written_as_value(current, node, available, weights):
+            needed[current] = None  # see weight_sizes: no stage need hold the weight
             continue
         if not _is_inspection(current):
             return None
@@ -394,6 +404,14 @@ def _recomputation(node: fx.Node, available: Collection[fx.Node]) -> list[fx.Nod
         pending.extend(current.all_input_nodes)
     order = {n: index for index, n in enumerate(node.graph.nodes)}
     return sorted(needed, key=order.__getitem__)
+
+
+def _written_as_value(
+    current: fx.Node, node: fx.Node, available: Collection[fx.Node], weights: bool
+) -> bool:
+    if not weights or current is node or not is_weight_size(current, _is_inspection):
+        return False
+    return _recomputation(current, available, weights=False) is None
 
 
 def _is_inspection(node: fx.Node) -> bool:
@@ -415,7 +433,8 @@ def _insertion_point(
     """The stage node to insert after: the latest of ``node``'s inputs (or ``node`` itself,
     for its check) and the last node inserted, never among the placeholders."""
     order = {n: index for index, n in enumerate(stage.nodes)}
-    candidates = [env[node]] if itself else [env[arg] for arg in node.all_input_nodes]
+    inputs = [] if itself else [env[arg] for arg in node.all_input_nodes]
+    candidates = [env[node]] if itself else [i for i in inputs if isinstance(i, fx.Node)]
     if cursor is not None:
         candidates.append(cursor)
     latest = max(candidates, key=order.__getitem__) if candidates else None
