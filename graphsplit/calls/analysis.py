@@ -23,6 +23,7 @@ from graphsplit.calls.model_outputs import is_model_output
 from graphsplit.calls.module_calls import CallId, CallRouter
 from graphsplit.calls.outputs import NotATensor, Structure, flatten
 from graphsplit.calls.provenance import CallInputs, carries_grad
+from graphsplit.calls.reordered import Reordered
 from graphsplit.calls.verdicts import CallVerdict, Verdict
 
 
@@ -124,10 +125,16 @@ def _leaves(args: tuple, kwargs: dict) -> list[Any]:
 
 
 def judge(
-    first: Probe, second: Probe, batch_size: int, alone: Probe | None = None
+    first: Probe,
+    second: Probe,
+    batch_size: int,
+    alone: Probe | None = None,
+    reordered: Reordered | None = None,
 ) -> list[CallVerdict]:
     """Each call of ``first``, judged against the same call of ``second`` (another seed) and
-    of ``alone`` (the batch's last sample run by itself; None at batch size 1).
+    of ``alone`` (the batch's last sample run by itself; None at batch size 1), or, where the
+    step cannot run one sample alone, of ``reordered`` (runs at the batch's own size with its
+    samples reordered and repeated, :mod:`.reordered`).
 
     A call with a batched input caches per sample: its last row must be what the last sample
     gives alone (else it mixes samples). A call without one would be stored once, as a
@@ -137,9 +144,14 @@ def judge(
     """
     verdicts = []
     for call, seen in first.calls.items():
-        _narrow(call, [first, second, alone], batch_size)
+        others = reordered.probes if reordered is not None else []
+        _narrow(call, [first, second, alone, *others], batch_size)
         verdict = _judge(seen, second.calls.get(call), batch_size)
-        if verdict.cached:
+        if verdict.cached and reordered is not None:
+            batched = is_batched(seen.inputs.tensors(), batch_size)
+            if batched or seen.inputs.tensors():
+                verdict = reordered.verdict(call, seen, batched) or verdict
+        elif verdict.cached:
             other = None if alone is None else alone.calls.get(call)
             if is_batched(seen.inputs.tensors(), batch_size):
                 mixed = None if alone is None else _mixed_fields(seen, other)

@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from graphsplit.artifacts import BoundarySpec
-from graphsplit.calls.analysis import Probe, batch_dim, is_batched, judge, probe
+from graphsplit.calls.analysis import batch_dim, is_batched, judge, probe
 from graphsplit.calls.call_plan import CallPlan, cached_call, input_spec
 from graphsplit.calls.call_report import CallSplit
 from graphsplit.calls.module_calls import frozen_modules, needed_routes
+from graphsplit.calls.reordered import probe_reordered, take
 from graphsplit.calls.stages import CallStage1, CallStage2
 from graphsplit.errors import Fix, GraphsplitError, SplitError, user_error
 from graphsplit.planning.step.callables import as_step_module
@@ -57,19 +58,25 @@ def split_calls(
             f"the example batch does not match the step: {error}.",
             fix=Fix("pass args/kwargs exactly as you would call the step"),
         ) from None
-    inputs = tuple(input_spec(name, value) for name, value in values.items())
     batch_size = _batch_size(values)
+    inputs = tuple(input_spec(name, value, batch_size) for name, value in values.items())
     try:
         with _grad_flags(named, trainable):
             first = probe(module, step.args, step.kwargs, routed, SEEDS[0], batch_size)
             second = probe(module, step.args, step.kwargs, routed, SEEDS[1], batch_size)
-            alone = None
+            alone, reordered = None, None
             if batch_size > 1:
                 one = _last_sample(signature, values, batch_size)
                 try:
                     alone = probe(module, *one, routed, SEEDS[0], 1)
-                except Exception:  # the step needs several samples: mixing is not disproved
-                    alone = Probe({}, None)
+                except Exception as error:  # the step runs at its own batch size only
+                    reordered = probe_reordered(
+                        lambda a, kw: probe(module, a, kw, routed, SEEDS[0], batch_size),
+                        values,
+                        batch_size,
+                        error,
+                        lambda cut: _arguments(signature, cut),
+                    )
     except GraphsplitError:
         raise
     except Exception as error:  # the user's step itself failed on the example batch
@@ -82,7 +89,7 @@ def split_calls(
                 "on meta); the step must run outside torch.inference_mode()"
             ),
         ) from error
-    verdicts = judge(first, second, batch_size, alone)
+    verdicts = judge(first, second, batch_size, alone, reordered)
     cached = {
         (v.path, v.index): cached_call(
             (v.path, v.index),
@@ -113,6 +120,8 @@ def split_calls(
             dim = batch_dim(tensor, batch_size) if per_sample else None
             boundary[key] = _spec(key, tensor, dim, f"{call[0]} call {call[1]}: {field}")
     nested = first.nested | second.nested | (alone.nested if alone is not None else set())
+    for run in reordered.probes if reordered is not None else []:
+        nested |= run.nested
     routes = needed_routes(module, routed, {call[0] for call in cached}, nested)
     plan = CallPlan(
         signature=signature,
@@ -145,25 +154,15 @@ def _last_sample(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The example batch cut to its last sample: ``(args, kwargs)`` for the step. The last,
     not the first: a per-sample loop's call 0 then sees another sample than in the batch."""
-    cut = {name: _last(value, batch_size) for name, value in values.items()}
-    bound = inspect.BoundArguments(signature, cut)  # type: ignore[arg-type]
+    cut = {name: take(value, batch_size, slice(-1, None)) for name, value in values.items()}
+    return _arguments(signature, cut)
+
+
+def _arguments(
+    signature: inspect.Signature, values: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    bound = inspect.BoundArguments(signature, values)  # type: ignore[arg-type]
     return bound.args, bound.kwargs
-
-
-def _last(value: Any, batch_size: int) -> Any:
-    if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch_size:
-        return value[-1:]
-    if type(value) in (list, tuple) and _holds_tensors(value):  # a webdataset (image, text)
-        return type(value)(_last(item, batch_size) for item in value)
-    if isinstance(value, list | tuple) and len(value) == batch_size:
-        return list(value[-1:]) if isinstance(value, list) else tuple(value[-1:])
-    if type(value) is dict:  # SDXL's added_cond_kwargs: {"text_embeds": ..., "time_ids": ...}
-        return {key: _last(item, batch_size) for key, item in value.items()}
-    return value
-
-
-def _holds_tensors(value: Any) -> bool:
-    return any(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(value))
 
 
 def _batch_size(values: dict[str, Any]) -> int:
