@@ -24,7 +24,6 @@ import pytest
 import torch
 from torch import nn
 
-import graphsplit
 from tests.helpers import line_of, split_and_verify
 
 transformers = pytest.importorskip("transformers")
