@@ -9,6 +9,7 @@ and, at the end of the run, whether the step mutated those outputs in place.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from graphsplit.calls.module_calls import CallId, CallRouter
 from graphsplit.calls.outputs import NotATensor, Structure, flatten
 from graphsplit.calls.provenance import CallInputs, carries_grad
 from graphsplit.calls.reordered import Reordered
+from graphsplit.calls.usage import Usage
 from graphsplit.calls.verdicts import CallVerdict, Verdict
 
 
@@ -65,11 +67,22 @@ def probe(
     modules: dict[str, nn.Module],
     seed: int,
     batch_size: int = 1,
+    usage: Usage | None = None,
 ) -> Probe:
-    """Run ``step`` from ``seed`` (every generator) with the frozen modules' calls recorded."""
+    """Run ``step`` from ``seed`` (every generator) with the frozen modules' calls recorded
+    (and, with ``usage``, the tensors its torch calls take, :mod:`.usage`)."""
     calls: dict[CallId, ProbedCall] = {}
 
     def record(call: CallId, module: nn.Module, forward: Any, a: tuple, kw: dict) -> Any:
+        if usage is None:
+            return _record(call, module, forward, a, kw)
+        usage.context = call  # the bookkeeping's reads of the inputs are the call's own
+        try:
+            return _record(call, module, forward, a, kw)
+        finally:
+            usage.context = None
+
+    def _record(call: CallId, module: nn.Module, forward: Any, a: tuple, kw: dict) -> Any:
         inputs = CallInputs.of(a, kw)
         live = [leaf for leaf in _leaves(a, kw) if isinstance(leaf, torch.Tensor)]
         live += list(module.buffers())  # a call that writes its own buffers (running stats)
@@ -104,7 +117,12 @@ def probe(
     watched: list[tuple[Any, type]] = []
     router = CallRouter(modules, record)
     try:
-        with generators.seeded(seed), torch.enable_grad(), router.installed():
+        with (
+            generators.seeded(seed),
+            torch.enable_grad(),
+            router.installed(),
+            contextlib.nullcontext() if usage is None else usage,
+        ):
             result = step(*args, **kwargs)
     finally:
         for output, original in watched:

@@ -14,6 +14,7 @@ constant of the plan, checked equal on every batch.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass
@@ -176,6 +177,17 @@ class CachedCall:
 
 
 @dataclass(frozen=True)
+class Placeholder:
+    """A cached call whose output only other cached calls read (a VAE's encoder, read by its
+    ``quant_conv``): not stored; stage 2 answers it with tensors on ``meta`` of ``fields``'
+    shapes and dtypes, which nothing reads."""
+
+    call: CallId
+    structure: Structure
+    fields: dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+@dataclass(frozen=True)
 class CallPlan:
     """Everything the stages need: inputs, cached calls, and the modules stage 2 drops."""
 
@@ -185,6 +197,14 @@ class CallPlan:
     verdicts: tuple[CallVerdict, ...]
     dropped: frozenset[str]  # module paths whose calls are all answered from the cache
     boundary: dict[str, BoundarySpec]
+    placeholders: dict[CallId, Placeholder] = dataclasses.field(default_factory=dict)
+    unused: frozenset[str] = frozenset()
+    """Frozen modules the step never computes with in stage 2 (a VAE's decoder): not held."""
+
+    @property
+    def not_held(self) -> frozenset[str]:
+        """The module paths stage 2 does not hold."""
+        return self.dropped | self.unused
 
     @property
     def last(self) -> CallId | None:

@@ -7,6 +7,7 @@ as_step_module -> frozen modules -> probe twice (seeds 0, 1) -> verdicts -> Call
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -16,11 +17,13 @@ from torch import nn
 
 from graphsplit.artifacts import BoundarySpec
 from graphsplit.calls.analysis import batch_dim, is_batched, judge, probe
-from graphsplit.calls.call_plan import CallPlan, cached_call, input_spec
+from graphsplit.calls.call_plan import CallPlan, Placeholder, cached_call, input_spec
 from graphsplit.calls.call_report import CallSplit
-from graphsplit.calls.module_calls import frozen_modules, needed_routes
+from graphsplit.calls.module_calls import CallId, frozen_modules, needed_routes
 from graphsplit.calls.reordered import probe_reordered, take
 from graphsplit.calls.stages import CallStage1, CallStage2
+from graphsplit.calls.usage import Usage, inner_calls, needed_tensors, unused_modules
+from graphsplit.calls.verdicts import CallVerdict
 from graphsplit.errors import Fix, GraphsplitError, SplitError, user_error
 from graphsplit.planning.step.callables import as_step_module
 from graphsplit.planning.step.frozen import FrozenSpec, resolve_frozen
@@ -62,8 +65,11 @@ def split_calls(
     inputs = tuple(input_spec(name, value, batch_size) for name, value in values.items())
     try:
         with _grad_flags(named, trainable):
-            first = probe(module, step.args, step.kwargs, routed, SEEDS[0], batch_size)
-            second = probe(module, step.args, step.kwargs, routed, SEEDS[1], batch_size)
+            usages = [Usage(), Usage()]
+            first, second = (
+                probe(module, step.args, step.kwargs, routed, seed, batch_size, usage)
+                for seed, usage in zip(SEEDS, usages)
+            )
             alone, reordered = None, None
             if batch_size > 1:
                 one = _last_sample(signature, values, batch_size)
@@ -111,8 +117,17 @@ def split_calls(
                 "and draw random numbers after those calls"
             ),
         )
+    # Stage 2 holds what it computes with, the cache what stage 2 reads (see .usage).
+    inner = inner_calls([first, second], usages, set(cached))
+    verdicts = [_placeholder_verdict(v, inner) for v in verdicts]
+    stored = {call: planned for call, planned in cached.items() if call not in inner}
+    placeholders = {call: _placeholder(call, first.calls[call]) for call in inner}
+    needed = needed_tensors(usages, set(cached))
+    dropped = frozenset(p for p in _dropped(verdicts) if not _computes(routed[p], needed))
+    kept = {v.path for v in verdicts if not v.cached}
+    unused = unused_modules(routed, needed, kept, dropped)
     boundary = _input_boundary(inputs, values, batch_size)
-    for call, planned in cached.items():
+    for call, planned in stored.items():
         seen = first.calls[call]
         per_sample = is_batched(seen.inputs.tensors(), batch_size)
         for field, key in planned.keys.items():
@@ -126,10 +141,12 @@ def split_calls(
     plan = CallPlan(
         signature=signature,
         inputs=inputs,
-        cached=cached,
+        cached=stored,
         verdicts=tuple(verdicts),
-        dropped=_dropped(verdicts),
+        dropped=dropped,
         boundary=boundary,
+        placeholders=placeholders,
+        unused=unused,
     )
     return CallSplit(
         stage1=CallStage1(module, plan, routes),
@@ -191,6 +208,28 @@ def _spec(name: str, tensor: torch.Tensor, dim: int | None, source: str) -> Boun
     total = tensor.numel() * tensor.element_size()
     per_sample = total // max(int(tensor.shape[0]), 1) if dim == 0 else total
     return BoundarySpec(name, tuple(tensor.shape), tensor.dtype, dim, per_sample, source)
+
+
+def _placeholder_verdict(verdict: CallVerdict, inner: dict[CallId, CallId | None]) -> Any:
+    call = (verdict.path, verdict.index)
+    if call not in inner:
+        return verdict
+    reader = inner[call]
+    detail = (
+        f"not stored: only {reader[0]} call {reader[1]}, itself cached, reads its output"
+        if reader is not None
+        else "not stored: the step never reads its output"
+    )
+    return dataclasses.replace(verdict, detail=detail)
+
+
+def _placeholder(call: CallId, seen: Any) -> Placeholder:
+    fields = {name: (tuple(t.shape), t.dtype) for name, t in seen.tensors.items()}
+    return Placeholder(call, seen.structure, fields)
+
+
+def _computes(module: nn.Module, needed: set[int]) -> bool:
+    return any(id(tensor) in needed for tensor in (*module.parameters(), *module.buffers()))
 
 
 def _dropped(verdicts: list[Any]) -> frozenset[str]:

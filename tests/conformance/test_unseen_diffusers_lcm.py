@@ -386,8 +386,10 @@ def test_lcm_distillation_caches_vae_and_text_encoder_and_verifies_exactly(tmp_p
     held = stage2_top_modules(split)
     assert {"unet", "teacher_unet"} <= held and "text_encoder" not in held
     names = {name for name, _ in split.stage2.named_parameters()}
-    assert not any(name.startswith(("text_encoder.", "vae.encoder.")) for name in names)
+    assert not any(name.startswith(("text_encoder.", "vae.")) for name in names)
+    assert "vae" not in held  # its encoder is cached, its decoder never runs in the step
     assert {"text_encoder__0__last_hidden_state", "vae_quant_conv__0__out"} <= set(split.boundary)
+    assert not any(key.startswith("vae_encoder") for key in split.boundary)  # read by quant_conv
     # The (image, text) tuple crosses item by item, the captions as their code points.
     assert {"batch__0", "batch__1"} <= set(split.boundary)
     # graphsplit.cache counts a batch's samples by a batched tensor among its inputs, or its keys.
