@@ -9,6 +9,7 @@ and, at the end of the run, whether the step mutated those outputs in place.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from graphsplit.calls.model_outputs import is_model_output
 from graphsplit.calls.module_calls import CallId, CallRouter
 from graphsplit.calls.outputs import NotATensor, Structure, flatten
 from graphsplit.calls.provenance import CallInputs, carries_grad
+from graphsplit.calls.reordered import Reordered
+from graphsplit.calls.usage import Usage
 from graphsplit.calls.verdicts import CallVerdict, Verdict
 
 
@@ -64,11 +67,22 @@ def probe(
     modules: dict[str, nn.Module],
     seed: int,
     batch_size: int = 1,
+    usage: Usage | None = None,
 ) -> Probe:
-    """Run ``step`` from ``seed`` (every generator) with the frozen modules' calls recorded."""
+    """Run ``step`` from ``seed`` (every generator) with the frozen modules' calls recorded
+    (and, with ``usage``, the tensors its torch calls take, :mod:`.usage`)."""
     calls: dict[CallId, ProbedCall] = {}
 
     def record(call: CallId, module: nn.Module, forward: Any, a: tuple, kw: dict) -> Any:
+        if usage is None:
+            return _record(call, module, forward, a, kw)
+        usage.context = call  # the bookkeeping's reads of the inputs are the call's own
+        try:
+            return _record(call, module, forward, a, kw)
+        finally:
+            usage.context = None
+
+    def _record(call: CallId, module: nn.Module, forward: Any, a: tuple, kw: dict) -> Any:
         inputs = CallInputs.of(a, kw)
         live = [leaf for leaf in _leaves(a, kw) if isinstance(leaf, torch.Tensor)]
         live += list(module.buffers())  # a call that writes its own buffers (running stats)
@@ -103,7 +117,12 @@ def probe(
     watched: list[tuple[Any, type]] = []
     router = CallRouter(modules, record)
     try:
-        with generators.seeded(seed), torch.enable_grad(), router.installed():
+        with (
+            generators.seeded(seed),
+            torch.enable_grad(),
+            router.installed(),
+            contextlib.nullcontext() if usage is None else usage,
+        ):
             result = step(*args, **kwargs)
     finally:
         for output, original in watched:
@@ -124,10 +143,16 @@ def _leaves(args: tuple, kwargs: dict) -> list[Any]:
 
 
 def judge(
-    first: Probe, second: Probe, batch_size: int, alone: Probe | None = None
+    first: Probe,
+    second: Probe,
+    batch_size: int,
+    alone: Probe | None = None,
+    reordered: Reordered | None = None,
 ) -> list[CallVerdict]:
     """Each call of ``first``, judged against the same call of ``second`` (another seed) and
-    of ``alone`` (the batch's last sample run by itself; None at batch size 1).
+    of ``alone`` (the batch's last sample run by itself; None at batch size 1), or, where the
+    step cannot run one sample alone, of ``reordered`` (runs at the batch's own size with its
+    samples reordered and repeated, :mod:`.reordered`).
 
     A call with a batched input caches per sample: its last row must be what the last sample
     gives alone (else it mixes samples). A call without one would be stored once, as a
@@ -137,9 +162,14 @@ def judge(
     """
     verdicts = []
     for call, seen in first.calls.items():
-        _narrow(call, [first, second, alone], batch_size)
+        others = reordered.probes if reordered is not None else []
+        _narrow(call, [first, second, alone, *others], batch_size)
         verdict = _judge(seen, second.calls.get(call), batch_size)
-        if verdict.cached:
+        if verdict.cached and reordered is not None:
+            batched = is_batched(seen.inputs.tensors(), batch_size)
+            if batched or seen.inputs.tensors():
+                verdict = reordered.verdict(call, seen, batched) or verdict
+        elif verdict.cached:
             other = None if alone is None else alone.calls.get(call)
             if is_batched(seen.inputs.tensors(), batch_size):
                 mixed = None if alone is None else _mixed_fields(seen, other)

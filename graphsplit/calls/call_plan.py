@@ -5,11 +5,16 @@ and the report (:mod:`.call_report`).
 
 Inputs: a tensor crosses as it is; a list or tuple of Python numbers (IP-Adapter's
 ``batch["drop_image_embeds"]``) crosses as a tensor and comes back as the same list in stage 2;
-any other value (a string, a flag) is a constant of the plan, checked equal on every batch.
+a list of strings, one a sample (captions the step tokenizes), crosses as their code points
+(each plus one, zero-padded to the batch's longest: ``[B, longest]`` int32) and comes back as
+the same strings; a tuple or list of such batched items (a webdataset's ``(image, text)``)
+crosses item by item (``batch__0``, ``batch__1``); any other value (a string, a flag) is a
+constant of the plan, checked equal on every batch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass
@@ -28,8 +33,9 @@ NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
 
 @dataclass(frozen=True)
 class InputSpec:
-    """One parameter of the step: ``kind`` is ``"tensor"``, ``"numbers"``, ``"tensors"`` (a
-    dict of batched tensors, SDXL's ``added_cond_kwargs``: each crosses as ``name__key``) or
+    """One parameter of the step: ``kind`` is ``"tensor"``, ``"numbers"``, ``"strings"``,
+    ``"tensors"`` (a dict of batched tensors, SDXL's ``added_cond_kwargs``: each crosses as
+    ``name__key``), ``"items"`` (a tuple of batched items, each its own spec in ``value``) or
     ``"constant"``."""
 
     name: str
@@ -42,6 +48,8 @@ class InputSpec:
         """What crosses the boundary for this input's ``value``."""
         if self.kind == "numbers":
             return torch.tensor(list(value), dtype=NUMBER_DTYPES[self.element or int])
+        if self.kind == "strings":
+            return _code_points(value)
         if self.kind == "constant" and not _same_constant(value, self.value):
             raise user_error(
                 SplitError,
@@ -55,18 +63,36 @@ class InputSpec:
         """The boundary entries for this input's ``value``, by boundary key."""
         if self.kind == "tensors":
             return {f"{self.name}__{key}": value[key] for key in self.value}
+        if self.kind == "items":
+            if type(value) is not self.container or len(value) != len(self.value):
+                raise user_error(
+                    SplitError,
+                    f"the step's input {self.name!r} is a {type(value).__name__} of "
+                    f"{_length(value)} items in this batch; the module-level plan was made "
+                    f"with a {self.container.__name__} of {len(self.value)}.",  # type: ignore[union-attr]
+                    fix=Fix("pass every batch in the same structure as the example batch"),
+                )
+            crossing = {}
+            for spec, item in zip(self.value, value):
+                crossing.update(spec.crossing(item) if spec.kind != "constant" else {})
+                spec.encode(item)  # a constant item is checked equal
+            return crossing
         return {self.name: self.encode(value)}
 
     def gather(self, batch: dict[str, Any]) -> Any:
         """The value stage 2 passes the step, from its batch (a constant is not in it)."""
         if self.kind == "tensors":
             return {key: batch[f"{self.name}__{key}"] for key in self.value}
+        if self.kind == "items":
+            return self.container(spec.gather(batch) for spec in self.value)  # type: ignore[misc]
         return self.decode(batch.get(self.name))
 
     def present(self, batch: dict[str, Any]) -> bool:
         """Whether stage 2's batch gives this input (a constant always is)."""
         if self.kind == "tensors":
             return all(f"{self.name}__{key}" in batch for key in self.value)
+        if self.kind == "items":
+            return all(spec.present(batch) for spec in self.value)
         return self.name in batch or self.kind == "constant"
 
     def decode(self, value: Any) -> Any:
@@ -74,6 +100,9 @@ class InputSpec:
         if self.kind == "numbers":
             items = [(self.element or int)(item) for item in value.tolist()]
             return items if self.container is list else tuple(items)
+        if self.kind == "strings":
+            texts = ["".join(map(chr, (row[row > 0] - 1).tolist())) for row in value]
+            return texts if self.container is list else tuple(texts)
         if self.kind == "constant":
             return self.value
         return value
@@ -90,17 +119,52 @@ def _batched(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() >= 1
 
 
-def input_spec(name: str, value: Any) -> InputSpec:
-    """How the input ``name`` crosses, from its example value."""
+def input_spec(name: str, value: Any, batch_size: int | None = None) -> InputSpec:
+    """How the input ``name`` crosses, from its example value (``batch_size``: the example's,
+    which a tuple's items must all have to cross item by item)."""
     if isinstance(value, torch.Tensor):
         return InputSpec(name, "tensor")
     if type(value) is dict and value and all(_batched(item) for item in value.values()):
         return InputSpec(name, "tensors", dict, value=tuple(value))
+    if type(value) in (list, tuple) and value and _items_batched(value, batch_size):
+        items = tuple(input_spec(f"{name}__{i}", item, batch_size) for i, item in enumerate(value))
+        return InputSpec(name, "items", type(value), value=items)
     if isinstance(value, list | tuple) and value:
         kinds = {type(item) for item in value}
         if len(kinds) == 1 and next(iter(kinds)) in NUMBER_DTYPES:
             return InputSpec(name, "numbers", type(value), next(iter(kinds)))
+        if kinds == {str} and len(value) == batch_size:  # else a constant: a fixed list
+            return InputSpec(name, "strings", type(value))
     return InputSpec(name, "constant", value=value)
+
+
+def _items_batched(value: list[Any] | tuple[Any, ...], batch_size: int | None) -> bool:
+    """A tuple holding a tensor whose every item has one row a sample: a batched tensor, or a
+    list of strings or numbers as long as the batch."""
+
+    def batched(item: Any) -> bool:
+        if isinstance(item, torch.Tensor):
+            return item.dim() >= 1 and item.shape[0] == batch_size
+        kinds = {type(part) for part in item} if isinstance(item, list | tuple) else set()
+        return len(item) == batch_size and len(kinds) == 1 and kinds <= {str, *NUMBER_DTYPES}
+
+    holds_tensor = any(isinstance(item, torch.Tensor) for item in value)
+    return holds_tensor and all(batched(item) for item in value)
+
+
+def _code_points(texts: Any) -> torch.Tensor:
+    """Strings as ``[len(texts), longest]`` int32: each character's code point plus one, zero
+    after a string's end (exact for every string, NUL included)."""
+    rows = [[ord(char) + 1 for char in text] for text in texts]
+    longest = max((len(row) for row in rows), default=0)
+    table = torch.zeros(len(rows), longest, dtype=torch.int32)
+    for index, row in enumerate(rows):
+        table[index, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    return table
+
+
+def _length(value: Any) -> str:
+    return str(len(value)) if isinstance(value, list | tuple) else "no"
 
 
 @dataclass(frozen=True)
@@ -113,6 +177,17 @@ class CachedCall:
 
 
 @dataclass(frozen=True)
+class Placeholder:
+    """A cached call whose output only other cached calls read (a VAE's encoder, read by its
+    ``quant_conv``): not stored; stage 2 answers it with tensors on ``meta`` of ``fields``'
+    shapes and dtypes, which nothing reads."""
+
+    call: CallId
+    structure: Structure
+    fields: dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+@dataclass(frozen=True)
 class CallPlan:
     """Everything the stages need: inputs, cached calls, and the modules stage 2 drops."""
 
@@ -122,6 +197,14 @@ class CallPlan:
     verdicts: tuple[CallVerdict, ...]
     dropped: frozenset[str]  # module paths whose calls are all answered from the cache
     boundary: dict[str, BoundarySpec]
+    placeholders: dict[CallId, Placeholder] = dataclasses.field(default_factory=dict)
+    unused: frozenset[str] = frozenset()
+    """Frozen modules the step never computes with in stage 2 (a VAE's decoder): not held."""
+
+    @property
+    def not_held(self) -> frozenset[str]:
+        """The module paths stage 2 does not hold."""
+        return self.dropped | self.unused
 
     @property
     def last(self) -> CallId | None:

@@ -82,6 +82,12 @@ class CallSplit:
                 "answered from the cache in stage 2 (weights not held, may stay on meta): "
                 + dropped
             )
+        if self.plan.unused:
+            unused = ", ".join(sorted(self.plan.unused))
+            lines.append(
+                "not held by stage 2 (the step computes with none of their weights there): "
+                + unused
+            )
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -98,6 +104,7 @@ class CallSplit:
                 for v in self.plan.verdicts
             ],
             "dropped": sorted(self.plan.dropped),
+            "unused": sorted(self.plan.unused),
         }
 
     def save_code(self, folder: str | os.PathLike[str]) -> Path:

@@ -7,6 +7,7 @@ as_step_module -> frozen modules -> probe twice (seeds 0, 1) -> verdicts -> Call
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,11 +16,14 @@ import torch
 from torch import nn
 
 from graphsplit.artifacts import BoundarySpec
-from graphsplit.calls.analysis import Probe, batch_dim, is_batched, judge, probe
-from graphsplit.calls.call_plan import CallPlan, cached_call, input_spec
+from graphsplit.calls.analysis import batch_dim, is_batched, judge, probe
+from graphsplit.calls.call_plan import CallPlan, Placeholder, cached_call, input_spec
 from graphsplit.calls.call_report import CallSplit
-from graphsplit.calls.module_calls import frozen_modules, needed_routes
+from graphsplit.calls.module_calls import CallId, frozen_modules, needed_routes
+from graphsplit.calls.reordered import probe_reordered, take
 from graphsplit.calls.stages import CallStage1, CallStage2
+from graphsplit.calls.usage import Usage, inner_calls, needed_tensors, unused_modules
+from graphsplit.calls.verdicts import CallVerdict
 from graphsplit.errors import Fix, GraphsplitError, SplitError, user_error
 from graphsplit.planning.step.callables import as_step_module
 from graphsplit.planning.step.frozen import FrozenSpec, resolve_frozen
@@ -57,19 +61,28 @@ def split_calls(
             f"the example batch does not match the step: {error}.",
             fix=Fix("pass args/kwargs exactly as you would call the step"),
         ) from None
-    inputs = tuple(input_spec(name, value) for name, value in values.items())
     batch_size = _batch_size(values)
+    inputs = tuple(input_spec(name, value, batch_size) for name, value in values.items())
     try:
         with _grad_flags(named, trainable):
-            first = probe(module, step.args, step.kwargs, routed, SEEDS[0], batch_size)
-            second = probe(module, step.args, step.kwargs, routed, SEEDS[1], batch_size)
-            alone = None
+            usages = [Usage(), Usage()]
+            first, second = (
+                probe(module, step.args, step.kwargs, routed, seed, batch_size, usage)
+                for seed, usage in zip(SEEDS, usages)
+            )
+            alone, reordered = None, None
             if batch_size > 1:
                 one = _last_sample(signature, values, batch_size)
                 try:
                     alone = probe(module, *one, routed, SEEDS[0], 1)
-                except Exception:  # the step needs several samples: mixing is not disproved
-                    alone = Probe({}, None)
+                except Exception as error:  # the step runs at its own batch size only
+                    reordered = probe_reordered(
+                        lambda a, kw: probe(module, a, kw, routed, SEEDS[0], batch_size),
+                        values,
+                        batch_size,
+                        error,
+                        lambda cut: _arguments(signature, cut),
+                    )
     except GraphsplitError:
         raise
     except Exception as error:  # the user's step itself failed on the example batch
@@ -82,7 +95,7 @@ def split_calls(
                 "on meta); the step must run outside torch.inference_mode()"
             ),
         ) from error
-    verdicts = judge(first, second, batch_size, alone)
+    verdicts = judge(first, second, batch_size, alone, reordered)
     cached = {
         (v.path, v.index): cached_call(
             (v.path, v.index),
@@ -104,8 +117,17 @@ def split_calls(
                 "and draw random numbers after those calls"
             ),
         )
+    # Stage 2 holds what it computes with, the cache what stage 2 reads (see .usage).
+    inner = inner_calls([first, second], usages, set(cached))
+    verdicts = [_placeholder_verdict(v, inner) for v in verdicts]
+    stored = {call: planned for call, planned in cached.items() if call not in inner}
+    placeholders = {call: _placeholder(call, first.calls[call]) for call in inner}
+    needed = needed_tensors(usages, set(cached))
+    dropped = frozenset(p for p in _dropped(verdicts) if not _computes(routed[p], needed))
+    kept = {v.path for v in verdicts if not v.cached}
+    unused = unused_modules(routed, needed, kept, dropped)
     boundary = _input_boundary(inputs, values, batch_size)
-    for call, planned in cached.items():
+    for call, planned in stored.items():
         seen = first.calls[call]
         per_sample = is_batched(seen.inputs.tensors(), batch_size)
         for field, key in planned.keys.items():
@@ -113,14 +135,18 @@ def split_calls(
             dim = batch_dim(tensor, batch_size) if per_sample else None
             boundary[key] = _spec(key, tensor, dim, f"{call[0]} call {call[1]}: {field}")
     nested = first.nested | second.nested | (alone.nested if alone is not None else set())
+    for run in reordered.probes if reordered is not None else []:
+        nested |= run.nested
     routes = needed_routes(module, routed, {call[0] for call in cached}, nested)
     plan = CallPlan(
         signature=signature,
         inputs=inputs,
-        cached=cached,
+        cached=stored,
         verdicts=tuple(verdicts),
-        dropped=_dropped(verdicts),
+        dropped=dropped,
         boundary=boundary,
+        placeholders=placeholders,
+        unused=unused,
     )
     return CallSplit(
         stage1=CallStage1(module, plan, routes),
@@ -145,25 +171,15 @@ def _last_sample(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The example batch cut to its last sample: ``(args, kwargs)`` for the step. The last,
     not the first: a per-sample loop's call 0 then sees another sample than in the batch."""
-    cut = {name: _last(value, batch_size) for name, value in values.items()}
-    bound = inspect.BoundArguments(signature, cut)  # type: ignore[arg-type]
+    cut = {name: take(value, batch_size, slice(-1, None)) for name, value in values.items()}
+    return _arguments(signature, cut)
+
+
+def _arguments(
+    signature: inspect.Signature, values: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    bound = inspect.BoundArguments(signature, values)  # type: ignore[arg-type]
     return bound.args, bound.kwargs
-
-
-def _last(value: Any, batch_size: int) -> Any:
-    if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == batch_size:
-        return value[-1:]
-    if type(value) in (list, tuple) and _holds_tensors(value):  # a webdataset (image, text)
-        return type(value)(_last(item, batch_size) for item in value)
-    if isinstance(value, list | tuple) and len(value) == batch_size:
-        return list(value[-1:]) if isinstance(value, list) else tuple(value[-1:])
-    if type(value) is dict:  # SDXL's added_cond_kwargs: {"text_embeds": ..., "time_ids": ...}
-        return {key: _last(item, batch_size) for key, item in value.items()}
-    return value
-
-
-def _holds_tensors(value: Any) -> bool:
-    return any(isinstance(leaf, torch.Tensor) for leaf in torch.utils._pytree.tree_leaves(value))
 
 
 def _batch_size(values: dict[str, Any]) -> int:
@@ -192,6 +208,28 @@ def _spec(name: str, tensor: torch.Tensor, dim: int | None, source: str) -> Boun
     total = tensor.numel() * tensor.element_size()
     per_sample = total // max(int(tensor.shape[0]), 1) if dim == 0 else total
     return BoundarySpec(name, tuple(tensor.shape), tensor.dtype, dim, per_sample, source)
+
+
+def _placeholder_verdict(verdict: CallVerdict, inner: dict[CallId, CallId | None]) -> Any:
+    call = (verdict.path, verdict.index)
+    if call not in inner:
+        return verdict
+    reader = inner[call]
+    detail = (
+        f"not stored: only {reader[0]} call {reader[1]}, itself cached, reads its output"
+        if reader is not None
+        else "not stored: the step never reads its output"
+    )
+    return dataclasses.replace(verdict, detail=detail)
+
+
+def _placeholder(call: CallId, seen: Any) -> Placeholder:
+    fields = {name: (tuple(t.shape), t.dtype) for name, t in seen.tensors.items()}
+    return Placeholder(call, seen.structure, fields)
+
+
+def _computes(module: nn.Module, needed: set[int]) -> bool:
+    return any(id(tensor) in needed for tensor in (*module.parameters(), *module.buffers()))
 
 
 def _dropped(verdicts: list[Any]) -> frozenset[str]:

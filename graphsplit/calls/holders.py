@@ -3,7 +3,8 @@
 Stage 2 routes the frozen modules' calls (:class:`~graphsplit.calls.module_calls.CallRouter`)
 to :func:`answering`: a cached call returns its output rebuilt from the batch's cached tensors
 (a transformers ``ModelOutput`` comes back as one, so ``.image_embeds`` / ``[0]`` read as
-before) without touching the module's weights; any other call runs the module's forward.
+before) without touching the module's weights; a cached call only cached calls read comes back
+as tensors on ``meta`` (nothing reads them); any other call runs the module's forward.
 """
 
 from __future__ import annotations
@@ -21,10 +22,19 @@ from graphsplit.errors import Fix, SplitError, user_error
 
 def answers(plan: CallPlan) -> dict[CallId, Answer]:
     """Per cached call of ``plan``, the function that rebuilds its output (made once a stage)."""
-    return {
+    table = {
         call: answerer(planned.structure, planned.keys, f"{call[0]} call {call[1]}")
         for call, planned in plan.cached.items()
     }
+    for call, held in plan.placeholders.items():
+        keys = {name: name for name in held.fields}
+        meta = {
+            name: torch.empty(shape, dtype=dtype, device="meta")
+            for name, (shape, dtype) in held.fields.items()
+        }
+        answer = answerer(held.structure, keys, f"{call[0]} call {call[1]}")
+        table[call] = lambda _cached, answer=answer, meta=meta: answer(meta)
+    return table
 
 
 def answering(
@@ -38,7 +48,7 @@ def answering(
         answer = table.get(call)
         if answer is not None:
             return answer(cached)
-        if call[0] in plan.dropped:
+        if call[0] in plan.not_held:
             raise user_error(
                 SplitError,
                 f"this batch makes call {call[1]} of {call[0]}, which the module-level plan "

@@ -6,7 +6,8 @@ it returns the step's inputs that cross plus the cached calls' outputs. :class:`
 runs the user's step eagerly with those calls answered from the cache (:mod:`.holders`).
 
 Each stage registers, under the model's own names, only the modules it runs
-(:func:`skeleton`): stage 1 the modules of the cached calls, stage 2 everything else. The step
+(:func:`skeleton`): stage 1 the modules of the cached calls, stage 2 everything else that it
+computes with (not a module the step never runs, such as a VAE's decoder). The step
 module itself is held as a plain attribute, so ``stage2.parameters()`` are the parameters
 stage 2 uses and the weights of modules answered from the cache may stay on ``meta``.
 """
@@ -73,7 +74,7 @@ class CallStage1(nn.Module):
 
     def __init__(self, step: nn.Module, plan: CallPlan, routed: dict[str, nn.Module]) -> None:
         super().__init__()
-        held = frozenset(call[0] for call in plan.cached)
+        held = frozenset(call[0] for call in [*plan.cached, *plan.placeholders])
         skeleton(
             step,
             lambda path: True if path in held else (None if _above(path, held) else False),
@@ -93,6 +94,8 @@ class CallStage1(nn.Module):
         for cached in plan.cached.values():
             module = self._routed[cached.call[0]]
             lines.append(f"call {cached.call} {type(module).__qualname__} -> {list(cached.keys)}")
+        for call in plan.placeholders:  # run by stage 1, read only by cached calls
+            lines.append(f"call {call} {type(self._routed[call[0]]).__qualname__} -> not stored")
         return "\n".join(lines)
 
     def forward(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -143,7 +146,7 @@ class CallStage2(nn.Module):
 
     def __init__(self, step: nn.Module, plan: CallPlan, routed: dict[str, nn.Module]) -> None:
         super().__init__()
-        dropped = plan.dropped
+        dropped = plan.not_held
         skeleton(
             step,
             lambda path: False if path in dropped else (None if _above(path, dropped) else True),

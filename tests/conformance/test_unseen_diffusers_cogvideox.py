@@ -377,13 +377,15 @@ def test_auto_takes_the_module_level_path_caches_t5_and_verifies_exactly():
     assert any(key.startswith("text_encoder") for key in split.boundary)
 
 
-def test_the_module_level_plan_holds_the_example_prompts_and_refuses_others():
-    """The prompts are a constant of the module-level plan: other captions are refused in
-    stage 1 (before anything is cached), naming the fix, never trained on silently."""
+def test_the_module_level_plan_carries_each_batchs_own_prompts_exactly():
+    """The prompts cross the boundary (as code points) and stage 2 gets the very strings back:
+    a batch with other captions trains as the step does on it, loss and gradients bit for bit
+    (they were a constant of the plan before, refused on any other batch)."""
     parts = build()
     split = graphsplit.split(parts.step, (_first_batch(parts),))
+    assert split.boundary["prompts"].dtype == torch.int32
+    torch.manual_seed(1)
     other = parts.collate_fn(parts.dataset[2:4])
-    with pytest.raises(graphsplit.SplitError) as caught:
-        split.stage1(**other)
-    assert "the module-level plan was made with" in str(caught.value)
-    assert "pass it as a tensor" in str(caught.value)
+    assert other["prompts"] != _first_batch(parts)["prompts"]
+    comparisons = graphsplit.verify(parts.step, split, (other,), seed=3)
+    assert comparisons and all(c.ok for c in comparisons)

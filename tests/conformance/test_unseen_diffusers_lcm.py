@@ -4,9 +4,11 @@ Latent consistency distillation: a LoRA student (``get_peft_model``) against a f
 UNet, a DDIM solver step, guidance scales ``w`` drawn per sample, a target from the student
 itself under ``torch.no_grad()``, and prompts tokenized inside the step (the webdataset batch
 is ``(image, text)``, text a list of captions; ``encode_prompt`` also calls ``random``).
-Not supported yet (the test is a strict xfail): the trace path does not bind the tuple batch,
-and the module-level path cannot prove the VAE call per sample, since the script's step only
-runs at ``train_batch_size`` (its ``uncond_prompt_embeds`` is built for that size).
+The trace path refuses the tuple batch on purpose and ``auto`` falls back to the module-level
+path. The step only runs at ``train_batch_size`` (its ``uncond_prompt_embeds`` is built for
+that size), so the last sample cannot run alone: the module path shows the text encoder's and
+the VAE's calls per sample at the batch's own size, its samples reordered and repeated
+(``graphsplit/calls/reordered.py``).
 """
 
 from __future__ import annotations
@@ -22,12 +24,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import graphsplit
 from tests.helpers import split_and_verify
 
 diffusers = pytest.importorskip("diffusers")
 peft = pytest.importorskip("peft")
 
-from tests.conformance.unseen_checks import stage2_top_modules, word_tokenizer  # noqa: E402
+from tests.conformance.unseen_checks import (  # noqa: E402
+    assert_cache_round_trip,
+    stage2_top_modules,
+    word_tokenizer,
+)
 from tests.zoo import build_frozen_sd  # noqa: E402
 
 
@@ -368,17 +375,40 @@ def test_an_image_text_tuple_batch_is_cut_per_item_by_the_module_level_probe():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="not supported yet: the trace path does not bind a tuple batch (image, text), and "
-    "the step cannot run at batch 1 (uncond_prompt_embeds is built for train_batch_size), so "
-    "the module-level path cannot show the VAE call is per sample",
-)
-def test_lcm_distillation_caches_vae_and_text_encoder_and_verifies_exactly():
+def test_lcm_distillation_caches_vae_and_text_encoder_and_verifies_exactly(tmp_path):
     parts = build()
     split = split_and_verify(parts.step, (_batch(),))
     assert split.path == "calls"
+    assert "tuple" in split.reason  # the trace refuses the (image, text) batch on purpose
+    cached = {v.path for v in split.plan.verdicts if v.cached}
+    assert {"text_encoder", "vae.encoder", "vae.quant_conv"} <= cached
+    assert "teacher_unet" not in cached  # fed the noisy latents: a draw
     held = stage2_top_modules(split)
-    assert {"unet", "teacher_unet"} <= held
+    assert {"unet", "teacher_unet"} <= held and "text_encoder" not in held
     names = {name for name, _ in split.stage2.named_parameters()}
-    assert not any(name.startswith(("text_encoder.", "vae.encoder.")) for name in names)
+    assert not any(name.startswith(("text_encoder.", "vae.")) for name in names)
+    assert "vae" not in held  # its encoder is cached, its decoder never runs in the step
+    assert {"text_encoder__0__last_hidden_state", "vae_quant_conv__0__out"} <= set(split.boundary)
+    assert not any(key.startswith("vae_encoder") for key in split.boundary)  # read by quant_conv
+    # The (image, text) tuple crosses item by item, the captions as their code points.
+    assert {"batch__0", "batch__1"} <= set(split.boundary)
+    # graphsplit.cache counts a batch's samples by a batched tensor among its inputs, or its keys.
+    loader = [{"batch": _batch(2, seed), "key": [f"{seed}/0", f"{seed}/1"]} for seed in (1, 2)]
+    assert_cache_round_trip(
+        split,
+        parts.step,
+        loader,
+        tmp_path,
+        parts.unet,
+        rows_per_batch=2,
+        call=lambda step, raw: step(raw["batch"]),
+    )
+
+
+@pytest.mark.slow
+def test_lcm_at_another_batch_size_than_train_batch_size_is_refused_by_the_step_itself():
+    """The step binds ``uncond_prompt_embeds`` to ``train_batch_size``: at another size the
+    teacher's call fails, and the split says the step raised, not a verdict."""
+    parts = build(train_batch_size=2)
+    with pytest.raises(graphsplit.SplitError, match="the step raised"):
+        graphsplit.split(parts.step, (_batch(3),), path="calls")

@@ -200,10 +200,21 @@ def test_auto_caches_the_vae_and_trains_the_adapter_exactly():
     split = split_and_verify(parts.step, (_batch(2),))
     assert split.path == "calls"
     assert "index_for_timestep" in split.reason
-    assert stage2_top_modules(split) == {"unet", "t2iadapter", "vae"}  # the frozen UNet runs there
-    held = {name for name, _ in split.stage2.named_parameters()}
-    assert not any(name.startswith(("vae.encoder.", "vae.quant_conv.")) for name in held)
-    assert {"vae_encoder__0__out", "vae_quant_conv__0__out"} <= set(split.boundary)
+    # Stage 2 holds only what it runs: the frozen UNet and the adapter, not the VAE (its
+    # encoder's calls are cached, its decoder never runs in the step).
+    assert stage2_top_modules(split) == {"unet", "t2iadapter"}
+    assert split.plan.unused == {"vae"}
+    assert "not held by stage 2 (the step computes with none of their weights there): vae" in (
+        split.report()
+    )
+    # Only the outermost cached call is stored: the encoder's output goes to quant_conv alone.
+    assert "vae_quant_conv__0__out" in split.boundary
+    assert not any(key.startswith("vae_encoder") for key in split.boundary)
+    encoder = next(v for v in split.plan.verdicts if v.path == "vae.encoder")
+    assert encoder.cached
+    assert (
+        encoder.detail == "not stored: only vae.quant_conv call 0, itself cached, reads its output"
+    )
     # The dict of added conditions crosses per key, so every batch's own values train.
     assert {"unet_added_conditions__text_embeds", "unet_added_conditions__time_ids"} <= set(
         split.boundary

@@ -46,6 +46,27 @@ def test_closure_cells_are_found_and_stage2_calls_the_same_objects():
     assert split.model_name == "training_step"
 
 
+def test_modules_a_local_helper_or_partial_in_a_closure_reaches_are_found():
+    """diffusers' LCM script: ``compute_embeddings_fn = functools.partial(compute_embeddings,
+    text_encoder=text_encoder, ...)`` made in ``main()``; the step calls it, and the partial's
+    keywords (and a local helper's own closure) hold the frozen modules."""
+    encoder, head = _models(3)
+    scale = frozen(nn.Linear(4, 4))
+
+    def compute_embeddings(x, weight, text_encoder):
+        return scale(text_encoder(x)) * weight
+
+    embed = functools.partial(compute_embeddings, weight=2.0, text_encoder=encoder)
+
+    def training_step(x, y):
+        return F.mse_loss(head(embed(x)), y)
+
+    module = as_step_module(training_step, (X, Y), {}).module
+    assert dict(module.named_children()) == {"head": head, "text_encoder": encoder, "scale": scale}
+    split = split_and_verify(training_step, (X, Y))
+    assert set(_held(split)) == {"head.weight", "head.bias"}
+
+
 ENCODER, HEAD = _models(1)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dis
 import functools
+import inspect
 import keyword
 import types
 from typing import Any
@@ -195,9 +196,13 @@ def reach_code(
             reached.add(name, value)
     for name, cell in zip(code.co_freevars, function.__closure__ or ()):
         try:
-            reached.add(name, cell.cell_contents)
+            value = cell.cell_contents
         except ValueError:  # an empty cell: assigned after the function was defined
             continue
+        if isinstance(value, (types.FunctionType, functools.partial)):
+            _reach_callable(value, reached, visited)  # a helper the script made in main()
+        else:
+            reached.add(name, value)
     namespace = function.__globals__
     for name in _loaded_globals(code):
         if name not in namespace:
@@ -207,6 +212,26 @@ def reach_code(
             reach_code(value, reached, visited)  # a helper defined beside the step
         else:
             reached.add(name, value)
+
+
+def _reach_callable(value: Any, reached: Reached, visited: set[int]) -> None:
+    """A local helper in a closure cell: what it reaches, and what a ``functools.partial``
+    binds under the names of the parameters it fills (diffusers' LCM script calls
+    ``compute_embeddings_fn = functools.partial(compute_embeddings, text_encoder=...)``)."""
+    while isinstance(value, functools.partial):
+        if id(value) in visited:
+            return
+        visited.add(id(value))
+        try:
+            bound = inspect.signature(value.func).bind_partial(*value.args, **value.keywords)
+        except (TypeError, ValueError):  # a builtin or a partial binding too much: its values
+            bound = None  # are reached by keyword only
+        named = dict(bound.arguments) if bound is not None else dict(value.keywords)
+        for name, item in named.items():
+            reached.add(name, item)
+        value = value.func
+    if isinstance(value, types.FunctionType):
+        reach_code(value, reached, visited)
 
 
 def _loaded_globals(code: types.CodeType) -> list[str]:
