@@ -110,6 +110,7 @@ class CachedCall:
     call: CallId
     structure: Structure
     keys: dict[str, str]  # output field -> boundary key
+    copied: tuple[str, ...] = ()  # fields the step writes in place (stage 1 and 2 copy them)
 
 
 @dataclass(frozen=True)
@@ -155,5 +156,7 @@ class CallPlan:
         return bound.args, bound.kwargs
 
 
-def cached_call(call: CallId, structure: Structure, fields: list[str]) -> CachedCall:
-    return CachedCall(call, structure, {field: key_of(call, field) for field in fields})
+def cached_call(
+    call: CallId, structure: Structure, fields: list[str], copied: tuple[str, ...] = ()
+) -> CachedCall:
+    return CachedCall(call, structure, {field: key_of(call, field) for field in fields}, copied)

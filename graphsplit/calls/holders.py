@@ -21,10 +21,23 @@ from graphsplit.errors import Fix, SplitError, user_error
 
 def answers(plan: CallPlan) -> dict[CallId, Answer]:
     """Per cached call of ``plan``, the function that rebuilds its output (made once a stage)."""
-    return {
-        call: answerer(planned.structure, planned.keys, f"{call[0]} call {call[1]}")
-        for call, planned in plan.cached.items()
-    }
+    table = {}
+    for call, planned in plan.cached.items():
+        answer = answerer(planned.structure, planned.keys, f"{call[0]} call {call[1]}")
+        if planned.copied:
+            answer = _copying(answer, [planned.keys[field] for field in planned.copied])
+        table[call] = answer
+    return table
+
+
+def _copying(answer: Answer, keys: list[str]) -> Answer:
+    """``answer`` handing out copies of ``keys``: the step writes them in place, and the batch's
+    cached tensors (read again next epoch, or by ``verify``) must stay as stage 1 wrote them."""
+
+    def copied(cached: Mapping[str, torch.Tensor]) -> Any:
+        return answer({**cached, **{key: cached[key].clone() for key in keys}})
+
+    return copied
 
 
 def answering(

@@ -113,7 +113,9 @@ class CallStage1(nn.Module):
             if planned is not None:
                 tensors = tensors_of(output, planned.structure)
                 for field, key in planned.keys.items():
-                    outputs[key] = tensors[field]
+                    # A field the step goes on to write in place is kept as the call returned it.
+                    copy = field in planned.copied
+                    outputs[key] = tensors[field].clone() if copy else tensors[field]
                 if call == last:
                     raise _Stop
             return output
