@@ -280,6 +280,8 @@ def _judge(seen: ProbedCall, other: ProbedCall | None, batch_size: int) -> CallV
     difference = seen.inputs.difference(other.inputs)
     if difference is not None:
         return verdict(Verdict.RANDOM_INPUT, difference)
+    if seen.structure != other.structure:  # a number the plan would keep as a constant
+        return verdict(Verdict.NON_TENSOR, "a number in it differs between two runs" + whole)
     if seen.draws or other.draws:
         return verdict(Verdict.DRAWS_ITSELF)
     if seen.mutates_inputs:

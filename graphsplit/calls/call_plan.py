@@ -19,7 +19,7 @@ import torch
 
 from graphsplit.artifacts import BoundarySpec
 from graphsplit.calls.module_calls import CallId, key_of
-from graphsplit.calls.outputs import Structure
+from graphsplit.calls.outputs import Structure, holds_constant
 from graphsplit.calls.verdicts import CallVerdict
 from graphsplit.errors import Fix, SplitError, user_error
 
@@ -111,6 +111,11 @@ class CachedCall:
     structure: Structure
     keys: dict[str, str]  # output field -> boundary key
     copied: tuple[str, ...] = ()  # fields the step writes in place (stage 1 and 2 copy them)
+
+    @functools.cached_property
+    def numbers(self) -> bool:
+        """Whether the output holds numbers kept as constants (stage 1 checks each call's)."""
+        return holds_constant(self.structure)
 
 
 @dataclass(frozen=True)
