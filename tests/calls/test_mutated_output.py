@@ -79,3 +79,16 @@ def test_an_output_sharing_memory_with_the_input_that_the_step_writes_stays_refu
     message = str(caught.value)
     assert f"encoder call 0: {Verdict.MUTATED.why}" in message
     assert "mutates out in place, and it shares memory with the call's inputs" in message
+
+
+def test_two_epochs_over_the_cache_on_disk_give_the_unsplit_loss(tmp_path):
+    step = WritesItsEmbedding()
+    rows = torch.randn(4, HIDDEN)
+    split = graphsplit.split(step, (rows[:2],), path="calls")
+    loader = torch.utils.data.DataLoader([{"x": row} for row in rows], batch_size=2)
+    graphsplit.cache(split, loader, tmp_path / "cache")
+    cached = graphsplit.CachedDataset(tmp_path / "cache")
+    for _ in range(2):  # the step's in-place write must not reach the cached rows
+        for first in (0, 2):
+            batch = torch.utils.data.default_collate([cached[first], cached[first + 1]])
+            assert torch.equal(split.stage2(**batch), step(rows[first : first + 2]))
