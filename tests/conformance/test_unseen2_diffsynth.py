@@ -87,6 +87,15 @@ def test_the_default_path_caches_the_text_encoder_and_the_vae_and_is_exact(wan):
     assert {c.name for c in comparisons} >= {f"grad {name}" for name in trainable}
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_each_other_prompt_split_on_its_own_is_exact(wan, seed):
+    step, _, _ = wan
+    data = wan_sample(seed)  # another prompt (another length), other frames
+    split = graphsplit.split(step, (data,))
+    assert isinstance(split, graphsplit.CallSplit)
+    assert all(c.ok and c.max_abs_diff == 0 for c in graphsplit.verify(step, split, (data,)))
+
+
 def test_another_sample_is_refused_naming_the_input_the_plan_keeps_as_a_constant(wan):
     _, _, split = wan
     with pytest.raises(graphsplit.SplitError) as caught:
