@@ -43,6 +43,8 @@ class ProbedCall:
     not_a_tensor: NotATensor | None = None
     versions: list[int] = field(default_factory=list)
     mutated_later: list[str] = field(default_factory=list)
+    aliased: set[str] = field(default_factory=set)
+    """Output fields sharing memory with an input, the module's state or another field."""
     parts: dict[str, tuple[Structure | None, NotATensor | None]] | None = None
     """A ``ModelOutput``'s fields, each flattened alone (None for any other output)."""
     reads: Reads = field(default_factory=Reads)
@@ -111,6 +113,7 @@ def probe(
                 seen.watched = True
                 watched.append((output, watch(output, seen.reads)))
         seen.versions = [t._version for t in seen.tensors.values()]
+        seen.aliased = aliased(seen.tensors, live + list(module.parameters()))
         calls[call] = seen
         return output
 
@@ -134,6 +137,22 @@ def probe(
             if tensor._version != version
         ]
     return Probe(calls, result, router.nested)
+
+
+def aliased(outputs: dict[str, torch.Tensor], state: list[torch.Tensor]) -> set[str]:
+    """The output fields whose memory is also an input's, the module's, or another field's.
+
+    A step that writes such a field in place writes that other tensor too, which a copy
+    handed out by stage 2 would not: those calls stay refused (see :func:`_judge`).
+    """
+
+    def storage(tensor: torch.Tensor) -> int:
+        return tensor.untyped_storage().data_ptr() if tensor.numel() else -id(tensor)
+
+    owners: dict[int, int] = {}
+    for tensor in list(outputs.values()) + state:
+        owners[storage(tensor)] = owners.get(storage(tensor), 0) + 1
+    return {name for name, tensor in outputs.items() if owners[storage(tensor)] > 1}
 
 
 def _leaves(args: tuple, kwargs: dict) -> list[Any]:
@@ -291,17 +310,28 @@ def _judge(seen: ProbedCall, other: ProbedCall | None, batch_size: int) -> CallV
     difference = seen.inputs.difference(other.inputs)
     if difference is not None:
         return verdict(Verdict.RANDOM_INPUT, difference)
+    if seen.structure != other.structure:  # a number the plan would keep as a constant
+        return verdict(Verdict.NON_TENSOR, "a number in it differs between two runs" + whole)
     if seen.draws or other.draws:
         return verdict(Verdict.DRAWS_ITSELF)
     if seen.mutates_inputs:
         return verdict(Verdict.MUTATED, "the call mutates its inputs or its module's buffers")
-    if seen.mutated_later or other.mutated_later:
-        mutated = seen.mutated_later or other.mutated_later
-        return verdict(Verdict.MUTATED, "the step mutates " + ", ".join(mutated) + " in place")
+    # The step writing a fresh output in place is eager's own work, redone on a copy in stage 2.
+    mutated = sorted(set(seen.mutated_later) | set(other.mutated_later))
+    shared = [name for name in mutated if name in seen.aliased or name in other.aliased]
+    if shared:
+        return verdict(
+            Verdict.MUTATED,
+            "the step mutates " + ", ".join(shared) + " in place, and it shares memory with the "
+            "call's inputs, its module's weights or another of its outputs",
+        )
     if is_batched(seen.inputs.tensors(), batch_size):
         unbatched = [name for name, t in seen.tensors.items() if batch_dim(t, batch_size) is None]
         if unbatched:
             return verdict(Verdict.NOT_PER_SAMPLE, ", ".join(unbatched) + whole)
+    if mutated:
+        detail = "the step then writes " + ", ".join(mutated) + " in place: stage 2 hands it a copy"
+        return CallVerdict(path, index, Verdict.CACHED, detail, copied=tuple(mutated))
     return verdict(Verdict.CACHED)
 
 

@@ -24,7 +24,7 @@ import torch
 
 from graphsplit.artifacts import BoundarySpec
 from graphsplit.calls.module_calls import CallId, key_of
-from graphsplit.calls.outputs import Structure
+from graphsplit.calls.outputs import Structure, holds_constant
 from graphsplit.calls.verdicts import CallVerdict
 from graphsplit.errors import Fix, SplitError, user_error
 
@@ -174,6 +174,12 @@ class CachedCall:
     call: CallId
     structure: Structure
     keys: dict[str, str]  # output field -> boundary key
+    copied: tuple[str, ...] = ()  # fields the step writes in place (stage 1 and 2 copy them)
+
+    @functools.cached_property
+    def numbers(self) -> bool:
+        """Whether the output holds numbers kept as constants (stage 1 checks each call's)."""
+        return holds_constant(self.structure)
 
 
 @dataclass(frozen=True)
@@ -238,5 +244,7 @@ class CallPlan:
         return bound.args, bound.kwargs
 
 
-def cached_call(call: CallId, structure: Structure, fields: list[str]) -> CachedCall:
-    return CachedCall(call, structure, {field: key_of(call, field) for field in fields})
+def cached_call(
+    call: CallId, structure: Structure, fields: list[str], copied: tuple[str, ...] = ()
+) -> CachedCall:
+    return CachedCall(call, structure, {field: key_of(call, field) for field in fields}, copied)

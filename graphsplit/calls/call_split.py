@@ -101,6 +101,7 @@ def split_calls(
             (v.path, v.index),
             first.calls[(v.path, v.index)].structure,  # type: ignore[arg-type]
             list(first.calls[(v.path, v.index)].tensors),
+            v.copied,
         )
         for v in verdicts
         if v.cached

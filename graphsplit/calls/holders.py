@@ -22,10 +22,12 @@ from graphsplit.errors import Fix, SplitError, user_error
 
 def answers(plan: CallPlan) -> dict[CallId, Answer]:
     """Per cached call of ``plan``, the function that rebuilds its output (made once a stage)."""
-    table = {
-        call: answerer(planned.structure, planned.keys, f"{call[0]} call {call[1]}")
-        for call, planned in plan.cached.items()
-    }
+    table = {}
+    for call, planned in plan.cached.items():
+        answer = answerer(planned.structure, planned.keys, f"{call[0]} call {call[1]}")
+        if planned.copied:
+            answer = _copying(answer, [planned.keys[field] for field in planned.copied])
+        table[call] = answer
     for call, held in plan.placeholders.items():
         keys = {name: name for name in held.fields}
         meta = {
@@ -35,6 +37,16 @@ def answers(plan: CallPlan) -> dict[CallId, Answer]:
         answer = answerer(held.structure, keys, f"{call[0]} call {call[1]}")
         table[call] = lambda _cached, answer=answer, meta=meta: answer(meta)
     return table
+
+
+def _copying(answer: Answer, keys: list[str]) -> Answer:
+    """``answer`` handing out copies of ``keys``: the step writes them in place, and the batch's
+    cached tensors (read again next epoch, or by ``verify``) must stay as stage 1 wrote them."""
+
+    def copied(cached: Mapping[str, torch.Tensor]) -> Any:
+        return answer({**cached, **{key: cached[key].clone() for key in keys}})
+
+    return copied
 
 
 def answering(

@@ -4,8 +4,12 @@ A frozen module returns a tensor, a tuple / list of them, a dict, or a transform
 ``ModelOutput`` (an ordered dict whose ``[0]`` is its first field). :func:`flatten` names each
 tensor by its path (``last_hidden_state``, ``1``, ``hidden_states__2``) and records the
 structure; :func:`rebuild` makes the same structure back, so stage 2's code reads the cached
-output as it read the live one. Anything else in an output (a string, a number, an object) is
-no tensor the cache can hold: :class:`NotATensor` names it.
+output as it read the live one. A Python number (``int``, ``float``, ``bool``: Wan's VAE encoder
+returns its causal-conv index ``[27]`` beside its tensors) is kept in the structure as a
+constant of the plan; stage 1 checks every sample's call returns the same
+(:func:`constants_differ`), so a number that depends on the sample is refused, never cached
+wrong. Anything else in an output (a string, an object) is no tensor the cache can hold:
+:class:`NotATensor` names it.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ class NotATensor(Exception):
 class Structure:
     """How to rebuild one output: ``kind`` and, for containers, the keys and children."""
 
-    kind: str  # "tensor" | "none" | "tuple" | "list" | "mapping"
+    kind: str  # "tensor" | "none" | "constant" (keys: the number) | "tuple" | "list" | "mapping"
     container: type | None = None
     keys: tuple[Any, ...] = ()
     children: tuple[Structure, ...] = ()
@@ -53,6 +57,8 @@ def flatten(value: Any, prefix: str = "") -> tuple[Structure, dict[str, torch.Te
         return Structure("tensor"), {prefix or SINGLE: value}
     if value is None:
         return Structure("none"), {}
+    if type(value) in NUMBERS:
+        return Structure("constant", keys=(value,)), {}
     if isinstance(value, Mapping):
         keys = tuple(value.keys())
         children, tensors = [], {}
@@ -70,6 +76,27 @@ def flatten(value: Any, prefix: str = "") -> tuple[Structure, dict[str, torch.Te
         kind = "list" if isinstance(value, list) else "tuple"
         return Structure(kind, type(value), (), tuple(children)), tensors
     raise NotATensor(prefix, value)
+
+
+NUMBERS = (int, float, bool)
+"""The output leaves kept as constants of the plan (their exact types: no numpy scalar)."""
+
+
+def holds_constant(structure: Structure) -> bool:
+    """Whether the output holds a number kept as a constant of the plan."""
+    return structure.kind == "constant" or any(map(holds_constant, structure.children))
+
+
+def constants_differ(value: Any, structure: Structure) -> bool:
+    """Whether the output ``value`` is not what ``structure`` rebuilds, other than its tensors
+    (a number of the plan changed: another sample's call returned another number)."""
+    try:
+        if not structure.left_out:
+            return flatten(value)[0] != structure
+        pairs = zip(structure.keys, structure.children)
+        return any(flatten(getattr(value, key), key)[0] != child for key, child in pairs)
+    except NotATensor:
+        return True
 
 
 def tensors_of(value: Any, structure: Structure) -> dict[str, torch.Tensor]:
@@ -92,6 +119,8 @@ def rebuild(
         return tensors[prefix or SINGLE]
     if structure.kind == "none":
         return None
+    if structure.kind == "constant":
+        return structure.keys[0]
     if structure.kind == "mapping":
         items = {
             key: rebuild(child, tensors, _join(prefix, key))

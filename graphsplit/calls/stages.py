@@ -24,7 +24,7 @@ from graphsplit.calls import generators
 from graphsplit.calls.call_plan import CallPlan
 from graphsplit.calls.holders import answering, answers
 from graphsplit.calls.module_calls import CallRouter, restore
-from graphsplit.calls.outputs import tensors_of
+from graphsplit.calls.outputs import constants_differ, tensors_of
 from graphsplit.errors import Fix, SplitError, user_error
 
 
@@ -114,9 +114,22 @@ class CallStage1(nn.Module):
             output = forward(*a, **kw)
             planned = plan.cached.get(call)
             if planned is not None:
+                if planned.numbers and constants_differ(output, planned.structure):
+                    raise user_error(
+                        SplitError,
+                        f"{call[0]} call {call[1]} returned other numbers (or another structure) "
+                        "than on the example batch; the module-level plan keeps them as "
+                        "constants, so this sample cannot be cached.",
+                        fix=Fix(
+                            "return those numbers as tensors from the module, or split with "
+                            "batches whose calls return the same numbers"
+                        ),
+                    )
                 tensors = tensors_of(output, planned.structure)
                 for field, key in planned.keys.items():
-                    outputs[key] = tensors[field]
+                    # A field the step goes on to write in place is kept as the call returned it.
+                    copy = field in planned.copied
+                    outputs[key] = tensors[field].clone() if copy else tensors[field]
                 if call == last:
                     raise _Stop
             return output

@@ -55,6 +55,9 @@ class CallVerdict:
     index: int
     verdict: Verdict
     detail: str = ""
+    copied: tuple[str, ...] = ()
+    """Cached output fields the step writes in place: stage 1 keeps them as the call returned
+    them, stage 2 hands the step a copy (so the cache it reads from stays as written)."""
 
     @property
     def cached(self) -> bool:

@@ -61,10 +61,27 @@ class DrawsItself(Frozen):
 
 
 class Mutated(Frozen):
+    """The step writes the output in place, and the output is a view of the input (a fresh
+    output written in place is cached: tests/calls/test_mutated_output.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = Viewing()
+
     def forward(self, x):
+        x = x.clone()
         h = self.encoder(x)
         h.mul_(2)
-        return self.head(h).sum()
+        return self.head(x).sum()
+
+
+class Viewing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(HIDDEN), requires_grad=False)
+
+    def forward(self, x):
+        return x[:, :]
 
 
 class MutatesItsInput(Frozen):
@@ -113,7 +130,7 @@ CASES = [
     (NumpyInput, Verdict.RANDOM_INPUT, "different seeds"),
     (PythonRandomInput, Verdict.RANDOM_INPUT, "different seeds"),
     (DrawsItself, Verdict.DRAWS_ITSELF, "draws random numbers itself"),
-    (Mutated, Verdict.MUTATED, "mutates out in place"),
+    (Mutated, Verdict.MUTATED, "mutates out in place, and it shares memory"),
     (MutatesItsInput, Verdict.MUTATED, "mutates its inputs"),
     (StringOutput, Verdict.NON_TENSOR, "1 is a str"),
 ]
