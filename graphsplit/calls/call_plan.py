@@ -7,9 +7,10 @@ Inputs: a tensor crosses as it is; a list or tuple of Python numbers (IP-Adapter
 ``batch["drop_image_embeds"]``) crosses as a tensor and comes back as the same list in stage 2;
 a list of strings, one a sample (captions the step tokenizes), crosses as their code points
 (each plus one, zero-padded to the batch's longest: ``[B, longest]`` int32) and comes back as
-the same strings; a tuple or list of such batched items (a webdataset's ``(image, text)``)
-crosses item by item (``batch__0``, ``batch__1``); any other value (a string, a flag) is a
-constant of the plan, checked equal on every batch.
+the same strings (a list named ``key``, the batch's sample keys, crosses as ``key__text``: a
+cached item's own ``"key"`` is its sample key); a tuple or list of such batched items (a
+webdataset's ``(image, text)``) crosses item by item (``batch__0``, ``batch__1``); any other
+value (a string, a flag) is a constant of the plan, checked equal on every batch.
 """
 
 from __future__ import annotations
@@ -77,7 +78,14 @@ class InputSpec:
                 crossing.update(spec.crossing(item) if spec.kind != "constant" else {})
                 spec.encode(item)  # a constant item is checked equal
             return crossing
-        return {self.name: self.encode(value)}
+        return {self.field: self.encode(value)}
+
+    @property
+    def field(self) -> str:
+        """This input's boundary key: its name, except that a list of strings named ``"key"``
+        (the batch's sample keys, by ``cache()``'s convention) crosses as ``key__text``, so it
+        never takes the place of a cached item's own ``"key"``."""
+        return f"{self.name}__text" if self.kind == "strings" and self.name == "key" else self.name
 
     def gather(self, batch: dict[str, Any]) -> Any:
         """The value stage 2 passes the step, from its batch (a constant is not in it)."""
@@ -85,7 +93,7 @@ class InputSpec:
             return {key: batch[f"{self.name}__{key}"] for key in self.value}
         if self.kind == "items":
             return self.container(spec.gather(batch) for spec in self.value)  # type: ignore[misc]
-        return self.decode(batch.get(self.name))
+        return self.decode(batch.get(self.field))
 
     def present(self, batch: dict[str, Any]) -> bool:
         """Whether stage 2's batch gives this input (a constant always is)."""
@@ -93,7 +101,7 @@ class InputSpec:
             return all(f"{self.name}__{key}" in batch for key in self.value)
         if self.kind == "items":
             return all(spec.present(batch) for spec in self.value)
-        return self.name in batch or self.kind == "constant"
+        return self.field in batch or self.kind == "constant"
 
     def decode(self, value: Any) -> Any:
         """The value stage 2 passes the step for what crossed."""

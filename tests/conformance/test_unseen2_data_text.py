@@ -167,13 +167,11 @@ def test_dicts_with_int64_labels_and_bool_masks(tmp_path):
     assert split.path == "trace"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a bool attention mask makes transformers' masking_utils read the mask's values "
-    "(fast_all), so the step takes the module-level path; there the batch's 'key' list is an "
-    "input of the step: on main a constant of the plan (cache() refuses the second batch), "
-    "with the callprobe branch it crosses the boundary under the name 'key' and overwrites "
-    "the CachedDataset item's sample key",
-)
 def test_dicts_with_a_bool_attention_mask_and_keys(tmp_path):
-    _dict_round_trip(Records(5, bool_attention=True), tmp_path / "cache")
+    """A bool attention mask makes transformers' masking_utils read the mask's values, so the
+    step takes the module-level path, where the batch's ``"key"`` list is an input of the step:
+    it crosses as ``key__text`` and comes back as the same strings, and every cached item keeps
+    its own sample key."""
+    split = _dict_round_trip(Records(5, bool_attention=True), tmp_path / "cache")
+    assert split.path == "calls"
+    assert "key__text" in split.boundary and "key" not in split.boundary
