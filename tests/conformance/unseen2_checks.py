@@ -18,20 +18,7 @@ import torch
 from torch import nn
 
 import graphsplit
-
-
-def _loss_and_grads(
-    run: Callable[[], torch.Tensor], params: Sequence[nn.Parameter], seed: int
-) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-    for param in params:
-        param.grad = None
-    torch.manual_seed(seed)
-    loss = run()
-    loss.backward()
-    grads = [None if param.grad is None else param.grad.clone() for param in params]
-    for param in params:
-        param.grad = None
-    return loss.detach(), grads
+from tests.conformance.unseen_checks import loss_and_grads
 
 
 def _rows(batch: dict[str, Any]) -> int:
@@ -62,8 +49,8 @@ def assert_trains_from_its_cache(
             param.add_(torch.randn(param.shape, generator=generator).to(param.dtype) * 0.05)
     for index, (raw, boundary) in enumerate(zip(batches, cached, strict=True)):
         seed = 7 + index
-        expected, expected_grads = _loss_and_grads(lambda raw=raw: step(raw), params, seed)
-        actual, grads = _loss_and_grads(lambda b=boundary: split.stage2(**b), params, seed)
+        expected, expected_grads = loss_and_grads(lambda raw=raw: step(raw), params, seed)
+        actual, grads = loss_and_grads(lambda b=boundary: split.stage2(**b), params, seed)
         assert torch.equal(expected, actual), (expected, actual)
         for want, got in zip(expected_grads, grads, strict=True):
             assert (want is None) == (got is None)

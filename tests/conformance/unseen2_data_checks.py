@@ -18,21 +18,7 @@ import torch
 from torch import nn
 
 import graphsplit
-
-
-def loss_and_grads(
-    run: Callable[[], torch.Tensor], params: Sequence[nn.Parameter], seed: int
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The loss and a copy of every parameter's gradient of one step under ``seed``."""
-    for param in params:
-        param.grad = None
-    torch.manual_seed(seed)
-    loss = run()
-    loss.backward()
-    grads = [param.grad.clone() for param in params]
-    for param in params:
-        param.grad = None
-    return loss.detach(), grads
+from tests.conformance.unseen_checks import loss_and_grads
 
 
 def assert_same_step(

@@ -8,7 +8,7 @@ stage 2 on each cached batch must train exactly as the step on the loader's raw 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +23,17 @@ def stage2_top_modules(split: Any) -> set[str]:
     return {name.split(".")[0] for name, _ in split.stage2.named_modules() if name}
 
 
-def _loss_and_grads(
-    run: Callable[[], torch.Tensor], params: list[nn.Parameter], seed: int
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def loss_and_grads(
+    run: Callable[[], torch.Tensor], params: Sequence[nn.Parameter], seed: int
+) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """The loss and a copy of every parameter's gradient (None where it got none) of one step
+    under ``seed``; the gradients are cleared before and after."""
     for param in params:
         param.grad = None
     torch.manual_seed(seed)
     loss = run()
     loss.backward()
-    grads = [param.grad.clone() for param in params]
+    grads = [None if param.grad is None else param.grad.clone() for param in params]
     for param in params:
         param.grad = None
     return loss.detach(), grads
@@ -68,9 +70,9 @@ def assert_cache_round_trip(
     assert params
     compared = 0
     for seed, raw in enumerate(loader):
-        expected_loss, expected = _loss_and_grads(lambda raw=raw: call(step, raw), params, seed)
+        expected_loss, expected = loss_and_grads(lambda raw=raw: call(step, raw), params, seed)
         batch = next(cached)
-        loss, grads = _loss_and_grads(lambda batch=batch: split.stage2(**batch), params, seed)
+        loss, grads = loss_and_grads(lambda batch=batch: split.stage2(**batch), params, seed)
         assert torch.equal(loss, expected_loss), (loss, expected_loss)
         assert all(torch.equal(a, b) for a, b in zip(grads, expected, strict=True))
         compared += 1
