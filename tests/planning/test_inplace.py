@@ -92,7 +92,7 @@ class WritesThroughTranspose(nn.Module):
 
 def test_a_write_through_a_non_indexing_view_read_later_is_refused_with_the_line():
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(WritesThroughTranspose(), (torch.randn(3, 4),))
+        graphsplit.split(WritesThroughTranspose(), (torch.randn(3, 4),), path="trace")
     message = str(caught.value)
     assert "shares its memory, is read afterwards" in message
     assert line_of(WritesThroughTranspose, ".mul_(2)") in message and "fix:" in message
@@ -124,10 +124,24 @@ class ModuleMutatesItsArgument(nn.Module):
 
 def test_a_module_mutating_an_argument_read_later_is_refused_with_the_line():
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(ModuleMutatesItsArgument(), (torch.randn(3, 4),))
+        graphsplit.split(ModuleMutatesItsArgument(), (torch.randn(3, 4),), path="trace")
     message = str(caught.value)
     assert "writes into its argument 'frozen', which the step reads again" in message
     assert line_of(ModuleMutatesItsArgument, "self.scales(h)") in message and "fix:" in message
+
+
+@pytest.mark.parametrize("step_type", [WritesThroughTranspose, ModuleMutatesItsArgument])
+def test_the_default_path_caches_the_frozen_call_the_trace_refuses_and_is_exact(step_type):
+    """The module-level path caches ``frozen(x)`` as returned and hands the step a copy to write."""
+    step, x = step_type(), torch.randn(3, 4)
+    split = graphsplit.split(step, (x,))
+    assert isinstance(split, graphsplit.CallSplit)
+    assert split.plan.verdicts[0].copied == ("out",)
+    boundary = split.stage1(x)
+    kept = {key: value.clone() for key, value in boundary.items()}
+    assert torch.equal(split.stage2(**boundary), step(x))
+    assert all(torch.equal(boundary[key], kept[key]) for key in kept)  # the cache stays as written
+    assert all(c.ok for c in graphsplit.verify(step, split, (torch.randn(3, 4),)))
 
 
 # -- property: random in-place programs are exact or refused ----------------------------------

@@ -500,8 +500,20 @@ class TrimsItsArgumentInPlace(TrimsWithToList):
 
 def test_an_opaque_function_writing_into_its_input_is_refused():
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(TrimsItsArgumentInPlace(), prompts(3))
+        graphsplit.split(TrimsItsArgumentInPlace(), prompts(3), path="trace")
     message = str(caught.value)
     assert "TrimsItsArgumentInPlace.trim reads tensor values and writes into its own" in message
     assert line_of(TrimsItsArgumentInPlace.trim, ".tolist()") in message
     assert "fix:    write into a copy (x = x.clone()) inside the function" in message
+
+
+def test_the_default_path_caches_the_embedding_the_opaque_function_writes_into_exactly():
+    """The module-level path caches ``embed(ids)``; the step's own ``trim`` writes into a copy."""
+    step = TrimsItsArgumentInPlace()
+    split = graphsplit.split(step, prompts(3))
+    assert isinstance(split, graphsplit.CallSplit)
+    assert split.plan.verdicts[0].copied == ("out",)
+    boundary = split.stage1(*prompts(3))
+    assert torch.equal(split.stage2(**boundary), step(*prompts(3)))
+    assert torch.equal(split.stage2(**boundary), step(*prompts(3)))  # the cache was not trimmed
+    assert all(c.ok for c in graphsplit.verify(step, split, prompts(3, seed=1)))
