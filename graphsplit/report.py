@@ -185,10 +185,13 @@ def random_nodes(split: SplitPlan) -> list[fx.Node]:
 
 def uncached_roots(split: SplitPlan) -> list[tuple[fx.Node, Taint]]:
     """Values that would have been cacheable but for their own sample mixing, and frozen
-    modules that draw random numbers. Plain draws (``randn_like``) are listed as random draws.
+    modules that draw random numbers, that stage 2 runs. Plain draws (``randn_like``) are listed
+    as random draws.
     """
     roots = []
     for node, taint in split.cut.taint.items():
+        if node not in split.cut.stage2:  # dead work (a teacher's unread loss) runs nowhere
+            continue
         own = taint.origin is node
         mixing = taint.kind is TaintKind.MIXING
         if own and (mixing or (taint.kind is TaintKind.RANDOM and is_banned(node, {}))):

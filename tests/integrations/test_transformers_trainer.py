@@ -20,7 +20,7 @@ from graphsplit.errors import CacheError
 from graphsplit.integrations.transformers import TrainerLoss, split_trainer
 from tests.caching.fixtures import worker_environment
 from tests.helpers import two_process_launch
-from tests.integrations.kd import logged_losses, make_trainer, padded_samples
+from tests.integrations.kd import LENGTH, VOCAB, logged_losses, make_trainer, padded_samples
 
 
 def _train(tmp_path, name, samples, *, split, **arguments):
@@ -51,9 +51,12 @@ def test_the_split_trainer_logs_the_unsplit_losses(tmp_path, arguments):
     assert logged_losses(split) == logged_losses(unsplit)
     assert len(logged_losses(split)) >= 4
     assert _same_weights(split, unsplit)
-    # the teacher ran in stage 1 only: its logits are cached, stage 2 holds the student
+    # the teacher ran in stage 1 only: its log-probabilities are cached, stage 2 holds the
+    # student and never computes the teacher's unread loss
     assert "teacher" not in dict(parts.split.stage2.named_children())
-    assert any(name.startswith("teacher") for name in parts.split.boundary)
+    cached = {n: s.shape[1:] for n, s in parts.split.boundary.items() if n not in samples[0]}
+    assert list(cached.values()) == [(LENGTH, VOCAB)], cached
+    assert "Not cached" not in parts.split.report()
     assert len(parts.cached) == 16
 
 
