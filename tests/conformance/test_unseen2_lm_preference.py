@@ -17,6 +17,7 @@ optimizer step (:func:`~tests.conformance.test_unseen_lm.assert_trains_from_its_
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -126,15 +127,17 @@ def test_dpo_with_the_adapter_disabled_reference_caches_the_base_models_log_prob
     batch = _preference_batch(pairs)
     split = split_and_verify(step, batch)
     rows = 2 * pairs
-    # The whole reference forward (adapters off) runs in stage 1: its fused LM head's
-    # per-token log-probs are cached. (The head also computes a mean ``loss`` over the batch
-    # that DPO never reads; that dead reduction keeps the cut at the per-token log-probs
-    # rather than their per-row sum.)
+    # The whole reference forward (adapters off) runs in stage 1, down to the step's own
+    # ``ref_logps = ref_per_token_logps.sum(dim=1)``: one number per row is cached. (The fused
+    # head also computes a mean ``loss`` over the batch that DPO never reads; that dead
+    # reduction runs in neither stage and does not hold the cut at the per-token log-probs.)
     policy_head, reference_head = _fused_heads(split)
     assert policy_head in split.cut.stage2 and reference_head in split.cut.stage1
     cached = {key: spec.shape for key, spec in split.boundary.items()}
     log_probs = [spec for spec in split.boundary.values() if spec.dtype == torch.float32]
-    assert (rows, 7) in {spec.shape for spec in log_probs}  # the reference's, per token
+    (row_sum,) = [spec for spec in log_probs if spec.shape == (rows,)]
+    assert row_sum.source.endswith(f":{_line_of('ref_logps = ref_per_token_logps.sum(dim=1)')}")
+    assert (rows, 7) not in {spec.shape for spec in log_probs}
     # The policy's frozen work below its first LoRA layer is cached too; no LoRA layer is.
     assert cached["model_base_model_model_model_embed_tokens"] == (rows, 8, 32)
     held = stage2_paths(split)
@@ -143,6 +146,12 @@ def test_dpo_with_the_adapter_disabled_reference_caches_the_base_models_log_prob
     assert_trains_from_its_cache(
         step, split, [batch, _preference_batch(pairs, seed=1)], tmp_path / "cache"
     )
+
+
+def _line_of(text: str) -> int:
+    """The line of this file that holds ``text``."""
+    lines = Path(__file__).read_text().splitlines()
+    return next(number for number, line in enumerate(lines, 1) if text in line)
 
 
 def _fused_heads(split) -> list:
