@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,13 @@ class CallSplit:
                 "not held by stage 2 (the step computes with none of their weights there): "
                 + unused
             )
+        held = held_though_cached(self.plan)
+        if held:
+            lines.append(
+                "held by stage 2 though every call is answered from the cache (the step moves "
+                "or computes with their weights outside those calls, e.g. module.to(device) "
+                "in the step): " + ", ".join(held)
+            )
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -105,6 +113,7 @@ class CallSplit:
             ],
             "dropped": sorted(self.plan.dropped),
             "unused": sorted(self.plan.unused),
+            "held_though_cached": held_though_cached(self.plan),
         }
 
     def save_code(self, folder: str | os.PathLike[str]) -> Path:
@@ -114,6 +123,28 @@ class CallSplit:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "plan.json").write_text(json.dumps(self.to_json(), indent=2) + "\n")
         return folder
+
+
+def held_though_cached(plan: CallPlan) -> list[str]:
+    """Modules all of whose calls are cached (and none inside them runs in stage 2) that stage 2
+    holds anyway: the step computes with their weights elsewhere, or moves them (``.to``)."""
+    every_call_cached: dict[str, bool] = {}
+    for verdict in plan.verdicts:
+        every_call_cached[verdict.path] = (
+            every_call_cached.get(verdict.path, True) and verdict.cached
+        )
+    running = [path for path, cached in every_call_cached.items() if not cached]
+
+    def inside(path: str, others: Iterable[str]) -> bool:
+        return any(path == other or path.startswith(other + ".") for other in others)
+
+    return sorted(
+        path
+        for path, cached in every_call_cached.items()
+        if cached
+        and not inside(path, plan.not_held)
+        and not any(other.startswith(path + ".") for other in running)
+    )
 
 
 def _count(stage: nn.Module) -> str:

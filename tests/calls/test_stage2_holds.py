@@ -137,6 +137,30 @@ def test_a_cached_module_whose_weight_stage2_computes_with_is_held():
     split = split_and_verify(UsesTheCachedEncodersWeight(), (X,), path="calls")
     assert "vae.encoder.weight" in _held(split)
     assert "vae.encoder" not in split.plan.dropped
+    assert "outside those calls, e.g. module.to(device) in the step): vae.encoder\n" in (
+        split.report()
+    )
+    assert split.to_json()["held_though_cached"] == ["vae.encoder"]
+
+
+class MovesTheVae(Encodes):
+    """diffusers' Sana script: ``vae = vae.to(accelerator.device)`` inside the loop body."""
+
+    def forward(self, x):
+        vae = self.vae.to(x.device)
+        return self.head(vae.encode(x)).square().mean()
+
+
+def test_a_module_the_step_moves_is_held_and_the_report_says_why():
+    """Stage 2 runs the step's ``.to`` too, which a VAE built on ``meta`` cannot do."""
+    split = split_and_verify(MovesTheVae(), (X,), path="calls")
+    assert list(split.boundary) == ["x", "vae_quant_conv__0__out"]  # still answered from the cache
+    assert {"vae.encoder.weight", "vae.decoder.weight"} <= _held(split)
+    assert split.to_json()["held_though_cached"] == ["vae.encoder", "vae.quant_conv"]
+    assert (
+        "held by stage 2 though every call"
+        not in split_and_verify(Encodes(), (X,), path="calls").report()
+    )
 
 
 def test_a_placeholder_is_never_read_so_stage2_runs_without_the_vaes_weights():

@@ -302,6 +302,7 @@ def assert_stage2_trains_the_transformer(split, transformer, moved: set[str]) ->
     lora = {f"transformer.{n}" for n, p in transformer.named_parameters() if p.requires_grad}
     assert len(lora) == 12 and lora <= held  # to_k / to_q / to_v of self- and cross-attention
     assert {name.split(".")[0] for name in held} == {"transformer"} | moved
+    assert "vae.encoder" in split.to_json()["held_though_cached"]  # and the report says why
 
 
 @pytest.mark.parametrize("offload", [False, True])
