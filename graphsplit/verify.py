@@ -1,9 +1,10 @@
 """``graphsplit.verify``: prove on real data that the two stages train exactly like the model.
 
 Runs ``model(*args)`` and ``stage2(**stage1(*args))`` from the same seed of every generator a
-step draws from (torch, numpy's global generator, Python's ``random``), backpropagates
-through both, and compares every output tensor and the gradient of every trainable parameter.
-Gradients already stored on the parameters are restored afterwards.
+step draws from (torch, numpy's global generator, Python's ``random``, and ``torch.Generator``
+objects of the step's own, seeded as calls are handed them), backpropagates through both, and
+compares every output tensor and the gradient of every trainable parameter. Gradients already
+stored on the parameters, and every generator's state, are restored afterwards.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 
 from graphsplit.api import Split
 from graphsplit.calls import CallSplit
-from graphsplit.calls.generators import seed_all
+from graphsplit.calls.generators import seeded
 from graphsplit.errors import Fix, VerifyError, user_error
 from graphsplit.planning.step.callables import as_step_module
 
@@ -113,15 +114,17 @@ def _run(
 ) -> tuple[Any, dict[str, torch.Tensor | None]]:
     for _, param in params:
         param.grad = None
-    seed_all(seed)  # torch, numpy and random: SpecAugment-style masks draw with np.random
-    out = step()
-    differentiable = [
-        leaf
-        for leaf in pytree.tree_leaves(out)
-        if isinstance(leaf, torch.Tensor) and leaf.requires_grad
-    ]
-    if differentiable:
-        torch.stack([leaf.float().sum() for leaf in differentiable]).sum().backward()
+    # torch, numpy and random (SpecAugment-style masks draw with np.random), and the step's own
+    # torch.Generator objects, all from ``seed``; every state is given back afterwards.
+    with seeded(seed):
+        out = step()
+        differentiable = [
+            leaf
+            for leaf in pytree.tree_leaves(out)
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad
+        ]
+        if differentiable:
+            torch.stack([leaf.float().sum() for leaf in differentiable]).sum().backward()
     grads = {name: None if p.grad is None else p.grad.detach().clone() for name, p in params}
     return out, grads
 

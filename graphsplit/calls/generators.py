@@ -1,9 +1,17 @@
 """Seeded runs and random-state snapshots over every generator a step may draw from.
 
-A step draws from torch (CPU and CUDA), numpy's global generator and Python's ``random``;
-the module-level path seeds all three to compare two runs (:mod:`.analysis`), snapshots them
-around a call to see whether the call draws, and forks them around stage 1 so that caching
-never moves the user's random streams.
+A step draws from torch (CPU and CUDA), numpy's global generator and Python's ``random``, and
+from ``torch.Generator`` objects of its own (InstructPix2Pix's conditioning dropout draws
+``torch.rand(bsz, generator=generator)`` from one made in ``main()``). The module-level path
+seeds all of them to compare two runs (:mod:`.analysis`), snapshots them around a call to see
+whether the call draws, and forks them around stage 1 so that caching never moves the user's
+random streams; :func:`~graphsplit.verify` runs the step and the split from the same states.
+
+A step's own generators are found as torch calls are handed them (:class:`OwnGenerators`, a
+``TorchFunctionMode``), before the call draws: no walk over the step's objects can miss one.
+Inside :func:`seeded` each is seeded on first sight from the block's seed and its position, so
+two runs under different seeds draw differently from it (a call fed by such a draw is random,
+never cached), and two runs under one seed draw alike.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
 
 @dataclass(frozen=True)
@@ -26,6 +35,7 @@ class RandomState:
     torch_cuda: tuple[bytes, ...]
     numpy: tuple[Any, ...]
     python: tuple[Any, ...]
+    own_draws: int = 0  # torch calls handed one of the step's own generators so far
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, RandomState):
@@ -35,6 +45,7 @@ class RandomState:
             and self.torch_cuda == other.torch_cuda
             and _numpy_equal(self.numpy, other.numpy)
             and self.python == other.python
+            and self.own_draws == other.own_draws
         )
 
     __hash__ = None  # type: ignore[assignment]
@@ -58,6 +69,7 @@ def snapshot() -> RandomState:
         torch_cuda=cuda,
         numpy=tuple(np.random.get_state()),
         python=random.getstate(),
+        own_draws=_WATCHING[-1].draws if _WATCHING else 0,
     )
 
 
@@ -68,16 +80,58 @@ def seed_all(seed: int) -> None:
     random.seed(seed)
 
 
+class OwnGenerators(TorchFunctionMode):
+    """Finds the ``torch.Generator`` objects torch calls are handed, keeping each one's state
+    from before its first draw (:meth:`restore` puts them back); with ``seed``, seeds each on
+    first sight from ``seed`` and its position."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        super().__init__()
+        self.seed = seed
+        self.first: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+        self.draws = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Generator):
+                self.draws += 1
+                if id(value) not in self.first:
+                    # The innermost block sees a call first: the outer ones (a seeded verify
+                    # around a forked stage 1) must keep and seed the state before it does.
+                    for watch in (*_WATCHING, self) if self not in _WATCHING else _WATCHING:
+                        watch.see(value)
+        return func(*args, **kwargs)
+
+    def see(self, generator: torch.Generator) -> None:
+        if id(generator) not in self.first:
+            self.first[id(generator)] = (generator, generator.get_state())
+            if self.seed is not None:
+                generator.manual_seed(self.seed * 1_000_003 + len(self.first))
+
+    def restore(self) -> None:
+        for generator, state in self.first.values():
+            generator.set_state(state)
+
+
+_WATCHING: list[OwnGenerators] = []
+
+
 @contextlib.contextmanager
-def forked() -> Iterator[None]:
-    """Run the block and give every generator back the state it had before it."""
+def forked(seed: int | None = None) -> Iterator[None]:
+    """Run the block and give every generator back the state it had before it (the step's own
+    generators too: see :class:`OwnGenerators`, which ``seed`` is handed to)."""
     numpy_state = np.random.get_state()
     python_state = random.getstate()
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
+    own = OwnGenerators(seed)
+    _WATCHING.append(own)
+    with torch.random.fork_rng(devices=devices), own:
         try:
             yield
         finally:
+            _WATCHING.pop()
+            own.restore()
             np.random.set_state(numpy_state)
             random.setstate(python_state)
 
@@ -85,6 +139,6 @@ def forked() -> Iterator[None]:
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
     """Run the block from ``seed`` on every generator, then restore the states it found."""
-    with forked():
+    with forked(seed):
         seed_all(seed)
         yield
