@@ -46,6 +46,7 @@ __all__ = [
     "ManifestError",
     "MetaParameterError",
     "OpaqueCallError",
+    "RandomDatasetWarning",
     "Remedy",
     "SplitError",
     "StaleCacheError",
@@ -230,6 +231,11 @@ class CorruptCacheError(CacheError):
 
 class StaleCacheError(CacheError):
     """The cache was produced by other weights, code, boundary or data than the ones given."""
+
+
+class RandomDatasetWarning(UserWarning):
+    """The dataset draws random numbers (augmentation): the cache holds one draw per sample,
+    which every epoch trained from it sees again."""
 
 
 class UnsafeFileError(CorruptCacheError):

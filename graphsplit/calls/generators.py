@@ -43,7 +43,7 @@ class RandomState:
         return (
             self.torch_cpu == other.torch_cpu
             and self.torch_cuda == other.torch_cuda
-            and _numpy_equal(self.numpy, other.numpy)
+            and numpy_equal(self.numpy, other.numpy)
             and self.python == other.python
             and self.own_draws == other.own_draws
         )
@@ -51,7 +51,7 @@ class RandomState:
     __hash__ = None  # type: ignore[assignment]
 
 
-def _numpy_equal(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+def numpy_equal(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     return len(a) == len(b) and all(
         np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(a, b)
     )
@@ -137,8 +137,14 @@ def forked(seed: int | None = None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def seeded(seed: int) -> Iterator[None]:
-    """Run the block from ``seed`` on every generator, then restore the states it found."""
-    with forked(seed):
+def seeded(seed: int, *, own_generators: bool = True) -> Iterator[None]:
+    """Run the block from ``seed`` on every generator, then restore the states it found.
+
+    ``own_generators=False`` seeds only torch's, numpy's and Python's global generators and
+    leaves the step's own ones as they are (still given back): a dataset that seeds one per
+    sample (``torch.Generator().manual_seed(index)``) then reads alike under any seed. (With
+    ``True``, a generator the step makes and seeds itself is seeded anew too: two probes see
+    its draws as random, which keeps a call they feed uncached, never wrong.)"""
+    with forked(seed if own_generators else None):
         seed_all(seed)
         yield

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -47,6 +48,7 @@ from graphsplit.caching.format.layout import (
     constants_records,
 )
 from graphsplit.caching.loader.batches import BatchSource, empty_loader_error, source_for
+from graphsplit.caching.loader.random_samples import frozen_augmentation_text, random_fields
 from graphsplit.caching.store import file_writes, regular_files
 from graphsplit.caching.store.durability import unsynced_record
 from graphsplit.caching.store.lock import FolderLock
@@ -62,7 +64,7 @@ from graphsplit.caching.write.plan_constants import refuse_unrecorded_constants
 from graphsplit.caching.write.plan_rows import plan_record
 from graphsplit.caching.write.processes import Processes
 from graphsplit.caching.write.shards import write_shards
-from graphsplit.errors import CacheError, Fix, Remedy, user_error
+from graphsplit.errors import CacheError, Fix, RandomDatasetWarning, Remedy, user_error
 from graphsplit.signatures.defaults import batch_input_names
 from graphsplit.units import human_bytes
 
@@ -205,6 +207,7 @@ def cache(
         raise ValueError(f"shard_bytes must be a positive integer, got {shard_bytes!r}")
     processes = Processes(accelerator)
     source = source_for(dataloader, batch_input_names(split))
+    _warn_about_random_datasets(source)
 
     # 1. Fingerprint what produces the cache; every process must hold the same weights and code.
     current = fingerprint(split)
@@ -261,6 +264,23 @@ def cache(
     finally:
         if processes.is_main:
             lock.release()
+
+
+def _warn_about_random_datasets(source: BatchSource) -> None:
+    """Say so when the dataset draws random numbers: the cache freezes one draw per sample."""
+    fields = random_fields(source)
+    if fields:
+        source.random_note = frozen_augmentation_text(fields, source.index_lists[0][0])
+        warnings.warn(
+            RandomDatasetWarning(
+                f"{source.random_note}. To train on new draws every epoch, keep the "
+                "augmentation out of the cached work (do it in the step after the frozen "
+                "calls, where that suits the model), or cache a deterministic dataset "
+                "(CenterCrop, no random flip); to accept one draw per sample, filter "
+                "graphsplit.errors.RandomDatasetWarning."
+            ),
+            stacklevel=3,
+        )
 
 
 def _finish(

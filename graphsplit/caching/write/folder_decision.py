@@ -182,6 +182,18 @@ def _complete_cache(
         (row for shard in manifest.shards for row in record_samples(shard)),
         (row for shard in sorted(now) for row in now[shard]),
     )
+    if not changes.empty and source.random_note:
+        raise user_error(
+            StaleCacheError,
+            f"the cache at {folder} was made from other data than the loader yields now: "
+            f"{changes}; {source.random_note}, so its inputs differ on every read and a "
+            "finished cache cannot be checked against them.",
+            fix=Fix(
+                "train from the finished cache without calling cache() again "
+                "(graphsplit.CachedDataset(path, split)), or pass {remedy} to draw new ones",
+                Remedy.OVERWRITE,
+            ),
+        )
     if not changes.empty:
         raise user_error(
             StaleCacheError,
