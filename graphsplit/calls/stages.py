@@ -137,7 +137,7 @@ class CallStage1(nn.Module):
         if last is not None:
             router = CallRouter(self._routed, record)
             with (
-                generators.forked(),
+                generators.forked(watch=False),
                 torch.no_grad(),
                 router.installed(),
                 contextlib.suppress(_Stop),
