@@ -64,7 +64,7 @@ from graphsplit.planning.opaque.value_reads import (
     frozen_value_reads,
 )
 from graphsplit.planning.patching.autocast_queries import autocast_queries_answer_for_meta
-from graphsplit.planning.patching.compiled_modules import plan_compiled_modules_as_written
+from graphsplit.planning.patching.compiled_code import plan_compiled_code_as_written
 from graphsplit.planning.patching.distribution_draws import meta_samplers_registered
 from graphsplit.planning.patching.patcher import Patcher, cyclic_gc_paused
 from graphsplit.planning.rules.grad_modes import check_grad_modes, deferred_calls_to_trace_into
@@ -176,7 +176,7 @@ def _planning_switches(device_type: str = "cpu") -> Iterator[None]:
         switches.enter_context(cyclic_gc_paused())
         switches.enter_context(meta_samplers_registered())
         autocast_queries_answer_for_meta(switches, device_type)
-        plan_compiled_modules_as_written(switches)  # unet._orig_mod, not dynamo
+        plan_compiled_code_as_written(switches)  # unet._orig_mod, not dynamo
         yield
 
 

@@ -1,7 +1,7 @@
 """Stage code calls the user's ``torch.compile``'d module where the step called it whole.
 
 The planning runs a compiled module as its original (``unet._orig_mod``, see
-:mod:`graphsplit.planning.patching.compiled_modules`), so a leaf call of it is a
+:mod:`graphsplit.planning.patching.compiled_code`), so a leaf call of it is a
 ``call_module`` node targeting ``unet._orig_mod``. Generated code that called that path would
 run the module uncompiled; this pass points such a node back at the compiled wrapper
 (``unet``), the object the step itself calls. Both hold the same parameters under the same
@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch.fx as fx
 from torch import nn
 
-from graphsplit.planning.patching.compiled_modules import original_module
+from graphsplit.planning.patching.compiled_code import ORIGINAL, original_module
 
 __all__ = ["call_compiled_modules"]
 
-_ORIGINAL = "._orig_mod"
+_ORIGINAL = f".{ORIGINAL}"
 
 
 def call_compiled_modules(graph: fx.Graph, model: nn.Module) -> None:
