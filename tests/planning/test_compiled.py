@@ -278,3 +278,36 @@ def test_an_inductor_compiled_frozen_text_encoder_stays_bit_for_bit(compiled_scr
     split = graphsplit.split(script.training_step, (batch,), path="trace")
     assert "self.text_encoder(" in split.stage1.code
     assert all(c.ok for c in graphsplit.verify(script.training_step, split, (batch,)))
+
+
+def test_hooks_on_the_compiled_wrapper_are_refused_naming_the_fix():
+    encoder = torch.nn.Linear(4, 4).requires_grad_(False)
+    head = torch.nn.Linear(4, 1)
+    compiled = torch.compile(encoder, backend="eager")
+    compiled.register_forward_hook(lambda module, args, output: output * 2)
+
+    def training_step(x):
+        return head(compiled(x)).mean()
+
+    with pytest.raises(TraceError) as caught:
+        graphsplit.split(training_step, (torch.randn(2, 4),), path="trace")
+    message = str(caught.value)
+    assert "torch.compile'd Linear that has hooks registered on the compiled wrapper" in message
+    assert line_of(training_step, "return head(compiled(x)).mean()") in message
+    assert "compiled._orig_mod.register_forward_hook" in message
+
+
+def test_hooks_on_the_compiled_modules_original_are_planned_and_kept():
+    encoder = torch.nn.Linear(4, 4).requires_grad_(False)
+    head = torch.nn.Linear(4, 1)
+    compiled = torch.compile(encoder, backend="eager")
+    encoder.register_forward_hook(lambda module, args, output: output * 2)
+
+    def training_step(x):
+        return head(compiled(x)).mean()
+
+    x = torch.randn(2, 4)
+    split = graphsplit.split(training_step, (x,), path="trace")
+    assert all(c.ok for c in graphsplit.verify(training_step, split, (x,)))
+    assert split.stage1.compiled is compiled
+    assert torch.equal(split.stage1(x)["compiled"], encoder(x))  # the hook's doubling is cached

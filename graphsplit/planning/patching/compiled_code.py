@@ -67,9 +67,9 @@ def plan_compiled_code_as_written(patcher: Patcher) -> None:
     loop beside the planning) still run both compiled.
 
     The original is called as a module (``_orig_mod(*args)``), so its hooks run and the trace
-    sees one module call at the original's path. Hooks registered on the compiled wrapper
-    itself are skipped while planning (torch.compile's docs advise registering them on the
-    module being compiled).
+    sees one module call at the original's path. A hook registered on the compiled wrapper
+    itself would run around that call in the step but not in the plan: refused, naming the
+    fix (register it on the original, as torch.compile's docs advise).
     """
     planning_thread = threading.get_ident()
     compiled_call = OptimizedModule.__call__
@@ -78,6 +78,8 @@ def plan_compiled_code_as_written(patcher: Patcher) -> None:
     def call_original(self: OptimizedModule, *args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != planning_thread:
             return compiled_call(self, *args, **kwargs)
+        if any(map(bool, (self._forward_pre_hooks, self._forward_hooks, self._backward_hooks))):
+            _refuse_wrapper_hooks(self)
         return _named_for_the_user(getattr(self, ORIGINAL)(*args, **kwargs))
 
     def refuse_compiled_function(callback: Any) -> Any:
@@ -116,5 +118,20 @@ def _refuse_compiled_function() -> None:
             "call the function as written inside the step and compile stage 2 instead "
             "(stage2 = torch.compile(split.stage2)), or compile a module rather than a "
             "function; split(..., path='calls') runs the step as written, compiled calls included"
+        ),
+    )
+
+
+def _refuse_wrapper_hooks(module: OptimizedModule) -> None:
+    kind = type(getattr(module, ORIGINAL)).__name__
+    raise user_error(
+        TraceError,
+        f"The step calls a torch.compile'd {kind} that has hooks registered on the compiled "
+        "wrapper itself; graphsplit plans the module it wraps, whose hooks these are not.",
+        source=current_line(),
+        fix=Fix(
+            "register the hooks on the module before compiling it, or on the original "
+            "(compiled._orig_mod.register_forward_hook(...)), where the compiled module runs "
+            "them too"
         ),
     )
