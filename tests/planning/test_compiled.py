@@ -311,3 +311,20 @@ def test_hooks_on_the_compiled_modules_original_are_planned_and_kept():
     assert all(c.ok for c in graphsplit.verify(training_step, split, (x,)))
     assert split.stage1.compiled is compiled
     assert torch.equal(split.stage1(x)["compiled"], encoder(x))  # the hook's doubling is cached
+
+
+def test_a_frozen_encoder_compiled_in_place_is_planned_as_its_code_and_runs_compiled(
+    compiled_script,
+):
+    """``module.compile()`` (what diffusers' ``compile_repeated_blocks`` calls per block)
+    keeps the module itself and compiles its call: the stage calls the module, compiled."""
+    models = compiled_script()
+    models["text_encoder"].compile(backend="eager")
+    batch = _batches(1)[0]
+    split = graphsplit.split(script.training_step, (batch,), path="trace")
+    assert all(c.ok for c in graphsplit.verify(script.training_step, split, (batch,)))
+
+    assert list(split.boundary) == ["vae_encode_latent_dist_parameters", "text_encoder_0"]
+    assert split.stage1.text_encoder is models["text_encoder"]
+    assert models["text_encoder"]._compiled_call_impl is not None  # given back after planning
+    _same_loss(script.training_step, split.stage2, split.stage1(**batch), batch)

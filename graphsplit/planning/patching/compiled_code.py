@@ -30,7 +30,7 @@ Glossary:
 In: the planning's patcher. Out: compiled modules answer with their original, compiled
 functions refuse, in the planning thread:
 
-    plan_compiled_code_as_written(patcher)
+    plan_compiled_code_as_written(patcher, model)
     original_module(module) -> nn.Module | None   # ``_orig_mod`` of a compiled module
 """
 
@@ -61,10 +61,16 @@ def original_module(module: nn.Module) -> nn.Module | None:
     return getattr(module, ORIGINAL) if isinstance(module, OptimizedModule) else None
 
 
-def plan_compiled_code_as_written(patcher: Patcher) -> None:
+def plan_compiled_code_as_written(patcher: Patcher, model: nn.Module) -> None:
     """Until the patcher exits, in this thread: a compiled module's call runs its original
     module; a compiled function's call raises :class:`TraceError`. Other threads (a training
     loop beside the planning) still run both compiled.
+
+    A module of ``model`` compiled in place (``module.compile()``, which diffusers'
+    ``compile_repeated_blocks`` calls per block) keeps its ``_compiled_call_impl`` aside for
+    the planning, so its call runs its own code; the stage code calls it as a module, which
+    runs it compiled again. (An attribute of the instance: a thread running ``model`` beside
+    the planning runs those modules uncompiled for that long.)
 
     The original is called as a module (``_orig_mod(*args)``), so its hooks run and the trace
     sees one module call at the original's path. A hook registered on the compiled wrapper
@@ -92,6 +98,9 @@ def plan_compiled_code_as_written(patcher: Patcher) -> None:
             _refuse_compiled_function()
         return set_eval_frame(callback)
 
+    for module in model.modules():
+        if vars(module).get("_compiled_call_impl") is not None:
+            patcher.patch(module, "_compiled_call_impl", None)
     patcher.patch_method(OptimizedModule, "__call__", call_original)
     patcher.patch(eval_frame, "set_eval_frame", refuse_compiled_function)
 
