@@ -328,3 +328,38 @@ def test_a_frozen_encoder_compiled_in_place_is_planned_as_its_code_and_runs_comp
     assert split.stage1.text_encoder is models["text_encoder"]
     assert models["text_encoder"]._compiled_call_impl is not None  # given back after planning
     _same_loss(script.training_step, split.stage2, split.stage1(**batch), batch)
+
+
+@pytest.fixture
+def accelerator_state():
+    from accelerate.state import AcceleratorState
+
+    yield
+    AcceleratorState._reset_state(True)  # the process-wide state the test's Accelerator set
+
+
+@pytest.mark.usefixtures("accelerator_state")
+def test_a_model_accelerate_prepared_with_a_dynamo_backend_splits_beside_a_teacher():
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, dynamo_backend="eager")
+    student = accelerator.prepare(_lora_student())
+    assert isinstance(student, OptimizedModule)
+    teacher = tiny_llama(1, 16).eval().requires_grad_(False)
+
+    def training_step(batch):
+        with torch.no_grad():
+            teacher_logits = teacher(**batch).logits
+        outputs = student(**batch)
+        return outputs.loss + F.kl_div(
+            F.log_softmax(outputs.logits, dim=-1),
+            F.log_softmax(teacher_logits, dim=-1),
+            log_target=True,
+            reduction="batchmean",
+        )
+
+    inputs = torch.utils.data.default_collate(padded_samples(4))
+    split = graphsplit.split(training_step, (inputs,), path="trace")
+    assert all(c.ok for c in graphsplit.verify(training_step, split, (inputs,)))
+    assert all(name.startswith("student._orig_mod.") for name in split.trainable)
+    assert not hasattr(split.stage2, "teacher")
