@@ -81,6 +81,7 @@ def test_a_compiled_lora_unet_is_called_compiled_by_stage2_under_its_own_names(c
     # Stage 2 calls the user's compiled object, the whole UNet as one call.
     assert split.stage2.unet is unet and isinstance(unet, OptimizedModule)
     assert "self.unet(" in split.stage2.code and "_orig_mod(" not in split.stage2.code
+    assert not any("torch.compile'd" in note for note in split.notes)  # compiled, as one call
     # torch's names: the compiled object's own, under the name the code calls it by.
     assert split.trainable == {
         f"unet.{name}" for name, p in unet.named_parameters() if p.requires_grad
@@ -196,6 +197,11 @@ def test_a_trainers_compiled_lora_llama_trains_in_stage2_beside_a_cached_teacher
     # operations, run uncompiled: compiling stage 2 compiles it again (test below).
     assert any(note.startswith("traced into model._orig_mod,") for note in split.notes)
     assert "self.model(" not in split.stage2.code
+    assert (
+        "stage 2 runs the code of the torch.compile'd model uncompiled: the trace went into it "
+        "to cache its frozen part; to compile it again, compile stage 2 "
+        "(stage2 = torch.compile(split.stage2))"
+    ) in split.notes
 
 
 def test_compiling_stage2_keeps_it_exact():
