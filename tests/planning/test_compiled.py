@@ -18,6 +18,7 @@ checked bit for bit against the unsplit compiled step. The one inductor test is 
 
 from __future__ import annotations
 
+import functools
 import shutil
 
 import pytest
@@ -222,10 +223,12 @@ def test_compiling_stage2_keeps_it_exact():
         assert torch.equal(got, want)
 
 
-def test_a_compiled_step_function_is_refused_naming_its_definition_and_the_fix():
+@pytest.mark.parametrize("partial", [False, True], ids=["compiled", "partial-of-compiled"])
+def test_a_compiled_step_function_is_refused_naming_its_definition_and_the_fix(partial):
     batch = _batches(1)[0]
+    step = torch.compile(script.training_step, backend="eager")
     with pytest.raises(SplitError) as caught:
-        graphsplit.split(torch.compile(script.training_step, backend="eager"), (batch,))
+        graphsplit.split(functools.partial(step) if partial else step, (batch,))
     message = str(caught.value)
     assert "torch.compile'd function training_step" in message
     assert line_of(script.training_step, "def training_step(batch):") in message

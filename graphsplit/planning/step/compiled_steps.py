@@ -18,6 +18,7 @@ In: the step callable. Out: nothing, or a :class:`~graphsplit.errors.SplitError`
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -32,7 +33,10 @@ _COMPILE_STAGE2 = "; to run it compiled, compile stage 2: stage2 = torch.compile
 
 
 def refuse_compiled_step(step: Any) -> None:
-    """Raise a :class:`SplitError` when ``step`` is a ``torch.compile``'d function or module."""
+    """Raise a :class:`SplitError` when ``step`` is a ``torch.compile``'d function or module
+    (also inside ``functools.partial`` layers)."""
+    while isinstance(step, functools.partial):
+        step = step.func
     if isinstance(step, OptimizedModule):
         original = step._orig_mod
         what = f"the torch.compile'd {type(original).__name__}"
