@@ -19,6 +19,7 @@ checked bit for bit against the unsplit compiled step. The one inductor test is 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import shutil
 
 import pytest
@@ -70,7 +71,9 @@ def _same_loss(step, stage2, boundary, batch) -> None:
     assert torch.equal(stage2(**boundary), expected)
 
 
-def test_a_compiled_lora_unet_is_called_compiled_by_stage2_under_its_own_names(compiled_script):
+def test_a_compiled_lora_unet_is_called_compiled_by_stage2_under_its_own_names(
+    compiled_script, tmp_path
+):
     models = compiled_script("unet")
     unet = models["unet"]
     batch = _batches(1)[0]
@@ -91,6 +94,14 @@ def test_a_compiled_lora_unet_is_called_compiled_by_stage2_under_its_own_names(c
     assert set(split.stage2.state_dict()) == {f"unet.{key}" for key in unet.state_dict()}
     assert list(split.boundary) == ["vae_encode_latent_dist_parameters", "text_encoder_0"]
     _same_loss(script.training_step, split.stage2, split.stage1(**batch), batch)
+
+    # The saved stage 2 runs on its own and holds the same compiled object.
+    spec = importlib.util.spec_from_file_location("stage2", split.save_code(tmp_path) / "stage2.py")
+    saved = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(saved)
+    standalone = saved.Stage2(split.stage2)
+    assert standalone.unet is unet
+    _same_loss(script.training_step, standalone, split.stage1(**batch), batch)
 
 
 def test_the_scripts_optimizer_and_checkpoint_code_see_stage2_train_the_compiled_unet(
