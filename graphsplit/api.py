@@ -24,6 +24,7 @@ from torch import nn
 from graphsplit.artifacts import BoundarySpec, Cut
 from graphsplit.calls import CallSplit, split_calls
 from graphsplit.errors import Fix, SplitError, TraceError, user_error
+from graphsplit.planning.codegen.compiled_calls import compiled_code_notes
 from graphsplit.planning.codegen.stages import build_stage1, build_stage2, standalone_source
 from graphsplit.planning.cut.boundary import boundary_specs, choose_boundary
 from graphsplit.planning.cut.recompute import Recompute, check_recompute
@@ -278,7 +279,7 @@ class _Planner:
             graph=traced.graph,
             cut=cut,
             batch_sizes=traced.batch_sizes or examples.batch_sizes,
-            notes=list(traced.notes),
+            notes=[*traced.notes, *compiled_code_notes(stage2, model)],
             signature=signature_of(stage1, stage2),
             example=example_record(tuple(args), dict(kwargs)),
             seconds=time.perf_counter() - started,

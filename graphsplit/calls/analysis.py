@@ -123,6 +123,10 @@ def probe(
         with (
             generators.seeded(seed),
             torch.enable_grad(),
+            # A torch.compile'd module runs its own code (dynamo would compile the probe's
+            # bookkeeping and recompile per call); routed as the stages route it (the
+            # wrapper's path), which run it compiled.
+            torch.compiler.set_stance("force_eager"),
             router.installed(),
             contextlib.nullcontext() if usage is None else usage,
         ):

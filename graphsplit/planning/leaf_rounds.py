@@ -64,6 +64,7 @@ from graphsplit.planning.opaque.value_reads import (
     frozen_value_reads,
 )
 from graphsplit.planning.patching.autocast_queries import autocast_queries_answer_for_meta
+from graphsplit.planning.patching.compiled_code import plan_compiled_code_as_written
 from graphsplit.planning.patching.distribution_draws import meta_samplers_registered
 from graphsplit.planning.patching.patcher import Patcher, cyclic_gc_paused
 from graphsplit.planning.rules.grad_modes import check_grad_modes, deferred_calls_to_trace_into
@@ -157,7 +158,7 @@ def _frozen_work_judged_mixing(traced: Traced, trainable: frozenset[str]) -> lis
 
 
 @contextlib.contextmanager
-def _planning_switches(device_type: str = "cpu") -> Iterator[None]:
+def _planning_switches(model: nn.Module) -> Iterator[None]:
     """The process-wide switches the analysis makes, through one patcher (undone on exit).
 
     Meta kernels for torch.distributions' samplers are registered (see
@@ -174,7 +175,8 @@ def _planning_switches(device_type: str = "cpu") -> Iterator[None]:
         switches.patch(logging.getLogger("torch._subclasses.fake_tensor"), "disabled", True)
         switches.enter_context(cyclic_gc_paused())
         switches.enter_context(meta_samplers_registered())
-        autocast_queries_answer_for_meta(switches, device_type)
+        autocast_queries_answer_for_meta(switches, _weights_device_type(model))
+        plan_compiled_code_as_written(switches, model)  # unet._orig_mod, not dynamo
         yield
 
 
@@ -187,7 +189,7 @@ def _rounds(
 ) -> Traced:
     """Trace, analyse, and trace into mixed modules whose inputs are all cacheable; repeat
     (under :func:`_planning_switches`)."""
-    with _planning_switches(_weights_device_type(model)):
+    with _planning_switches(model):
         param_names = {id(param): name for name, param in model.named_parameters()}
         leaves = _initial_leaves(model)
         notes: list[str] = []

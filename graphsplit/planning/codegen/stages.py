@@ -23,6 +23,7 @@ from torch import nn
 
 from graphsplit.artifacts import Cut
 from graphsplit.errors import Fix, MetaParameterError, SplitError, user_error
+from graphsplit.planning.codegen.compiled_calls import call_compiled_modules
 from graphsplit.planning.codegen.stage_passes import (
     finish_stage1,
     finish_stage2,
@@ -58,6 +59,7 @@ def _module(
     graph: fx.Graph, model: nn.Module, constants: dict[str, Any], name: str
 ) -> fx.GraphModule:
     constants = name_constants(graph, model, constants)
+    call_compiled_modules(graph, model)  # the user's torch.compile'd object, not _orig_mod
     targets = sorted(
         {node.target for node in graph.nodes if node.op in ("get_attr", "call_module")},
         key=lambda target: (target.count("."), target),

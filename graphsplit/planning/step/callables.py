@@ -64,6 +64,7 @@ from torch import nn
 
 from graphsplit.errors import Fix, SplitError, user_error
 from graphsplit.planning.rules.user_lines import frame_location_of
+from graphsplit.planning.step.compiled_steps import refuse_compiled_step
 from graphsplit.planning.step.reached_objects import Reached, reach_code, usable_name
 
 STEP_SHAPE_FIX = Fix(
@@ -111,8 +112,9 @@ def as_step_module(step: Any, args: Any, kwargs: dict[str, Any]) -> StepCall:
 
     Raises:
         SplitError: ``step`` is not a callable graphsplit can trace (a class, a builtin, a
-            generator), or it reaches no ``nn.Module``.
+            generator), or it reaches no ``nn.Module``, or it is ``torch.compile``'d.
     """
+    refuse_compiled_step(step)
     if isinstance(step, nn.Module):
         if not _takes_a_dict_batch(step, args, kwargs):
             return StepCall(step, args, kwargs)
