@@ -75,7 +75,7 @@ class CallSplit:
         lines += [verdict.line() for verdict in self.plan.verdicts]
         lines.append(
             f"stage 1 holds {_count(self.stage1)}; stage 2 holds {_count(self.stage2)} "
-            "and runs the step's own Python eagerly."
+            "and runs the step's own Python (a module the step compiled runs compiled)."
         )
         if self.plan.dropped:
             dropped = ", ".join(sorted(self.plan.dropped))
