@@ -19,13 +19,19 @@ from __future__ import annotations
 import contextlib
 import random
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
+
+from graphsplit.planning.rules.random_draws import (
+    generator_state,
+    restore_generator,
+    seed_generator,
+)
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,18 @@ class OwnGenerators(TorchFunctionMode):
 
 _WATCHING: list[OwnGenerators] = []
 
+PYTHON_KNOWN: dict[int, Any] = {}
+"""The step's own ``random.Random`` / NumPy generators the probes found (by id, kept alive as
+the step that holds them usually is): forked and seeded like the rest. The trace refuses a
+draw from one; the module-level path runs it in stage 2, every step."""
+
+
+def remember(found: Iterable[Any]) -> None:
+    """Add the step's own Python-level generators to :data:`PYTHON_KNOWN`."""
+    for generator in found:
+        PYTHON_KNOWN[id(generator)] = generator
+
+
 KNOWN: weakref.WeakSet[torch.Generator] = weakref.WeakSet()
 """Every step's own generator a watch has seen (the probes of each split see the step's):
 what :func:`forked` without a watch gives back. A generator made inside the step dies with
@@ -132,6 +150,26 @@ def forked(seed: int | None = None, *, watch: bool = True) -> Iterator[None]:
     ``watch=False`` (stage 1 of the module-level path, once per batch) gives back the step's
     own generators the probes saw (:data:`KNOWN`) by their states alone: no mode sees every
     torch call, which cost stage 1 a fifth of its time on the tiny SD step."""
+    with _python_generators_forked(seed), _forked(seed, watch):
+        yield
+
+
+@contextlib.contextmanager
+def _python_generators_forked(seed: int | None) -> Iterator[None]:
+    """Give :data:`PYTHON_KNOWN` back their states; with ``seed``, seed them from it first."""
+    saved = [(generator, generator_state(generator)) for generator in PYTHON_KNOWN.values()]
+    if seed is not None:
+        for index, (generator, _) in enumerate(saved):
+            seed_generator(generator, seed * 1_000_003 + 500_000 + index)
+    try:
+        yield
+    finally:
+        for generator, state in saved:
+            restore_generator(generator, state)
+
+
+@contextlib.contextmanager
+def _forked(seed: int | None, watch: bool) -> Iterator[None]:
     numpy_state = np.random.get_state()
     python_state = random.getstate()
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []

@@ -69,7 +69,11 @@ from graphsplit.planning.patching.distribution_draws import meta_samplers_regist
 from graphsplit.planning.patching.patcher import Patcher, cyclic_gc_paused
 from graphsplit.planning.rules.grad_modes import check_grad_modes, deferred_calls_to_trace_into
 from graphsplit.planning.rules.opaque_call import OPAQUE, is_opaque
-from graphsplit.planning.rules.random_draws import generator_states, set_generator_states
+from graphsplit.planning.rules.random_draws import (
+    generator_states,
+    refuse_own_draws,
+    set_generator_states,
+)
 from graphsplit.planning.step.example_inputs import (
     ONE_SAMPLE,
     check_one_sample,
@@ -94,7 +98,7 @@ def trace_and_analyze(
     """
     states = generator_states()
     try:
-        return _trace_and_plan_batches(model, examples, trainable)
+        return refuse_own_draws(model, lambda: _trace_and_plan_batches(model, examples, trainable))
     except BaseException:
         # Whatever failed (a probe size, an example run, a retrace), the user's generators
         # are where they were: a refused split must not shift the step's later draws.

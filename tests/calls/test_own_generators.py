@@ -9,12 +9,16 @@ the unsplit run's), a frozen call fed by one of its draws is random (never cache
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 import graphsplit
 from graphsplit.calls import Verdict
+from tests.helpers import line_of
 
 
 class DrawsFromItsGenerator(nn.Module):
@@ -82,3 +86,60 @@ def test_verify_compares_the_step_and_the_split_from_one_state_of_the_generator(
     split = graphsplit.split(step, (X[:3],), path="trace")
     for seed in range(4):
         assert all(c.ok for c in graphsplit.verify(step, split, (X[:3],), seed=seed))
+
+
+# -- the step's own Python-level generators (random.Random, NumPy) ---------------------------
+class DrawsWithNumpy(nn.Module):
+    """A data-dependent scale drawn from the step's own NumPy generator, and a frozen call fed
+    by a NumPy draw: the trace would freeze both numbers into its plan."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Linear(4, 4).requires_grad_(False)
+        self.masked = nn.Linear(4, 4).requires_grad_(False)
+        self.head = nn.Linear(4, 1)
+        self.rng = np.random.default_rng(7) if kind == "numpy" else random.Random(7)
+
+    def forward(self, x):
+        h = self.encoder(x)
+        scale = float(self.rng.uniform(0.5, 1.5))  # the numpy / random spelling alike
+        return (self.head(h + self.masked(x * scale)) * scale).square().mean()
+
+
+def _rng_state(step):
+    rng = step.rng
+    return rng.bit_generator.state if hasattr(rng, "bit_generator") else rng.getstate()
+
+
+@pytest.mark.parametrize("kind", ["numpy", "random"])
+def test_the_trace_refuses_a_draw_from_the_steps_own_python_generator_naming_the_line(kind):
+    step = DrawsWithNumpy(kind)
+    state = _rng_state(step)
+    with pytest.raises(graphsplit.TraceError) as caught:
+        graphsplit.split(step, (X[:3],), path="trace")
+    message = str(caught.value)
+    module = "numpy.random.Generator" if kind == "numpy" else "random.Random"
+    assert f"drawn while tracing from the step's own generator rng ({module})" in message
+    assert line_of(DrawsWithNumpy.forward, "scale = float(self.rng.uniform") in message
+    assert "fix:    draw with torch" in message
+    assert _rng_state(step) == state  # the refused split did not move it
+
+
+@pytest.mark.parametrize("kind", ["numpy", "random"])
+def test_the_default_path_runs_the_draw_every_step_and_caching_does_not_move_it(kind, tmp_path):
+    """Two identical steps, one split (falls back to the module-level path) and cached."""
+    plain, step = DrawsWithNumpy(kind), DrawsWithNumpy(kind)
+    state = _rng_state(step)
+    split = graphsplit.split(step, (X[:3],))
+    assert split.path == "calls"
+    verdicts = {v.path: v.verdict for v in split.plan.verdicts}
+    assert verdicts == {"encoder": Verdict.CACHED, "masked": Verdict.RANDOM_INPUT}
+    graphsplit.cache(split, [(X[:3],), (X[3:],)], tmp_path / "cache")
+    assert all(c.ok for c in graphsplit.verify(step, split, (X[3:],)))
+    assert _rng_state(step) == state  # split, cache and verify gave it back
+    cached = graphsplit.CachedDataset(tmp_path / "cache", split)
+    for _ in range(2):
+        for start in (0, 3):
+            rows = graphsplit.collate([cached[row] for row in range(start, start + 3)])
+            assert torch.equal(split.stage2(**rows), plain(X[start : start + 3]))

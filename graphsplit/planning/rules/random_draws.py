@@ -13,13 +13,18 @@ In: a callable that traces the step. Out: the names of the generators that moved
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import functools
 import random
 import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from graphsplit.errors import Fix, TraceError, user_error
 from graphsplit.planning.rules.user_lines import describe, frame_location, is_internal
 
 
@@ -57,22 +62,28 @@ def changed_generators(before: dict[str, Any], after: dict[str, Any]) -> list[st
     return changed
 
 
-def locate_random_draw(run: Callable[[], Any]) -> str | None:
-    """Rerun ``run`` line by line; return the first user line after which a generator moved.
+def locate_random_draw(
+    run: Callable[[], Any],
+    *,
+    snapshot: Callable[[], dict[str, Any]] = generator_states,
+    changed: Callable[[dict[str, Any], dict[str, Any]], list[str]] = changed_generators,
+) -> str | None:
+    """Rerun ``run`` line by line; return the first user line after which a generator moved
+    (the process-wide ones; others with ``snapshot`` and ``changed``).
 
     Only called once a draw is known to have happened, so its cost (a trace function on every
     user-code line) is paid on the error path alone.
     """
     found: list[str] = []
-    state = [generator_states()]
+    state = [snapshot()]
     last_line: list[str] = []
 
     def local(frame, event, arg):
         if found:
             return None
         if event in ("line", "return"):
-            current = generator_states()
-            if last_line and changed_generators(state[0], current):
+            current = snapshot()
+            if last_line and changed(state[0], current):
                 found.append(last_line[0])
                 return None
             state[0] = current
@@ -93,3 +104,146 @@ def locate_random_draw(run: Callable[[], Any]) -> str | None:
     finally:
         sys.settrace(previous)
     return found[0] if found else None
+
+
+# -- the step's own Python-level generators -------------------------------------------------
+# ``self.rng = np.random.default_rng(seed)`` or ``random.Random(seed)``, drawn from in the step:
+# the tracer runs that draw once, in Python, and its number becomes a constant of the plan
+# (``scale = rng.uniform(0.5, 1.5)``). The process-wide snapshot above cannot see such an object,
+# so the objects the step holds are found (module attributes, a helper object's attributes,
+# the step function's closure cells, defaults and globals) and checked around the planning.
+
+
+def own_generators(model: Any) -> dict[str, Any]:
+    """The ``random.Random`` and NumPy ``Generator`` / ``RandomState`` objects ``model`` holds,
+    by a name the user knows them by (the process-wide ones are :func:`generator_states`')."""
+    kinds = _generator_kinds()
+    plain = (type, types.ModuleType, types.FunctionType, types.MethodType)  # not looked into
+    found: dict[str, Any] = {}
+    seen: set[int] = set()
+
+    def add(name: str, value: Any, depth: int = 0) -> None:
+        if id(value) in seen or value is random._inst:  # type: ignore[attr-defined]
+            return
+        seen.add(id(value))
+        if isinstance(value, kinds):
+            found[name] = value
+        elif depth < 1 and hasattr(value, "__dict__") and not isinstance(value, plain):
+            for key, item in list(vars(value).items()):
+                if not key.startswith("__") and not isinstance(item, torch.nn.Module):
+                    add(f"{name}.{key}", item, depth + 1)
+
+    for path, module in model.named_modules():
+        for key, value in vars(module).items():
+            if not key.startswith("_") and not isinstance(value, torch.nn.Module):
+                add(f"{path}.{key}" if path else key, value)
+    function = getattr(model, "step_callable", None)
+    while isinstance(function, functools.partial):
+        for index, value in enumerate(function.args):
+            add(f"argument {index}", value)
+        function = function.func
+    owner = getattr(function, "__self__", None)
+    if owner is not None:
+        add("self", owner)
+    function = getattr(function, "__func__", function)
+    code = getattr(function, "__code__", None)
+    if code is not None:
+        for name, cell in zip(code.co_freevars, function.__closure__ or ()):
+            with contextlib.suppress(ValueError):  # an empty cell
+                add(name, cell.cell_contents)
+        for name in code.co_names:
+            if name in function.__globals__:
+                add(name, function.__globals__[name])
+    return found
+
+
+def _generator_kinds() -> tuple[type, ...]:
+    numpy = sys.modules.get("numpy")
+    extra = (numpy.random.Generator, numpy.random.RandomState) if numpy is not None else ()
+    return (random.Random, *extra)
+
+
+def generator_state(generator: Any) -> Any:
+    """The state of one of :func:`own_generators`' objects."""
+    if isinstance(generator, random.Random):
+        return generator.getstate()
+    if hasattr(generator, "bit_generator"):
+        return copy.deepcopy(generator.bit_generator.state)
+    return generator.get_state()
+
+
+def restore_generator(generator: Any, state: Any) -> None:
+    """Give one of :func:`own_generators`' objects back a state of :func:`generator_state`."""
+    if isinstance(generator, random.Random):
+        generator.setstate(state)
+    elif hasattr(generator, "bit_generator"):
+        generator.bit_generator.state = state
+    else:
+        generator.set_state(state)
+
+
+def seed_generator(generator: Any, seed: int) -> None:
+    """Seed one of :func:`own_generators`' objects."""
+    if hasattr(generator, "bit_generator"):
+        generator.bit_generator.state = type(generator.bit_generator)(seed).state
+    else:
+        generator.seed(seed)
+
+
+def _same(one: Any, other: Any) -> bool:
+    if isinstance(one, dict) and isinstance(other, dict):
+        return one.keys() == other.keys() and all(_same(one[k], other[k]) for k in one)
+    if isinstance(one, tuple | list) and isinstance(other, tuple | list):
+        return len(one) == len(other) and all(_same(a, b) for a, b in zip(one, other))
+    if hasattr(one, "shape") and hasattr(other, "shape"):  # a NumPy array of the key
+        return bool((one == other).all()) if one.shape == other.shape else False
+    return bool(one == other)
+
+
+def refuse_own_draws(model: Any, run: Callable[[], Any]) -> Any:
+    """``run()`` (the planning), refused when it drew from one of ``model``'s own Python-level
+    generators; every such generator is given back its state either way."""
+    own = own_generators(model)
+    if not own:
+        return run()
+
+    def states() -> dict[str, Any]:
+        return {name: generator_state(generator) for name, generator in own.items()}
+
+    def restore(saved: dict[str, Any]) -> None:
+        for name, state in saved.items():
+            restore_generator(own[name], state)
+
+    before = states()
+    try:
+        result = run()
+    finally:
+        after = states()
+        restore(before)
+    moved = [name for name in own if not _same(before[name], after[name])]
+    if not moved:
+        return result
+    location = locate_random_draw(run, snapshot=states, changed=_moved_names)
+    restore(before)
+    kinds = ", ".join(f"{name} ({_kind(own[name])})" for name in moved)
+    raise user_error(
+        TraceError,
+        f"Random numbers were drawn while tracing from the step's own generator {kinds}; the "
+        "draw would be frozen into the plan instead of happening every step. graphsplit "
+        "replays torch's random functions in stage 2, not Python's or NumPy's.",
+        source=location,
+        fix=Fix(
+            "draw with torch (torch.rand, torch.randint, torch.randn_like, ..., with a "
+            "torch.Generator if the step keeps its own), or move the draw into the data "
+            "pipeline and pass the result as an input"
+        ),
+    )
+
+
+def _kind(generator: Any) -> str:
+    module = "random" if isinstance(generator, random.Random) else "numpy.random"
+    return f"{module}.{type(generator).__name__}"
+
+
+def _moved_names(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    return [name for name in before if not _same(before[name], after[name])]
