@@ -253,6 +253,16 @@ class CallPlan:
     """The cached calls' output fields stage 2 never reads, as the boundary would hold them."""
 
     @property
+    def shape_keys(self) -> list[str]:
+        """The boundary keys holding an unread field's shape (the step reads its shape)."""
+        return [
+            unread.shape_key
+            for cached in self.cached.values()
+            for unread in cached.unread.values()
+            if unread.shape_key is not None
+        ]
+
+    @property
     def not_held(self) -> frozenset[str]:
         """The module paths stage 2 does not hold."""
         return self.dropped | self.unused
