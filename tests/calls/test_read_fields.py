@@ -31,12 +31,12 @@ def _clip(with_projection: bool, seed: int) -> nn.Module:
         num_attention_heads=2,
         max_position_embeddings=12,
         projection_dim=PROJECTION,
+        bos_token_id=0,
+        eos_token_id=2,
     )
     torch.manual_seed(seed)
     model = (
-        transformers.CLIPTextModelWithProjection
-        if with_projection
-        else transformers.CLIPTextModel
+        transformers.CLIPTextModelWithProjection if with_projection else transformers.CLIPTextModel
     )
     return model(config).eval().requires_grad_(False)
 
@@ -224,9 +224,9 @@ def test_reading_the_shape_of_a_field_whose_shape_is_not_stored_is_refused():
     step.last = True
     with pytest.raises(graphsplit.SplitError) as caught:
         split.stage2(**split.stage1(_ids(2)))
-    assert (
-        "the step reads the shape of text_encoder call 0's last_hidden_state (.shape)"
-    ) in str(caught.value)
+    assert ("the step reads the shape of text_encoder call 0's last_hidden_state (.shape)") in str(
+        caught.value
+    )
 
 
 def test_a_batch_whose_samples_had_different_shapes_of_a_shape_read_field_is_refused():
@@ -239,3 +239,43 @@ def test_a_batch_whose_samples_had_different_shapes_of_a_shape_read_field_is_ref
         "the samples of this batch had text_encoder call 0's last_hidden_state of different "
         "shapes ([(1, 5, 16), (1, 7, 16)])"
     ) in str(caught.value)
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+class ReadsOneLaterOne(nn.Module):
+    """The encoder's first output is read only by ``post``, itself cached (a VAE's encoder
+    read by its ``quant_conv``); its second by the step, which writes it in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = TwoOutputs().requires_grad_(False)
+        self.post = nn.Linear(4, 4).requires_grad_(False)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        hidden, aux = self.encoder(x)
+        aux.mul_(2)  # not idempotent: stage 2 must write into a copy of the cached field
+        return self.head(self.post(hidden) + aux).square().mean()
+
+
+def test_a_field_only_a_later_cached_call_reads_is_not_stored_and_a_written_one_is_copied():
+    step = ReadsOneLaterOne()
+    x = torch.randn(3, 4)
+    split = split_and_verify(step, (x,), path="calls")
+    assert _stored(split) == ["encoder__0__1", "post__0__out"]
+    assert list(split.plan.not_stored) == ["encoder__0__0"]
+    assert split.plan.cached[("encoder", 0)].copied == ("1",)
+    boundary = split.stage1(x)
+    kept = boundary["encoder__0__1"].clone()
+    for _ in range(2):  # a second epoch reads the cached field as stage 1 wrote it
+        assert torch.equal(split.stage2(**boundary), step(x))
+        assert torch.equal(boundary["encoder__0__1"], kept)
