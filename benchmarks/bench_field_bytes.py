@@ -134,11 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     command.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     command.add_argument(
         "--baseline",
-        default="integration-wip",
-        help="git revision (or folder) of the graphsplit to compare with; '' for none",
+        default="",
+        help="git revision (or folder) of the graphsplit to compare with (default: none)",
     )
+    command.add_argument("--quick", action="store_true", help="the clip-tiny case alone")
     command.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
     options = command.parse_args(argv)
+    if options.quick:
+        options.cases = ["clip-tiny"]
     if options.child:
         torch.set_num_threads(1)
         reply_to_parent(measure(options.child))
