@@ -178,7 +178,7 @@ def _length(value: Any) -> str:
 @dataclass(frozen=True)
 class Unread:
     """An output field stage 2 does not compute with (:mod:`.usage`): not stored. Stage 2
-    holds an :class:`~graphsplit.calls.unstored.Unstored` stand-in of the probe's ``shape``
+    holds an :class:`~graphsplit.calls.field_reads.Unstored` stand-in of the probe's ``shape``
     and ``dtype``, or, where the step reads its shape (``shape_key``), of the batch's shape,
     stored per sample as ``[1, *shape[1:]]`` int64 under ``shape_key``."""
 

@@ -27,10 +27,10 @@ from graphsplit.calls.call_plan import (
     shape_rows,
 )
 from graphsplit.calls.call_report import CallSplit
+from graphsplit.calls.field_reads import SHAPE, VALUE
 from graphsplit.calls.module_calls import CallId, frozen_modules, key_of, needed_routes
 from graphsplit.calls.reordered import probe_reordered, take
 from graphsplit.calls.stages import CallStage1, CallStage2
-from graphsplit.calls.unstored import SHAPE, VALUE
 from graphsplit.calls.usage import (
     Usage,
     field_uses,

@@ -4,7 +4,7 @@ Stage 2 routes the frozen modules' calls (:class:`~graphsplit.calls.module_calls
 to :func:`answering`: a cached call returns its output rebuilt from the batch's cached tensors
 (a transformers ``ModelOutput`` comes back as one, so ``.image_embeds`` / ``[0]`` read as
 before) without touching the module's weights, an
-:class:`~graphsplit.calls.unstored.Unstored` stand-in on ``meta`` in each field not stored
+:class:`~graphsplit.calls.field_reads.Unstored` stand-in on ``meta`` in each field not stored
 (stage 2 never computes with it); a cached call only cached calls read comes back as such
 stand-ins only; any other call runs the module's forward.
 """
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from graphsplit.calls.call_plan import CachedCall, CallPlan
+from graphsplit.calls.field_reads import unstored
 from graphsplit.calls.module_calls import CallId, Handler
 from graphsplit.calls.outputs import Answer, answerer
-from graphsplit.calls.unstored import unstored
 from graphsplit.errors import Fix, SplitError, user_error
 
 

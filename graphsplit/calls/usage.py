@@ -13,14 +13,15 @@ in it, so:
 A frozen module none of whose parameters or buffers are needed (diffusers' VAE decoder when the
 step only encodes) is not held by stage 2. Each field (tensor) of a cached call's output is
 stored only when stage 2 computes with it (VALUE: a torch call outside the cached calls takes
-it for more than its metadata, or the step returns it); a field stage 2 reads only the shape
-of (SHAPE) has its shape stored; any other field (FREE) is not stored, and stage 2 holds an
-:class:`~graphsplit.calls.unstored.Unstored` stand-in (:func:`~graphsplit.calls.unstored.read_kind`
-is the one table of what counts as which read). Passing a field through Python
-(``out.hidden_states[-2]``, ``dict(out)``) is no torch call: what counts is what torch then
-does with the tensor. A call none of whose fields stage 2 reads (the VAE's encoder, whose output
-only its cached ``quant_conv`` reads) is not stored at all. Reading a parameter's metadata
-alone (``vae.dtype``: :data:`METADATA`) does not count as needing its weights.
+it for more than its metadata, or the step returns it); a field stage 2 reads only the shape of
+(SHAPE) has its shape stored; any other field (FREE) is not stored, and stage 2 holds an
+:class:`~graphsplit.calls.field_reads.Unstored` stand-in
+(:func:`~graphsplit.calls.field_reads.read_kind` is the one table of what counts as which
+read). Passing a field through Python (``out.hidden_states[-2]``, ``dict(out)``) is no torch
+call: what counts is what torch then does with the tensor. A call none of whose fields stage 2
+reads (the VAE's encoder, whose output only its cached ``quant_conv`` reads) is not stored at
+all. Reading a parameter's metadata alone (``vae.dtype``: :data:`METADATA`) does not count as
+needing its weights.
 
 Ids are stable only while a tensor lives: parameters, buffers and the probed outputs stay alive
 through the probe, but a temporary freed before a call returned may have had an output's id.
@@ -35,8 +36,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from graphsplit.calls.field_reads import FREE, SHAPE, VALUE, read_kind
 from graphsplit.calls.module_calls import CallId
-from graphsplit.calls.unstored import FREE, SHAPE, VALUE, read_kind
 
 Context = CallId | None
 
@@ -67,7 +68,8 @@ class Usage(TorchFunctionMode):
     """Records, per context, the ids of the tensors torch calls take (``read``), of those they
     compute with (``computed``: not a metadata read such as ``.dtype`` or ``.shape``), and when
     each was last read for its shape or values (``shape_reads`` / ``value_reads``: id -> tick,
-    by :func:`~graphsplit.calls.unstored.read_kind`); ``returned``: the tick each call returned at.
+    by :func:`~graphsplit.calls.field_reads.read_kind`); ``returned``: the tick each call
+    returned at.
     """
 
     def __init__(self) -> None:

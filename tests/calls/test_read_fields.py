@@ -3,7 +3,7 @@
 Diffusers' SDXL / SD3 scripts call their CLIP text encoders with ``output_hidden_states=True``
 and read ``hidden_states[-2]`` and the pooled embedding: every other hidden state must stay out
 of the cache. Stage 2 rebuilds the output with a guarded ``meta`` stand-in in each unstored
-field (``calls/unstored.py``): the structure reads as before, a shape the step reads is the
+field (``calls/field_reads.py``): the structure reads as before, a shape the step reads is the
 batch's own, and computing with a stand-in raises, naming the call, the field and the fix.
 """
 
