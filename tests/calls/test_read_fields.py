@@ -279,3 +279,16 @@ def test_a_field_only_a_later_cached_call_reads_is_not_stored_and_a_written_one_
     for _ in range(2):  # a second epoch reads the cached field as stage 1 wrote it
         assert torch.equal(split.stage2(**boundary), step(x))
         assert torch.equal(boundary["encoder__0__1"], kept)
+
+
+def test_a_shape_stored_for_a_field_crosses_the_cache_on_disk(tmp_path):
+    step = ReadsALengthOnly()
+    split = graphsplit.split(step, (_ids(2),), path="calls")
+    rows = _ids(4, 5, seed=9)  # another length than the example's
+    loader = torch.utils.data.DataLoader([{"input_ids": row} for row in rows], batch_size=2)
+    graphsplit.cache(split, loader, tmp_path / "cache")
+    cached = graphsplit.CachedDataset(tmp_path / "cache")
+    assert cached[0]["text_encoder__0__last_hidden_state__shape"].tolist() == [1, 5, WIDTH]
+    for first in (0, 2):
+        batch = torch.utils.data.default_collate([cached[first], cached[first + 1]])
+        assert torch.equal(split.stage2(**batch), step(rows[first : first + 2]))
