@@ -212,7 +212,7 @@ def _guard_namespace(
 # -- fields not stored: a guarded meta stand-in ----------------------------------------------
 FREE, SHAPE, VALUE = "free", "shape", "value"
 
-_FREE_PROPERTIES = frozenset({"dtype", "ndim", "layout", "is_cuda", "is_sparse", "is_quantized"})
+_FREE_PROPERTIES = frozenset({"dtype", "ndim", "layout", "is_sparse", "is_quantized"})
 _FREE_METHODS = frozenset(
     {"dim", "ndimension", "element_size", "is_floating_point", "is_complex", "is_signed"}
 )

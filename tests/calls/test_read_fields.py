@@ -292,3 +292,25 @@ def test_a_shape_stored_for_a_field_crosses_the_cache_on_disk(tmp_path):
     for first in (0, 2):
         batch = torch.utils.data.default_collate([cached[first], cached[first + 1]])
         assert torch.equal(split.stage2(**batch), step(rows[first : first + 2]))
+
+
+class DistillsFromALayer(Distills):
+    """Reads ``.logits`` and ``.hidden_states`` by name (the output holds a ``DynamicCache``,
+    so only the fields read by name are kept), then one hidden state of them."""
+
+    def forward(self, input_ids):
+        with torch.no_grad():
+            output = self.teacher(input_ids, output_hidden_states=True)
+        student = self.student(input_ids)
+        return (student - output.logits).square().mean() + output.hidden_states[1].mean()
+
+
+def test_a_teacher_output_kept_in_part_by_name_stores_only_the_hidden_state_read():
+    step = DistillsFromALayer()
+    split = split_and_verify(step, (_ids(2, 6),), path="calls")
+    assert _stored(split) == ["teacher__0__logits", "teacher__0__hidden_states__1"]
+    assert set(split.plan.not_stored) == {
+        "teacher__0__hidden_states__0",
+        "teacher__0__hidden_states__2",
+    }
+    assert all(c.ok for c in graphsplit.verify(step, split, (_ids(3, 5, seed=4),)))
