@@ -58,7 +58,9 @@ def _filling(answer: Answer, planned: CachedCall, label: str) -> Answer:
     fixed, shaped = {}, []
     for field, unread in planned.unread.items():
         where = f"{label}'s {field}"
-        if unread.shape_key is None:  # an unbatched field's shape is the probe's
+        # Without a stored shape: an unbatched field's shape is the probe's; a batched one's
+        # may not be, and reading it raises (no probe read it).
+        if unread.shape_key is None:
             made = unstored(unread.shape, unread.dtype, where, shaped=not unread.batched)
             fixed[_slot(field)] = made
         else:
