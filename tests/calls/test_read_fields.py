@@ -17,6 +17,7 @@ import transformers
 from torch import nn
 
 import graphsplit
+from graphsplit.units import human_bytes
 from tests.helpers import line_of, split_and_verify, tiny_llama_config
 
 WIDTH, LAYERS, PROJECTION = 16, 3, 8
@@ -100,13 +101,18 @@ def test_sdxl_prompt_stores_only_hidden_states_minus_two_and_the_pooled_embeddin
         "text_encoders_1__0__0",  # CLIP-G's text_embeds, the pooled embedding
         f"text_encoders_1__0__2__{penultimate}",
     ]
-    assert len(split.plan.not_stored) == 2 * (1 + LAYERS + 1) + 2 - 3
+    fields = 2 + (LAYERS + 1)  # [0], [1] and the hidden states, per encoder
+    assert len(split.plan.not_stored) == 2 * fields - 3
     other = _ids(2, seed=5)
     assert all(c.ok for c in graphsplit.verify(step, split, (other,)))
     report = split.report()
     stored = sum(spec.bytes_per_sample for spec in split.boundary.values())
     unread = sum(spec.bytes_per_sample for spec in split.plan.not_stored.values())
     assert unread > 3 * stored  # the hidden states not read, the last hidden states, CLIP-L's
+    assert (
+        f"not stored (stage 2 never reads them): 9 output fields, {human_bytes(unread)} per "
+        f"sample; storing every field would take {human_bytes(stored + unread)} per sample"
+    ) in report
     assert "stores 2 of its 6 output fields; not stored, stage 2 never computes with them: " in (
         report
     )
