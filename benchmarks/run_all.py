@@ -31,6 +31,7 @@ bench_calls_overhead = "benchmarks.bench_calls_overhead"
 bench_trainer_live = "benchmarks.bench_trainer_live"
 bench_cache_overlap = "benchmarks.bench_cache_overlap"
 bench_dispatch = "benchmarks.bench_dispatch"
+bench_field_bytes = "benchmarks.bench_field_bytes"
 
 
 def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
@@ -56,6 +57,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
             ("Trainer, cache while training", bench_trainer_live, ["--rounds", "10", *target]),
             ("cache() against stage 1", bench_cache_overlap, ["--rounds", "9", *target]),
             ("stage-2 dispatch", bench_dispatch, ["--rounds", "15", *target]),
+            ("module-level cached fields", bench_field_bytes, [*target]),
         ]  # fmt: skip
     return [
         ("step time", bench_step_time, ["--quick", *target]),
@@ -74,6 +76,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
         ("Trainer, cache while training", bench_trainer_live, ["--quick", *target]),
         ("cache() against stage 1", bench_cache_overlap, ["--quick", *target]),
         ("stage-2 dispatch", bench_dispatch, ["--quick", *target]),
+        ("module-level cached fields", bench_field_bytes, ["--quick", *target]),
     ]
 
 

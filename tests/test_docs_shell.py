@@ -137,6 +137,9 @@ NOT_RUN: dict[str, str] = {
     "--rounds 8 --out benchmarks/results/xl": _measurement("minutes"),
     "python -m benchmarks.gpu --out benchmarks/results": "needs a CUDA device (its --dry-run, "
     "on the line below, runs here)",
+    "python -m benchmarks.bench_field_bytes --baseline integration-wip --out /tmp/fb_full": (
+        _measurement("5 minutes (SDXL's CLIP encoders at full width and depth)")
+    ),
 }
 # A documented absolute output folder, replaced by one in the command's own folder so that the
 # suite writes nothing outside its temporary folders.

@@ -25,7 +25,7 @@ import torch
 
 from graphsplit.artifacts import BoundarySpec
 from graphsplit.calls.module_calls import CallId, key_of
-from graphsplit.calls.outputs import Structure, holds_constant
+from graphsplit.calls.outputs import Structure, holds_constant, tensors_of
 from graphsplit.calls.verdicts import CallVerdict
 from graphsplit.errors import Fix, SplitError, user_error
 
@@ -176,18 +176,53 @@ def _length(value: Any) -> str:
 
 
 @dataclass(frozen=True)
+class Unread:
+    """An output field stage 2 does not compute with (:mod:`.usage`): not stored. Stage 2
+    holds an :class:`~graphsplit.calls.field_reads.Unstored` stand-in of the probe's ``shape``
+    and ``dtype``, or, where the step reads its shape (``shape_key``), of the batch's shape,
+    stored per sample as ``[1, *shape[1:]]`` int64 under ``shape_key``."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    batched: bool  # its first dimension is the batch's
+    shape_key: str | None = None
+
+
+@dataclass(frozen=True)
 class CachedCall:
-    """A cached call: its output's structure and, per field, the boundary key."""
+    """A cached call: its output's structure and, per stored field, the boundary key."""
 
     call: CallId
     structure: Structure
     keys: dict[str, str]  # output field -> boundary key
     copied: tuple[str, ...] = ()  # fields the step writes in place (stage 1 and 2 copy them)
+    unread: dict[str, Unread] = dataclasses.field(default_factory=dict)
+    """Output fields not stored: stage 2 never computes with them."""
 
     @functools.cached_property
     def numbers(self) -> bool:
         """Whether the output holds numbers kept as constants (stage 1 checks each call's)."""
         return holds_constant(self.structure)
+
+    def crossing(self, output: Any) -> dict[str, torch.Tensor]:
+        """What stage 1 stores of the call's ``output``, by boundary key: the stored fields
+        (a copy of those the step writes in place) and the shapes of unread fields whose
+        shape the step reads."""
+        tensors = tensors_of(output, self.structure)
+        found = {
+            key: tensors[field].clone() if field in self.copied else tensors[field]
+            for field, key in self.keys.items()
+        }
+        for field, unread in self.unread.items():
+            if unread.shape_key is not None:
+                found[unread.shape_key] = shape_rows(tensors[field])
+        return found
+
+
+def shape_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s shape, one row a sample: ``[B, ndim]`` int64 rows ``[1, *shape[1:]]``."""
+    row = torch.tensor([1, *tensor.shape[1:]], dtype=torch.int64)
+    return row.repeat(int(tensor.shape[0]), 1)
 
 
 @dataclass(frozen=True)
@@ -214,6 +249,18 @@ class CallPlan:
     placeholders: dict[CallId, Placeholder] = dataclasses.field(default_factory=dict)
     unused: frozenset[str] = frozenset()
     """Frozen modules the step never computes with in stage 2 (a VAE's decoder): not held."""
+    not_stored: dict[str, BoundarySpec] = dataclasses.field(default_factory=dict)
+    """The cached calls' output fields stage 2 never reads, as the boundary would hold them."""
+
+    @property
+    def shape_keys(self) -> list[str]:
+        """The boundary keys holding an unread field's shape (the step reads its shape)."""
+        return [
+            unread.shape_key
+            for cached in self.cached.values()
+            for unread in cached.unread.values()
+            if unread.shape_key is not None
+        ]
 
     @property
     def not_held(self) -> frozenset[str]:
@@ -253,6 +300,11 @@ class CallPlan:
 
 
 def cached_call(
-    call: CallId, structure: Structure, fields: list[str], copied: tuple[str, ...] = ()
+    call: CallId,
+    structure: Structure,
+    fields: list[str],
+    copied: tuple[str, ...] = (),
+    unread: dict[str, Unread] | None = None,
 ) -> CachedCall:
-    return CachedCall(call, structure, {field: key_of(call, field) for field in fields}, copied)
+    keys = {field: key_of(call, field) for field in fields}
+    return CachedCall(call, structure, keys, copied, dict(unread or {}))

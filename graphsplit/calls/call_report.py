@@ -71,6 +71,14 @@ class CallSplit:
             shape = "x".join(str(size) for size in spec.shape) or "scalar"
             dtype = str(spec.dtype).removeprefix("torch.")
             lines.append(f"  {spec.name:<48} {shape:<16} {dtype:<9} {spec.source}")
+        if self.plan.not_stored:
+            unread = sum(spec.bytes_per_sample for spec in self.plan.not_stored.values())
+            shapes = sum(self.boundary[key].bytes_per_sample for key in self.plan.shape_keys)
+            lines.append(
+                f"not stored (stage 2 never reads them): {len(self.plan.not_stored)} output "
+                f"fields, {human_bytes(unread)} per sample; storing every field would take "
+                f"{human_bytes(per_sample - shapes + unread)} per sample"
+            )
         lines.append("frozen module calls:")
         lines += [verdict.line() for verdict in self.plan.verdicts]
         lines.append(
@@ -111,6 +119,7 @@ class CallSplit:
                 {"module": v.path, "index": v.index, "verdict": v.verdict.value, "detail": v.detail}
                 for v in self.plan.verdicts
             ],
+            "not_stored": list(self.plan.not_stored),
             "dropped": sorted(self.plan.dropped),
             "unused": sorted(self.plan.unused),
             "held_though_cached": held_though_cached(self.plan),

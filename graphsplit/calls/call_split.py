@@ -17,12 +17,27 @@ from torch import nn
 
 from graphsplit.artifacts import BoundarySpec
 from graphsplit.calls.analysis import batch_dim, is_batched, judge, probe
-from graphsplit.calls.call_plan import CallPlan, Placeholder, cached_call, input_spec
+from graphsplit.calls.call_plan import (
+    CachedCall,
+    CallPlan,
+    Placeholder,
+    Unread,
+    cached_call,
+    input_spec,
+    shape_rows,
+)
 from graphsplit.calls.call_report import CallSplit
-from graphsplit.calls.module_calls import CallId, frozen_modules, needed_routes
+from graphsplit.calls.field_reads import SHAPE, VALUE
+from graphsplit.calls.module_calls import CallId, frozen_modules, key_of, needed_routes
 from graphsplit.calls.reordered import probe_reordered, take
 from graphsplit.calls.stages import CallStage1, CallStage2
-from graphsplit.calls.usage import Usage, inner_calls, needed_tensors, unused_modules
+from graphsplit.calls.usage import (
+    Usage,
+    field_uses,
+    inner_calls,
+    needed_tensors,
+    unused_modules,
+)
 from graphsplit.calls.verdicts import CallVerdict
 from graphsplit.errors import Fix, GraphsplitError, SplitError, user_error
 from graphsplit.planning.step.callables import as_step_module
@@ -96,17 +111,8 @@ def split_calls(
             ),
         ) from error
     verdicts = judge(first, second, batch_size, alone, reordered)
-    cached = {
-        (v.path, v.index): cached_call(
-            (v.path, v.index),
-            first.calls[(v.path, v.index)].structure,  # type: ignore[arg-type]
-            list(first.calls[(v.path, v.index)].tensors),
-            v.copied,
-        )
-        for v in verdicts
-        if v.cached
-    }
-    if not cached:
+    candidates = {(v.path, v.index) for v in verdicts if v.cached}
+    if not candidates:
         listed = "\n".join(v.line() for v in verdicts) or "  (the step calls no frozen module)"
         raise user_error(
             SplitError,
@@ -119,26 +125,20 @@ def split_calls(
             ),
         )
     # Stage 2 holds what it computes with, the cache what stage 2 reads (see .usage).
-    inner = inner_calls([first, second], usages, set(cached))
-    verdicts = [_placeholder_verdict(v, inner) for v in verdicts]
-    stored = {call: planned for call, planned in cached.items() if call not in inner}
+    uses = field_uses([first, second], usages, candidates)
+    inner = inner_calls([first, second], usages, uses)
+    boundary = _input_boundary(inputs, values, batch_size)
+    stored, not_stored = _storage(verdicts, inner, uses, first, batch_size, boundary)
     placeholders = {call: _placeholder(call, first.calls[call]) for call in inner}
-    needed = needed_tensors(usages, set(cached))
+    verdicts = [_stored_verdict(v, inner, stored) for v in verdicts]
+    needed = needed_tensors(usages, candidates)
     dropped = frozenset(p for p in _dropped(verdicts) if not _computes(routed[p], needed))
     kept = {v.path for v in verdicts if not v.cached}
     unused = unused_modules(routed, needed, kept, dropped)
-    boundary = _input_boundary(inputs, values, batch_size)
-    for call, planned in stored.items():
-        seen = first.calls[call]
-        per_sample = is_batched(seen.inputs.tensors(), batch_size)
-        for field, key in planned.keys.items():
-            tensor = seen.tensors[field]
-            dim = batch_dim(tensor, batch_size) if per_sample else None
-            boundary[key] = _spec(key, tensor, dim, f"{call[0]} call {call[1]}: {field}")
     nested = first.nested | second.nested | (alone.nested if alone is not None else set())
     for run in reordered.probes if reordered is not None else []:
         nested |= run.nested
-    routes = needed_routes(module, routed, {call[0] for call in cached}, nested)
+    routes = needed_routes(module, routed, {call[0] for call in candidates}, nested)
     plan = CallPlan(
         signature=signature,
         inputs=inputs,
@@ -148,6 +148,7 @@ def split_calls(
         boundary=boundary,
         placeholders=placeholders,
         unused=unused,
+        not_stored=not_stored,
     )
     return CallSplit(
         stage1=CallStage1(module, plan, routes),
@@ -211,8 +212,75 @@ def _spec(name: str, tensor: torch.Tensor, dim: int | None, source: str) -> Boun
     return BoundarySpec(name, tuple(tensor.shape), tensor.dtype, dim, per_sample, source)
 
 
-def _placeholder_verdict(verdict: CallVerdict, inner: dict[CallId, CallId | None]) -> Any:
+def _storage(
+    verdicts: list[CallVerdict],
+    inner: dict[CallId, CallId | None],
+    uses: dict[CallId, dict[str, str]],
+    first: Any,
+    batch_size: int,
+    boundary: dict[str, BoundarySpec],
+) -> tuple[dict[CallId, CachedCall], dict[str, BoundarySpec]]:
+    """The stored calls' plans, in the step's order, their keys added to ``boundary``; and
+    every cached field not stored (of those and of the ``inner`` calls), as it would cross."""
+    stored: dict[CallId, CachedCall] = {}
+    not_stored: dict[str, BoundarySpec] = {}
+    for verdict in verdicts:
+        call = (verdict.path, verdict.index)
+        if not verdict.cached:
+            continue
+        seen = first.calls[call]
+        per_sample = is_batched(seen.inputs.tensors(), batch_size)
+        label = f"{call[0]} call {call[1]}"
+        planned = None
+        if call not in inner:
+            size = batch_size if per_sample else None
+            planned = stored[call] = _cached_call(seen, uses[call], verdict.copied, size)
+        for field, tensor in seen.tensors.items():
+            dim = batch_dim(tensor, batch_size) if per_sample else None
+            key = key_of(call, field)
+            spec = _spec(key, tensor, dim, f"{label}: {field}")
+            if planned is not None and field in planned.keys:
+                boundary[key] = spec
+                continue
+            not_stored[key] = spec
+            shape_key = planned.unread[field].shape_key if planned is not None else None
+            if shape_key is not None:
+                shapes = shape_rows(tensor)
+                boundary[shape_key] = _spec(shape_key, shapes, 0, f"{label}: shape of {field}")
+    return stored, not_stored
+
+
+def _cached_call(
+    seen: Any, uses: dict[str, str], copied: tuple[str, ...], batch_size: int | None
+) -> CachedCall:
+    """The plan of one stored call: the fields stage 2 computes with (and those the step
+    writes in place) stored, the others :class:`Unread` (their shape stored where read)."""
+    call = seen.call
+    fields, unread = [], {}
+    for field, tensor in seen.tensors.items():
+        use = uses.get(field, VALUE)
+        if use == VALUE or field in copied:
+            fields.append(field)
+            continue
+        batched = batch_size is not None and batch_dim(tensor, batch_size) == 0
+        shape_key = f"{key_of(call, field)}__shape" if use == SHAPE and batched else None
+        unread[field] = Unread(tuple(tensor.shape), tensor.dtype, batched, shape_key)
+    return cached_call(call, seen.structure, fields, copied, unread)
+
+
+def _stored_verdict(
+    verdict: CallVerdict, inner: dict[CallId, CallId | None], stored: dict[CallId, CachedCall]
+) -> Any:
     call = (verdict.path, verdict.index)
+    if call in stored and stored[call].unread:
+        planned = stored[call]
+        total = len(planned.keys) + len(planned.unread)
+        detail = (
+            f"stores {len(planned.keys)} of its {total} output fields; not stored, stage 2 "
+            f"never computes with them: {', '.join(planned.unread)}"
+        )
+        detail = f"{verdict.detail}; {detail}" if verdict.detail else detail
+        return dataclasses.replace(verdict, detail=detail)
     if call not in inner:
         return verdict
     reader = inner[call]

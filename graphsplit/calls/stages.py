@@ -24,7 +24,7 @@ from graphsplit.calls import generators
 from graphsplit.calls.call_plan import CallPlan
 from graphsplit.calls.holders import answering, answers
 from graphsplit.calls.module_calls import CallRouter, restore
-from graphsplit.calls.outputs import constants_differ, tensors_of
+from graphsplit.calls.outputs import constants_differ
 from graphsplit.errors import Fix, SplitError, user_error
 
 
@@ -93,7 +93,9 @@ class CallStage1(nn.Module):
         lines += [f"input {spec.name}: {spec.kind}" for spec in plan.inputs]
         for cached in plan.cached.values():
             module = self._routed[cached.call[0]]
-            lines.append(f"call {cached.call} {type(module).__qualname__} -> {list(cached.keys)}")
+            stored = [*cached.keys.values()]
+            stored += [u.shape_key for u in cached.unread.values() if u.shape_key is not None]
+            lines.append(f"call {cached.call} {type(module).__qualname__} -> {stored}")
         for call in plan.placeholders:  # run by stage 1, read only by cached calls
             lines.append(f"call {call} {type(self._routed[call[0]]).__qualname__} -> not stored")
         return "\n".join(lines)
@@ -125,11 +127,8 @@ class CallStage1(nn.Module):
                             "batches whose calls return the same numbers"
                         ),
                     )
-                tensors = tensors_of(output, planned.structure)
-                for field, key in planned.keys.items():
-                    # A field the step goes on to write in place is kept as the call returned it.
-                    copy = field in planned.copied
-                    outputs[key] = tensors[field].clone() if copy else tensors[field]
+                # A field the step goes on to write in place is kept as the call returned it.
+                outputs.update(planned.crossing(output))
                 if call == last:
                     raise _Stop
             return output

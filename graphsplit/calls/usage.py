@@ -7,15 +7,25 @@ After the verdicts, what stage 2 runs is the step outside the cached calls plus 
 in it, so:
 
     needed_tensors(usages, cached) -> ids    # the tensors stage 2's ops compute with
-    inner_calls(probes, usages, cached) -> {call: reader}   # outputs only cached calls read
+    field_uses(probes, usages, cached) -> {call: {field: FREE | SHAPE | VALUE}}
+    inner_calls(probes, usages, uses) -> {call: reader}   # outputs only cached calls read
 
 A frozen module none of whose parameters or buffers are needed (diffusers' VAE decoder when the
-step only encodes) is not held by stage 2. A cached call whose output only other cached calls
-read (the VAE's encoder, whose output goes to its ``quant_conv``) is not stored: stage 2
-answers it with tensors on ``meta`` of the probe's shapes, which the cached reader ignores.
-Reading an output's metadata (``.shape``) counts as a read; reading a parameter's metadata
-alone (``vae.dtype``: :data:`METADATA`) does not count as needing its weights. Ids are stable here:
-parameters, buffers and the probed outputs stay alive through the probe.
+step only encodes) is not held by stage 2. Each field (tensor) of a cached call's output is
+stored only when stage 2 computes with it (VALUE: a torch call outside the cached calls takes
+it for more than its metadata, or the step returns it); a field stage 2 reads only the shape of
+(SHAPE) has its shape stored; any other field (FREE) is not stored, and stage 2 holds an
+:class:`~graphsplit.calls.field_reads.Unstored` stand-in
+(:func:`~graphsplit.calls.field_reads.read_kind` is the one table of what counts as which
+read). Passing a field through Python (``out.hidden_states[-2]``, ``dict(out)``) is no torch
+call: what counts is what torch then does with the tensor. A call none of whose fields stage 2
+reads (the VAE's encoder, whose output only its cached ``quant_conv`` reads) is not stored at
+all. Reading a parameter's metadata alone (``vae.dtype``: :data:`METADATA`) does not count as
+needing its weights.
+
+Ids are stable only while a tensor lives: parameters, buffers and the probed outputs stay alive
+through the probe, but a temporary freed before a call returned may have had an output's id.
+So reads are stamped with a counter (``tick``), and only reads after the call returned count.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from graphsplit.calls.field_reads import FREE, SHAPE, VALUE, read_kind
 from graphsplit.calls.module_calls import CallId
 
 Context = CallId | None
@@ -54,23 +65,49 @@ METADATA = frozenset(
 
 
 class Usage(TorchFunctionMode):
-    """Records, per context, the ids of the tensors torch calls take (``read``) and of those
-    they compute with (``computed``: not a metadata read such as ``.dtype`` or ``.shape``)."""
+    """Records, per context, the ids of the tensors torch calls take (``read``), of those they
+    compute with (``computed``: not a metadata read such as ``.dtype`` or ``.shape``), and when
+    each was last read for its shape or values (``shape_reads`` / ``value_reads``: id -> tick,
+    by :func:`~graphsplit.calls.field_reads.read_kind`); ``returned``: the tick each call
+    returned at.
+    """
 
     def __init__(self) -> None:
         super().__init__()
-        self.context: Context = None
+        self._context: Context = None
+        self.tick = 0
         self.read: dict[Context, set[int]] = {}
         self.computed: dict[Context, set[int]] = {}
+        self.shape_reads: dict[Context, dict[int, int]] = {}
+        self.value_reads: dict[Context, dict[int, int]] = {}
+        self.returned: dict[CallId, int] = {}
+
+    @property
+    def context(self) -> Context:
+        """The outermost frozen call running (None: the step's own code)."""
+        return self._context
+
+    @context.setter
+    def context(self, call: Context) -> None:
+        if self._context is not None and call is None:
+            self.returned[self._context] = self.tick
+        self._context = call
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         ids = _tensor_ids(args)
         if kwargs:
             ids |= _tensor_ids(kwargs.values())
         if ids:
+            self.tick += 1
             self.read.setdefault(self.context, set()).update(ids)
             if getattr(func, "__name__", "") not in METADATA:
                 self.computed.setdefault(self.context, set()).update(ids)
+            kind = read_kind(func)
+            if kind != FREE:
+                table = self.value_reads if kind == VALUE else self.shape_reads
+                stamps = table.setdefault(self.context, {})
+                for key in ids:
+                    stamps[key] = self.tick
         return func(*args, **(kwargs or {}))
 
 
@@ -95,29 +132,63 @@ def needed_tensors(usages: list[Usage], cached: set[CallId]) -> set[int]:
     return set().union(*(_in_stage2(usage.computed, cached) for usage in usages))
 
 
-def inner_calls(
+_ORDER = (FREE, SHAPE, VALUE)
+
+
+def _latest(table: dict[Context, dict[int, int]], cached: set[CallId]) -> dict[int, int]:
+    """id -> the last tick a context stage 2 runs read it at."""
+    latest: dict[int, int] = {}
+    for context, stamps in table.items():
+        if context not in cached:
+            for key, tick in stamps.items():
+                latest[key] = max(latest.get(key, 0), tick)
+    return latest
+
+
+def field_uses(
     probes: list[Any], usages: list[Usage], cached: set[CallId]
+) -> dict[CallId, dict[str, str]]:
+    """Per cached call, per output field, the most stage 2 reads of it in any probe: VALUE
+    (a torch call outside the cached calls computes with it, or the step returns it), SHAPE
+    (reads its shape only) or FREE (its dtype or rank at most, or nothing)."""
+    uses: dict[CallId, dict[str, str]] = {call: {} for call in cached}
+    for probe, usage in zip(probes, usages):
+        returned = {id(leaf) for leaf in torch.utils._pytree.tree_leaves(probe.result)}
+        values, shapes = _latest(usage.value_reads, cached), _latest(usage.shape_reads, cached)
+        for call in cached:
+            seen = probe.calls.get(call)
+            if seen is None:  # not made in this run: nothing proves a field unread
+                uses[call] = dict.fromkeys(uses[call], VALUE)
+                continue
+            after = usage.returned.get(call, 0)
+            for field, tensor in seen.tensors.items():
+                key = id(tensor)
+                if key in returned or values.get(key, -1) > after:
+                    use = VALUE
+                else:
+                    use = SHAPE if shapes.get(key, -1) > after else FREE
+                known = uses[call].get(field, FREE)
+                uses[call][field] = max(known, use, key=_ORDER.index)
+    return uses
+
+
+def inner_calls(
+    probes: list[Any], usages: list[Usage], uses: dict[CallId, dict[str, str]]
 ) -> dict[CallId, CallId | None]:
-    """The cached calls whose output (every tensor of it) stage 2 never reads, in every probe:
-    not read outside cached calls, not part of what the step returns. The value is a cached
-    call that reads it (None: nothing does)."""
+    """The cached calls none of whose output fields stage 2 reads (every one FREE in
+    :func:`field_uses`). The value is a cached call that reads the output (None: nothing)."""
     inner: dict[CallId, CallId | None] = {}
-    for call in cached:
+    for call, fields in uses.items():
+        if not fields or any(use != FREE for use in fields.values()):
+            continue
         reader: CallId | None = None
         for probe, usage in zip(probes, usages):
-            seen = probe.calls.get(call)
-            if seen is None or not seen.tensors:
-                break
-            outputs = {id(tensor) for tensor in seen.tensors.values()}
-            returned = {id(leaf) for leaf in torch.utils._pytree.tree_leaves(probe.result)}
-            if outputs & (_in_stage2(usage.read, cached) | returned):
-                break
+            outputs = {id(tensor) for tensor in probe.calls[call].tensors.values()}
             readers = [  # the call's own bookkeeping (its outputs' versions) is no reader
-                c for c, ids in usage.read.items() if c not in (None, call) and outputs & ids
+                c for c, ids in usage.read.items() if c in uses and c != call and outputs & ids
             ]
             reader = reader or (readers[0] if readers else None)
-        else:
-            inner[call] = reader
+        inner[call] = reader
     return inner
 
 

@@ -82,8 +82,8 @@ class ReadsTheEncoderOutput(Encodes):
 
 
 class ReadsItsShape(Encodes):
-    """Only the encoder output's shape is read outside (a reshape): stored too, so the shape
-    stage 2 reads is the batch's, never a placeholder's."""
+    """Only the encoder output's shape is read outside (a reshape): its values are not
+    stored, its shape is (per sample), so the shape stage 2 reads is the batch's own."""
 
     def forward(self, x):
         h = self.vae.encoder(x)
@@ -92,10 +92,19 @@ class ReadsItsShape(Encodes):
 
 
 def test_an_output_the_step_reads_outside_the_cached_calls_is_stored():
-    for step in (ReadsTheEncoderOutput(), ReadsItsShape()):
-        split = split_and_verify(step, (X,), path="calls")
-        assert {"vae_encoder__0__out", "vae_quant_conv__0__out"} <= set(split.boundary)
-        assert not split.plan.placeholders
+    split = split_and_verify(ReadsTheEncoderOutput(), (X,), path="calls")
+    assert {"vae_encoder__0__out", "vae_quant_conv__0__out"} <= set(split.boundary)
+    assert not split.plan.placeholders
+
+
+def test_an_output_whose_shape_alone_the_step_reads_stores_its_shape_not_its_values():
+    step = ReadsItsShape()
+    split = split_and_verify(step, (X,), path="calls")
+    assert list(split.boundary) == ["x", "vae_encoder__0__out__shape", "vae_quant_conv__0__out"]
+    assert split.boundary["vae_encoder__0__out__shape"].bytes_per_sample == 2 * 8
+    assert not split.plan.placeholders
+    other = torch.randn(5, WIDTH)  # another batch size: the stand-in has the batch's shape
+    assert torch.equal(split.stage2(**split.stage1(other)), step(other))
 
 
 class TiedToTheDecoder(Encodes):

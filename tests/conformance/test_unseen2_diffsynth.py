@@ -80,6 +80,14 @@ def test_the_default_path_caches_the_text_encoder_and_the_vae_and_is_exact(wan):
     assert not any(
         name.startswith(("pipe.vae.model.encoder.", "pipe.vae.model.conv1.")) for name in held
     )
+    # Each encoder call returns (x, its causal convs' feature cache); the cache is read only by
+    # the next encoder call, itself cached, so it is not stored (calls/usage.py): x alone is.
+    encoder = [key for key in split.boundary if key.startswith("pipe_vae_model_encoder")]
+    assert encoder == ["pipe_vae_model_encoder__0__0", "pipe_vae_model_encoder__1__0"]
+    assert {key.rsplit("__", 1)[0] for key in split.plan.not_stored} == {
+        "pipe_vae_model_encoder__0__1",
+        "pipe_vae_model_encoder__1__1",
+    }
     trainable = [name for name, p in step.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in name for name in trainable)
     comparisons = graphsplit.verify(step, split, (data,))

@@ -531,6 +531,22 @@ def test_captions_encoded_in_the_step_cache_the_three_text_encoders(size):
         "text_encoders_1",  # CLIP two
         "text_encoders_2",  # T5
     }
+    # _encode_prompt_with_clip reads `[0]` (text_embeds) and `.hidden_states[-2]` of each CLIP
+    # encoder's output; their last_hidden_state and other hidden states are not stored: stage 2
+    # never computes with them (calls/usage.py). The T5 call returns last_hidden_state alone.
+    text = {key for key in split.boundary if key.startswith("text_encoders")}
+    assert text == {
+        "text_encoders_0__0__text_embeds",
+        "text_encoders_0__0__hidden_states__1",
+        "text_encoders_1__0__text_embeds",
+        "text_encoders_1__0__hidden_states__1",
+        "text_encoders_2__0__last_hidden_state",
+    }
+    assert set(split.plan.not_stored) == {
+        f"text_encoders_{clip}__0__{field}"
+        for clip in (0, 1)
+        for field in ("last_hidden_state", "hidden_states__0", "hidden_states__2")
+    }
     assert all(split.boundary[key].batch_dim == 0 for key in split.boundary)
 
 
