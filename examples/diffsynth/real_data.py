@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from examples.diffsynth.steps import DIFFSYNTH, DiffusionTrainingModule
+from examples.diffsynth.steps import DIFFSYNTH, DiffusionTrainingModule, tiny_wan_pipeline
 
 if DIFFSYNTH:
     from diffsynth.diffusion import FlowMatchSFTLoss
@@ -96,22 +96,9 @@ class WanTrainingModule(DiffusionTrainingModule):
 
     def __init__(self, tokenizer_dir: Path) -> None:
         super().__init__()
-        from diffsynth.models.wan_video_dit import WanModel
-        from diffsynth.models.wan_video_text_encoder import HuggingfaceTokenizer, WanTextEncoder
-        from diffsynth.models.wan_video_vae import VideoVAE_, WanVideoVAE
-        from diffsynth.pipelines.wan_video import WanVideoPipeline
+        from diffsynth.models.wan_video_text_encoder import HuggingfaceTokenizer
 
-        pipe = WanVideoPipeline(device="cpu", torch_dtype=torch.float32)
-        pipe.text_encoder = WanTextEncoder(
-            vocab=64, dim=32, dim_attn=32, dim_ffn=64, num_heads=2, num_layers=1, num_buckets=8
-        )
-        pipe.vae = WanVideoVAE(z_dim=16)
-        pipe.vae.model = VideoVAE_(dim=8, z_dim=16).eval().requires_grad_(False)
-        pipe.dit = WanModel(
-            dim=48, in_dim=16, ffn_dim=64, out_dim=16, text_dim=32, freq_dim=16, eps=1e-6,
-            patch_size=(1, 2, 2), num_heads=2, num_layers=2, has_image_input=False,
-            require_vae_embedding=False, require_clip_embedding=False,
-        )  # fmt: skip
+        pipe = tiny_wan_pipeline()
         # What from_pretrained sets (seq_len 512 there), on a local tokenizer folder.
         pipe.tokenizer = HuggingfaceTokenizer(
             name=str(tokenizer_dir), seq_len=16, clean="whitespace"

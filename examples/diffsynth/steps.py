@@ -83,27 +83,34 @@ def _sft_settings(module: DiffusionTrainingModule) -> None:
 
 
 # -- Wan 2.1 text-to-video -----------------------------------------------------------------------
+def tiny_wan_pipeline() -> Any:
+    """DiffSynth's ``WanVideoPipeline`` with a tiny UMT5 text encoder, Wan VAE and DiT (random
+    weights); the caller sets its tokenizer."""
+    from diffsynth.models.wan_video_dit import WanModel
+    from diffsynth.models.wan_video_text_encoder import WanTextEncoder
+    from diffsynth.models.wan_video_vae import VideoVAE_, WanVideoVAE
+    from diffsynth.pipelines.wan_video import WanVideoPipeline
+
+    pipe = WanVideoPipeline(device="cpu", torch_dtype=torch.float32)
+    pipe.text_encoder = WanTextEncoder(
+        vocab=64, dim=32, dim_attn=32, dim_ffn=64, num_heads=2, num_layers=1, num_buckets=8
+    )
+    pipe.vae = WanVideoVAE(z_dim=16)
+    pipe.vae.model = VideoVAE_(dim=8, z_dim=16).eval().requires_grad_(False)
+    pipe.dit = WanModel(
+        dim=48, in_dim=16, ffn_dim=64, out_dim=16, text_dim=32, freq_dim=16, eps=1e-6,
+        patch_size=(1, 2, 2), num_heads=2, num_layers=2, has_image_input=False,
+        require_vae_embedding=False, require_clip_embedding=False,
+    )  # fmt: skip
+    return pipe
+
+
 class WanTrainingModule(DiffusionTrainingModule):
     """``examples/wanvideo/model_training/train.py``'s ``WanTrainingModule``, tiny, task "sft"."""
 
     def __init__(self) -> None:
         super().__init__()
-        from diffsynth.models.wan_video_dit import WanModel
-        from diffsynth.models.wan_video_text_encoder import WanTextEncoder
-        from diffsynth.models.wan_video_vae import VideoVAE_, WanVideoVAE
-        from diffsynth.pipelines.wan_video import WanVideoPipeline
-
-        pipe = WanVideoPipeline(device="cpu", torch_dtype=torch.float32)
-        pipe.text_encoder = WanTextEncoder(
-            vocab=64, dim=32, dim_attn=32, dim_ffn=64, num_heads=2, num_layers=1, num_buckets=8
-        )
-        pipe.vae = WanVideoVAE(z_dim=16)
-        pipe.vae.model = VideoVAE_(dim=8, z_dim=16).eval().requires_grad_(False)
-        pipe.dit = WanModel(
-            dim=48, in_dim=16, ffn_dim=64, out_dim=16, text_dim=32, freq_dim=16, eps=1e-6,
-            patch_size=(1, 2, 2), num_heads=2, num_layers=2, has_image_input=False,
-            require_vae_embedding=False, require_clip_embedding=False,
-        )  # fmt: skip
+        pipe = tiny_wan_pipeline()
         pipe.tokenizer = Pretokenized()
         pipe.preprocess_video = types.MethodType(_preprocessed, pipe)
         self.pipe = _train_mode(self, pipe, ["q", "k", "v", "o", "ffn.0", "ffn.2"])
