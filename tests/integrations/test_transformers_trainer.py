@@ -219,3 +219,15 @@ def test_an_on_policy_gkd_style_trainer_is_refused(tmp_path, policy, shown):
     with pytest.raises(SplitError, match="trains on-policy") as error:
         split_trainer(trainer, str(tmp_path / "cache"))
     assert shown in str(error.value) and "trl.SFTTrainer subclass" in str(error.value)
+
+
+def test_a_trainer_that_compiles_its_model_logs_the_unsplit_losses(tmp_path):
+    """``TrainingArguments(torch_compile=True)`` wraps the student in ``torch.compile``
+    (``backend="eager"`` here: inductor's rounding is not what this test is about)."""
+    samples = padded_samples(8)
+    arguments = {"torch_compile": True, "torch_compile_backend": "eager", "num_train_epochs": 1}
+    unsplit, _ = _train(tmp_path, "unsplit", samples, split=False, **arguments)
+    split, parts = _train(tmp_path, "split", samples, split=True, **arguments)
+    assert logged_losses(split) == logged_losses(unsplit) and len(logged_losses(split)) == 2
+    assert _same_weights(split, unsplit)
+    assert "teacher" not in dict(parts.split.stage2.named_children())
