@@ -143,3 +143,22 @@ def test_the_default_path_runs_the_draw_every_step_and_caching_does_not_move_it(
         for start in (0, 3):
             rows = graphsplit.collate([cached[row] for row in range(start, start + 3)])
             assert torch.equal(split.stage2(**rows), plain(X[start : start + 3]))
+
+
+def test_generators_kept_in_a_dict_a_closure_or_a_helper_object_are_found():
+    from graphsplit.planning.rules.random_draws import own_generators
+
+    rngs = {"noise": np.random.default_rng(1), "mask": random.Random(2)}
+    helper = type("Sampler", (), {})()
+    helper.rng = np.random.RandomState(3)
+
+    def step(x):
+        scale = rngs["noise"].uniform() + helper.rng.uniform()
+        return (x * scale).sum()
+
+    module = DrawsWithNumpy("numpy")
+    module.table = [np.random.default_rng(4)]
+    module.step_callable = step
+    found = own_generators(module)
+    assert set(found) == {"rng", "table[0]", "rngs['noise']", "rngs['mask']", "helper.rng"}
+    assert found["rngs['noise']"] is rngs["noise"] and found["helper.rng"] is helper.rng

@@ -114,6 +114,9 @@ def locate_random_draw(
 # the step function's closure cells, defaults and globals) and checked around the planning.
 
 
+_CONTAINER_ITEMS = 64  # a dict or list of the step's is looked into this far (a dict of rngs)
+
+
 def own_generators(model: Any) -> dict[str, Any]:
     """The ``random.Random`` and NumPy ``Generator`` / ``RandomState`` objects ``model`` holds,
     by a name the user knows them by (the process-wide ones are :func:`generator_states`')."""
@@ -128,7 +131,15 @@ def own_generators(model: Any) -> dict[str, Any]:
         seen.add(id(value))
         if isinstance(value, kinds):
             found[name] = value
-        elif depth < 1 and hasattr(value, "__dict__") and not isinstance(value, plain):
+        elif depth >= 1:
+            return
+        elif isinstance(value, dict):  # self.rngs = {"noise": np.random.default_rng(0)}
+            for key, item in list(value.items())[:_CONTAINER_ITEMS]:
+                add(f"{name}[{key!r}]", item, depth + 1)
+        elif isinstance(value, list | tuple):
+            for index, item in enumerate(value[:_CONTAINER_ITEMS]):
+                add(f"{name}[{index}]", item, depth + 1)
+        elif hasattr(value, "__dict__") and not isinstance(value, plain):
             for key, item in list(vars(value).items()):
                 if not key.startswith("__") and not isinstance(item, torch.nn.Module):
                     add(f"{name}.{key}", item, depth + 1)
