@@ -136,3 +136,14 @@ def test_an_iterable_dataset_cannot_be_read_twice_and_is_not_checked(tmp_path):
     loader = DataLoader(Stream(), batch_size=2)
     assert random_fields(source_for(loader, ["pixel_values"])) == ()
     _no_random_dataset_warning(lambda: graphsplit.cache(_split(), loader, tmp_path / "c"))
+
+
+def test_a_collate_that_needs_a_whole_batch_is_not_checked_and_caches(tmp_path):
+    def pairs_only(items):
+        if len(items) != 2:
+            raise ValueError("this collate takes pairs")
+        return torch.utils.data.default_collate(items)
+
+    loader = DataLoader(Images("torch"), batch_size=2, collate_fn=pairs_only)
+    info = _no_random_dataset_warning(lambda: graphsplit.cache(_split(), loader, tmp_path / "c"))
+    assert info.num_samples == 6
