@@ -354,8 +354,11 @@ def test_a_frozen_encoder_compiled_in_place_is_planned_as_its_code_and_runs_comp
 def accelerator_state():
     from accelerate.state import AcceleratorState
 
+    # Accelerate's state is process-wide: an Accelerator made by an earlier test would keep its
+    # own (no dynamo backend), and the one the test makes must not outlive it.
+    AcceleratorState._reset_state(True)
     yield
-    AcceleratorState._reset_state(True)  # the process-wide state the test's Accelerator set
+    AcceleratorState._reset_state(True)
 
 
 @pytest.mark.usefixtures("accelerator_state")
