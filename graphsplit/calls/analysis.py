@@ -27,7 +27,6 @@ from graphsplit.calls.provenance import CallInputs, carries_grad
 from graphsplit.calls.reordered import Reordered
 from graphsplit.calls.usage import Usage
 from graphsplit.calls.verdicts import CallVerdict, Verdict
-from graphsplit.planning.rules.random_draws import own_generators
 
 
 @dataclass
@@ -74,7 +73,6 @@ def probe(
 ) -> Probe:
     """Run ``step`` from ``seed`` (every generator) with the frozen modules' calls recorded
     (and, with ``usage``, the tensors its torch calls take, :mod:`.usage`)."""
-    generators.remember(own_generators(step).values())  # its random.Random / NumPy ones
     calls: dict[CallId, ProbedCall] = {}
 
     def record(call: CallId, module: nn.Module, forward: Any, a: tuple, kw: dict) -> Any:

@@ -26,6 +26,7 @@ import torch
 from graphsplit.artifacts import BoundarySpec
 from graphsplit.calls.module_calls import CallId, key_of
 from graphsplit.calls.outputs import Structure, holds_constant, tensors_of
+from graphsplit.calls.provenance import same_value
 from graphsplit.calls.verdicts import CallVerdict
 from graphsplit.errors import Fix, SplitError, user_error
 
@@ -51,7 +52,7 @@ class InputSpec:
             return torch.tensor(list(value), dtype=NUMBER_DTYPES[self.element or int])
         if self.kind == "strings":
             return _code_points(value)
-        if self.kind == "constant" and not _same_constant(value, self.value):
+        if self.kind == "constant" and not same_value(value, self.value):
             raise user_error(
                 SplitError,
                 f"the step's input {self.name!r} is {value!r} in this batch; the module-level "
@@ -114,13 +115,6 @@ class InputSpec:
         if self.kind == "constant":
             return self.value
         return value
-
-
-def _same_constant(a: Any, b: Any) -> bool:
-    try:
-        return bool(type(a) is type(b) and a == b)
-    except Exception:  # an incomparable value is not the plan's constant
-        return a is b
 
 
 def _batched(value: Any) -> bool:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from torch import nn
 
 from graphsplit.artifacts import BoundarySpec
 from graphsplit.calls.call_plan import CallPlan
+from graphsplit.calls.verdicts import every_call_cached
 from graphsplit.units import human_bytes
 
 
@@ -137,22 +137,10 @@ class CallSplit:
 def held_though_cached(plan: CallPlan) -> list[str]:
     """Modules all of whose calls are cached (and none inside them runs in stage 2) that stage 2
     holds anyway: the step computes with their weights elsewhere, or moves them (``.to``)."""
-    every_call_cached: dict[str, bool] = {}
-    for verdict in plan.verdicts:
-        every_call_cached[verdict.path] = (
-            every_call_cached.get(verdict.path, True) and verdict.cached
-        )
-    running = [path for path, cached in every_call_cached.items() if not cached]
-
-    def inside(path: str, others: Iterable[str]) -> bool:
-        return any(path == other or path.startswith(other + ".") for other in others)
-
     return sorted(
         path
-        for path, cached in every_call_cached.items()
-        if cached
-        and not inside(path, plan.not_held)
-        and not any(other.startswith(path + ".") for other in running)
+        for path in every_call_cached(plan.verdicts)
+        if not any(path == held or path.startswith(held + ".") for held in plan.not_held)
     )
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from graphsplit.artifacts import BoundarySpec
+from graphsplit.calls import generators
 from graphsplit.calls.analysis import batch_dim, is_batched, judge, probe
 from graphsplit.calls.call_plan import (
     CachedCall,
@@ -38,8 +39,9 @@ from graphsplit.calls.usage import (
     needed_tensors,
     unused_modules,
 )
-from graphsplit.calls.verdicts import CallVerdict
+from graphsplit.calls.verdicts import CallVerdict, every_call_cached
 from graphsplit.errors import Fix, GraphsplitError, SplitError, user_error
+from graphsplit.planning.rules.random_draws import own_generators
 from graphsplit.planning.step.callables import as_step_module
 from graphsplit.planning.step.frozen import FrozenSpec, resolve_frozen
 
@@ -67,6 +69,8 @@ def split_calls(
     frozen_names = resolve_frozen(module, frozen, named=named)
     trainable = frozenset(name for name, _ in named if name not in frozen_names)
     routed = frozen_modules(module, trainable)
+    # Its random.Random / NumPy generators: the probes seed them and every run gives them back.
+    generators.remember(own_generators(module).values())
     signature = inspect.signature(module.forward)
     try:
         values = dict(signature.bind(*step.args, **step.kwargs).arguments)
@@ -132,7 +136,7 @@ def split_calls(
     placeholders = {call: _placeholder(call, first.calls[call]) for call in inner}
     verdicts = [_stored_verdict(v, inner, stored) for v in verdicts]
     needed = needed_tensors(usages, candidates)
-    dropped = frozenset(p for p in _dropped(verdicts) if not _computes(routed[p], needed))
+    dropped = frozenset(p for p in every_call_cached(verdicts) if not _computes(routed[p], needed))
     kept = {v.path for v in verdicts if not v.cached}
     unused = unused_modules(routed, needed, kept, dropped)
     nested = first.nested | second.nested | (alone.nested if alone is not None else set())
@@ -299,19 +303,6 @@ def _placeholder(call: CallId, seen: Any) -> Placeholder:
 
 def _computes(module: nn.Module, needed: set[int]) -> bool:
     return any(id(tensor) in needed for tensor in (*module.parameters(), *module.buffers()))
-
-
-def _dropped(verdicts: list[Any]) -> frozenset[str]:
-    """Modules all of whose calls are cached, unless a module inside one runs in stage 2."""
-    by_module: dict[str, bool] = {}
-    for verdict in verdicts:
-        by_module[verdict.path] = by_module.get(verdict.path, True) and verdict.cached
-    running = [path for path, cached in by_module.items() if not cached]
-    return frozenset(
-        path
-        for path, cached in by_module.items()
-        if cached and not any(other.startswith(path + ".") for other in running)
-    )
 
 
 @contextlib.contextmanager

@@ -28,9 +28,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from graphsplit.planning.rules.random_draws import (
-    generator_state,
-    restore_generator,
-    seed_generator,
+    own_generator_state,
+    restore_own_generator,
+    seed_own_generator,
 )
 
 
@@ -106,7 +106,7 @@ class OwnGenerators(TorchFunctionMode):
                 if id(value) not in self.first:
                     # The innermost block sees a call first: the outer ones (a seeded verify
                     # around a forked stage 1) must keep and seed the state before it does.
-                    for watch in (*_WATCHING, self) if self not in _WATCHING else _WATCHING:
+                    for watch in _WATCHING:  # this one included: forked() pushed it
                         watch.see(value)
         return func(*args, **kwargs)
 
@@ -115,7 +115,7 @@ class OwnGenerators(TorchFunctionMode):
             KNOWN.add(generator)
             self.first[id(generator)] = (generator, generator.get_state())
             if self.seed is not None:
-                generator.manual_seed(self.seed * 1_000_003 + len(self.first))
+                generator.manual_seed(_derived_seed(self.seed, len(self.first)))
 
     def restore(self) -> None:
         for generator, state in self.first.values():
@@ -157,15 +157,15 @@ def forked(seed: int | None = None, *, watch: bool = True) -> Iterator[None]:
 @contextlib.contextmanager
 def _python_generators_forked(seed: int | None) -> Iterator[None]:
     """Give :data:`PYTHON_KNOWN` back their states; with ``seed``, seed them from it first."""
-    saved = [(generator, generator_state(generator)) for generator in PYTHON_KNOWN.values()]
+    saved = [(generator, own_generator_state(generator)) for generator in PYTHON_KNOWN.values()]
     if seed is not None:
-        for index, (generator, _) in enumerate(saved):
-            seed_generator(generator, seed * 1_000_003 + 500_000 + index)
+        for index, (generator, _) in enumerate(saved, start=500_000):
+            seed_own_generator(generator, _derived_seed(seed, index))
     try:
         yield
     finally:
         for generator, state in saved:
-            restore_generator(generator, state)
+            restore_own_generator(generator, state)
 
 
 @contextlib.contextmanager
@@ -173,30 +173,31 @@ def _forked(seed: int | None, watch: bool) -> Iterator[None]:
     numpy_state = np.random.get_state()
     python_state = random.getstate()
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    if not watch:
+    own = OwnGenerators(seed) if watch else None
+    if own is None:
         for generator in list(KNOWN):  # an outer watch (a seeded verify) keeps and seeds first
             for outer in _WATCHING:
                 outer.see(generator)
         known = [(generator, generator.get_state()) for generator in list(KNOWN)]
-        with torch.random.fork_rng(devices=devices):
-            try:
-                yield
-            finally:
-                for generator, state in known:
-                    generator.set_state(state)
-                np.random.set_state(numpy_state)
-                random.setstate(python_state)
-        return
-    own = OwnGenerators(seed)
-    _WATCHING.append(own)
-    with torch.random.fork_rng(devices=devices), own:
+    else:
+        _WATCHING.append(own)
+    with torch.random.fork_rng(devices=devices), own or contextlib.nullcontext():
         try:
             yield
         finally:
-            _WATCHING.pop()
-            own.restore()
+            if own is None:
+                for generator, state in known:
+                    generator.set_state(state)
+            else:
+                _WATCHING.pop()
+                own.restore()
             np.random.set_state(numpy_state)
             random.setstate(python_state)
+
+
+def _derived_seed(seed: int, index: int) -> int:
+    """The seed of the ``index``-th of the step's own generators in a block seeded ``seed``."""
+    return seed * 1_000_003 + index
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ class CallInputs:
         if self.spec != other.spec or len(self.leaves) != len(other.leaves):
             return "the arguments' structure differs"
         for index, (a, b) in enumerate(zip(self.leaves, other.leaves)):
-            if not _same(a, b):
+            if not same_value(a, b):
                 return f"argument leaf {index} differs"
         return None
 
@@ -49,7 +49,10 @@ def carries_grad(tensors: list[torch.Tensor]) -> bool:
     return any(t.requires_grad or t.grad_fn is not None for t in tensors)
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_value(a: Any, b: Any) -> bool:
+    """Whether two values are the same: tensors bit for bit with their shape, dtype and device,
+    other values of one type by ``==``; never raises (an array's elementwise ``==``, an object
+    without one: the same only if it is the same object)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
             isinstance(a, torch.Tensor)

@@ -43,6 +43,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from graphsplit.calls.module_calls import CallId
+from graphsplit.calls.provenance import same_value
 from graphsplit.calls.verdicts import CallVerdict, Verdict
 
 Rows = slice | tuple[int, ...]
@@ -94,21 +95,7 @@ def _same(a: Any, b: Any) -> bool:
     right, right_spec = pytree.tree_flatten(b)
     if left_spec != right_spec:
         return False
-    for x, y in zip(left, right):
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            same_kind = isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
-            if not (same_kind and x.shape == y.shape and torch.equal(x, y)):
-                return False
-        elif x is not y and not _equal(x, y):
-            return False
-    return True
-
-
-def _equal(x: Any, y: Any) -> bool:
-    try:
-        return type(x) is type(y) and bool(x == y)
-    except Exception:  # an array's elementwise ==: not shown equal
-        return False
+    return all(x is y or same_value(x, y) for x, y in zip(left, right))
 
 
 @dataclass

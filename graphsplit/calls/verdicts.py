@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -66,3 +67,16 @@ class CallVerdict:
     def line(self) -> str:
         reason = self.verdict.why + (f" ({self.detail})" if self.detail else "")
         return f"  {self.path} call {self.index}: {reason}"
+
+
+def every_call_cached(verdicts: Iterable[CallVerdict]) -> frozenset[str]:
+    """Modules all of whose calls are cached, unless a module inside one runs in stage 2."""
+    by_module: dict[str, bool] = {}
+    for verdict in verdicts:
+        by_module[verdict.path] = by_module.get(verdict.path, True) and verdict.cached
+    running = [path for path, cached in by_module.items() if not cached]
+    return frozenset(
+        path
+        for path, cached in by_module.items()
+        if cached and not any(other.startswith(path + ".") for other in running)
+    )

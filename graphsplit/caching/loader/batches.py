@@ -52,7 +52,7 @@ class BatchSource:
 
     num_samples: int | None = None
     num_batches: int | None = None
-    random_note: str = ""  # what :mod:`.random_samples` found, when the dataset draws
+    random_fields: tuple[str, ...] = ()  # inputs :mod:`.random_samples` saw change between reads
 
     def batch_size(self) -> int | None:
         raise NotImplementedError

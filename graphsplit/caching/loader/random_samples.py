@@ -19,12 +19,12 @@ Iterable datasets cannot read a sample twice and are not checked.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
-
-from graphsplit.calls.generators import RandomState, numpy_equal, seeded, snapshot
+from graphsplit.calls.generators import RandomState, seeded, snapshot
+from graphsplit.calls.provenance import same_value
 
 
 def random_fields(source: Any) -> tuple[str, ...]:
@@ -57,11 +57,9 @@ reads half the time, between the first and each of seven others once in 128."""
 
 
 def _global_draws(before: RandomState, after: RandomState) -> bool:
-    return (before.torch_cpu, before.torch_cuda, before.python) != (
-        after.torch_cpu,
-        after.torch_cuda,
-        after.python,
-    ) or not numpy_equal(before.numpy, after.numpy)
+    """Whether torch's, numpy's or Python's global generator moved (not a generator of the
+    dataset's own, which ``own_draws`` counts)."""
+    return dataclasses.replace(after, own_draws=before.own_draws) != before
 
 
 def _differing(one: Any, other: Any, names: Sequence[str]) -> tuple[str, ...]:
@@ -70,22 +68,14 @@ def _differing(one: Any, other: Any, names: Sequence[str]) -> tuple[str, ...]:
     return tuple(
         name
         for name in names
-        if name in one and name in other and not _same(one[name], other[name])
+        if name in one and name in other and not same_value(one[name], other[name])
     )
 
 
-def _same(one: Any, other: Any) -> bool:
-    if isinstance(one, torch.Tensor) and isinstance(other, torch.Tensor):
-        return one.shape == other.shape and one.dtype == other.dtype and torch.equal(one, other)
-    try:
-        return bool(one == other)
-    except Exception:  # an array's elementwise ==, or a type without one: compare as text
-        return repr(one) == repr(other)
-
-
-def frozen_augmentation_text(fields: tuple[str, ...], first: Any) -> str:
-    """What the warning and a later refusal say about a dataset with random ``fields``."""
-    names = ", ".join(repr(name) for name in fields)
+def frozen_augmentation_text(source: Any) -> str:
+    """What the warning and a later refusal say about ``source``'s random fields."""
+    names = ", ".join(repr(name) for name in source.random_fields)
+    first = source.index_lists[0][0]
     return (
         f"the dataset draws random numbers: two reads of sample {first!r} gave other {names} "
         "(random crops or flips in the dataset?). The cache holds one draw per sample, and "

@@ -268,12 +268,11 @@ def cache(
 
 def _warn_about_random_datasets(source: BatchSource) -> None:
     """Say so when the dataset draws random numbers: the cache freezes one draw per sample."""
-    fields = random_fields(source)
-    if fields:
-        source.random_note = frozen_augmentation_text(fields, source.index_lists[0][0])
+    source.random_fields = random_fields(source)
+    if source.random_fields:
         warnings.warn(
             RandomDatasetWarning(
-                f"{source.random_note}. To train on new draws every epoch, keep the "
+                f"{frozen_augmentation_text(source)}. To train on new draws every epoch, keep the "
                 "augmentation out of the cached work (do it in the step after the frozen "
                 "calls, where that suits the model), or cache a deterministic dataset "
                 "(CenterCrop, no random flip); to accept one draw per sample, filter "

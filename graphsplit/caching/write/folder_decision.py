@@ -56,6 +56,7 @@ from graphsplit.caching.format.layout import (
     constants_records,
 )
 from graphsplit.caching.loader.batches import BatchSource, empty_loader_error
+from graphsplit.caching.loader.random_samples import frozen_augmentation_text
 from graphsplit.caching.loader.samples import SampleChanges, loader_samples, merge, record_samples
 from graphsplit.caching.store import file_writes, regular_files
 from graphsplit.caching.store.durability import restarted_since
@@ -182,27 +183,22 @@ def _complete_cache(
         (row for shard in manifest.shards for row in record_samples(shard)),
         (row for shard in sorted(now) for row in now[shard]),
     )
-    if not changes.empty and source.random_note:
-        raise user_error(
-            StaleCacheError,
-            f"the cache at {folder} was made from other data than the loader yields now: "
-            f"{changes}; {source.random_note}, so its inputs differ on every read and a "
-            "finished cache cannot be checked against them.",
-            fix=Fix(
-                "train from the finished cache without calling cache() again "
-                "(graphsplit.CachedDataset(path, split)), or pass {remedy} to draw new ones",
-                Remedy.OVERWRITE,
-            ),
-        )
     if not changes.empty:
+        why, fix = ".", "pass {remedy} to rebuild it, or choose another path"
+        if source.random_fields:  # a dataset that augments at random differs on every read
+            why = (
+                f"; {frozen_augmentation_text(source)}, so its inputs differ on every read and "
+                "a finished cache cannot be checked against them."
+            )
+            fix = (
+                "train from the finished cache without calling cache() again "
+                "(graphsplit.CachedDataset(path, split)), or pass {remedy} to draw new ones"
+            )
         raise user_error(
             StaleCacheError,
             f"the cache at {folder} was made from other data than the loader yields now: "
-            f"{changes}.",
-            fix=Fix(
-                "pass {remedy} to rebuild it, or choose another path",
-                Remedy.OVERWRITE,
-            ),
+            f"{changes}{why}",
+            fix=Fix(fix, Remedy.OVERWRITE),
         )
     remove_progress(folder)  # left over if a run stopped right after writing the manifest
     return manifest

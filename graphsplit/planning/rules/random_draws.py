@@ -174,7 +174,7 @@ def _generator_kinds() -> tuple[type, ...]:
     return (random.Random, *extra)
 
 
-def generator_state(generator: Any) -> Any:
+def own_generator_state(generator: Any) -> Any:
     """The state of one of :func:`own_generators`' objects."""
     if isinstance(generator, random.Random):
         return generator.getstate()
@@ -183,8 +183,8 @@ def generator_state(generator: Any) -> Any:
     return generator.get_state()
 
 
-def restore_generator(generator: Any, state: Any) -> None:
-    """Give one of :func:`own_generators`' objects back a state of :func:`generator_state`."""
+def restore_own_generator(generator: Any, state: Any) -> None:
+    """Give one of :func:`own_generators`' objects back a state of :func:`own_generator_state`."""
     if isinstance(generator, random.Random):
         generator.setstate(state)
     elif hasattr(generator, "bit_generator"):
@@ -193,7 +193,7 @@ def restore_generator(generator: Any, state: Any) -> None:
         generator.set_state(state)
 
 
-def seed_generator(generator: Any, seed: int) -> None:
+def seed_own_generator(generator: Any, seed: int) -> None:
     """Seed one of :func:`own_generators`' objects."""
     if hasattr(generator, "bit_generator"):
         generator.bit_generator.state = type(generator.bit_generator)(seed).state
@@ -219,11 +219,11 @@ def refuse_own_draws(model: Any, run: Callable[[], Any]) -> Any:
         return run()
 
     def states() -> dict[str, Any]:
-        return {name: generator_state(generator) for name, generator in own.items()}
+        return {name: own_generator_state(generator) for name, generator in own.items()}
 
     def restore(saved: dict[str, Any]) -> None:
         for name, state in saved.items():
-            restore_generator(own[name], state)
+            restore_own_generator(own[name], state)
 
     before = states()
     try:
@@ -231,7 +231,7 @@ def refuse_own_draws(model: Any, run: Callable[[], Any]) -> Any:
     finally:
         after = states()
         restore(before)
-    moved = [name for name in own if not _same(before[name], after[name])]
+    moved = _moved_names(before, after)
     if not moved:
         return result
     location = locate_random_draw(run, snapshot=states, changed=_moved_names)
