@@ -26,7 +26,10 @@ thread, beside the tiny one's 1.1 ms). On KD the hand step reads the very tensor
 path's stage 2 reads (its cached batch's inputs and ``teacher__0__logits``), and a fourth
 variant, "free call", runs the user's step with the teacher's call answered by an output built
 beforehand: the floor of any stage 2 that keeps the user's code (its teacher call, its
-``no_grad`` block, the step module's own call). ``--size`` picks the zoo size of sd and kd.
+``no_grad`` block, the step module's own call), and a fifth, "user's module by hand", is the
+user's ``KDStep`` module itself with the teacher's call (and its ``no_grad`` block) removed by
+hand, the logits passed in: issue 27's "the user's step with the frozen calls removed by hand"
+read literally, beside the plain-function hand step. ``--size`` picks the zoo size of sd and kd.
 
     python -m benchmarks.bench_calls_overhead --help
 """
@@ -73,6 +76,7 @@ class Case:
     by_hand: Callable[[Batch, dict[str, Any]], Any]
     from_cache: Callable[[Batch], tuple[Batch, dict[str, Any]]] | None = None
     free_call: Callable[[Batch, dict[str, Any]], Callable[[], Any]] | None = None
+    module_by_hand: Callable[[Batch, dict[str, Any]], Callable[[], Any]] | None = None
 
 
 # -- SD-1.5 LoRA ------------------------------------------------------------------------------
@@ -147,8 +151,26 @@ def _kd_step(hidden: int) -> Any:
             )
             return distillation_loss(student, teacher_logits)
 
+    class KDStepByHand(nn.Module):
+        """``KDStep`` with the teacher's call removed by hand, as its user would edit it: the
+        ``no_grad`` block and the call go, the logits come in as an argument."""
+
+        def __init__(self, student: nn.Module) -> None:
+            super().__init__()
+            self.student = student
+
+        def forward(
+            self, input_ids: Any, attention_mask: Any, labels: Any, teacher_logits: Any
+        ) -> Any:
+            student = self.student(
+                input_ids=input_ids, attention_mask=attention_mask, labels=labels
+            )
+            return distillation_loss(student, teacher_logits)
+
     step = KDStep()
     step.distillation_loss = distillation_loss  # the by-hand step shares the loss
+    # Not a submodule of the step: it shares the student and must not be split with it.
+    object.__setattr__(step, "by_hand_module", KDStepByHand(step.student))
     return step
 
 
@@ -203,7 +225,12 @@ def _kd(size: str, count: int, hidden: int | None = None) -> Case:
 
         return run
 
-    return Case(step, batches, frozen, by_hand, from_cache, free_call)
+    def module_by_hand(batch: Batch, cached: dict[str, Any]) -> Callable[[], Any]:
+        module = step.by_hand_module
+        logits = cached["teacher_logits"]
+        return lambda: module(**batch, teacher_logits=logits)
+
+    return Case(step, batches, frozen, by_hand, from_cache, free_call, module_by_hand)
 
 
 def _kd_wide(size: str, count: int) -> Case:
@@ -280,6 +307,8 @@ def measure(case_name: str, size: str, rounds: int, batches: int) -> dict[str, A
         }
         if case.free_call is not None:
             variants["free call"] = case.free_call(hand_batch, frozen)
+        if case.module_by_hand is not None:
+            variants["user's module by hand"] = case.module_by_hand(hand_batch, frozen)
         # The same seed and the same cached values: the losses must agree before timing.
         losses = {}
         for name, variant in variants.items():
@@ -337,6 +366,11 @@ def measure(case_name: str, size: str, rounds: int, batches: int) -> dict[str, A
             clock: stage2.ratio("calls stage 2", "free call", clock).to_json()
             for clock in ("wall", "cpu")
         }
+    if case.module_by_hand is not None:
+        result["calls_over_module_by_hand"] = {
+            clock: stage2.ratio("calls stage 2", "user's module by hand", clock).to_json()
+            for clock in ("wall", "cpu")
+        }
     return result
 
 
@@ -349,6 +383,8 @@ def to_markdown(results: list[dict[str, Any]]) -> str:
         "traced stage 2 / by hand (CPU)",
         "free call / by hand (CPU)",
         "calls stage 2 / free call (CPU)",
+        "calls stage 2 / user's module by hand (CPU)",
+        "calls stage 2 / user's module by hand (wall)",
         "stage 1 calls / traced (CPU)",
         "stage 1 calls / traced (wall)",
         "bytes/sample calls",
@@ -363,6 +399,12 @@ def to_markdown(results: list[dict[str, Any]]) -> str:
             ratio_text(r["traced_over_hand"]["cpu"]),
             ratio_text(r["free_call_over_hand"]["cpu"]) if "free_call_over_hand" in r else "-",
             ratio_text(r["calls_over_free_call"]["cpu"]) if "calls_over_free_call" in r else "-",
+            *(
+                ratio_text(r["calls_over_module_by_hand"][clock])
+                if "calls_over_module_by_hand" in r
+                else "-"
+                for clock in ("cpu", "wall")
+            ),
             ratio_text(r["stage1_calls_over_traced"]["cpu"]),
             ratio_text(r["stage1_calls_over_traced"]["wall"]),
             f"{r['bytes_per_sample']['calls']:,.0f}",
@@ -370,7 +412,7 @@ def to_markdown(results: list[dict[str, Any]]) -> str:
         ]
         for r in results
     ]
-    return markdown_table(header, rows, "lrrrrrrrrrr")
+    return markdown_table(header, rows, "l" + "r" * (len(header) - 1))
 
 
 def main(argv: list[str] | None = None) -> int:

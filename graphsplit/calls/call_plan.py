@@ -9,8 +9,11 @@ a list of strings, one a sample (captions the step tokenizes), crosses as their 
 (each plus one, zero-padded to the batch's longest: ``[B, longest]`` int32) and comes back as
 the same strings (a list named ``key``, the batch's sample keys, crosses as ``key__text``: a
 cached item's own ``"key"`` is its sample key); a tuple or list of such batched items (a
-webdataset's ``(image, text)``) crosses item by item (``batch__0``, ``batch__1``); any other
-value (a string, a flag) is a constant of the plan, checked equal on every batch.
+webdataset's ``(image, text)``) crosses item by item (``batch__0``, ``batch__1``); in a raw
+sample (:mod:`graphsplit.planning.step.raw_samples`: DiffSynth's ``{"video": [PIL.Image, ...],
+"prompt": str}``, one sample a batch) its images cross as their pixels (``images``) and a lone
+string as its code points (``text``, ``[1, longest]``); any other value (a string, a flag) is a
+constant of the plan, checked equal on every batch.
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ from graphsplit.calls.outputs import Structure, holds_constant, tensors_of
 from graphsplit.calls.provenance import same_value
 from graphsplit.calls.verdicts import CallVerdict
 from graphsplit.errors import Fix, SplitError, user_error
+from graphsplit.planning.step.raw_samples import (
+    decode_images,
+    encode_images,
+    holds_images,
+    image_mode,
+    is_image,
+)
 
 NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
 
@@ -37,8 +47,9 @@ NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
 class InputSpec:
     """One parameter of the step: ``kind`` is ``"tensor"``, ``"numbers"``, ``"strings"``,
     ``"tensors"`` (a dict of batched tensors, SDXL's ``added_cond_kwargs``: each crosses as
-    ``name__key``), ``"items"`` (a tuple of batched items, each its own spec in ``value``) or
-    ``"constant"``."""
+    ``name__key``), ``"items"`` (a tuple of batched items, each its own spec in ``value``),
+    a raw sample's ``"images"`` (``value``: their mode; ``container``: list, tuple or None for
+    one image) and ``"text"`` (one string), or ``"constant"``."""
 
     name: str
     kind: str
@@ -52,6 +63,10 @@ class InputSpec:
             return torch.tensor(list(value), dtype=NUMBER_DTYPES[self.element or int])
         if self.kind == "strings":
             return _code_points(value)
+        if self.kind == "images":
+            return encode_images(self.name, value, self.value)
+        if self.kind == "text":
+            return _code_points([self._text(value)])
         if self.kind == "constant" and not same_value(value, self.value):
             raise user_error(
                 SplitError,
@@ -112,20 +127,54 @@ class InputSpec:
         if self.kind == "strings":
             texts = ["".join(map(chr, (row[row > 0] - 1).tolist())) for row in value]
             return texts if self.container is list else tuple(texts)
+        if self.kind == "images":
+            return decode_images(self.name, value, self.value, self.container)
+        if self.kind == "text":
+            return self.decode_text(value)
         if self.kind == "constant":
             return self.value
         return value
+
+    def _text(self, value: Any) -> str:
+        if not isinstance(value, str):
+            raise user_error(
+                SplitError,
+                f"the sample's {self.name!r} is a {type(value).__name__} in this batch; the "
+                "plan was made with a string there.",
+                fix=Fix("give every sample the same fields of the same types"),
+            )
+        return value
+
+    def decode_text(self, value: torch.Tensor) -> str:
+        if value.dim() != 2 or value.shape[0] != 1:
+            raise user_error(
+                SplitError,
+                f"the step takes one raw sample per batch (its example was a dataset item as it "
+                f"is, with the string {self.name!r}), and this batch holds "
+                f"{int(value.shape[0]) if value.dim() else 0}.",
+                fix=Fix("read the cache one sample per batch: DataLoader(dataset, batch_size=1)"),
+            )
+        row = value[0]
+        return "".join(map(chr, (row[row > 0] - 1).tolist()))
 
 
 def _batched(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() >= 1
 
 
-def input_spec(name: str, value: Any, batch_size: int | None = None) -> InputSpec:
+def input_spec(
+    name: str, value: Any, batch_size: int | None = None, *, raw: bool = False
+) -> InputSpec:
     """How the input ``name`` crosses, from its example value (``batch_size``: the example's,
-    which a tuple's items must all have to cross item by item)."""
+    which a tuple's items must all have to cross item by item; ``raw``: the example is one raw
+    sample, whose images and strings are the sample's own)."""
     if isinstance(value, torch.Tensor):
         return InputSpec(name, "tensor")
+    if raw and holds_images(value):
+        container = None if is_image(value) else type(value)
+        return InputSpec(name, "images", container, value=image_mode(name, value))
+    if raw and isinstance(value, str):
+        return InputSpec(name, "text", str)
     if type(value) is dict and value and all(_batched(item) for item in value.values()):
         return InputSpec(name, "tensors", dict, value=tuple(value))
     if type(value) in (list, tuple) and value and _items_batched(value, batch_size):
@@ -282,8 +331,20 @@ class CallPlan:
         return None
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The step's inputs by name, for a batch given as the step takes it."""
-        return dict(self.signature.bind(*args, **kwargs).arguments)
+        """The step's inputs by name, for a batch given as the step takes them."""
+        try:
+            return dict(self.signature.bind(*args, **kwargs).arguments)
+        except TypeError as error:
+            names = ", ".join(self.signature.parameters)
+            raise user_error(
+                SplitError,
+                f"stage 1 takes the step's inputs ({names}) and was given "
+                f"{len(args)} positional and {sorted(kwargs)} keyword values: {error}.",
+                fix=Fix(
+                    "pass the batch as the split names its inputs: a dict batch's fields are "
+                    "the inputs, split.stage1(**batch)"
+                ),
+            ) from None
 
     def call_arguments(self, values: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``(args, kwargs)`` to call the step with its inputs by name."""

@@ -44,6 +44,7 @@ from graphsplit.errors import Fix, GraphsplitError, SplitError, user_error
 from graphsplit.planning.rules.random_draws import own_generators
 from graphsplit.planning.step.callables import as_step_module
 from graphsplit.planning.step.frozen import FrozenSpec, resolve_frozen
+from graphsplit.planning.step.raw_samples import is_raw_sample
 
 SEEDS = (0, 1)
 """The two seeds the step runs under to find inputs that depend on a draw."""
@@ -80,8 +81,9 @@ def split_calls(
             f"the example batch does not match the step: {error}.",
             fix=Fix("pass args/kwargs exactly as you would call the step"),
         ) from None
-    batch_size = _batch_size(values)
-    inputs = tuple(input_spec(name, value, batch_size) for name, value in values.items())
+    raw = is_raw_sample(values)  # one dataset item as it is: a batch of one sample
+    batch_size = 1 if raw else _batch_size(values)
+    inputs = tuple(input_spec(name, value, batch_size, raw=raw) for name, value in values.items())
     try:
         with _grad_flags(named, trainable):
             usages = [Usage(), Usage()]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import zlib
 
+import numpy
 import pytest
 import torch
 import xxhash
@@ -239,3 +240,21 @@ def _item(value, index):
     if isinstance(value, list):
         return value[index]
     return value
+
+
+def test_a_raw_samples_images_are_digested_by_their_pixels():
+    """DiffSynth's loader hands a sample's PIL frames as they are: two samples with the same
+    prompt and other frames must not share an input digest (a changed frame must be found)."""
+    image = pytest.importorskip("PIL.Image")
+    pixels = numpy.random.default_rng(0).integers(0, 256, (4, 4, 3), dtype=numpy.uint8)
+    changed = pixels.copy()
+    changed[0, 0, 0] ^= 1
+
+    def sample(array, mode="RGB"):
+        return {"video": [image.fromarray(array).convert(mode)], "prompt": "a cat"}
+
+    names = ["video", "prompt"]
+    digest = batch_input_digests(sample(pixels), names, 1)[0]
+    assert batch_input_digests(sample(pixels.copy()), names, 1)[0] == digest
+    assert batch_input_digests(sample(changed), names, 1)[0] != digest
+    assert batch_input_digests(sample(pixels, "RGBA"), names, 1)[0] != digest

@@ -10,15 +10,18 @@ tokenizer) and ``FlowMatchSFTLoss`` are DiffSynth 2.1.12's, tiny, random weights
 On the default path the whole-step trace refuses (the batch holds no tensor) and the
 module-level path splits it: the text encoder (whose output the prompt unit writes in place,
 ``prompt_emb[:, v:] = 0``) and both VAE encoder calls (which return ``feat_idx``, a list
-holding an int) are cached, and the split is exact. What is still missing is a cache of *many*
-samples: the step's one input, ``data``, holds PIL frames and a string, which the plan keeps as
-a constant of the example (nothing crosses the boundary for them), so another sample is refused.
+holding an int) are cached, and the split is exact. ``data`` is a raw sample
+(:mod:`graphsplit.planning.step.raw_samples`): its frames cross the boundary as their pixels and
+its prompt as its code points, so one plan serves every sample, ``graphsplit.cache`` takes
+DiffSynth's own loader as it is, and training from the cache (one sample a batch, as DiffSynth
+trains) is the unsplit step's, loss and every gradient bit for bit.
 """
 
 from __future__ import annotations
 
 import sys
 
+import numpy
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -37,7 +40,7 @@ from examples.diffsynth.real_data import (
     write_tiny_tokenizer,
 )
 from graphsplit.calls import Verdict
-from graphsplit.errors import CacheError
+from tests.conformance.unseen2_data_checks import assert_same_step
 
 pytestmark = pytest.mark.slow  # the split itself takes ~10 s on a shared CPU
 
@@ -104,26 +107,57 @@ def test_each_other_prompt_split_on_its_own_is_exact(wan, seed):
     assert all(c.ok and c.max_abs_diff == 0 for c in graphsplit.verify(step, split, (data,)))
 
 
-def test_another_sample_is_refused_naming_the_input_the_plan_keeps_as_a_constant(wan):
+def test_another_sample_crosses_the_boundary_and_trains_exactly(wan):
+    step, _, split = wan
+    data = wan_sample(1)  # another prompt (another length), other frames
+    cached = split.stage1(**data)
+    assert cached["prompt"].shape == (1, len(data["prompt"]))
+    frames = numpy.stack([numpy.asarray(frame) for frame in data["video"]])
+    assert torch.equal(cached["video"][0], torch.from_numpy(frames))
+    trainable = [p for p in step.parameters() if p.requires_grad]
+    assert_same_step(lambda: step(data), lambda: split.stage2(**cached), trainable, seed=3)
+
+
+def test_a_palette_image_is_refused_naming_the_field_and_the_conversion(wan):
     _, _, split = wan
+    data = wan_sample(1)
+    data["video"] = [frame.convert("P") for frame in data["video"]]
     with pytest.raises(graphsplit.SplitError) as caught:
-        split.stage1(wan_sample(1))
+        split.stage1(**data)
     message = str(caught.value)
-    assert "the step's input 'data' is {'video': [<PIL.Image.Image" in message
-    assert "(a non-tensor input is a constant of it)" in message
-    assert "fix:" in message
+    assert "the sample's 'video' holds images of mode ['P']" in message
+    assert "image.convert('RGB') for 'video'" in message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=CacheError,
-    reason="cache() spreads the loader's dict into fields though the step takes it whole "
-    "(forward(data)), and PIL frames / prompt strings cannot cross the boundary per sample",
-)
-def test_cache_over_diffsynths_loader_of_three_prompts(wan, tmp_path):
+def test_cache_over_diffsynths_loader_trains_each_sample_exactly(wan, tmp_path):
+    step, _, split = wan
+    samples = [wan_sample(seed) for seed in range(3)]
+    loader = DataLoader(UnifiedLikeDataset(samples), collate_fn=lambda x: x[0])
+    graphsplit.cache(split, loader, tmp_path / "cache", progress=False)
+    cached = graphsplit.CachedDataset(tmp_path / "cache", split)
+    assert [cached[row]["key"] for row in range(len(cached))] == ["0", "1", "2"]
+    trainable = [p for p in step.parameters() if p.requires_grad]
+    rows = DataLoader(cached, batch_size=1, collate_fn=graphsplit.collate)
+    for seed, (sample, batch) in enumerate(zip(samples, rows, strict=True)):
+        assert_same_step(
+            lambda sample=sample: step(sample),
+            lambda batch=batch: split.stage2(**batch),
+            trainable,
+            seed,
+        )
+
+
+def test_two_samples_a_batch_are_refused_naming_the_fix(wan, tmp_path):
     _, _, split = wan
     loader = DataLoader(
-        UnifiedLikeDataset([wan_sample(seed) for seed in range(3)]), collate_fn=lambda x: x[0]
+        UnifiedLikeDataset([wan_sample(seed) for seed in range(2)]), collate_fn=lambda x: x[0]
     )
-    graphsplit.cache(split, loader, tmp_path / "cache")
-    assert len(graphsplit.CachedDataset(tmp_path / "cache")) == 3
+    graphsplit.cache(split, loader, tmp_path / "cache", progress=False)
+    cached = graphsplit.CachedDataset(tmp_path / "cache", split)
+    batch = graphsplit.collate([cached[0], cached[0]])
+    with pytest.raises(graphsplit.SplitError) as caught:
+        split.stage2(**batch)
+    message = str(caught.value)
+    assert "the step takes one raw sample per batch" in message
+    assert "this batch holds 2" in message
+    assert "DataLoader(dataset, batch_size=1)" in message

@@ -7,8 +7,9 @@ Glossary:
     row: sample ``index`` of a value ``default_collate`` batched ``size`` samples into (a
         tensor's slice along dim 0; a mapping's or a list's rows, field by field).
     value bytes: what the digest is fed per value: a tag (``T`` tensor, ``M`` mapping, ``L``
-        list, ``V`` plain value, ``O`` other object, by type alone) then its content; a tensor
-        as :func:`~graphsplit.caching.format.fingerprint.update_with_tensor` feeds it.
+        list, ``V`` plain value, ``I`` PIL image, ``O`` other object, by type alone) then its
+        content; a tensor as :func:`~graphsplit.caching.format.fingerprint.update_with_tensor`
+        feeds it, an image its mode, size and pixels (a raw sample's frames, DiffSynth's data).
 
 In and out::
 
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 
 from graphsplit.caching.format.fingerprint import update_with_tensor
+from graphsplit.planning.step.raw_samples import is_image
 
 __all__ = ["batch_input_digests", "item_input_digest"]
 
@@ -109,6 +111,9 @@ def _update_with_value(digest: Any, value: Any) -> None:
             _update_with_value(digest, item)
     elif isinstance(value, (str, int, float, bool, bytes)) or value is None:
         digest.update(f"V{value!r}".encode())
+    elif is_image(value):
+        digest.update(f"I{value.mode}{value.size}|".encode())
+        digest.update(value.tobytes())
     else:  # an object without a stable byte form: only its type takes part
         digest.update(f"O{type(value).__qualname__}".encode())
     digest.update(b";")

@@ -65,6 +65,7 @@ from torch import nn
 from graphsplit.errors import Fix, SplitError, user_error
 from graphsplit.planning.rules.user_lines import frame_location_of
 from graphsplit.planning.step.compiled_steps import refuse_compiled_step
+from graphsplit.planning.step.raw_samples import is_raw_sample
 from graphsplit.planning.step.reached_objects import Reached, reach_code, usable_name
 
 STEP_SHAPE_FIX = Fix(
@@ -94,7 +95,8 @@ class FunctionStep(nn.Module):
 
 
 def _takes_a_dict_batch(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether ``module(*args, **kwargs)`` passes a dict holding tensors to ``forward``."""
+    """Whether ``module(*args, **kwargs)`` passes a dict holding tensors (or a raw sample)
+    to ``forward``."""
     try:
         bound = inspect.signature(module.forward).bind(
             *(args if isinstance(args, tuple) else (args,)), **kwargs
@@ -102,7 +104,8 @@ def _takes_a_dict_batch(module: nn.Module, args: Any, kwargs: dict[str, Any]) ->
     except TypeError:
         return False  # bind_examples names the mismatch
     return any(
-        isinstance(value, dict) and any(isinstance(v, torch.Tensor) for v in value.values())
+        isinstance(value, dict)
+        and (any(isinstance(v, torch.Tensor) for v in value.values()) or is_raw_sample(value))
         for value in bound.arguments.values()
     )
 
@@ -184,13 +187,16 @@ def _spread_dicts(
 
     The step module takes such a dict's fields as parameters of their own and rebuilds the
     dict, so the batch a ``DataLoader`` yields is what ``stage1(**batch)`` takes, and the
-    batch dimension of each field is seen. A plain dict holding a tensor is spread; its keys
+    batch dimension of each field is seen. A plain dict holding a tensor is spread, and so is
+    a raw sample (:mod:`.raw_samples`: PIL images and strings, DiffSynth's ``data``); its keys
     must be identifiers that no other parameter uses.
     """
     taken = set(signature.parameters)
     spread: dict[str, tuple[str, ...]] = {}
     for name, value in arguments.items():
-        if type(value) is not dict or not any(isinstance(v, torch.Tensor) for v in value.values()):
+        if type(value) is not dict or not (
+            any(isinstance(v, torch.Tensor) for v in value.values()) or is_raw_sample(value)
+        ):
             continue
         keys = tuple(value)
         bad = [
