@@ -69,3 +69,21 @@ def test_the_auto_path_takes_the_module_level_path_which_computes_it_live():
         step.head.weight.add_(0.5)
     expected = step(*_batch(seed=1))
     assert torch.equal(split.stage2(**boundary), expected)
+
+
+class UnreadPenalty(L2RegularisedHead):
+    """The same penalty put in a metric the loss does not read: a traced node reads the
+    constant, and nothing the output depends on reads that node."""
+
+    def forward(self, x, y):
+        loss = F.mse_loss(self.head(self.encoder(x)), y)
+        penalty = sum(p.pow(2).sum() for p in self.head.parameters())
+        self.logged = loss.detach() + penalty  # a metric, never returned
+        return loss
+
+
+def test_a_penalty_only_dead_code_reads_is_left_alone():
+    torch.manual_seed(0)
+    split = split_and_verify(UnreadPenalty(), _batch(), path="trace")
+    assert split.path == "trace"
+    assert any(n.op == "get_attr" and "constant" in str(n.target) for n in split.graph.nodes)

@@ -34,10 +34,12 @@ def refuse_weight_constants(graph: fx.Graph, constants: dict[str, Any]) -> None:
     """Raise ``TraceError`` if a traced constant that some node reads was computed from weights.
 
     Under the analysis view every weight is ``meta``: a ``meta`` constant can only have been
-    computed from one (tensors of helper objects keep their real values in ``constants``).
+    computed from one (tensors of helper objects keep their real values in ``constants``). A
+    constant only dead code reads (a metric the loss never uses) runs in neither stage: left.
     """
+    live = _live_nodes(graph)
     for node in graph.nodes:
-        if node.op != "get_attr" or not node.users:
+        if node.op != "get_attr" or node not in live:
             continue
         value = constants.get(node.target)
         if not isinstance(value, torch.Tensor) or value.device.type != "meta":
@@ -62,3 +64,15 @@ def refuse_weight_constants(graph: fx.Graph, constants: dict[str, Any]) -> None:
                 "AdaLoraConfig(orth_reg_weight=0.0) drops the term"
             ),
         )
+
+
+def _live_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """The nodes the graph's output depends on."""
+    live: set[fx.Node] = set()
+    pending = [node for node in graph.nodes if node.op == "output"]
+    while pending:
+        node = pending.pop()
+        if node not in live:
+            live.add(node)
+            pending.extend(node.all_input_nodes)
+    return live
