@@ -4,8 +4,9 @@
 Llama policy and a frozen ``ref_model`` (``precompute_ref_log_probs=False``), the fused LM head
 TRL patches onto both (``add_fused_lm_head``), copied line for line less the metrics it logs:
 ``loss_type`` in ``sigmoid``, ``hinge``, ``ipo``, ``robust`` (label smoothing 0.1),
-``exo_pair`` (label smoothing 1e-3), ``bco_pair``, ``apo_zero``, ``apo_down``, ``aot``
-(sorts across the batch), ``discopop``, ``sigmoid_norm``; RPO, which trl 1.16 spells
+``exo_pair`` (label smoothing 1e-3), ``bco_pair``, ``nca_pair``, ``sppo_hard``, ``apo_zero``,
+``apo_down``, ``aot`` and ``aot_unpaired`` (sort across the batch), ``discopop``,
+``sigmoid_norm``; RPO, which trl 1.16 spells
 ``loss_type=["sigmoid", "sft"]`` with ``loss_weights=[1.0, alpha]`` (the policy's NLL on
 the chosen completions: the ``rpo_alpha`` of earlier TRL); WPO's ``use_weighting=True`` (the
 policy's ``log_sum_sq_probs`` under ``no_grad``); LD-DPO's ``ld_alpha``; an f-divergence;
@@ -172,6 +173,15 @@ class DirectPreferenceOptimisation(nn.Module):
                 log_pl = torch.log(epsilon)
                 per_sequence_loss = qw * (log_qw - log_pw) + ql * (log_ql - log_pl)
 
+            elif loss_type == "nca_pair":
+                chosen_rewards = self.beta * chosen_logratios
+                rejected_rewards = self.beta * rejected_logratios
+                per_sequence_loss = (
+                    -F.logsigmoid(chosen_rewards)
+                    - 0.5 * F.logsigmoid(-chosen_rewards)
+                    - 0.5 * F.logsigmoid(-rejected_rewards)
+                )
+
             elif loss_type == "robust":
                 clean_loss_term = -(1 - self.label_smoothing) * F.logsigmoid(
                     self.beta * delta_score
@@ -186,12 +196,26 @@ class DirectPreferenceOptimisation(nn.Module):
                 rejected_rewards = self.beta * rejected_logratios
                 per_sequence_loss = -F.logsigmoid(chosen_rewards) - F.logsigmoid(-rejected_rewards)
 
+            elif loss_type == "sppo_hard":
+                winner_margin_error = (chosen_logratios - 0.5 / self.beta) ** 2
+                loser_margin_error = (rejected_logratios + 0.5 / self.beta) ** 2
+                per_sequence_loss = winner_margin_error + loser_margin_error
+
             elif loss_type == "aot":
                 logratios = chosen_logps - rejected_logps
                 ref_logratios = ref_chosen_logps - ref_rejected_logps
                 logratios_sorted, _ = torch.sort(logratios, dim=0)
                 ref_logratios_sorted, _ = torch.sort(ref_logratios, dim=0)
                 delta = logratios_sorted - ref_logratios_sorted
+                per_sequence_loss = (
+                    -F.logsigmoid(self.beta * delta) * (1 - self.label_smoothing)
+                    - F.logsigmoid(-self.beta * delta) * self.label_smoothing
+                )
+
+            elif loss_type == "aot_unpaired":
+                chosen_logratios_sorted, _ = torch.sort(chosen_logratios, dim=0)
+                rejected_logratios_sorted, _ = torch.sort(rejected_logratios, dim=0)
+                delta = chosen_logratios_sorted - rejected_logratios_sorted
                 per_sequence_loss = (
                     -F.logsigmoid(self.beta * delta) * (1 - self.label_smoothing)
                     - F.logsigmoid(-self.beta * delta) * self.label_smoothing
@@ -274,6 +298,9 @@ VARIANTS = {
     "apo_zero": {"loss_type": ["apo_zero"]},
     "apo_down": {"loss_type": ["apo_down"]},
     "aot": {"loss_type": ["aot"]},
+    "aot_unpaired": {"loss_type": ["aot_unpaired"], "label_smoothing": 0.1},
+    "nca_pair": {"loss_type": ["nca_pair"]},
+    "sppo_hard": {"loss_type": ["sppo_hard"]},
     "discopop": {"loss_type": ["discopop"]},
     "sigmoid_norm": {"loss_type": ["sigmoid_norm"]},
     "ld_dpo": {"loss_type": ["sigmoid"], "ld_alpha": 0.5},
@@ -371,3 +398,50 @@ def test_wpo_weighting_under_no_grad_takes_the_module_level_path(tmp_path):
     other = _preference_batch(3, seed=1)
     assert all(c.ok for c in graphsplit.verify(step, split, other, seed=2))
     assert_trains_from_its_cache(step, split, [batch, other], tmp_path / "cache")
+
+
+def test_a_lora_policy_beside_a_separate_reference_caches_both_frozen_parts(tmp_path):
+    """``DPOTrainer(model, ref_model=..., peft_config=...)``: the fused head patched onto the
+    base model, then LoRA; the separate reference stays a full frozen model. Stage 1 computes
+    the reference's row sums and the policy's frozen work below its first LoRA layer; no LoRA
+    layer runs there, and the policy's log-probs are never cached."""
+    peft = pytest.importorskip("peft")
+    step = DirectPreferenceOptimisation(["sigmoid"])
+    config = peft.LoraConfig(
+        task_type="CAUSAL_LM",
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        init_lora_weights="gaussian",
+    )
+    step.model = peft.get_peft_model(step.model, config)
+    generator = torch.Generator().manual_seed(5)
+    for name, param in step.model.named_parameters():
+        if "lora_B" in name:
+            param.data = torch.randn(param.shape, generator=generator) * 0.02
+    batch = _preference_batch(2)
+    split = split_and_verify(step, batch)
+    assert split.path == "trace"
+    rows = {k: s.shape for k, s in split.boundary.items() if s.dtype == torch.float32}
+    assert rows["model_base_model_model_model_embed_tokens"] == (4, 8, 32)
+    reference_sums = [k for k, shape in rows.items() if shape == (4,)]
+    assert len(reference_sums) == 1
+    assert split.boundary[reference_sums[0]].source.endswith(
+        f":{_line_of('ref_logps = ref_per_token_logps.sum(dim=1)  # sum over sequence length')}"
+    )
+    assert all("lora" not in name for name, _ in split.stage1.named_parameters())
+    held = {name for name, _ in split.stage2.named_modules()}
+    assert "model.base_model.model.model.layers.0.self_attn.q_proj.lora_A.default" in held
+    assert not any(name.startswith("ref_model") for name in held)
+    other = _preference_batch(3, seed=1)
+    assert all(c.ok for c in graphsplit.verify(step, split, other, seed=2))
+    assert_trains_from_its_cache(step, split, [batch, other], tmp_path / "cache")
+
+
+def _line_of(text: str) -> int:
+    """The line of this file that starts with ``text`` (once)."""
+    from pathlib import Path
+
+    lines = Path(__file__).read_text().splitlines()
+    (number,) = [n for n, line in enumerate(lines, 1) if line.strip().startswith(text)]
+    return number
