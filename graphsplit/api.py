@@ -36,6 +36,7 @@ from graphsplit.planning.step.callables import as_step_module
 from graphsplit.planning.step.example_inputs import bind_examples
 from graphsplit.planning.step.frozen import FrozenSpec, resolve_frozen
 from graphsplit.planning.tracing.rewrites import restore_devices
+from graphsplit.planning.tracing.weight_constants import refuse_weight_constants
 from graphsplit.report import plan_json, render_report
 from graphsplit.signatures.defaults import defaults_taken
 from graphsplit.signatures.dispatch import DEFAULT_MAX_PLANS, Plan, PlanSet
@@ -262,6 +263,7 @@ class _Planner:
         # 2. Trace and analyse (in rounds), then give the graph back the step's real device.
         with sharing(self.memos):
             traced = trace_and_analyze(model, examples, self.trainable)
+        refuse_weight_constants(traced.graph, traced.constants)  # computed from meta weights
         restore_devices(traced.graph, examples.device)
         # 3. Choose the boundary: the one place where that decision is taken.
         cut = choose_boundary(traced.graph, self.trainable, recompute=self.recompute, model=model)

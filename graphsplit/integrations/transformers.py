@@ -68,6 +68,7 @@ from graphsplit.caching import CachedDataset, CacheInfo, cache, collate
 from graphsplit.caching.format.fingerprint import fingerprint
 from graphsplit.caching.live import LiveCache
 from graphsplit.errors import CacheError, Fix, SplitError, user_error
+from graphsplit.integrations.trainer_accumulation import refuse_item_counted_accumulation
 from graphsplit.integrations.trainer_checks import (
     caching_loader,
     check_live,
@@ -224,7 +225,9 @@ def _split_and_cache(
 ) -> tuple[Split, CachedDataset, CacheInfo | None]:
     loss = TrainerLoss(trainer)
     loader = caching_loader(trainer, groups)
-    parts = split(loss, (_example(loader),))
+    example = _example(loader)
+    parts = split(loss, (example,))
+    refuse_item_counted_accumulation(trainer, example, parts.boundary, loss._compute_loss)
     accelerator = trainer.accelerator
     info = cache(
         parts,
@@ -259,7 +262,9 @@ def _split_live(
     states = generator_states()
     try:
         groups = trainer_padding_groups(trainer)
-        parts = split(TrainerLoss(trainer), (_example(caching_loader(trainer, groups)),))
+        loss, example = TrainerLoss(trainer), _example(caching_loader(trainer, groups))
+        parts = split(loss, (example,))
+        refuse_item_counted_accumulation(trainer, example, parts.boundary, loss._compute_loss)
     finally:
         set_generator_states(states)
     accelerator = trainer.accelerator

@@ -46,6 +46,7 @@ from graphsplit.planning.meta.op_recorder import OP_RECORD
 from graphsplit.planning.meta.probe_interpreter import NodeMode, ProbeInterpreter
 from graphsplit.planning.rules.baked_sizes import fixed_number
 from graphsplit.planning.rules.mixing import mixing_of
+from graphsplit.planning.rules.user_lines import describe, frame_location_of
 
 _NOTHING_RECORDED = OpRecord(ops=(), flops=0)
 
@@ -190,12 +191,20 @@ def _check_guards(
                 f"batch size {batch_sizes[0]} and {value!r} at batch size {batch_sizes[1]}, so "
                 "the traced step would only be valid for one batch size.",
                 node=guard.node,
-                source=guard.source,
+                source=_with_code(guard.source),
                 fix=Fix(
                     "use shapes inside tensor ops (x.view(x.shape[0], -1), torch.randn_like) "
-                    "instead of converting the batch size to a Python number or loop count"
+                    "instead of converting the batch size to a Python number or loop count; "
+                    "where that code is a library's, split with a one-sample example batch: "
+                    "the step is then planned one sample per batch (train with batches of one)"
                 ),
             )
+
+
+def _with_code(source: str) -> str:
+    """``file:line  code`` for a guard's ``file:line`` (the loop's text says which loop)."""
+    path, _, line = source.rpartition(":")
+    return describe(frame_location_of(path, int(line))) if line.isdigit() else source
 
 
 # -- facts -----------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from graphsplit.errors import Fix, TensorValueError, TraceError, user_error
+from graphsplit.planning.rules.user_lines import describe, frame_location_of, is_internal
 
 # What torch raises at an op that needs a tensor's value: the fake mode for an op whose result
 # is a value, or whose output shape depends on values; a shape environment (none in the
@@ -101,10 +102,11 @@ def meta_failure(node: fx.Node, exc: Exception) -> TraceError:
     """
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, VALUE_READ_FAILURES):
+        inner = "" if isinstance(exc, TensorMethodValueRead) else _innermost_user_line(exc)
         error = user_error(
             TensorValueError,
-            f"The step reads the value of a tensor ({message}); graphsplit decides the split "
-            "without real data, so values cannot steer the step.",
+            f"The step reads the value of a tensor ({message}){inner}; graphsplit decides the "
+            "split without real data, so values cannot steer the step.",
             node=node,
             fix=Fix(
                 "replace .item()/.tolist()/nonzero-style code with tensor ops (torch.where, "
@@ -123,3 +125,16 @@ def meta_failure(node: fx.Node, exc: Exception) -> TraceError:
             ".numpy()); if the failure is inside a library module, report it with this message"
         ),
     )
+
+
+def _innermost_user_line(exc: Exception) -> str:
+    """`` at file:line  code`` of the innermost frame of ``exc``'s traceback outside torch and
+    graphsplit: where a library called as one node (a whole peft model) read the value (its
+    ``if torch.rand(1) > module_dropout:``), below the step's line the node names; ``""`` when
+    the traceback has no such frame."""
+    found, tb = None, exc.__traceback__
+    while tb is not None:
+        if not is_internal(tb.tb_frame.f_code.co_filename):
+            found = (tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return "" if found is None else f" at {describe(frame_location_of(*found))}"
