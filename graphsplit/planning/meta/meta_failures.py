@@ -21,7 +21,7 @@ In: the op memo's value-reading ops; the exception of every node whose meta run 
 
     reads_values(func) -> bool
     run_value_reading_op(func, args, kwargs) -> Any   # a failure: one of VALUE_READ_FAILURES
-    meta_failure(node, exc) -> TraceError             # a TensorValueError for a value read
+    meta_failure(node, exc) -> TraceError   # a TensorValueError for a value read, naming its line
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from graphsplit.errors import Fix, TensorValueError, TraceError, user_error
+from graphsplit.planning.rules.user_lines import describe, frame_location_of, is_internal
 
 # What torch raises at an op that needs a tensor's value: the fake mode for an op whose result
 # is a value, or whose output shape depends on values; a shape environment (none in the
@@ -101,6 +102,9 @@ def meta_failure(node: fx.Node, exc: Exception) -> TraceError:
     """
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, VALUE_READ_FAILURES):
+        read_at = None if isinstance(exc, TensorMethodValueRead) else _innermost_line(exc)
+        if read_at is not None:  # an ATen op names no line: the code that ran it, below the node
+            message = f"{message}, at {read_at}"
         error = user_error(
             TensorValueError,
             f"The step reads the value of a tensor ({message}); graphsplit decides the split "
@@ -123,3 +127,15 @@ def meta_failure(node: fx.Node, exc: Exception) -> TraceError:
             ".numpy()); if the failure is inside a library module, report it with this message"
         ),
     )
+
+
+def _innermost_line(exc: Exception) -> str | None:
+    """``file:line  code`` of the innermost user or library frame under the failing op: where a
+    leaf module's own code read the value (``pixel_values[real_images_inds]`` inside a library's
+    model), which the node's line (the step's call of the module) does not show."""
+    found, traceback = None, exc.__traceback__
+    while traceback is not None:
+        if not is_internal(traceback.tb_frame.f_code.co_filename):
+            found = (traceback.tb_frame.f_code.co_filename, traceback.tb_lineno)
+        traceback = traceback.tb_next
+    return describe(frame_location_of(*found)) if found is not None else None
