@@ -44,6 +44,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop
 from graphsplit.artifacts import ExampleInputs, OpRecord
 from graphsplit.errors import (
     Fix,
+    GraphsplitError,
     OpaqueCallError,
     TensorValueError,
     TrainableSideError,
@@ -92,6 +93,9 @@ class ExampleRun:
     # Qualified name of each real frozen tensor, and those each opaque node's run read.
     real_names: dict[int, str] = field(default_factory=dict)
     reads: dict[fx.Node, set[str]] = field(default_factory=dict)
+    # The last call refused for mixing samples: its caller is tried next, and a refusal of the
+    # caller for reading a trainable parameter names it (the cause the user can act on).
+    mixing_callee: TensorValueError | None = None
 
     def __post_init__(self) -> None:
         for prefix, module in self.model.named_modules(remove_duplicate=False):
@@ -284,6 +288,7 @@ class ExampleRun:
         try:
             read = self.reads.setdefault(node, set())
             watch = WatchedRun(names, self.trainable, node, site, self.real_names, read)
+            watch.callee = self.mixing_callee
             with torch.no_grad(), watch:
                 yield
         finally:
@@ -344,7 +349,15 @@ class ExampleRun:
         whole_structure = pytree.tree_structure(self._value(node, None, site))
         per_sample = []
         for sample in range(batch):
-            value = self._value(node, sample, site)
+            try:
+                value = self._value(node, sample, site)
+            except GraphsplitError:
+                raise
+            except Exception as exc:  # packed inputs (Qwen2-VL's patches) cut by another input
+                first = (str(exc).strip().splitlines() or [""])[0]
+                raise self._mixes(
+                    node, site, f"it fails on one sample alone ({type(exc).__name__}: {first})"
+                ) from exc
             if pytree.tree_structure(value) != whole_structure:  # one item per sample, say
                 raise self._mixes(node, site, "its output is not structured as each sample's own")
             per_sample.append(pytree.tree_leaves(value))
@@ -362,7 +375,7 @@ class ExampleRun:
     def _mixes(self, node: fx.Node, site: OpaqueSite, what: str) -> TensorValueError:
         """A TensorValueError: the caller is tried next, it may restack per sample."""
         batch = example_batch_size(self.examples)
-        return user_error(
+        self.mixing_callee = user_error(
             TensorValueError,
             f"{site.label} reads tensor values and mixes the samples of a batch: run on the "
             f"whole example batch of {batch}, {what} (it pads to the batch's longest item, "
@@ -375,6 +388,7 @@ class ExampleRun:
                 "one sample per batch, as DiffSynth trains), or pad to a fixed length"
             ),
         )
+        return self.mixing_callee
 
 
 _MIXES = object()
