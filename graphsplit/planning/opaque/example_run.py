@@ -140,7 +140,8 @@ class ExampleRun:
         self._refuse_probe_sizes(node, site)
         flops = FlopCounterMode(display=False, custom_mapping=_MISSING_FORMULAS)
         full = self._value(node, None, site, flops)
-        outputs, _ = pytree.tree_flatten(full)
+        # None (a field the call left empty) carries no data: the structure check keeps it.
+        outputs = [leaf for leaf in pytree.tree_leaves(full) if leaf is not None]
         if not all(isinstance(leaf, torch.Tensor) for leaf in outputs):
             kinds = sorted({type(leaf).__name__ for leaf in outputs})
             raise user_error(
@@ -360,7 +361,7 @@ class ExampleRun:
                 ) from exc
             if pytree.tree_structure(value) != whole_structure:  # one item per sample, say
                 raise self._mixes(node, site, "its output is not structured as each sample's own")
-            per_sample.append(pytree.tree_leaves(value))
+            per_sample.append([leaf for leaf in pytree.tree_leaves(value) if leaf is not None])
         dims = []
         for index, whole in enumerate(outputs):
             dim = _stacking_dim(whole, [leaves[index] for leaves in per_sample])
