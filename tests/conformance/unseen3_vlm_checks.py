@@ -10,6 +10,7 @@ exactly as ``SFTTrainer`` does (the processor's expanded image tokens, its pixel
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ WORDS = [
 ]  # fmt: skip
 
 
-def tiny_tokenizer(specials: Sequence[str], **tokens: str):
+def tiny_tokenizer(specials: Sequence[str], **tokens: Any):
     """A ``PreTrainedTokenizerFast`` over ``<pad>``, ``<unk>``, ``specials`` and :data:`WORDS`
     (ids in that order), split on whitespace; ``tokens`` are its named tokens (``bos_token``)."""
     import transformers
