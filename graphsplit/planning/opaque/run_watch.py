@@ -121,14 +121,17 @@ class WatchedRun(TorchFunctionMode):
                 "value-dependent code runs eagerly in stage 1, and is never allowed on the "
                 "trainable side."
             )
-            fix = VALUE_FIX
-            if self.callee is not None:  # the caller was tried because the callee mixes samples
-                reason = f"{reason} It was tried as the caller of: {self.callee.reason}"
-                fix = self.callee.fix or fix
+            callee = self.callee  # the caller was tried because the callee mixes samples
+            if callee is not None:
+                reason = f"{reason} It was tried as the caller of: {callee.reason}"
             return naming_site(
                 self.site,
                 user_error(
-                    TrainableSideError, reason, node=self.node, source=self.site.read_at, fix=fix
+                    TrainableSideError,
+                    reason,
+                    node=self.node,
+                    source=self.site.read_at,
+                    fix=callee.fix if callee is not None and callee.fix else VALUE_FIX,
                 ),
             )
         what = f"the frozen tensor {name}" if name else "a tensor"
