@@ -142,6 +142,7 @@ def _one_sample_per_batch(
     sites: list[OpaqueSite],
     answered: set[str],
 ) -> Traced:
+    sites[:] = [site for site in sites if site.trace_into]  # found again, each read named
     traced = _rounds(model, one_sample_examples(examples), trainable, sites, answered)
     note = (
         f"one sample per batch: the step {why}, so it was planned at batch 1: each batch is one "
@@ -225,10 +226,8 @@ def _rounds(
 
 def _weights_device_type(model: nn.Module) -> str:
     """The device type of the step's first real (not meta) weight; "cpu" if it has none."""
-    for tensor in (*model.parameters(), *model.buffers()):
-        if tensor.device.type != "meta":
-            return tensor.device.type
-    return "cpu"
+    tensors = (*model.parameters(), *model.buffers())
+    return next((t.device.type for t in tensors if t.device.type != "meta"), "cpu")
 
 
 def _why(exc: Exception) -> str:

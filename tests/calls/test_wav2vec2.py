@@ -117,6 +117,9 @@ def test_auto_falls_back_from_the_value_check_and_says_so():
     args = batch(2)
     split = graphsplit.split(step, args)
     assert isinstance(split, graphsplit.CallSplit)
-    assert "The step reads the value of a tensor" in split.reason
+    # The mixed student is traced into: the read is transformers' own label check, in a
+    # function that runs the trainable model too (so it cannot run once in stage 1).
+    assert split.reason.startswith("Wav2Vec2ForCTC.forward reads tensor values and reads the ")
+    assert "labels.max() >= self.config.vocab_size" in split.reason
     assert "path: calls, because the whole-step trace refused the step" in split.report()
     assert all(c.ok for c in graphsplit.verify(step, split, args))

@@ -3,19 +3,17 @@
 The step is SFT of a Qwen2-VL as its processor lays a batch out: ``pixel_values`` holds the
 patches of *every* image of the batch concatenated, ``(sum of patches, channels * patch
 volume)``, and ``image_grid_thw`` says how many belong to each image; the mrope positions
-come from ``get_rope_index``, a Python loop over the batch with ``.tolist()``. Neither path can
-cache the vision tower per sample:
+come from ``get_rope_index``, a Python loop over the batch with ``.tolist()``.
 
-- the whole-step trace cannot run the model's mixed call on values-free tensors (``tolist()``
-  reads values);
-- the module-level path finds the tower's output, ``(sum of merged patches, hidden)``, has no
-  batch dimension first: a row of it is a patch, not a sample, so it cannot be stored per
-  sample.
-
-The step cannot run one sample alone either (the packed patches are not cut per sample), so
-the module-level path checks its calls at the batch's own size, its samples reordered: only the
-text embeddings are cached. The test pins that the trace's refusal names the user's line, the
-tower's verdict says why it stays in stage 2, and the split is exact.
+The peft-wrapped model is a mixed module (frozen tower, LoRA'd LM) whose code reads tensor
+values: the trace goes into it and finds ``Qwen2VLModel.get_image_features``, frozen work on
+the data, as one opaque stage-1 step. With one sample per batch that step is the sample's own,
+and the merged embeddings (text and image, the LM's input) are cached: the tower is stage 1's.
+With several, the packed patches cannot be cut per sample (one sample's grid row against the
+batch's patches fails), so the function mixes samples and its caller, which runs the trainable
+LM, cannot be opaque: the trace refuses, naming both and the fix (plan at batch 1), and the
+module-level path takes the step, the tower's output ``(sum of merged patches, hidden)`` having
+no batch dimension first: only the text embeddings are cached there.
 """
 
 from __future__ import annotations
@@ -24,7 +22,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import line_of, split_and_verify
+import graphsplit
+from tests.conformance.test_unseen_lm import assert_trains_from_its_cache
+from tests.helpers import split_and_verify
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -87,9 +87,9 @@ class VisionLanguageSFT(nn.Module):
         ).loss
 
 
-def _batch(size: int) -> tuple[torch.Tensor, ...]:
+def _batch(size: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """One 4x4-patch image per sample (4 tokens after the 2x2 merge) inside its text."""
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     text = torch.randint(0, IMAGE - 1, (size, 6), generator=generator)
     column = torch.ones(size, 1, dtype=torch.long)
     ids = torch.cat(
@@ -111,14 +111,20 @@ def test_packed_image_patches_keep_the_vision_tower_in_stage2_naming_why():
     with torch.no_grad():
         assert torch.isfinite(step(*batch))  # the step itself runs
     split = split_and_verify(step, batch)
-    # The whole-step trace refused: a value read inside the model, at the user's line.
+    # The whole-step trace refused: the tower's function mixes the packed samples, and its
+    # caller runs the trainable LM; the reason names both, transformers' line and the fix.
     assert split.path == "calls"
-    assert line_of(VisionLanguageSFT.forward, "return self.model(") in split.reason
-    # A value read inside the model, typed as one, naming the library's line (transformers'
-    # own .tolist() of the image grid), not "make the step device-agnostic".
-    assert "The step reads the value of a tensor (Tensor.tolist() reads" in split.reason
-    read_at = split.reason.split("reads the tensor's values, at ", 1)[1].split("\n")[0]
-    assert "transformers" in read_at and "tolist()" in read_at
+    assert split.reason.startswith(
+        "Qwen2VLModel.forward reads tensor values and reads the trainable parameter "
+        "model.model.language_model."
+    )
+    assert (
+        "It was tried as the caller of: Qwen2VLModel.get_image_features reads tensor values "
+        "and mixes the samples of a batch: run on the whole example batch of 2, it fails on "
+        "one sample alone (RuntimeError: "
+    ) in split.reason
+    assert "modeling_qwen2_vl.py" in split.reason and "self.get_image_features(" in split.reason
+    assert "fix:    plan at batch 1: pass an example batch of one sample" in split.reason
     assert "device-agnostic" not in split.reason
     # The module-level path: the packed patches cannot run one sample alone, so the calls are
     # checked at the batch's own size; only the text embeddings follow their samples.
@@ -130,3 +136,23 @@ def test_packed_image_patches_keep_the_vision_tower_in_stage2_naming_why():
     assert "an output has no batch dimension first" in visual.line()
     held = {name for name, _ in split.stage2.named_parameters()}
     assert any(name.startswith("model.model.visual.") for name in held)
+
+
+def test_one_sample_per_batch_caches_the_merged_embeddings_past_the_tower(tmp_path):
+    torch.manual_seed(0)
+    step = VisionLanguageSFT()
+    batch = tuple(tensor[:16] if tensor.dim() == 2 and len(tensor) == 32 else tensor[:1]
+                  for tensor in _batch(2))  # fmt: skip
+    split = split_and_verify(step, batch)
+    assert split.path == "trace" and split.batch_sizes == (1, 1)
+    assert "Qwen2VLModel.get_image_features runs eagerly in stage 1" in split.report()
+    # The LM's input (text embeddings with the image features scattered in) is cached: stage 2
+    # holds no weight of the tower and starts at the LoRA'd decoder.
+    assert split.boundary["masked_scatter"].shape == (1, 12, 32)
+    held = {name for name, _ in split.stage2.named_parameters()}
+    assert not any(name.startswith("model.model.visual.") for name in held)
+    assert any("lora_A" in name for name in held)
+    other = _batch(2, seed=1)
+    other = tuple(t[:16] if t.dim() == 2 and len(t) == 32 else t[:1] for t in other)
+    assert all(c.ok for c in graphsplit.verify(step, split, other))  # other pixels and text
+    assert_trains_from_its_cache(step, split, [batch, other], tmp_path / "cache")

@@ -51,7 +51,7 @@ def test_an_error_that_mentions_item_and_tolist_is_no_value_read():
 
 
 def _masked(x: torch.Tensor) -> torch.Tensor:
-    return x[x > 0]
+    return x[x > 0]  # the read
 
 
 def _equal(x: torch.Tensor) -> bool:
@@ -70,9 +70,26 @@ def _equal(x: torch.Tensor) -> bool:
 def test_a_value_read_is_one_by_its_type_though_its_message_names_only_the_op(function, op):
     with pytest.raises(TensorValueError) as caught:
         _meta_run(function, torch.empty(3, device="meta"))
-    assert caught.value.reason.startswith(f"The step reads the value of a tensor ({op})")
+    assert caught.value.reason.startswith(f"The step reads the value of a tensor ({op}")
     for words in ("item()", "tolist", "meta tensor", "data-dependent"):
         assert words not in str(caught.value.__cause__)
+
+
+def test_a_value_read_by_an_op_names_the_line_of_the_code_that_ran_it():
+    """An ATen op names no line, and the node's line is the step's call of the module whose
+    code read the value (a library model's ``pixel_values[real_images_inds]``): the innermost
+    frame of user or library code under the op is named; an op the node calls itself, none."""
+    with pytest.raises(TensorValueError) as caught:
+        _meta_run(_masked, torch.empty(3, device="meta"))
+    line = f"{_line_of(_masked, '# the read')}  return x[x > 0]  # the read"
+    assert caught.value.reason.startswith(
+        f"The step reads the value of a tensor (aten.nonzero.default, at {line}); "
+    )
+    with pytest.raises(TensorValueError) as caught:
+        _meta_run(torch.nonzero, torch.empty(3, device="meta"))
+    assert caught.value.reason.startswith(
+        "The step reads the value of a tensor (aten.nonzero.default); "
+    )
 
 
 def repeats_by_a_plain_meta_tensor(x: torch.Tensor) -> torch.Tensor:

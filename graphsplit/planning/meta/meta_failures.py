@@ -21,7 +21,7 @@ In: the op memo's value-reading ops; the exception of every node whose meta run 
 
     reads_values(func) -> bool
     run_value_reading_op(func, args, kwargs) -> Any   # a failure: one of VALUE_READ_FAILURES
-    meta_failure(node, exc) -> TraceError             # a TensorValueError for a value read
+    meta_failure(node, exc) -> TraceError   # a TensorValueError for a value read, naming its line
 """
 
 from __future__ import annotations

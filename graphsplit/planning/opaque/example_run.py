@@ -44,6 +44,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop
 from graphsplit.artifacts import ExampleInputs, OpRecord
 from graphsplit.errors import (
     Fix,
+    GraphsplitError,
     OpaqueCallError,
     TensorValueError,
     TrainableSideError,
@@ -92,6 +93,9 @@ class ExampleRun:
     # Qualified name of each real frozen tensor, and those each opaque node's run read.
     real_names: dict[int, str] = field(default_factory=dict)
     reads: dict[fx.Node, set[str]] = field(default_factory=dict)
+    # The last call refused for mixing samples: its caller is tried next, and a refusal of the
+    # caller for reading a trainable parameter names it (the cause the user can act on).
+    mixing_callee: TensorValueError | None = None
 
     def __post_init__(self) -> None:
         for prefix, module in self.model.named_modules(remove_duplicate=False):
@@ -136,7 +140,8 @@ class ExampleRun:
         self._refuse_probe_sizes(node, site)
         flops = FlopCounterMode(display=False, custom_mapping=_MISSING_FORMULAS)
         full = self._value(node, None, site, flops)
-        outputs, _ = pytree.tree_flatten(full)
+        # None (a field the call left empty) carries no data: the structure check keeps it.
+        outputs = [leaf for leaf in pytree.tree_leaves(full) if leaf is not None]
         if not all(isinstance(leaf, torch.Tensor) for leaf in outputs):
             kinds = sorted({type(leaf).__name__ for leaf in outputs})
             raise user_error(
@@ -284,6 +289,7 @@ class ExampleRun:
         try:
             read = self.reads.setdefault(node, set())
             watch = WatchedRun(names, self.trainable, node, site, self.real_names, read)
+            watch.callee = self.mixing_callee
             with torch.no_grad(), watch:
                 yield
         finally:
@@ -344,10 +350,18 @@ class ExampleRun:
         whole_structure = pytree.tree_structure(self._value(node, None, site))
         per_sample = []
         for sample in range(batch):
-            value = self._value(node, sample, site)
+            try:
+                value = self._value(node, sample, site)
+            except GraphsplitError:
+                raise
+            except Exception as exc:  # packed inputs (Qwen2-VL's patches) cut by another input
+                first = (str(exc).strip().splitlines() or [""])[0]
+                raise self._mixes(
+                    node, site, f"it fails on one sample alone ({type(exc).__name__}: {first})"
+                ) from exc
             if pytree.tree_structure(value) != whole_structure:  # one item per sample, say
                 raise self._mixes(node, site, "its output is not structured as each sample's own")
-            per_sample.append(pytree.tree_leaves(value))
+            per_sample.append([leaf for leaf in pytree.tree_leaves(value) if leaf is not None])
         dims = []
         for index, whole in enumerate(outputs):
             dim = _stacking_dim(whole, [leaves[index] for leaves in per_sample])
@@ -362,7 +376,7 @@ class ExampleRun:
     def _mixes(self, node: fx.Node, site: OpaqueSite, what: str) -> TensorValueError:
         """A TensorValueError: the caller is tried next, it may restack per sample."""
         batch = example_batch_size(self.examples)
-        return user_error(
+        self.mixing_callee = user_error(
             TensorValueError,
             f"{site.label} reads tensor values and mixes the samples of a batch: run on the "
             f"whole example batch of {batch}, {what} (it pads to the batch's longest item, "
@@ -375,6 +389,7 @@ class ExampleRun:
                 "one sample per batch, as DiffSynth trains), or pad to a fixed length"
             ),
         )
+        return self.mixing_callee
 
 
 _MIXES = object()

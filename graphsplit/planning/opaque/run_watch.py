@@ -82,6 +82,8 @@ class WatchedRun(TorchFunctionMode):
         # Each model tensor the run touched: its version then, and a copy of a buffer's value
         # (running statistics, caches: small) so that a write can be undone.
         self.before: dict[int, tuple[torch.Tensor, int, torch.Tensor | None]] = {}
+        # A call this one calls, refused for mixing samples (why this caller is being tried).
+        self.callee: GraphsplitError | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -114,16 +116,22 @@ class WatchedRun(TorchFunctionMode):
     def _error(self, name: str | None) -> GraphsplitError:
         label = self.site.label
         if name in self.trainable:
+            reason = (
+                f"{label} reads tensor values and reads the trainable parameter {name}: "
+                "value-dependent code runs eagerly in stage 1, and is never allowed on the "
+                "trainable side."
+            )
+            callee = self.callee  # the caller was tried because the callee mixes samples
+            if callee is not None:
+                reason = f"{reason} It was tried as the caller of: {callee.reason}"
             return naming_site(
                 self.site,
                 user_error(
                     TrainableSideError,
-                    f"{label} reads tensor values and reads the trainable parameter {name}: "
-                    "value-dependent code runs eagerly in stage 1, and is never allowed on the "
-                    "trainable side.",
+                    reason,
                     node=self.node,
                     source=self.site.read_at,
-                    fix=VALUE_FIX,
+                    fix=callee.fix if callee is not None and callee.fix else VALUE_FIX,
                 ),
             )
         what = f"the frozen tensor {name}" if name else "a tensor"

@@ -16,7 +16,8 @@ Glossary:
 
 Out:
 
-    OpaqueSite(owner, attribute, read_at, leaf=None, aliases=()).raw / .label / .same(other)
+    OpaqueSite(owner, attribute, read_at, leaf=None, aliases=(), trace_into=False)
+        .raw / .label / .same(other)
     ValueSite(label, read_at)
     VALUE_FIX: Fix
 """
@@ -48,6 +49,10 @@ class OpaqueSite:
     leaf: str | None = None
     # Other modules' globals bound to the same function (``from x import f``): patched too.
     aliases: tuple[tuple[ModuleType, str], ...] = ()
+    # A mixed leaf (frozen and trainable parameters: a peft-wrapped VLM) whose meta run read the
+    # value: it cannot be opaque (its trainable half runs in stage 2), so it is only traced into
+    # (no longer a leaf, nothing patched) and the read is looked for again inside it.
+    trace_into: bool = False
 
     @property
     def raw(self) -> Any:
@@ -60,6 +65,8 @@ class OpaqueSite:
         return f"{owner}.{self.attribute}"
 
     def same(self, other: OpaqueSite) -> bool:
+        if self.trace_into or other.trace_into:  # one module, not its class's method
+            return self.leaf == other.leaf and self.trace_into == other.trace_into
         return self.owner is other.owner and self.attribute == other.attribute
 
 

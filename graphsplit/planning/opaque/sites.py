@@ -67,7 +67,9 @@ def site_of_failure(
     outermost user frame) is never opaque: value reads there stay the user's error. A value
     read inside a leaf module's meta run (its code is run for its value, not traced) makes
     that call the candidate, when the module is frozen: its method (``forward``,
-    ``encode``) is patched on its class and the module is traced as a call.
+    ``encode``) is patched on its class and the module is traced as a call. A mixed leaf
+    (frozen and trainable parameters) is only traced into: the read is in its frozen half or
+    its trainable one, which the next trace tells.
     """
     frames: list[tuple[FrameType, int]] = []  # user frames of traced code
     meta_run: FrameType | None = None  # the frame running a leaf node on meta, if any
@@ -120,11 +122,12 @@ def _leaf_site(
         module = root.get_submodule(name)
     except AttributeError:
         return None
-    if any(f"{name}.{param}" in trainable for param, _ in module.named_parameters()):
+    trains = {f"{name}.{param}" in trainable for param, _ in module.named_parameters()}
+    if trains == {True}:
         return None  # a trainable module runs in stage 2: the value read stays an error
     for owner in type(module).__mro__:
         if method in vars(owner) and _code_of(vars(owner)[method]) is not None:
-            return OpaqueSite(owner, method, read_at, leaf=name)
+            return OpaqueSite(owner, method, read_at, leaf=name, trace_into=True in trains)
     return None
 
 
@@ -191,6 +194,8 @@ def opaque_calls_recorded(sites: list[OpaqueSite], run: ExampleRun) -> Iterator[
     """
     patched: list[tuple[Any, str, Any]] = []
     for site in sites:
+        if site.trace_into:  # a mixed module: traced into, nothing recorded as one node
+            continue
         raw = site.raw
         recording = _recording_descriptor(site, raw, run)
         patched.append((site.owner, site.attribute, raw))

@@ -16,7 +16,12 @@ own with its own constants, as a length the step turns into a Python int already
 constant does not change with it. Nor is a size of an opaque call's output (a prompt trimmed
 by ``.tolist()`` code): a guard there would make the call refuse every other length
 (:func:`~graphsplit.planning.rules.opaque_call.recheck_shapes`), where the plan serves them
-today; such a constant still makes ``cache()`` stop at a second length.
+today; such a constant still makes ``cache()`` stop at a second length. A tensor an opaque
+output is only written *into* keeps its own size: a vision-language model scatters its image
+features (an opaque ``get_image_features``) into the text embeddings with ``masked_scatter``,
+whose output has the shape of the embeddings, so a size read off the merged embeddings (Llama's
+``position_ids`` from ``inputs_embeds.shape[1]``) is the prompt length, read from the batch,
+and is guarded (:data:`SHAPE_OF_FIRST`).
 
 Glossary:
     boundary constant: a boundary node whose facts say it is a per-dataset constant.
@@ -40,6 +45,10 @@ from graphsplit.planning.rules.opaque_call import is_opaque
 from graphsplit.planning.rules.size_guards import GUARDS, is_size_guard
 
 __all__ = ["guard_constant_sizes"]
+
+# Ops whose output has the shape of their first argument, whatever the others hold: values
+# written into a tensor (``masked_scatter``) do not give it their size.
+SHAPE_OF_FIRST = frozenset({"masked_scatter", "masked_fill", "index_put", "scatter", "index_copy"})
 
 
 def guard_constant_sizes(graph: fx.Graph, cut: Cut) -> None:
@@ -82,15 +91,29 @@ def _is_size_value(node: fx.Node, data: set[fx.Node]) -> bool:
 
 
 def _computed_from_inputs(graph: fx.Graph) -> tuple[set[fx.Node], set[fx.Node]]:
-    """The nodes computed from the step's inputs; apart, those computed from an opaque call."""
+    """The nodes computed from the step's inputs; apart, those whose size may come from an
+    opaque call (computed from one, except through the values of a :data:`SHAPE_OF_FIRST`)."""
     data: set[fx.Node] = set()
     opaque: set[fx.Node] = set()
     for node in graph.nodes:
-        if is_opaque(node) or any(arg in opaque for arg in node.all_input_nodes):
+        sized_by = node.all_input_nodes
+        if _writes_into_first(node):
+            sized_by = [node.args[0]]
+        if is_opaque(node) or any(arg in opaque for arg in sized_by):
             opaque.add(node)
         elif node.op == "placeholder" or any(arg in data for arg in node.all_input_nodes):
             data.add(node)
     return data, opaque
+
+
+def _writes_into_first(node: fx.Node) -> bool:
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return (
+        node.op in ("call_method", "call_function")
+        and str(name).removesuffix("_") in SHAPE_OF_FIRST
+        and bool(node.args)
+        and isinstance(node.args[0], fx.Node)
+    )
 
 
 def _position(graph: fx.Graph):

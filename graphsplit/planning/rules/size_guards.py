@@ -204,6 +204,9 @@ class CheckSources:
         if self.table is None:
             with self.stage.inserting_after(_after_placeholders(self.stage, None)):
                 self.table = self.stage.get_attr(self.ATTRIBUTE)
+        # First after the inputs again: checks inserted there since (Mllama's input sizes
+        # compared) would otherwise read the table before it is fetched.
+        _after_placeholders(self.stage, None).append(self.table)
         after = self.table if after.op == "placeholder" else after
         self.lines.append(where)
         with self.stage.inserting_after(after):

@@ -1,7 +1,8 @@
 """Locate the user's code behind a traced operation: its ``file:line`` and the line's text.
 
 Glossary:
-    user code: any frame that belongs neither to torch nor to graphsplit.
+    user code: any frame that belongs neither to torch, graphsplit, NumPy nor the standard
+        library.
     location: ``("path:line", "code on that line")``; the path relative to the cwd when inside
         it. Traced nodes store it as ``node.meta["source"]`` and ``node.meta["source_code"]``.
 
@@ -12,6 +13,7 @@ as ``file:line  code`` on every node so reports and errors can point at it.
 
 from __future__ import annotations
 
+import importlib.util
 import linecache
 import os
 import sys
@@ -25,6 +27,9 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _GRAPHSPLIT_DIR = (
     os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
 )
+# NumPy (``np.prod(x.shape)`` in a library's model): the line is the caller's, never NumPy's.
+_NUMPY = importlib.util.find_spec("numpy")
+_NUMPY_DIRS = (os.path.dirname(_NUMPY.origin) + os.sep,) if _NUMPY and _NUMPY.origin else ()
 # The standard library (contextlib, functools): never where the user wrote the operation. In
 # an installation without a virtual environment, site-packages sits inside it: not internal.
 _STDLIB_DIRS = tuple(
@@ -38,14 +43,15 @@ _PACKAGE_DIRS = tuple(
 
 
 def is_internal(filename: str) -> bool:
-    """True for frames of torch, of graphsplit itself, or of Python's standard library.
+    """True for frames of torch, of graphsplit itself, of NumPy or of Python's standard library.
 
     Asked for every frame between a traced op and the user's line, for every node: the
     answer depends on the file name only, so it is kept per name.
     """
     known = _INTERNAL.get(filename)
     if known is None:
-        known = _INTERNAL[filename] = filename.startswith((_GRAPHSPLIT_DIR, _TORCH_DIR, "<")) or (
+        internal = (_GRAPHSPLIT_DIR, _TORCH_DIR, "<", *_NUMPY_DIRS)
+        known = _INTERNAL[filename] = filename.startswith(internal) or (
             filename.startswith(_STDLIB_DIRS) and not filename.startswith(_PACKAGE_DIRS)
         )
     return known
