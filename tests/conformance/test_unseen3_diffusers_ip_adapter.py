@@ -360,6 +360,39 @@ class IPAdapter(torch.nn.Module):
         return noise_pred
 
 
+def install_ip_attn_processors(unet, **num_tokens):
+    """The scripts' ``# init adapter modules`` block, verbatim (``tutorial_train_plus.py`` adds
+    ``num_tokens=args.num_tokens`` to the ``IPAttnProcessor`` call)."""
+    # init adapter modules
+    attn_procs = {}
+    unet_sd = unet.state_dict()
+    for name in unet.attn_processors.keys():  # noqa: SIM118 (the script's)
+        cross_attention_dim = (
+            None if name.endswith("attn1.processor") else unet.config.cross_attention_dim
+        )
+        if name.startswith("mid_block"):
+            hidden_size = unet.config.block_out_channels[-1]
+        elif name.startswith("up_blocks"):
+            block_id = int(name[len("up_blocks.")])
+            hidden_size = list(reversed(unet.config.block_out_channels))[block_id]
+        elif name.startswith("down_blocks"):
+            block_id = int(name[len("down_blocks.")])
+            hidden_size = unet.config.block_out_channels[block_id]
+        if cross_attention_dim is None:
+            attn_procs[name] = AttnProcessor()
+        else:
+            layer_name = name.split(".processor")[0]
+            weights = {
+                "to_k_ip.weight": unet_sd[layer_name + ".to_k.weight"],
+                "to_v_ip.weight": unet_sd[layer_name + ".to_v.weight"],
+            }
+            attn_procs[name] = IPAttnProcessor(
+                hidden_size=hidden_size, cross_attention_dim=cross_attention_dim, **num_tokens
+            )
+            attn_procs[name].load_state_dict(weights)
+    unet.set_attn_processor(attn_procs)
+
+
 def _image_encoder():
     """diffusers' ChronoEdit test config for its CLIP image encoder, 32 wide, 32 px."""
     torch.manual_seed(0)
@@ -394,34 +427,7 @@ def build():
         clip_embeddings_dim=image_encoder.config.projection_dim,
         clip_extra_context_tokens=4,
     )
-    # init adapter modules
-    attn_procs = {}
-    unet_sd = unet.state_dict()
-    for name in unet.attn_processors.keys():  # noqa: SIM118 (the script's)
-        cross_attention_dim = (
-            None if name.endswith("attn1.processor") else unet.config.cross_attention_dim
-        )
-        if name.startswith("mid_block"):
-            hidden_size = unet.config.block_out_channels[-1]
-        elif name.startswith("up_blocks"):
-            block_id = int(name[len("up_blocks.")])
-            hidden_size = list(reversed(unet.config.block_out_channels))[block_id]
-        elif name.startswith("down_blocks"):
-            block_id = int(name[len("down_blocks.")])
-            hidden_size = unet.config.block_out_channels[block_id]
-        if cross_attention_dim is None:
-            attn_procs[name] = AttnProcessor()
-        else:
-            layer_name = name.split(".processor")[0]
-            weights = {
-                "to_k_ip.weight": unet_sd[layer_name + ".to_k.weight"],
-                "to_v_ip.weight": unet_sd[layer_name + ".to_v.weight"],
-            }
-            attn_procs[name] = IPAttnProcessor(
-                hidden_size=hidden_size, cross_attention_dim=cross_attention_dim
-            )
-            attn_procs[name].load_state_dict(weights)
-    unet.set_attn_processor(attn_procs)
+    install_ip_attn_processors(unet)
     adapter_modules = torch.nn.ModuleList(unet.attn_processors.values())
 
     ip_adapter = IPAdapter(unet, image_proj_model, adapter_modules, None)
