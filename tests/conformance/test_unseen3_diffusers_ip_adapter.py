@@ -27,6 +27,7 @@ one pattern of drops trains exactly on batches that drop other samples, and from
 from __future__ import annotations
 
 import itertools
+import random
 import types
 
 import pytest
@@ -41,7 +42,7 @@ diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 
 from tests.conformance.unseen2_checks import assert_trains_from_its_cache  # noqa: E402
-from tests.conformance.unseen_checks import stage2_top_modules  # noqa: E402
+from tests.conformance.unseen_checks import stage2_top_modules, word_tokenizer  # noqa: E402
 from tests.zoo import build_frozen_sd  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Accessing config attribute:FutureWarning")
@@ -512,8 +513,9 @@ def _batch(indices, drops) -> dict:
     return collate_fn([_example(i, d) for i, d in zip(indices, drops, strict=True)])
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_the_encoders_are_cached_and_stage2_trains_the_projection_and_ip_weights(size):
+def test_the_encoders_are_cached_and_stage2_trains_the_projection_and_ip_weights():
+    """At two samples (the drop-pattern test below splits at three)."""
+    size = 2
     parts = build()
     split = split_and_verify(parts.step, (_batch(range(size), [0, 1, 0][:size]),))
     # The whole-step trace refuses the per-sample loop over the batch's rows (its count is the
@@ -572,3 +574,76 @@ def test_cache_round_trip(tmp_path):
     split = graphsplit.split(parts.step, (_batch([0, 1], [0, 1]),))
     batches = [_batch([2, 3], [1, 0]), _batch([4, 5], [0, 0]), _batch([6, 7], [1, 1])]
     assert_trains_from_its_cache(split, parts.step, batches, tmp_path, parts.params)
+
+
+class MyDataset(torch.utils.data.Dataset):
+    """``tutorial_train.py``'s dataset: its ``__getitem__`` verbatim from the drop on (``random``
+    decides per read whether to drop the image embedding, the text or both); the image and the
+    CLIP image are made from the index instead of read from disk and transformed."""
+
+    def __init__(self, data, tokenizer, t_drop_rate=0.05, i_drop_rate=0.05, ti_drop_rate=0.05):
+        super().__init__()
+
+        self.tokenizer = tokenizer
+        self.i_drop_rate = i_drop_rate
+        self.t_drop_rate = t_drop_rate
+        self.ti_drop_rate = ti_drop_rate
+        self.data = data  # list of dict: [{"image_file": "1.png", "text": "A dog"}]
+
+    def __getitem__(self, idx):
+        item = self.data[idx]
+        text = item["text"]
+        row = _example(idx, 0)
+        image, clip_image = row["image"], row["clip_image"]
+
+        # drop
+        drop_image_embed = 0
+        rand_num = random.random()
+        if rand_num < self.i_drop_rate:
+            drop_image_embed = 1
+        elif rand_num < (self.i_drop_rate + self.t_drop_rate):
+            text = ""
+        elif rand_num < (self.i_drop_rate + self.t_drop_rate + self.ti_drop_rate):
+            text = ""
+            drop_image_embed = 1
+        # get text and tokenize
+        text_input_ids = self.tokenizer(
+            text,
+            max_length=self.tokenizer.model_max_length,
+            padding="max_length",
+            truncation=True,
+            return_tensors="pt",
+        ).input_ids
+
+        return {
+            "image": image,
+            "text_input_ids": text_input_ids,
+            "clip_image": clip_image,
+            "drop_image_embed": drop_image_embed,
+        }
+
+    def __len__(self):
+        return len(self.data)
+
+
+def _loader(**drop_rates) -> torch.utils.data.DataLoader:
+    tokenizer = word_tokenizer(["a", "dog", "cat", "on", "the", "beach"])
+    tokenizer.model_max_length = TOKENS
+    texts = ["a dog", "a cat on the beach", "the dog", "a cat"]
+    data = [{"image_file": f"{i}.png", "text": texts[i]} for i in range(4)]
+    dataset = MyDataset(data, tokenizer=tokenizer, **drop_rates)
+    return torch.utils.data.DataLoader(dataset, collate_fn=collate_fn, batch_size=2)
+
+
+def test_cache_names_the_datasets_per_read_drops(tmp_path):
+    """The drops are drawn per read in ``__getitem__``: a cache stores one draw per sample,
+    where the unsplit run draws anew every epoch. ``cache()`` re-reads the first sample under
+    other seeds and, at the script's own rates, sees a text-and-image drop: it names both
+    fields (the warning, not an error: one draw per sample may be what the user wants)."""
+    parts = build()
+    split = graphsplit.split(parts.step, (_batch([0, 1], [0, 1]),))
+    with pytest.warns(graphsplit.errors.RandomDatasetWarning) as caught:
+        graphsplit.cache(split, _loader(), tmp_path / "cache", progress=False)
+    message = str(caught[0].message)
+    assert "two reads of sample 0 gave other 'text_input_ids', 'drop_image_embeds'" in message
+    assert "every epoch trained from it sees that same draw" in message
