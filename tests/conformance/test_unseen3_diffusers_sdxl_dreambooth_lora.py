@@ -25,7 +25,8 @@ tensors: the batches here have other sizes than the example, as a real dataset's
 
 Tiny configs: diffusers' ``tests/pipelines/stable_diffusion_xl/test_stable_diffusion_xl.py``
 components (UNet (2, 4) channels, ``text_time`` added conditions of 6 x 8 + 32, cross-attention
-64 = 32 + 32; CLIP 32 wide, here 2 layers), real word-level tokenizers, 32 px.
+64 = 32 + 32; CLIP 32 wide), here with one layer where the test has two (five for CLIP), real
+word-level tokenizers, 32 px.
 """
 
 from __future__ import annotations
@@ -121,11 +122,12 @@ def encode_prompt(text_encoders, tokenizers, prompt, text_input_ids_list=None):
 
 
 def _models():
-    """diffusers' SDXL pipeline test components (CLIP at 2 layers instead of 5)."""
+    """diffusers' SDXL pipeline test components (one UNet layer a block and one transformer
+    layer an attention instead of two, CLIP at 2 layers instead of 5)."""
     torch.manual_seed(0)
     unet = diffusers.UNet2DConditionModel(
         block_out_channels=(2, 4),
-        layers_per_block=2,
+        layers_per_block=1,  # 2 in diffusers' test: one layer keeps this file fast
         time_cond_proj_dim=None,
         sample_size=32,
         in_channels=4,
@@ -137,7 +139,7 @@ def _models():
         use_linear_projection=True,
         addition_embed_type="text_time",
         addition_time_embed_dim=8,
-        transformer_layers_per_block=(1, 2),
+        transformer_layers_per_block=(1, 1),  # (1, 2) in diffusers' test
         projection_class_embeddings_input_dim=80,  # 6 * 8 + 32
         cross_attention_dim=64,
         norm_num_groups=1,
@@ -472,10 +474,10 @@ def test_without_train_text_encoder_the_vae_and_both_text_encoders_are_cached(si
         "text_encoders_1__0__2__1",  # and its hidden states [-2]
     }
     # Inside the UNet, the frozen calls fed by the text embeddings alone are cached too: the
-    # cross-attention's LoRA-wrapped to_k / to_v base layers (12 transformer blocks) and the
-    # added-conditions embedding of time ids and pooled text.
+    # cross-attention's LoRA-wrapped to_k / to_v base layers (4 transformer blocks: down, mid,
+    # 2x up) and the added-conditions embedding of time ids and pooled text.
     unet = {key for key in cached if key.startswith("unet_")}
-    assert len(unet) == 1 + 12 * 2 and "unet_add_embedding__0__out" in unet
+    assert len(unet) == 1 + 4 * 2 and "unet_add_embedding__0__out" in unet
     assert all(
         key.endswith(("to_k_base_layer__0__out", "to_v_base_layer__0__out"))
         for key in unet - {"unet_add_embedding__0__out"}
