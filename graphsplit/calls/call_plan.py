@@ -5,7 +5,10 @@ and the report (:mod:`.call_report`).
 
 Inputs: a tensor crosses as it is; a list or tuple of Python numbers (IP-Adapter's
 ``batch["drop_image_embeds"]``) crosses as a tensor and comes back as the same list in stage 2;
-a list of strings, one a sample (captions the step tokenizes), crosses as their code points
+a list of equal-length tuples (or lists) of numbers, one a sample (SDXL's
+``batch["original_sizes"]``, ``(height, width)`` per image), crosses as a ``[B, width]`` tensor and
+comes back as the same tuples; a list of strings, one a sample (captions the step tokenizes),
+crosses as their code points
 (each plus one, zero-padded to the batch's longest: ``[B, longest]`` int32) and comes back as
 the same strings (a list named ``key``, the batch's sample keys, crosses as ``key__text``: a
 cached item's own ``"key"`` is its sample key); a tuple or list of such batched items (a
@@ -45,11 +48,12 @@ NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
 
 @dataclass(frozen=True)
 class InputSpec:
-    """One parameter of the step: ``kind`` is ``"tensor"``, ``"numbers"``, ``"strings"``,
-    ``"tensors"`` (a dict of batched tensors, SDXL's ``added_cond_kwargs``: each crosses as
-    ``name__key``), ``"items"`` (a tuple of batched items, each its own spec in ``value``),
-    a raw sample's ``"images"`` (``value``: their mode; ``container``: list, tuple or None for
-    one image) and ``"text"`` (one string), or ``"constant"``."""
+    """One parameter of the step: ``kind`` is ``"tensor"``, ``"numbers"``, ``"rows"`` (numbers
+    in rows, ``value`` the rows' type and width), ``"strings"``, ``"tensors"`` (a dict of
+    batched tensors, SDXL's ``added_cond_kwargs``: each crosses as ``name__key``), ``"items"``
+    (a tuple of batched items, each its own spec in ``value``), a raw sample's ``"images"``
+    (``value``: their mode; ``container``: list, tuple or None for one image) and ``"text"``
+    (one string), or ``"constant"``."""
 
     name: str
     kind: str
@@ -67,6 +71,16 @@ class InputSpec:
             return encode_images(self.name, value, self.value)
         if self.kind == "text":
             return _code_points([self._text(value)])
+        if self.kind == "rows":
+            if _number_rows(value) != (self.value, self.element):
+                raise user_error(
+                    SplitError,
+                    f"the step's input {self.name!r} is {value!r} in this batch; the module-level "
+                    f"plan was made with {self.value[1]} {self.element.__name__}s a sample "  # type: ignore[index,union-attr]
+                    f"in a {self.value[0].__name__}.",  # type: ignore[index]
+                    fix=Fix("give every sample a row of the same width and number type"),
+                )
+            return torch.tensor([list(row) for row in value], dtype=NUMBER_DTYPES[self.element])
         if self.kind == "constant" and not same_value(value, self.value):
             raise user_error(
                 SplitError,
@@ -124,6 +138,10 @@ class InputSpec:
         if self.kind == "numbers":
             items = [(self.element or int)(item) for item in value.tolist()]
             return items if self.container is list else tuple(items)
+        if self.kind == "rows":
+            kind, element = self.value[0], self.element
+            rows = [kind(element(item) for item in row) for row in value.tolist()]
+            return rows if self.container is list else tuple(rows)
         if self.kind == "strings":
             texts = ["".join(map(chr, (row[row > 0] - 1).tolist())) for row in value]
             return texts if self.container is list else tuple(texts)
@@ -186,7 +204,25 @@ def input_spec(
             return InputSpec(name, "numbers", type(value), next(iter(kinds)))
         if kinds == {str} and len(value) == batch_size:  # else a constant: a fixed list
             return InputSpec(name, "strings", type(value))
+        rows = _number_rows(value)
+        if rows is not None and len(value) == batch_size:  # else a constant: a fixed table
+            return InputSpec(name, "rows", type(value), rows[1], value=rows[0])
     return InputSpec(name, "constant", value=value)
+
+
+def _number_rows(value: Any) -> tuple[tuple[type, int], type] | None:
+    """``((row type, width), number type)`` when ``value`` is a list or tuple of rows, all
+    tuples or all lists of one width, holding numbers of one type; else None."""
+    if not isinstance(value, list | tuple) or not value:
+        return None
+    kinds = {type(row) for row in value}
+    if len(kinds) != 1 or not kinds <= {tuple, list}:
+        return None
+    widths = {len(row) for row in value}
+    elements = {type(item) for row in value for item in row}
+    if len(widths) != 1 or len(elements) != 1 or not elements <= set(NUMBER_DTYPES):
+        return None
+    return (next(iter(kinds)), next(iter(widths))), next(iter(elements))
 
 
 def _items_batched(value: list[Any] | tuple[Any, ...], batch_size: int | None) -> bool:
