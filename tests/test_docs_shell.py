@@ -84,6 +84,8 @@ NOT_RUN: dict[str, str] = {
     "python -m benchmarks.bench_calls_overhead --cases kd --rounds 300 --out benchmarks/results": (
         _measurement("12 s")
     ),
+    "python -m benchmarks.bench_calls_overhead --cases kd --rounds 2000 --out "
+    "benchmarks/results": _measurement("20 s"),
     "python -m benchmarks.bench_cache_overlap --rounds 15 --out benchmarks/results": _measurement(
         "80 s"
     ),
