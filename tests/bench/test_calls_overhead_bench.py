@@ -20,7 +20,9 @@ def test_quick_run_reports_overheads_and_bytes_for_sd_and_kd(tmp_path):
     rows = {row["case"]: row for row in payload["results"]}
     assert set(rows) == {"sd", "kd", "kd-wide"}
     for name, row in rows.items():
-        want = {"calls": True, "traced": True} | ({"free": True} if "kd" in name else {})
+        want = {"calls": True, "traced": True} | (
+            {"free": True, "user's": True} if "kd" in name else {}
+        )
         assert row["losses_agree_with_hand"] == want
         for figure in ("calls_over_hand", "traced_over_hand", "stage1_calls_over_traced"):
             assert set(row[figure]) == {"wall", "cpu"}

@@ -83,7 +83,7 @@ def test_a_value_read_by_an_op_names_the_line_of_the_code_that_ran_it():
         _meta_run(_masked, torch.empty(3, device="meta"))
     line = f"{_line_of(_masked, '# the read')}  return x[x > 0]  # the read"
     assert caught.value.reason.startswith(
-        f"The step reads the value of a tensor (aten.nonzero.default, at {line}); "
+        f"The step reads the value of a tensor (aten.nonzero.default) at {line}; "
     )
     with pytest.raises(TensorValueError) as caught:
         _meta_run(torch.nonzero, torch.empty(3, device="meta"))
