@@ -3,7 +3,8 @@
 ``LlavaNextForConditionalGeneration`` (transformers ``models/llava_next/modeling_llava_next.py``)
 with LoRA on the language model, the loss ``model(**inputs).loss`` as ``Trainer.compute_loss``
 takes it (``SFTTrainer``'s own fused LM head is the Idefics3 file's step). Batches come
-from ``LlavaNextProcessor`` (anyres: each image is resized to the best of ``image_grid_pinpoints``, cut into 16 px crops plus the whole image,
+from ``LlavaNextProcessor`` (anyres: each image is resized to the best of
+``image_grid_pinpoints``, cut into 16 px crops plus the whole image,
 ``pixel_values`` ``(batch, max crops, 3, 16, 16)`` padded with zero crops, ``image_sizes`` per
 sample, the ``<image>`` token expanded to the unpadded feature count) through TRL's
 ``DataCollatorForVisionLanguageModeling``.
