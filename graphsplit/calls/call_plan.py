@@ -33,6 +33,7 @@ from graphsplit.artifacts import BoundarySpec
 from graphsplit.calls.module_calls import CallId, key_of
 from graphsplit.calls.outputs import Structure, holds_constant, tensors_of
 from graphsplit.calls.provenance import same_value
+from graphsplit.calls.unstored_inputs.stand_in import stand_in
 from graphsplit.calls.verdicts import CallVerdict
 from graphsplit.errors import Fix, SplitError, user_error
 from graphsplit.planning.step.raw_samples import (
@@ -53,7 +54,9 @@ class InputSpec:
     batched tensors, SDXL's ``added_cond_kwargs``: each crosses as ``name__key``), ``"items"``
     (a tuple of batched items, each its own spec in ``value``), a raw sample's ``"images"``
     (``value``: their mode; ``container``: list, tuple or None for one image) and ``"text"``
-    (one string), or ``"constant"``."""
+    (one string), ``"unstored"`` (a batched tensor only cached calls compute with: its shape
+    crosses, ``[B, ndim]`` rows ``[1, *shape[1:]]``, and stage 2 holds a stand-in; ``value``:
+    its dtype), or ``"constant"``."""
 
     name: str
     kind: str
@@ -71,6 +74,8 @@ class InputSpec:
             return encode_images(self.name, value, self.value)
         if self.kind == "text":
             return _code_points([self._text(value)])
+        if self.kind == "unstored":
+            return self._shape_rows(value)
         if self.kind == "rows":
             if _number_rows(value) != (self.value, self.element):
                 raise user_error(
@@ -115,6 +120,8 @@ class InputSpec:
         """This input's boundary key: its name, except that a list of strings named ``"key"``
         (the batch's sample keys, by ``cache()``'s convention) crosses as ``key__text``, so it
         never takes the place of a cached item's own ``"key"``."""
+        if self.kind == "unstored":
+            return f"{self.name}__shape"
         return f"{self.name}__text" if self.kind == "strings" and self.name == "key" else self.name
 
     def gather(self, batch: dict[str, Any]) -> Any:
@@ -149,9 +156,41 @@ class InputSpec:
             return decode_images(self.name, value, self.value, self.container)
         if self.kind == "text":
             return self.decode_text(value)
+        if self.kind == "unstored":
+            return self._stand_in(value)
         if self.kind == "constant":
             return self.value
         return value
+
+    def _shape_rows(self, value: Any) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.dtype != self.value:
+            got = (
+                f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+                if isinstance(value, torch.Tensor)
+                else f"a {type(value).__name__}"
+            )
+            raise user_error(
+                SplitError,
+                f"the step's input {self.name!r} is {got} in this batch; the module-level plan "
+                f"was made with a batched {self.value} tensor there (not stored: only cached "
+                "calls compute with it).",
+                fix=Fix("give every batch this input with the example batch's dtype"),
+            )
+        return shape_rows(value)
+
+    def _stand_in(self, rows: torch.Tensor) -> Any:
+        """The stand-in of the batch's shape: every sample's row must be the same (samples of
+        one batch were stacked, so they were)."""
+        if rows.dim() != 2 or rows.shape[0] == 0 or not bool((rows == rows[:1]).all()):
+            raise user_error(
+                SplitError,
+                f"the batch's samples hold the input {self.name!r} in different shapes "
+                f"({sorted({tuple(row) for row in rows.tolist()})}); the step took it as one "
+                "batched tensor.",
+                fix=Fix("batch samples of one shape together (a bucketing sampler)"),
+            )
+        shape = (int(rows.shape[0]), *(int(size) for size in rows[0, 1:].tolist()))
+        return stand_in(self.name, shape, self.value)
 
     def _text(self, value: Any) -> str:
         if not isinstance(value, str):
@@ -358,6 +397,11 @@ class CallPlan:
         ``BoundArguments`` would give, without its cost on every stage-2 step)."""
         nameable = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         return all(p.kind in nameable for p in self.signature.parameters.values())
+
+    @functools.cached_property
+    def unstored(self) -> tuple[str, ...]:
+        """The inputs stage 2 holds a stand-in for (:mod:`.unstored_inputs`)."""
+        return tuple(spec.name for spec in self.inputs if spec.kind == "unstored")
 
     @functools.cached_property
     def tensor_inputs(self) -> tuple[str, ...] | None:

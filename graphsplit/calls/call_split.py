@@ -32,8 +32,8 @@ from graphsplit.calls.field_reads import SHAPE, VALUE
 from graphsplit.calls.module_calls import CallId, frozen_modules, key_of, needed_routes
 from graphsplit.calls.reordered import probe_reordered, take
 from graphsplit.calls.stages import CallStage1, CallStage2
+from graphsplit.calls.unstored_inputs.derivation import Derivation, unstored_inputs
 from graphsplit.calls.usage import (
-    Usage,
     field_uses,
     inner_calls,
     needed_tensors,
@@ -84,9 +84,14 @@ def split_calls(
     raw = is_raw_sample(values)  # one dataset item as it is: a batch of one sample
     batch_size = 1 if raw else _batch_size(values)
     inputs = tuple(input_spec(name, value, batch_size, raw=raw) for name, value in values.items())
+    roots = {
+        spec.name: values[spec.name]
+        for spec in inputs
+        if spec.kind == "tensor" and batch_dim(values[spec.name], batch_size) == 0
+    }
     try:
         with _grad_flags(named, trainable):
-            usages = [Usage(), Usage()]
+            usages = [Derivation(roots), Derivation(roots)]
             first, second = (
                 probe(module, step.args, step.kwargs, routed, seed, batch_size, usage)
                 for seed, usage in zip(SEEDS, usages)
@@ -133,6 +138,13 @@ def split_calls(
     # Stage 2 holds what it computes with, the cache what stage 2 reads (see .usage).
     uses = field_uses([first, second], usages, candidates)
     inner = inner_calls([first, second], usages, uses)
+    unstored, stored_inputs = unstored_inputs(usages, [first.result, second.result], candidates)
+    inputs = tuple(
+        dataclasses.replace(spec, kind="unstored", value=values[spec.name].dtype)
+        if spec.name in unstored
+        else spec
+        for spec in inputs
+    )
     boundary = _input_boundary(inputs, values, batch_size)
     stored, not_stored = _storage(verdicts, inner, uses, first, batch_size, boundary)
     placeholders = {call: _placeholder(call, first.calls[call]) for call in inner}
@@ -168,10 +180,23 @@ def split_calls(
         reason=reason,
         notes=[
             "inputs were compared between two runs under seeds 0 and 1: a random branch both "
-            "runs took alike (a rare drop) is not seen; draw such choices after the frozen calls"
+            "runs took alike (a rare drop) is not seen; draw such choices after the frozen calls",
+            *_input_notes(inputs, stored_inputs),
         ],
         _model=module,
     )
+
+
+def _input_notes(inputs: tuple[Any, ...], stored: dict[str, str]) -> list[str]:
+    """The report's lines on the inputs a cached call took: left out of the cache, or why not."""
+    notes = [
+        f"input {spec.name!r} not stored: only cached calls compute with it (its shape is "
+        "stored; stage 2 holds a stand-in on meta whose values nothing reads)"
+        for spec in inputs
+        if spec.kind == "unstored"
+    ]
+    notes += [f"input {name!r} stored: {why}" for name, why in sorted(stored.items())]
+    return notes
 
 
 def _last_sample(

@@ -25,6 +25,7 @@ from graphsplit.calls.call_plan import CallPlan
 from graphsplit.calls.holders import answering, answers
 from graphsplit.calls.module_calls import CallRouter, restore
 from graphsplit.calls.outputs import constants_differ
+from graphsplit.calls.unstored_inputs.stand_in import refuse_stand_ins
 from graphsplit.errors import Fix, SplitError, user_error
 
 
@@ -186,6 +187,9 @@ class CallStage2(nn.Module):
             made = self.__dict__["_answers"] = answers(plan)
         saved = CallRouter(self._routed, answering(plan, batch, made)).install()
         try:
-            return self._step(*args, **kwargs)
+            result = self._step(*args, **kwargs)
         finally:
             restore(saved)
+        if names is None and plan.unstored:
+            refuse_stand_ins(result)
+        return result

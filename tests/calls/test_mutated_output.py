@@ -62,7 +62,9 @@ def test_an_output_the_step_writes_in_place_is_cached_as_returned_and_copied_in_
     assert verdict.verdict is Verdict.CACHED and verdict.copied == ("out",)
     assert "the step then writes out in place: stage 2 hands it a copy" in split.report()
     boundary = split.stage1(x)
-    (key,) = [key for key in boundary if key != "x"]
+    # x reaches only the cached call: its shape crosses, not its values
+    assert torch.equal(boundary["x__shape"], torch.tensor([[1, HIDDEN]] * 3))
+    (key,) = [key for key in boundary if key != "x__shape"]
     assert torch.equal(boundary[key], step.encoder(x))  # as the call returned it
     kept = boundary[key].clone()
     expected = step(x)

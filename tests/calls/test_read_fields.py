@@ -89,7 +89,7 @@ class SD3Prompt(nn.Module):
 
 
 def _stored(split) -> list[str]:
-    return [key for key in split.boundary if key not in split.input_names]
+    return [key for key, spec in split.boundary.items() if spec.source != "input"]
 
 
 def test_sdxl_prompt_stores_only_hidden_states_minus_two_and_the_pooled_embedding():

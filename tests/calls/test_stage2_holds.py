@@ -59,7 +59,7 @@ def _held(split) -> set[str]:
 def test_stage2_holds_no_part_of_a_vae_it_only_encodes_and_stores_the_outer_output():
     split = split_and_verify(Encodes(), (X,), path="calls")
     assert _held(split) == {"head.weight", "head.bias"}
-    assert list(split.boundary) == ["x", "vae_quant_conv__0__out"]
+    assert list(split.boundary) == ["x__shape", "vae_quant_conv__0__out"]  # x: only the VAE
     assert split.plan.unused == {"vae"}  # its decoder never runs, its encoder is cached
     report = split.report()
     assert "not held by stage 2 (the step computes with none of their weights there): vae\n" in (
@@ -100,7 +100,11 @@ def test_an_output_the_step_reads_outside_the_cached_calls_is_stored():
 def test_an_output_whose_shape_alone_the_step_reads_stores_its_shape_not_its_values():
     step = ReadsItsShape()
     split = split_and_verify(step, (X,), path="calls")
-    assert list(split.boundary) == ["x", "vae_encoder__0__out__shape", "vae_quant_conv__0__out"]
+    assert list(split.boundary) == [
+        "x__shape",  # only the VAE computes with x
+        "vae_encoder__0__out__shape",
+        "vae_quant_conv__0__out",
+    ]
     assert split.boundary["vae_encoder__0__out__shape"].bytes_per_sample == 2 * 8
     assert not split.plan.placeholders
     other = torch.randn(5, WIDTH)  # another batch size: the stand-in has the batch's shape
@@ -163,7 +167,11 @@ class MovesTheVae(Encodes):
 def test_a_module_the_step_moves_is_held_and_the_report_says_why():
     """Stage 2 runs the step's ``.to`` too, which a VAE built on ``meta`` cannot do."""
     split = split_and_verify(MovesTheVae(), (X,), path="calls")
-    assert list(split.boundary) == ["x", "vae_quant_conv__0__out"]  # still answered from the cache
+    # still answered from the cache; x stored: the step reads x.device
+    assert list(split.boundary) == ["x", "vae_quant_conv__0__out"]
+    assert "input 'x' stored: a value computed from it reaches a call that reads its .device" in (
+        split.report()
+    )
     assert {"vae.encoder.weight", "vae.decoder.weight"} <= _held(split)
     assert split.to_json()["held_though_cached"] == ["vae.encoder", "vae.quant_conv"]
     assert (
