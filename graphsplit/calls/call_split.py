@@ -157,6 +157,10 @@ def split_calls(
     for run in reordered.probes if reordered is not None else []:
         nested |= run.nested
     routes = needed_routes(module, routed, {call[0] for call in candidates}, nested)
+    # Stage 1 also routes the frozen modules stage 2 does not hold and the example never
+    # called, to refuse a sample that calls one (stages.unseen_frozen_call).
+    watched = frozenset(p for p in routed if _inside(p, unused) and not _inside(p, dropped))
+    stage1_routes = needed_routes(module, routed, {c[0] for c in candidates} | watched, nested)
     plan = CallPlan(
         signature=signature,
         inputs=inputs,
@@ -169,7 +173,7 @@ def split_calls(
         not_stored=not_stored,
     )
     return CallSplit(
-        stage1=CallStage1(module, plan, routes),
+        stage1=CallStage1(module, plan, stage1_routes, watched),
         stage2=CallStage2(module, plan, routes),
         boundary=boundary,
         input_names=tuple(values),
@@ -185,6 +189,11 @@ def split_calls(
         ],
         _model=module,
     )
+
+
+def _inside(path: str, paths: frozenset[str]) -> bool:
+    """Whether ``path`` is one of ``paths`` or a submodule of one."""
+    return any(path == other or path.startswith(other + ".") for other in paths)
 
 
 def _input_notes(inputs: tuple[Any, ...], stored: dict[str, str]) -> list[str]:

@@ -23,10 +23,11 @@ from torch import nn
 from graphsplit.calls import generators
 from graphsplit.calls.call_plan import CallPlan
 from graphsplit.calls.holders import answering, answers
-from graphsplit.calls.module_calls import CallRouter, restore
+from graphsplit.calls.module_calls import CallId, CallRouter, restore
 from graphsplit.calls.outputs import constants_differ
 from graphsplit.calls.unstored_inputs.stand_in import refuse_stand_ins
 from graphsplit.errors import Fix, SplitError, user_error
+from graphsplit.planning.rules.user_lines import frame_location, user_frame
 
 
 def skeleton(root: nn.Module, keep: Any, shell: nn.Module, *, own: bool) -> nn.Module:
@@ -70,10 +71,49 @@ class _Stop(Exception):
     """Raised by stage 1's router after the last cached call: the rest of the step is stage 2's."""
 
 
+def unseen_frozen_call(call: CallId, plan: CallPlan, watched: frozenset[str]) -> SplitError | None:
+    """The refusal of an outermost frozen call stage 1 meets that no cached call of the plan
+    answers and stage 2 could not run: a call of a module the example's step never called
+    (``watched``: it is among the modules stage 2 does not hold), or a call beyond those the
+    example made of a module answered from the cache. None for any other call.
+
+    Why in stage 1: a sample taking a branch the example did not (a variant's encoder) would
+    otherwise be cached, and stage 2, which does not hold that module, could not train from it.
+    """
+    path, index = call
+    if path in watched:
+        what = "the example batch's step never called it"
+    elif path in plan.dropped and call not in plan.placeholders:
+        what = f"the example batch's step made no call {index} of it"
+    else:
+        return None
+    where, code = frame_location(user_frame())
+    return user_error(  # type: ignore[return-value]
+        SplitError,
+        f"this sample's step makes call {index} of the frozen module {path!r}, and {what}: "
+        "the module-level plan caches no such call and stage 2 does not hold it, so this "
+        "sample's cache could not be trained from.",
+        fix=Fix(
+            "split with an example batch that takes this sample's branch (one split per "
+            "variant a mixed dataset holds), or leave such samples out of this cache"
+        ),
+        source=f"{where}  {code}" if code else where,
+    )
+
+
 class CallStage1(nn.Module):
     """Stage 1: the step's crossing inputs and its cached calls' outputs, for a raw batch."""
 
-    def __init__(self, step: nn.Module, plan: CallPlan, routed: dict[str, nn.Module]) -> None:
+    def __init__(
+        self,
+        step: nn.Module,
+        plan: CallPlan,
+        routed: dict[str, nn.Module],
+        watched: frozenset[str] = frozenset(),
+    ) -> None:
+        """``routed``: the frozen modules whose calls stage 1 counts, ``watched`` among them:
+        those stage 2 does not hold that the example's step never called (a call of one is
+        refused, :func:`unseen_frozen_call`)."""
         super().__init__()
         held = frozenset(call[0] for call in [*plan.cached, *plan.placeholders])
         skeleton(
@@ -85,6 +125,7 @@ class CallStage1(nn.Module):
         object.__setattr__(self, "_step", step)
         object.__setattr__(self, "_plan", plan)
         object.__setattr__(self, "_routed", routed)
+        object.__setattr__(self, "_watched", watched)
 
     @property
     def code(self) -> str:
@@ -112,10 +153,15 @@ class CallStage1(nn.Module):
         }
         outputs: dict[str, Any] = {}
         last = plan.last
+        watched: frozenset[str] = self._watched
 
         def record(call: Any, module: Any, forward: Any, a: tuple, kw: dict) -> Any:
-            output = forward(*a, **kw)
             planned = plan.cached.get(call)
+            if planned is None:
+                refusal = unseen_frozen_call(call, plan, watched)
+                if refusal is not None:
+                    raise refusal
+            output = forward(*a, **kw)
             if planned is not None:
                 if planned.numbers and constants_differ(output, planned.structure):
                     raise user_error(
