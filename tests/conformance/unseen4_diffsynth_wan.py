@@ -1,4 +1,4 @@
-"""DiffSynth-Studio's ``WanTrainingModule`` for Wan variants beyond text-to-video, tiny, on raw samples.
+"""DiffSynth-Studio's ``WanTrainingModule`` for Wan variants beyond T2V, tiny, on raw samples.
 
 The module is ``examples/wanvideo/model_training/train.py``'s (DiffSynth-Studio, Apache-2.0,
 (c) ModelScope; https://github.com/modelscope/DiffSynth-Studio, commit fed7b18f): its
@@ -203,7 +203,7 @@ class WanTrainingModule(DiffusionTrainingModule):
         super().__init__()
         # Warning
         if not use_gradient_checkpointing:
-            warnings.warn("Gradient checkpointing is detected as disabled. To prevent out-of-memory errors, the training framework will forcibly enable gradient checkpointing.")  # noqa: E501
+            warnings.warn("Gradient checkpointing is detected as disabled. To prevent out-of-memory errors, the training framework will forcibly enable gradient checkpointing.")  # noqa: B028, E501
             use_gradient_checkpointing = True
 
         self.pipe = pipe
