@@ -35,6 +35,7 @@ from graphsplit.planning.rules.constant_sizes import guard_constant_sizes
 from graphsplit.planning.step.callables import as_step_module
 from graphsplit.planning.step.example_inputs import bind_examples
 from graphsplit.planning.step.frozen import FrozenSpec, resolve_frozen
+from graphsplit.planning.step.ragged_lists import refuse_ragged_lists
 from graphsplit.planning.tracing.rewrites import restore_devices
 from graphsplit.planning.tracing.weight_constants import refuse_weight_constants
 from graphsplit.report import plan_json, render_report
@@ -190,6 +191,7 @@ def split(
             f"path={path!r} is not a path graphsplit.split knows.",
             fix=Fix('pass path="auto" (default), "trace" or "calls"'),
         )
+    refuse_ragged_lists(model, args, kwargs)  # neither path lines a per-sample list up
     if path == "calls":
         return split_calls(model, args, kwargs, frozen=frozen)
     if path == "trace":

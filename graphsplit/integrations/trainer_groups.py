@@ -51,6 +51,7 @@ __all__ = [
     "Shape",
     "batch_shape",
     "padding_groups",
+    "refuse_packing",
     "training_batches",
 ]
 
@@ -89,6 +90,7 @@ def padding_groups(dataset: Any, collator: Any, batch_size: int) -> PaddingGroup
     something other than the samples' own lengths (a random length, the longest seen so far) is
     refused here, before any model runs; each later batch is checked as it is collated.
     """
+    refuse_packing(dataset, collator)
     shapes = tuple(batch_shape(collator([dataset[index]])) for index in range(len(dataset)))
     groups: dict[Shape, list[int]] = {}
     for index, shape in enumerate(shapes):
@@ -99,6 +101,38 @@ def padding_groups(dataset: Any, collator: Any, batch_size: int) -> PaddingGroup
         first = indices[:batch_size]
         check_batch(batch_shape(collator([dataset[index] for index in first])), shape, first)
     return PaddingGroups(shapes=shapes, groups=groups)
+
+
+def refuse_packing(dataset: Any, collator: Any) -> None:
+    """Refuse a collator that packs several samples into one row (``DataCollatorWithFlattening``,
+    TRL's ``padding_free=True``): the row concatenates the samples, with ``position_ids``
+    restarting at each, and no padding. The trainer's shuffle packs each sample with other
+    samples every epoch, so a row cached in one epoch stands for no sample in the next, and a
+    per-sample cache has nothing to key. Found from the collated batch's rows (fewer than the
+    samples given), not from the collator's class."""
+    if len(dataset) < 2:
+        return
+    batch = collator([dataset[0], dataset[1]])
+    rows = {name: value.shape[0] for name, value in batch.items() if _batched(value)}
+    if not rows or 2 in rows.values():
+        return
+    name, count = next(iter(rows.items()))
+    raise user_error(
+        CacheError,
+        f"The trainer's collator ({type(collator).__name__}) packs samples 0 and 1 into "
+        f"{count} row ({name} of shape {tuple(batch[name].shape)}): a row holds several "
+        "samples, and the trainer's shuffle packs each sample with others every epoch, so no "
+        "cached row stands for one sample.",
+        fix=Fix(
+            "use a collator that gives each sample a row of its own (DataCollatorWithPadding, "
+            "DataCollatorForSeq2Seq; TRL: padding_free=False), or pack the dataset ahead so "
+            "that each dataset item is one packed row"
+        ),
+    )
+
+
+def _batched(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
 def check_batch(got: Shape, expected: Shape, indices: Sequence[int]) -> None:

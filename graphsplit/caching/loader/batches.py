@@ -303,11 +303,17 @@ def _refuse_rows_per_item(batch: Any, names: Sequence[str], indices: Sequence[in
     if not sizes or len(indices) in sizes:  # an unbatched input beside batched ones is fine
         return
     rows = int(sizes[0])
+    how = (
+        "packs several items into a row (DataCollatorWithFlattening's packing: each cached row "
+        "is then a packed row, not a sample)"
+        if rows < len(indices)
+        else "makes other than one row per item (as prior preservation's collate_fn does, "
+        "appending class examples)"
+    )
     raise user_error(
         CacheError,
         f"a batch holds {rows} rows but its sampler gave {len(indices)} dataset indices "
-        f"({list(indices)[:8]}): the collate function makes other than one row per item (as "
-        "prior preservation's collate_fn does, appending class examples), and a DataLoader's "
+        f"({list(indices)[:8]}): the collate function {how}, and a DataLoader's "
         "cached rows are named by their dataset index.",
         fix=Fix(
             "pass the batches as an iterable, graphsplit.cache(split, (batch for batch in "

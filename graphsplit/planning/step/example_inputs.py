@@ -44,6 +44,7 @@ def bind_examples(model: nn.Module, args: Any, kwargs: dict[str, Any]) -> Exampl
     """The example batch by parameter name, its probe sizes, meta twins and home device."""
     inputs = _bind_inputs(model, args, kwargs)
     example_batch = _example_batch_size(inputs)
+    _refuse_tensor_lists(inputs, example_batch)
     batch_sizes = (max(example_batch, 2), max(example_batch, 2) + 2)
     values = (
         _example_values(inputs, example_batch, batch_sizes[0]),
@@ -144,6 +145,45 @@ def _example_batch_size(inputs: dict[str, Any]) -> int:
         "The example batch holds no tensor with a batch dimension.",
         fix=Fix("pass at least one batched tensor (batch along dim 0) in args/kwargs"),
     )
+
+
+def _refuse_tensor_lists(inputs: dict[str, Any], batch: int) -> None:
+    """Refuse a flat list or tuple of tensors that follows the batch (``[view_a, view_b]``,
+    each ``(B, ...)``, or one tensor per sample): the trace binds one traced value per field and
+    would hold the list at the example's length and sizes, so what the step builds from it would
+    look like a per-dataset constant, stored once for every batch. ``path="auto"`` then takes
+    the module-level path, which caches each batched entry along its batch dim."""
+    for name, value in _named_fields(inputs):
+        if type(value) not in (list, tuple) or not value:
+            continue
+        if not all(isinstance(item, torch.Tensor) for item in value):
+            continue
+        follows = len(value) == batch or any(
+            item.dim() > 0 and item.shape[0] == batch for item in value
+        )
+        if follows:
+            raise user_error(
+                SplitError,
+                f"The batch field {name} is a {type(value).__name__} of {len(value)} tensors "
+                "that follows the batch: the whole-step trace binds one traced value per field "
+                "and cannot follow a list's entries with the batch size.",
+                fix=Fix(
+                    'split with path="auto" (default) or path="calls": the module-level path '
+                    "caches each batched entry along its batch dim; or stack the entries into "
+                    "one tensor, or pass each as a field of its own"
+                ),
+            )
+
+
+def _named_fields(inputs: dict[str, Any]) -> list[tuple[str, Any]]:
+    """Each input, and each value of a dict input (``batch['views']``)."""
+    fields = []
+    for name, value in inputs.items():
+        if isinstance(value, dict):
+            fields += [(f"{name}[{key!r}]", item) for key, item in value.items()]
+        else:
+            fields.append((name, value))
+    return fields
 
 
 def _example_values(inputs: dict[str, Any], batch: int, new_batch: int) -> dict[str, Any]:
