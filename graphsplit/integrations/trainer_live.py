@@ -46,9 +46,10 @@ class LiveRows(Dataset):
         if live.complete:
             self.switch()
 
-    def switch(self) -> None:
-        """From now on: the cached rows (every sample's, else refused)."""
-        cached = self.live.dataset()
+    def switch(self, cached: CachedDataset | None = None) -> None:
+        """From now on: the cached rows (every sample's, else refused); ``cached``: the finished
+        cache already open (reading its manifest again costs a tiny epoch a few percent)."""
+        cached = self.live.dataset() if cached is None else cached
         rows = {key: index for index, key in enumerate(cached.keys)}
         missing = [index for index in range(self.size) if str(index) not in rows]
         if missing:
@@ -95,9 +96,10 @@ class LiveCacheSteps(TrainerCallback):
         whole = state.epoch is not None and float(state.epoch).is_integer()
         if self.rows.cached is None and whole:
             live.finish()
+            cached = live.dataset()
             if not self.rows.grouped:
-                refuse_several_shapes(live.dataset())
-            self.rows.switch()
+                refuse_several_shapes(cached)
+            self.rows.switch(cached)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self.rows.live.complete:

@@ -63,6 +63,14 @@ from tests.caching.fixtures import (
         (lambda d: d["boundary"][1].update(batch_dim=7), r"boundary\[1\]\.batch_dim is 7"),
         (lambda d: d["shards"][1]["keys"].__setitem__(0, "pic000"), r"sample key 'pic000' twice"),
         (lambda d: d["shards"][0]["shapes"][0].pop(), r"lists 1 shapes for 2 per-sample tensors"),
+        (
+            lambda d: d["shards"][0]["shapes"][0][1].__setitem__(0, -2),
+            r"shards\[0\]\.shapes\[0\]\[1\]\[0\] is int -2; expected an integer >= 0",
+        ),
+        (
+            lambda d: d["shards"][0]["shapes"][0][1].__setitem__(0, 2.0),
+            r"shapes\[0\]\[1\]\[0\] is float 2\.0",
+        ),
         (lambda d: d.update(num_samples=13), r"num_samples is 13 but the shards list 12"),
         (lambda d: d.update(shards={}), r"shards is dict \{\}; expected a list"),
         (

@@ -264,7 +264,7 @@ class JsonReader:
         return cls(**values)
 
     def _value(self, hint: Any, rule: Rule, value: Any, where: str, *, nullable: bool = False):
-        origin, arguments = typing.get_origin(hint), typing.get_args(hint)
+        origin, arguments, is_record = _parts(hint)
         if origin in (typing.Union, types.UnionType):
             options = [option for option in arguments if option is not type(None)]
             assert len(options) == 1, f"{hint}: one type or None"
@@ -274,6 +274,8 @@ class JsonReader:
         if origin is tuple:
             assert arguments[1:] == (Ellipsis,), f"{hint}: tuples are tuple[X, ...]"
             items = self.sequence(value, where)
+            if _plain_items(arguments[0], rule, items):
+                return tuple(items)
             return tuple(
                 self._value(arguments[0], rule, item, f"{where}[{index}]")
                 for index, item in enumerate(items)
@@ -283,7 +285,7 @@ class JsonReader:
                 key: self._value(arguments[1], rule, item, _join(where, key))
                 for key, item in self.mapping(value, where).items()
             }
-        if dataclasses.is_dataclass(hint):
+        if is_record:
             return self.read(hint, value, where)
         read = _SCALARS.get(hint)
         assert read is not None, f"no JSON form for {hint}"
@@ -324,6 +326,30 @@ _SCALARS: dict[Any, Callable[..., Any]] = {
     float: JsonReader._number,
     torch.dtype: JsonReader._dtype,
 }
+
+
+@functools.cache
+def _parts(hint: Any) -> tuple[Any, tuple[Any, ...], bool]:
+    """``hint``'s origin, arguments and whether it is a record: asked once per hint, not once
+    per value (a manifest of a few hundred samples holds thousands of values)."""
+    return typing.get_origin(hint), typing.get_args(hint), dataclasses.is_dataclass(hint)
+
+
+def _plain_items(hint: Any, rule: Rule, items: list[Any]) -> bool:
+    """Whether every item of a list of ints or strings passes ``rule`` (shapes, sample keys):
+    checked at once; a list that does not is read item by item, which names the bad one."""
+    if hint is int:
+        return all(type(item) is int and item >= rule.minimum for item in items)
+    if hint is str:
+        pattern, choices = rule.pattern, rule.choices
+        return all(
+            type(item) is str
+            and (not rule.identifier or item.isidentifier())
+            and (pattern is None or pattern.fullmatch(item) is not None)
+            and (not choices or item in choices)
+            for item in items
+        )
+    return False
 
 
 def _join(where: str, name: str) -> str:
