@@ -1,10 +1,14 @@
 """Whether a call's inputs are a function of the sample alone, from two runs of the step.
 
-Autograd already tracks trainable dependence: an input tensor that requires grad was computed
-from a trainable parameter. Random draws and state outside the sample are found by comparing
-each call's inputs between two runs of the step under different seeds (torch, numpy and
-``random``): an input that differs depends on something that is not the sample. What the two
-runs compare is :class:`CallInputs`, the call's flattened arguments, tensors copied.
+Autograd tracks most trainable dependence: an input tensor that requires grad was computed
+from a trainable parameter. Not all of it: a value computed under ``torch.no_grad()`` or
+detached carries no record, so the second run also moves the trainable parameters
+(:mod:`.moved_weights`). Random draws, state outside the sample and those moved weights are
+found by comparing each call's inputs between two runs of the step under different seeds
+(torch, numpy and ``random``): an input that differs depends on something that is not the
+sample; a third run, the first seed with the weights moved, tells which (:func:`~graphsplit.
+calls.analysis.judge`). What the runs compare is :class:`CallInputs`, the call's flattened
+arguments, tensors copied.
 """
 
 from __future__ import annotations
