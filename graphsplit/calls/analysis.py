@@ -174,7 +174,7 @@ def judge(
     moved: Probe | None = None,
 ) -> list[CallVerdict]:
     """Each call of ``first``, judged against the same call of ``second`` (another seed, the
-    trainable parameters moved: :mod:`.moved_weights`) and of ``alone`` (the batch's last
+    trainable parameters moved: :func:`.provenance.moved`) and of ``alone`` (the batch's last
     sample run by itself; None at batch size 1), or, where the step cannot run one sample
     alone, of ``reordered`` (runs at the batch's own size with its samples reordered and
     repeated, :mod:`.reordered`). ``moved`` (``first``'s seed, the parameters moved; None when

@@ -31,7 +31,7 @@ from graphsplit.calls.call_plan import (
 from graphsplit.calls.call_report import CallSplit
 from graphsplit.calls.field_reads import SHAPE, VALUE
 from graphsplit.calls.module_calls import CallId, frozen_modules, key_of, needed_routes
-from graphsplit.calls.moved_weights import MOVED, moved
+from graphsplit.calls.provenance import MOVED, moved
 from graphsplit.calls.reordered import probe_reordered, take
 from graphsplit.calls.stages import CallStage1, CallStage2
 from graphsplit.calls.unstored_inputs.derivation import Derivation, unstored_inputs
@@ -97,7 +97,7 @@ def split_calls(
         with _grad_flags(named, trainable):
             usages = [Derivation(roots), Derivation(roots)]
             first = probe(module, step.args, step.kwargs, routed, SEEDS[0], batch_size, usages[0])
-            # The second run also moves the trainable weights (.moved_weights): a frozen call
+            # The second run also moves the trainable weights (.provenance.moved): a frozen call
             # fed them under no_grad has no autograd record, but its inputs then differ.
             in_moved_run = True
             with moved(moving):
@@ -199,7 +199,7 @@ def split_calls(
 
 def _step_failed(error: Exception, in_moved_run: bool) -> GraphsplitError:
     """The refusal when the step raised during a probe (``in_moved_run``: the one with the
-    trainable parameters moved, :mod:`.moved_weights`)."""
+    trainable parameters moved, :func:`.provenance.moved`)."""
     if in_moved_run:
         return user_error(
             SplitError,

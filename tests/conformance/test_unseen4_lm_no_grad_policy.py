@@ -6,7 +6,7 @@ policy's completions), a teacher reads the student's input embeddings. The value
 autograd record, so two probes under different seeds see the frozen call's inputs alike; a
 module-level split that cached the call would answer it with what the *old* weights gave once
 an optimizer step moves them. The module-level path therefore moves the trainable parameters
-in its second probe (``graphsplit/calls/moved_weights.py``): such a call is then judged
+in its second probe (``graphsplit/calls/provenance.py``, ``moved``): such a call is then judged
 ``trainable-value`` and runs in stage 2, or, when nothing else is left to cache, the split is
 refused naming it.
 
