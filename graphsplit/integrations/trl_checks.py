@@ -12,8 +12,9 @@ where TRL is installed) before anything runs:
   TRL precomputes both itself (``KTOConfig(precompute_ref_log_probs=True)``).
 - a ``DPOTrainer`` in ``split_trainer``: ``cache_reference_log_probs`` is its tool.
 - a ``DPOTrainer`` whose callbacks move the reference model during training (TRL's
-  ``SyncRefModelCallback``, added by ``sync_ref_model=True``; a ``BEMACallback`` built to update
-  the reference, where TRL's has that option): cached log-probs would go stale.
+  ``SyncRefModelCallback``, added by ``sync_ref_model=True``; the ``BEMACallback`` of
+  ``trl.experimental.bema_for_ref_model`` with ``update_ref_model=True``): cached log-probs
+  would go stale.
 """
 
 from __future__ import annotations

@@ -16,12 +16,12 @@ import pytest
 pytest.importorskip("trl")
 
 from transformers import Trainer, TrainingArguments
-from trl import BEMACallback
+from trl import BEMACallback, DPOConfig
 
 from graphsplit.errors import SplitError
 from graphsplit.integrations.transformers import split_trainer
 from graphsplit.integrations.trl import cache_reference_log_probs
-from tests.integrations.dpo import make_dpo_trainer, preference_pairs, tiny_qwen2
+from tests.integrations.dpo import make_dpo_trainer, preference_pairs, tiny_qwen2, word_tokenizer
 from tests.integrations.unseen4_kto import make_kto_trainer, unpaired_preferences
 
 FIX_LINE = "  fix:    "
@@ -89,15 +89,21 @@ def test_a_dpo_trainer_that_syncs_its_reference_is_refused(tmp_path):
 
 
 def test_a_bema_callback_that_updates_the_reference_is_refused(tmp_path):
-    """TRL's ``BEMACallback`` takes ``update_ref_model=True`` in versions that have the option
-    (it then overwrites the reference with the BEMA weights); this TRL's has it as an
-    attribute at most, so it is set as such a version sets it."""
-    callback = BEMACallback()
-    callback.update_ref_model = True
-    trainer = make_dpo_trainer(str(tmp_path / "out"), preference_pairs(4))
-    trainer.add_callback(callback)
+    """TRL's BEMA-for-the-reference recipe (``trl.experimental.bema_for_ref_model``): its
+    ``DPOTrainer`` hands the callbacks the reference model, and ``update_ref_model=True``
+    overwrites it with the policy's BEMA weights every ``ref_model_update_freq`` steps."""
+    bema = pytest.importorskip("trl.experimental.bema_for_ref_model")
+    trainer = bema.DPOTrainer(
+        model=tiny_qwen2(1),
+        ref_model=tiny_qwen2(2),
+        args=DPOConfig(str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=1),
+        train_dataset=preference_pairs(4),
+        processing_class=word_tokenizer(),
+        callbacks=[bema.BEMACallback(update_ref_model=True, ref_model_update_freq=2)],
+    )
     message = _refusal(cache_reference_log_probs, trainer, tmp_path / "ref")
     assert "a BEMACallback with update_ref_model=True overwrites the reference model" in message
+    assert FIX_LINE + "train with a fixed reference" in message
 
 
 def test_a_bema_callback_that_leaves_the_reference_alone_is_cached(tmp_path):
