@@ -200,13 +200,20 @@ def split(
         return _split_traced(model, args, kwargs, frozen, recompute, max_plans)
     except (TraceError, SplitError) as refusal:
         try:
-            return split_calls(model, args, kwargs, frozen=frozen, reason=str(refusal))
+            return split_calls(model, args, kwargs, frozen=frozen, reason=_whole_message(refusal))
         except Exception as calls_refusal:  # the step may not even run eagerly (meta weights)
+            why = getattr(calls_refusal, "reason", None) or str(calls_refusal)
             refusal.add_note(
                 'graphsplit also tried the module-level path (path="calls"), which refused '
-                f"too: {getattr(calls_refusal, 'reason', str(calls_refusal)).splitlines()[0]}"
+                f"too: {why}"
             )
             raise refusal from calls_refusal
+
+
+def _whole_message(error: BaseException) -> str:
+    """``str(error)`` and its notes (``add_note``), as a traceback shows them: the reason the
+    module-level path's report quotes for the trace's refusal."""
+    return "\n".join([str(error), *getattr(error, "__notes__", [])])
 
 
 def _split_traced(

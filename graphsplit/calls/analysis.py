@@ -171,11 +171,14 @@ def judge(
     batch_size: int,
     alone: Probe | None = None,
     reordered: Reordered | None = None,
+    moved: Probe | None = None,
 ) -> list[CallVerdict]:
-    """Each call of ``first``, judged against the same call of ``second`` (another seed) and
-    of ``alone`` (the batch's last sample run by itself; None at batch size 1), or, where the
-    step cannot run one sample alone, of ``reordered`` (runs at the batch's own size with its
-    samples reordered and repeated, :mod:`.reordered`).
+    """Each call of ``first``, judged against the same call of ``second`` (another seed, the
+    trainable parameters moved: :func:`.provenance.moved`) and of ``alone`` (the batch's last
+    sample run by itself; None at batch size 1), or, where the step cannot run one sample
+    alone, of ``reordered`` (runs at the batch's own size with its samples reordered and
+    repeated, :mod:`.reordered`). ``moved`` (``first``'s seed, the parameters moved; None when
+    no call's inputs differ in ``second``) tells which differences the move made.
 
     A call with a batched input caches per sample: its last row must be what the last sample
     gives alone (else it mixes samples). A call without one would be stored once, as a
@@ -188,6 +191,8 @@ def judge(
         others = reordered.probes if reordered is not None else []
         _narrow(call, [first, second, alone, *others], batch_size)
         verdict = _judge(seen, second.calls.get(call), batch_size)
+        if verdict.verdict is Verdict.RANDOM_INPUT and moved_by_training(seen, moved):
+            verdict = CallVerdict(call[0], call[1], Verdict.TRAINABLE_VALUE)
         if verdict.cached and reordered is not None:
             batched = is_batched(seen.inputs.tensors(), batch_size)
             if batched or seen.inputs.tensors():
@@ -209,6 +214,28 @@ def judge(
                 verdict = CallVerdict(call[0], call[1], Verdict.NOT_PER_SAMPLE, detail)
         verdicts.append(verdict)
     return verdicts
+
+
+def any_input_differs(first: Probe, second: Probe) -> bool:
+    """Whether a call of ``first`` without autograd history has other inputs in ``second``
+    (or is not made there): a call :func:`judge` would find depends on a draw or, with
+    ``moved``, on the trainable parameters."""
+    for call, seen in first.calls.items():
+        other = second.calls.get(call)
+        if not seen.trainable_input and (
+            other is None or seen.inputs.difference(other.inputs) is not None
+        ):
+            return True
+    return False
+
+
+def moved_by_training(seen: ProbedCall, moved: Probe | None) -> bool:
+    """Whether the call's inputs changed (or it was not made) when only the trainable
+    parameters moved: the same seed as ``seen``'s run, so no draw differs."""
+    if moved is None:
+        return False
+    other = moved.calls.get(seen.call)
+    return other is None or seen.inputs.difference(other.inputs) is not None
 
 
 # A row of a batched kernel and the same row computed alone may differ in the last bits

@@ -1,6 +1,7 @@
 """``split_calls``: make a module-level split (see :mod:`graphsplit.calls`).
 
-as_step_module -> frozen modules -> probe twice (seeds 0, 1) -> verdicts -> CallPlan
+as_step_module -> frozen modules -> probe twice (seeds 0, 1; the trainable weights moved in
+    the second, and a third run, seed 0 moved, when a call's inputs differ) -> verdicts -> CallPlan
     -> CallStage1 / CallStage2 -> CallSplit
 """
 
@@ -17,7 +18,7 @@ from torch import nn
 
 from graphsplit.artifacts import BoundarySpec
 from graphsplit.calls import generators
-from graphsplit.calls.analysis import batch_dim, is_batched, judge, probe
+from graphsplit.calls.analysis import any_input_differs, batch_dim, is_batched, judge, probe
 from graphsplit.calls.call_plan import (
     CachedCall,
     CallPlan,
@@ -30,6 +31,7 @@ from graphsplit.calls.call_plan import (
 from graphsplit.calls.call_report import CallSplit
 from graphsplit.calls.field_reads import SHAPE, VALUE
 from graphsplit.calls.module_calls import CallId, frozen_modules, key_of, needed_routes
+from graphsplit.calls.provenance import MOVED, moved
 from graphsplit.calls.reordered import probe_reordered, take
 from graphsplit.calls.stages import CallStage1, CallStage2
 from graphsplit.calls.unstored_inputs.derivation import Derivation, unstored_inputs
@@ -89,13 +91,26 @@ def split_calls(
         for spec in inputs
         if spec.kind == "tensor" and batch_dim(values[spec.name], batch_size) == 0
     }
+    moving = [param for name, param in named if name in trainable]
+    in_moved_run = False
     try:
         with _grad_flags(named, trainable):
             usages = [Derivation(roots), Derivation(roots)]
-            first, second = (
-                probe(module, step.args, step.kwargs, routed, seed, batch_size, usage)
-                for seed, usage in zip(SEEDS, usages)
-            )
+            first = probe(module, step.args, step.kwargs, routed, SEEDS[0], batch_size, usages[0])
+            # The second run also moves the trainable weights (.provenance.moved): a frozen call
+            # fed them under no_grad has no autograd record, but its inputs then differ.
+            in_moved_run = True
+            with moved(moving):
+                second = probe(
+                    module, step.args, step.kwargs, routed, SEEDS[1], batch_size, usages[1]
+                )
+                # Which differences the move made, not a draw: the first seed again.
+                changed = (
+                    probe(module, step.args, step.kwargs, routed, SEEDS[0], batch_size)
+                    if any_input_differs(first, second)
+                    else None
+                )
+            in_moved_run = False
             alone, reordered = None, None
             if batch_size > 1:
                 one = _last_sample(signature, values, batch_size)
@@ -112,16 +127,8 @@ def split_calls(
     except GraphsplitError:
         raise
     except Exception as error:  # the user's step itself failed on the example batch
-        raise user_error(
-            SplitError,
-            "the module-level path runs the step on the example batch, and the step raised "
-            f"{type(error).__name__}: {error}",
-            fix=Fix(
-                "pass an example batch the step runs on, with the frozen weights loaded (not "
-                "on meta); the step must run outside torch.inference_mode()"
-            ),
-        ) from error
-    verdicts = judge(first, second, batch_size, alone, reordered)
+        raise _step_failed(error, in_moved_run) from error
+    verdicts = judge(first, second, batch_size, alone, reordered, changed)
     candidates = {(v.path, v.index) for v in verdicts if v.cached}
     if not candidates:
         listed = "\n".join(v.line() for v in verdicts) or "  (the step calls no frozen module)"
@@ -183,8 +190,11 @@ def split_calls(
         model_name=type(module).__name__,
         reason=reason,
         notes=[
-            "inputs were compared between two runs under seeds 0 and 1: a random branch both "
-            "runs took alike (a rare drop) is not seen; draw such choices after the frozen calls",
+            "inputs were compared between two runs under seeds 0 and 1, the second with the "
+            "trainable parameters moved: a random branch both runs took alike (a rare drop) "
+            "is not seen (draw such choices after the frozen calls), nor a value that depends "
+            "on the trainable parameters only through a choice the move left as it was (an "
+            "argmax)",
             *_input_notes(inputs, stored_inputs),
         ],
         _model=module,
@@ -194,6 +204,31 @@ def split_calls(
 def _inside(path: str, paths: frozenset[str]) -> bool:
     """Whether ``path`` is one of ``paths`` or a submodule of one."""
     return any(path == other or path.startswith(other + ".") for other in paths)
+
+
+def _step_failed(error: Exception, in_moved_run: bool) -> GraphsplitError:
+    """The refusal when the step raised during a probe (``in_moved_run``: the one with the
+    trainable parameters moved, :func:`.provenance.moved`)."""
+    if in_moved_run:
+        return user_error(
+            SplitError,
+            f"the module-level path runs the step with its trainable parameters moved ({MOVED}"
+            ") on the example batch, to find frozen calls fed from them under no_grad, and "
+            f"the step raised {type(error).__name__}: {error}",
+            fix=Fix(
+                "let the step run with other trainable weights, as it must after an optimizer "
+                "step (check the weights' values outside the step)"
+            ),
+        )
+    return user_error(
+        SplitError,
+        "the module-level path runs the step on the example batch, and the step raised "
+        f"{type(error).__name__}: {error}",
+        fix=Fix(
+            "pass an example batch the step runs on, with the frozen weights loaded (not "
+            "on meta); the step must run outside torch.inference_mode()"
+        ),
+    )
 
 
 def _input_notes(inputs: tuple[Any, ...], stored: dict[str, str]) -> list[str]:

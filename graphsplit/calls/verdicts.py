@@ -12,6 +12,7 @@ class Verdict(enum.Enum):
 
     CACHED = "cached"
     TRAINABLE_INPUT = "trainable-input"
+    TRAINABLE_VALUE = "trainable-value"
     RANDOM_INPUT = "random-input"
     DRAWS_ITSELF = "draws-itself"
     MUTATED = "mutated"
@@ -29,6 +30,11 @@ _WHY = {
     Verdict.CACHED: "cached: its inputs are a function of the sample alone",
     Verdict.TRAINABLE_INPUT: (
         "an input depends on a trainable parameter (it carries autograd history)"
+    ),
+    Verdict.TRAINABLE_VALUE: (
+        "an input depends on a trainable parameter without autograd's record (computed under "
+        "no_grad or detached): it changed when the trainable parameters were moved, so a "
+        "cached value would go stale once training moves them"
     ),
     Verdict.RANDOM_INPUT: (
         "an input differs between two runs under different seeds (it depends on a random "

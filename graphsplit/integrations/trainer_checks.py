@@ -1,11 +1,11 @@
 """What :func:`graphsplit.integrations.transformers.split_trainer` checks before it runs a model.
 
-A trainer is refused up front where its cache could not stand in for the unsplit run: a
-trainer that builds its own batches (on-policy distillation generates them during training),
-a train dataset without indices, a collator whose padding depends on more than the samples
-themselves (a row cached at one batch's padding cannot stand in for the sample in another;
-padding to the batch's longest is grouped instead, :mod:`.trainer_groups`), and options a
-first epoch that writes the cache cannot honour.
+A trainer is refused up front where its cache could not stand in for the unsplit run: TRL's
+preference trainers (:mod:`.trl_checks`), a trainer that builds its own batches (on-policy
+distillation generates them during training), a train dataset without indices, a collator
+whose padding depends on more than the samples themselves (a row cached at one batch's padding
+cannot stand in for the sample in another; padding to the batch's longest is grouped instead,
+:mod:`.trainer_groups`), and options a first epoch that writes the cache cannot honour.
 Kept apart from the integration itself so that each file has one job: what is refused and
 why here, how the trainer trains from the cache there.
 """
@@ -26,6 +26,7 @@ from graphsplit.integrations.trainer_groups import (
     Indexed,
     PaddingGroups,
 )
+from graphsplit.integrations.trl_checks import refuse_preference_trainers
 
 __all__ = [
     "BATCH_BUILDING_METHODS",
@@ -94,6 +95,7 @@ def dataset_and_collator(trainer: Any, description: str) -> tuple[Any, Any]:
 
 
 def check_trainer(trainer: Any) -> None:
+    refuse_preference_trainers(trainer)  # before the others: its own reason, its own tool
     dataset = trainer.train_dataset
     if dataset is None or isinstance(dataset, torch.utils.data.IterableDataset):
         raise user_error(

@@ -177,7 +177,9 @@ def split_trainer(
         :class:`TrainerSplit`.
 
     Raises:
-        SplitError: the trainer has no map-style train dataset, builds its batches itself
+        SplitError: the trainer is TRL's ``DPOTrainer`` (its tool is
+            :func:`graphsplit.integrations.trl.cache_reference_log_probs`) or ``KTOTrainer``,
+            has no map-style train dataset, builds its batches itself
             (overrides ``_prepare_inputs``, ``get_train_dataloader`` or ``_get_train_sampler``,
             as TRL's on-policy distillation trainers do), or uses a sampling strategy that
             regroups batches itself (``batch_rebalance``).

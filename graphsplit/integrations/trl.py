@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader
 
 from graphsplit.api import Split, split
 from graphsplit.caching import CachedDataset, CacheInfo, cache
-from graphsplit.errors import Fix, SplitError, user_error
+from graphsplit.integrations.trl_checks import check_reference_trainer
 from graphsplit.planning.rules.random_draws import generator_states, set_generator_states
 
 __all__ = ["ReferenceCache", "ReferenceLogProbs", "cache_reference_log_probs"]
@@ -109,10 +109,12 @@ def cache_reference_log_probs(
         :class:`ReferenceCache`.
 
     Raises:
-        SplitError: the trainer already precomputes, has no ``ref_model``, or uses
-            ``ld_alpha`` or a vision dataset.
+        SplitError: the trainer is not a ``DPOTrainer`` (a ``KTOTrainer``'s reference
+            log-probs include its KL pairs': ``KTOConfig(precompute_ref_log_probs=True)``),
+            already precomputes, has no ``ref_model``, uses ``ld_alpha`` or a vision dataset,
+            or updates its reference model during training (``sync_ref_model=True``).
     """
-    _check_trainer(trainer)
+    check_reference_trainer(trainer)
     states = generator_states()  # the trainer's seeded generators, as the unsplit run has them
     try:
         reference = ReferenceLogProbs(trainer)
@@ -167,24 +169,3 @@ def _pair_loader(trainer: Any, dataset: Any) -> DataLoader:
 
 
 _FIELDS = ("input_ids", "attention_mask", "completion_mask")
-
-
-def _check_trainer(trainer: Any) -> None:
-    problem = None
-    if getattr(trainer, "precompute_ref_logps", False):
-        problem = "already precomputes its reference log-probs (precompute_ref_log_probs=True)"
-    elif trainer.ref_model is None:
-        problem = "has no ref_model (a PEFT policy's adapter-less base is its reference)"
-    elif getattr(trainer, "ld_alpha", None) is not None:
-        problem = "uses ld_alpha, whose reference log-probs depend on the pair's lengths"
-    elif getattr(trainer, "_is_vision_dataset", False):
-        problem = "has a vision dataset"
-    if problem is not None:
-        raise user_error(
-            SplitError,
-            f"cache_reference_log_probs cannot cache this DPOTrainer's reference: it {problem}.",
-            fix=Fix(
-                "build the DPOTrainer with precompute_ref_log_probs=False and a ref_model, "
-                "without ld_alpha, on a text dataset"
-            ),
-        )

@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 import graphsplit
+import graphsplit.api
+from graphsplit.errors import Fix, user_error
 
 
 class PerSampleLoop(nn.Module):
@@ -75,6 +77,36 @@ def test_when_both_paths_refuse_the_trace_error_is_raised_with_the_calls_refusal
     assert "encoder call 0: an input differs between two runs" in str(error.__cause__)
     notes = "\n".join(getattr(error, "__notes__", []))
     assert 'also tried the module-level path (path="calls"), which refused too' in notes
+    # The calls path's whole reason, its verdict list included (not its first line alone).
+    assert "no frozen module call whose inputs are a function of the sample alone:\n" in notes
+    assert "encoder call 0: an input differs between two runs under different seeds" in notes
+
+
+def test_the_report_quotes_the_traces_whole_refusal_its_notes_included(monkeypatch):
+    """A trace refusal may carry notes (a value not every sample shares adds the bucketing
+    fix as one): the fallback's reason is the refusal as a traceback shows it."""
+    refusal = user_error(
+        graphsplit.TraceError,
+        "the step reads a tensor's value",
+        fix=Fix("read it after the frozen calls"),
+        source="step.py:12  if x.sum() > 0:",
+    )
+    refusal.add_note("the value differs between samples: batch by it")
+
+    def refuse(*args, **kwargs):
+        raise refusal
+
+    monkeypatch.setattr(graphsplit.api, "_split_traced", refuse)
+    split = graphsplit.split(PerSampleLoop(), example())
+    assert split.reason == str(refusal) + "\nthe value differs between samples: batch by it"
+    lines = split.report().splitlines()
+    start = lines.index("path: calls, because the whole-step trace refused the step:")
+    assert lines[start + 1 : start + 5] == [
+        "    the step reads a tensor's value",
+        "      source: step.py:12  if x.sum() > 0:",
+        "      fix:    read it after the frozen calls",
+        "    the value differs between samples: batch by it",
+    ]
 
 
 def test_an_unknown_path_is_refused_with_the_paths_there_are():

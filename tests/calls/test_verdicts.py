@@ -34,6 +34,35 @@ class TrainableInput(Frozen):
         return self.head(self.encoder(self.adapter(x))).sum()
 
 
+class TrainableUnderNoGrad(Frozen):
+    """The adapter's output reaches the encoder under no_grad: no autograd record, yet cached
+    it would go stale once the adapter trains."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            h = self.encoder(self.adapter(x))
+        return self.head(h).sum() + self.adapter(x).sum()
+
+
+class TrainableDetached(Frozen):
+    def forward(self, x):
+        return self.head(self.encoder(self.adapter(x).detach())).sum() + self.adapter(x).sum()
+
+
+class ZeroGate(Frozen):
+    """A zero-initialised trainable gate (LoRA's ``B``, a ControlNet's zero convolution): the
+    encoder's input does not depend on it at all until it trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.zeros(HIDDEN))
+
+    def forward(self, x):
+        with torch.no_grad():
+            h = self.encoder(x + self.gate * x)
+        return self.head(h).sum() + self.gate.sum()
+
+
 class RandomInput(Frozen):
     def forward(self, x):
         return self.head(self.encoder(x + torch.randn_like(x))).sum()
@@ -126,6 +155,9 @@ class Describing(nn.Module):
 
 CASES = [
     (TrainableInput, Verdict.TRAINABLE_INPUT, "trainable parameter"),
+    (TrainableUnderNoGrad, Verdict.TRAINABLE_VALUE, "without autograd's record"),
+    (TrainableDetached, Verdict.TRAINABLE_VALUE, "without autograd's record"),
+    (ZeroGate, Verdict.TRAINABLE_VALUE, "without autograd's record"),
     (RandomInput, Verdict.RANDOM_INPUT, "different seeds"),
     (NumpyInput, Verdict.RANDOM_INPUT, "different seeds"),
     (PythonRandomInput, Verdict.RANDOM_INPUT, "different seeds"),
@@ -146,6 +178,27 @@ def test_a_call_that_cannot_be_cached_is_refused_with_its_verdict(step_class, ve
     assert f"encoder call 0: {verdict.why}" in message
     assert words in message
     assert "fix:" in message
+
+
+class ChecksItsWeights(Frozen):
+    """A step that refuses weights it did not expect (a sanity check at its first step)."""
+
+    def forward(self, x):
+        if not torch.equal(self.adapter.bias, self.expected):
+            raise ValueError("the adapter's bias is not the one it was initialised with")
+        return self.head(self.encoder(x)).sum() + self.adapter(x).sum()
+
+
+def test_a_step_that_fails_with_its_weights_moved_is_refused_naming_the_move():
+    step = ChecksItsWeights()
+    step.expected = step.adapter.bias.detach().clone()
+    with pytest.raises(graphsplit.SplitError) as caught:
+        graphsplit.split(step, (torch.randn(3, HIDDEN),), path="calls")
+    message = str(caught.value)
+    assert "runs the step with its trainable parameters moved (each trainable" in message
+    assert "ValueError: the adapter's bias is not the one it was initialised with" in message
+    assert "fix:    let the step run with other trainable weights" in message
+    assert torch.equal(step.adapter.bias, step.expected)  # put back
 
 
 class HalfCached(Frozen):
