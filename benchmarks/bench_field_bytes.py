@@ -117,7 +117,10 @@ def measure(name: str) -> dict[str, Any]:
     step, args, path = _case(name)
     split = graphsplit.split(step, args, path=path)
     assert split.path == "calls", split.path
-    inputs = set(split.input_names)
+    # The step's inputs cross either way; one only cached calls compute with crosses as its
+    # shape (``<input>__shape``, graphsplit/calls/unstored_inputs), counted with the inputs.
+    unstored = getattr(split.plan, "unstored", ())
+    inputs = set(split.input_names) | {f"{name}__shape" for name in unstored}
     outputs = [spec for spec in split.boundary.values() if spec.name not in inputs]
     not_stored = getattr(split.plan, "not_stored", {})
     return {

@@ -283,6 +283,9 @@ def _batch(indices, *, caption: bool) -> dict:
 
 CACHED = {
     "vae_encoder__0__out",
+    # Only the cached VAE encoder computes with the pixels: stage 2 holds a stand-in, the cache
+    # their shape (calls/unstored_inputs).
+    "pixel_values__shape",
     # The frozen work on the prompt embeddings inside the transformer: the caption projection
     # and norm, and the frozen base layers of the LoRA'd cross-attention key and value.
     "transformer_caption_projection__0__out",

@@ -491,7 +491,12 @@ def test_instance_prompt_caches_the_vae():
     assert_stage2_trains_the_transformer_alone(split, parts.transformer)
     cached = {key for key in split.boundary if key not in split.input_names}
     # The VAE's encoder and the frozen context embedder over the closure's constant prompts.
-    assert cached == {"vae_encoder__0__out", "transformer_context_embedder__0__out"}
+    # Only the cached VAE encoder computes with the pixels: their shape is stored, not they.
+    assert cached == {
+        "vae_encoder__0__out",
+        "transformer_context_embedder__0__out",
+        "pixel_values__shape",
+    }
     # At one row a batch, the constant prompt's projection is stored with every row (exact;
     # a batch of one cannot tell a constant from a sample's own value).
     assert split.boundary["transformer_context_embedder__0__out"].shape == (1, 89, 32)
@@ -507,7 +512,7 @@ def test_instance_prompt_with_prior_preservation_caches_the_vae():
     # embeddings have two rows); the per-sample proof then runs the batch reordered at its own
     # size, and the VAE's encoder, called on both rows, is cached per row.
     cached = {key: spec for key, spec in split.boundary.items() if key not in split.input_names}
-    assert list(cached) == ["vae_encoder__0__out"]
+    assert list(cached) == ["pixel_values__shape", "vae_encoder__0__out"]
     assert (
         cached["vae_encoder__0__out"].shape[0] == 2 and cached["vae_encoder__0__out"].batch_dim == 0
     )
@@ -525,6 +530,7 @@ def test_captions_encoded_in_the_step_cache_the_three_text_encoders(size):
     assert_stage2_trains_the_transformer_alone(split, parts.transformer)
     cached = {key.split("__")[0] for key in split.boundary if key not in split.input_names}
     assert cached == {
+        "pixel_values",  # pixel_values__shape: only the cached VAE encoder reads the pixels
         "vae_encoder",
         "transformer_context_embedder",
         "text_encoders_0",  # CLIP one

@@ -590,7 +590,18 @@ def _batch(indices) -> dict:
 
 
 def _cached(split) -> set[str]:
-    return {key for key in split.boundary if key not in split.input_names}
+    """The cached calls' outputs (an input only cached calls compute with crosses as its
+    shape, ``<input>__shape``: :func:`_unstored`)."""
+    shapes = {f"{name}__shape" for name in split.plan.unstored}
+    return {key for key in split.boundary if key not in split.input_names and key not in shapes}
+
+
+def _unstored(split) -> set[str]:
+    """The inputs whose values are not stored: only cached calls compute with them."""
+    unstored = set(split.plan.unstored)
+    assert {f"{name}__shape" for name in unstored} <= set(split.boundary)
+    assert not unstored & set(split.boundary)
+    return unstored
 
 
 def test_the_trace_refuses_the_tokenizer_on_the_batchs_strings_naming_its_line():
@@ -616,6 +627,10 @@ def test_the_vae_on_both_images_and_the_text_encoders_are_cached(size):
     parts = build(train_text_encoder=False)
     split = split_and_verify(parts.step, (_batch(range(size)),))
     assert split.path == "calls"
+    assert _unstored(split) == {
+        "pixel_values",
+        "cond_pixel_values",
+    }  # only the cached VAE reads them
     cached = _cached(split)
     # Both VAE calls (target and conditioning image) answered from the cache, CLIP's pooled
     # output and T5's hidden states too.
@@ -671,6 +686,10 @@ def test_train_text_encoder_keeps_clip_in_stage2_and_caches_t5_and_the_vae():
     parts = build(train_text_encoder=True)
     split = split_and_verify(parts.step, (_batch([0]),))
     assert split.path == "calls"
+    assert _unstored(split) == {
+        "pixel_values",
+        "cond_pixel_values",
+    }  # only the cached VAE reads them
     assert _cached(split) == {
         "vae_encoder__0__out",
         "vae_encoder__1__out",

@@ -314,7 +314,8 @@ def test_the_image_encoder_on_the_dropped_images_is_cached_one_hidden_state_stor
 def test_a_dropped_image_is_encoded_as_zeros_in_stage1():
     """The cache holds the encoder's output on the *zeroed* image for a dropped sample: the
     same sample cached with and without its drop differs, and the dropped row equals the
-    encoder's output on a zero image."""
+    encoder's output on a zero image in the same row of a batch of the same size (CPU kernels
+    may round a row otherwise at another position in the batch, so rows are compared in place)."""
     parts = build()
     split = graphsplit.split(parts.step, (_batch([0, 1], [0, 1]),))
     key = "image_encoder__0__hidden_states__1"
@@ -322,7 +323,8 @@ def test_a_dropped_image_is_encoded_as_zeros_in_stage1():
     dropped = split.stage1(**_batch([2, 3], [1, 0]))[key]
     assert not torch.equal(kept[0], dropped[0]) and torch.equal(kept[1], dropped[1])
     zeros = split.stage1(**_batch([4, 5], [1, 1]))[key]
-    assert torch.equal(dropped[0], zeros[0]) and torch.equal(zeros[0], zeros[1])
+    assert torch.equal(dropped[0], zeros[0])
+    assert torch.equal(split.stage1(**_batch([6, 7], [0, 1]))[key][1], zeros[1])
 
 
 def test_cache_round_trip(tmp_path):
