@@ -141,7 +141,9 @@ def split(
             process may build every frozen module on ``meta``. ``"auto"``: stage 2 may redo a
             frozen layer whose inputs it has anyway (a LoRA'd layer's base projection, an
             embedding lookup) when the cache bytes per sample saved outweigh the FLOPs and the
-            frozen weights stage 2 must then hold; ``report()`` shows the trade.
+            frozen weights stage 2 must then hold; ``report()`` shows the trade. Both paths:
+            the module-level path redoes such a layer's cached calls (verdict
+            ``recomputed``), and with ``"never"`` its report says what ``"auto"`` would save.
         max_plans: how many plans the split may make. Where the step turns a size or a value
             read from frozen data into a Python constant (``int(width * 8)``, ``if
             h.shape[-1] % 16``, ``.tolist()``), a plan holds for one value of it; a batch with
@@ -193,14 +195,21 @@ def split(
         )
     refuse_ragged_lists(model, args, kwargs)  # neither path lines a per-sample list up
     if path == "calls":
-        return split_calls(model, args, kwargs, frozen=frozen)
+        return split_calls(model, args, kwargs, frozen=frozen, recompute=recompute)
     if path == "trace":
         return _split_traced(model, args, kwargs, frozen, recompute, max_plans)
     try:
         return _split_traced(model, args, kwargs, frozen, recompute, max_plans)
     except (TraceError, SplitError) as refusal:
         try:
-            return split_calls(model, args, kwargs, frozen=frozen, reason=_whole_message(refusal))
+            return split_calls(
+                model,
+                args,
+                kwargs,
+                frozen=frozen,
+                reason=_whole_message(refusal),
+                recompute=recompute,
+            )
         except Exception as calls_refusal:  # the step may not even run eagerly (meta weights)
             why = getattr(calls_refusal, "reason", None) or str(calls_refusal)
             refusal.add_note(

@@ -32,6 +32,7 @@ from graphsplit.calls.call_report import CallSplit
 from graphsplit.calls.field_reads import SHAPE, VALUE
 from graphsplit.calls.module_calls import CallId, frozen_modules, key_of, needed_routes
 from graphsplit.calls.provenance import MOVED, moved
+from graphsplit.calls.recomputed import Redone, redone_calls
 from graphsplit.calls.reordered import probe_reordered, take
 from graphsplit.calls.stages import CallStage1, CallStage2
 from graphsplit.calls.unstored_inputs.derivation import Derivation, unstored_inputs
@@ -41,7 +42,7 @@ from graphsplit.calls.usage import (
     needed_tensors,
     unused_modules,
 )
-from graphsplit.calls.verdicts import CallVerdict, every_call_cached
+from graphsplit.calls.verdicts import CallVerdict, Verdict, every_call_cached
 from graphsplit.errors import Fix, GraphsplitError, SplitError, user_error
 from graphsplit.planning.rules.random_draws import own_generators
 from graphsplit.planning.step.callables import as_step_module
@@ -59,6 +60,7 @@ def split_calls(
     *,
     frozen: FrozenSpec = None,
     reason: str = "",
+    recompute: str = "never",
 ) -> CallSplit:
     """Split a step at its frozen module calls whose inputs are a function of the sample alone.
 
@@ -142,6 +144,19 @@ def split_calls(
                 "and draw random numbers after those calls"
             ),
         )
+    # A frozen layer computing from what stage 2 reads anyway may be cheaper to redo there.
+    redone = redone_calls(
+        candidates,
+        [first, second],
+        usages,
+        routed,
+        roots,
+        batch_size,
+        lambda cached: _stored_bytes(cached, [first, second], usages, verdicts, roots, batch_size),
+    )
+    if recompute == "auto" and redone.calls:
+        candidates -= redone.calls
+        verdicts = [_redone_verdict(v, redone) for v in verdicts]
     # Stage 2 holds what it computes with, the cache what stage 2 reads (see .usage).
     uses = field_uses([first, second], usages, candidates)
     inner = inner_calls([first, second], usages, uses)
@@ -196,6 +211,7 @@ def split_calls(
             "on the trainable parameters only through a choice the move left as it was (an "
             "argmax)",
             *_input_notes(inputs, stored_inputs),
+            *_recompute_notes(redone, recompute),
         ],
         _model=module,
     )
@@ -229,6 +245,56 @@ def _step_failed(error: Exception, in_moved_run: bool) -> GraphsplitError:
             "on meta); the step must run outside torch.inference_mode()"
         ),
     )
+
+
+def _stored_bytes(
+    cached: set[CallId],
+    probes: list[Any],
+    usages: list[Any],
+    verdicts: list[CallVerdict],
+    roots: dict[str, torch.Tensor],
+    batch_size: int,
+) -> int:
+    """The cache's bytes per sample were ``cached`` the cached calls: the fields stage 2 reads
+    of the calls it reads, and the inputs it computes with (constants not counted)."""
+    uses = field_uses(probes, usages, cached)
+    inner = inner_calls(probes, usages, uses)
+    unstored, _ = unstored_inputs(usages, [probe.result for probe in probes], cached)
+    copied = {(v.path, v.index): v.copied for v in verdicts}
+    tensors = [tensor for name, tensor in roots.items() if name not in unstored]
+    for call in cached - inner.keys():
+        for name, tensor in probes[0].calls[call].tensors.items():
+            if uses[call].get(name, VALUE) == VALUE or name in copied.get(call, ()):
+                tensors.append(tensor)
+    return sum(
+        tensor.numel() * tensor.element_size() // batch_size
+        for tensor in tensors
+        if batch_dim(tensor, batch_size) == 0
+    )
+
+
+def _redone_verdict(verdict: CallVerdict, redone: Redone) -> CallVerdict:
+    trade = redone.trade_of((verdict.path, verdict.index))
+    if trade is None:
+        return verdict
+    detail = (
+        f"with the {len(trade.calls)} call(s) taking the same inputs: {trade.saved} bytes per "
+        f"sample not stored, for a price of {trade.price} byte-equivalents"
+    )
+    return dataclasses.replace(verdict, verdict=Verdict.RECOMPUTED, detail=detail, copied=())
+
+
+def _recompute_notes(redone: Redone, recompute: str) -> list[str]:
+    """The report's line on the frozen layers stage 2 could redo instead of storing them."""
+    if recompute == "auto" or not redone.calls:
+        return []
+    saved = sum(trade.saved for trade in redone.trades)
+    return [
+        f"recompute='auto' would have stage 2 redo {len(redone.calls)} cached frozen layer "
+        f"call(s) computing from what it reads anyway, storing {saved} fewer bytes per sample "
+        "(stage 2 then holds their weights and runs their FLOPs, priced as the whole-step "
+        "trace prices a frozen layer)"
+    ]
 
 
 def _input_notes(inputs: tuple[Any, ...], stored: dict[str, str]) -> list[str]:

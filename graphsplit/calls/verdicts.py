@@ -19,6 +19,7 @@ class Verdict(enum.Enum):
     NON_TENSOR = "non-tensor"
     NOT_PER_SAMPLE = "not-per-sample"
     MIXES_SAMPLES = "mixes-samples"
+    RECOMPUTED = "recomputed"
 
     @property
     def why(self) -> str:
@@ -50,6 +51,10 @@ _WHY = {
     Verdict.MIXES_SAMPLES: (
         "a sample's output differs when the sample runs alone (the call mixes the samples "
         "of a batch, as batch statistics do), so a cached row would depend on its batch"
+    ),
+    Verdict.RECOMPUTED: (
+        "redone in stage 2 (recompute='auto'): one frozen layer computing from what stage 2 "
+        "reads from the cache anyway, cheaper to run than to store its output"
     ),
 }
 
