@@ -115,8 +115,12 @@ def redone_calls(
 
 
 def _one_layer(module: nn.Module | None) -> bool:
-    """A module with parameters of its own and no submodule holding any."""
+    """A module with parameters of its own and no submodule holding any; not one in training
+    mode with buffers (a batch norm's running statistics: running it again to count its FLOPs
+    would move them)."""
     if module is None or next(module.parameters(recurse=False), None) is None:
+        return False
+    if module.training and next(module.buffers(), None) is not None:
         return False
     return all(
         next(child.parameters(recurse=False), None) is None
@@ -142,11 +146,13 @@ def _sources(
     for probe, usage in zip(probes, usages):
         if call not in probe.calls:
             return None
+        # Only outputs made before the call: they are alive while it runs, so no temporary of
+        # its own can have had their id (a later output may reuse a freed temporary's id).
         named: dict[int, Source] = {id(tensor): name for name, tensor in roots.items()}
-        for other in cached - {call}:
-            seen = probe.calls.get(other)
-            for name, tensor in seen.tensors.items() if seen is not None else ():
-                named[id(tensor)] = (other, name)
+        for other in itertools.takewhile(lambda made: made != call, probe.calls):
+            if other in cached:
+                for name, tensor in probe.calls[other].tensors.items():
+                    named[id(tensor)] = (other, name)
         taken = usage.read.get(call, set()) - own
         found.add(frozenset(named[key] for key in taken if key in named) or frozenset([call]))
     return found.pop() if len(found) == 1 else None
