@@ -161,3 +161,28 @@ def test_two_samples_a_batch_are_refused_naming_the_fix(wan, tmp_path):
     assert "the step takes one raw sample per batch" in message
     assert "this batch holds 2" in message
     assert "DataLoader(dataset, batch_size=1)" in message
+
+
+def test_recompute_auto_redoes_the_cross_attention_projections_exactly(wan):
+    """By default the cache holds every block's frozen cross-attention key and value base
+    projections of the text embedding; recompute="auto" redoes them (and the VAE's conv1) in
+    stage 2 from what it reads anyway, priced as the whole-step trace prices a layer."""
+    step, data, split = wan
+    projections = [key for key in split.boundary if "cross_attn" in key]
+    assert len(projections) == 4 and all("base_layer" in key for key in projections)
+    assert "recompute='auto' would have stage 2 redo 5 cached frozen layer call(s)" in (
+        split.report()
+    )
+    auto = graphsplit.split(step, (data,), recompute="auto")
+    redone = [v.path for v in auto.plan.verdicts if v.verdict is Verdict.RECOMPUTED]
+    assert sorted(redone) == [
+        "pipe.dit.blocks.0.cross_attn.k.base_layer",
+        "pipe.dit.blocks.0.cross_attn.v.base_layer",
+        "pipe.dit.blocks.1.cross_attn.k.base_layer",
+        "pipe.dit.blocks.1.cross_attn.v.base_layer",
+        "pipe.vae.model.conv1",
+    ]
+    assert not [key for key in auto.boundary if "cross_attn" in key or "conv1" in key]
+    per_sample = [sum(s.bytes_per_sample for s in x.boundary.values()) for x in (split, auto)]
+    assert per_sample == [41068, 24684]
+    assert all(c.ok for c in graphsplit.verify(step, auto, (wan_sample(1),), seed=0))
