@@ -164,3 +164,38 @@ def test_auto_is_exact_and_never_stores_more_than_never(width, narrow, rows):
     assert (_verdicts(auto, Verdict.RECOMPUTED) == ["head"]) == (
         _per_sample(auto) < _per_sample(never)
     )
+
+
+class OnlyInTheStep(nn.Linear):
+    """A layer that runs only inside its step (as a hook wanting the step's state would)."""
+
+    inside = False
+
+    def forward(self, x):
+        if not OnlyInTheStep.inside:
+            raise RuntimeError("called outside the step")
+        return super().forward(x)
+
+
+class RunsItsLayerInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Sequential(nn.Linear(4, 2), nn.Tanh()).requires_grad_(False)
+        self.head = OnlyInTheStep(2, 32).requires_grad_(False)
+        self.out = nn.Linear(32, 1)
+
+    def forward(self, x):
+        OnlyInTheStep.inside = True
+        try:
+            return self.out(self.head(self.encoder(x))).square().mean()
+        finally:
+            OnlyInTheStep.inside = False
+
+
+def test_a_layer_that_does_not_run_alone_is_priced_out_and_stays_cached():
+    split = split_and_verify(
+        RunsItsLayerInside(), (torch.randn(3, 4),), path="calls", recompute="auto"
+    )
+    assert not _verdicts(split, Verdict.RECOMPUTED)
+    assert "head__0__out" in split.boundary

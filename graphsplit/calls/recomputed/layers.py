@@ -37,6 +37,8 @@ always stays (a module-level split caches something). Redoing is exact by constr
 from __future__ import annotations
 
 import itertools
+import math
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -173,14 +175,20 @@ def _price(
         for tensor in itertools.chain(modules[call[0]].parameters(), modules[call[0]].buffers())
     }
     held = sum(costs.weight_cost(t.numel() * t.element_size()) for t in weights.values())
+    if math.isinf(flops):
+        return sys.maxsize
     return costs.work_cost(flops / max(batch_size, 1)) + held
 
 
-def _flops(module: nn.Module, inputs: Any) -> int:
+def _flops(module: nn.Module, inputs: Any) -> float:
     """The call's FLOPs, counted by running the layer once more on the probe's copy of its
-    inputs (one layer: as cheap as the probe's own run of it)."""
+    inputs (one layer: as cheap as the probe's own run of it). A layer that does not run so
+    (a hook that wants more than its arguments) is priced out: infinitely many FLOPs."""
     args, kwargs = pytree.tree_unflatten(list(inputs.leaves), inputs.spec)
     counter = FlopCounterMode(display=False)
-    with torch.no_grad(), counter:
-        module(*args, **kwargs)
+    try:
+        with torch.no_grad(), counter:
+            module(*args, **kwargs)
+    except Exception:  # an optimisation's probe: the call stays cached, as without it
+        return math.inf
     return int(counter.get_total_flops())
