@@ -82,8 +82,14 @@ def same_value(a: Any, b: Any) -> bool:
             and a.device == b.device
             and torch.equal(a, b)
         )
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):  # a list of tensors: their == is elementwise
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_value(a[key], b[key]) for key in a)
     try:
-        return bool(type(a) is type(b) and a == b)
+        return bool(a == b)
     except Exception:  # an object that cannot be compared is not the same
         return a is b
 

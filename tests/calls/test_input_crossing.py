@@ -74,3 +74,17 @@ def test_a_batch_in_another_structure_than_the_example_is_named():
         "was made with a tuple of 2."
     ) in message
     assert "pass every batch in the same structure as the example batch" in message
+
+
+def test_a_constant_list_of_tensors_is_compared_tensor_by_tensor():
+    """diffusers' DreamBooth collate keeps the prompts' attention masks as a list of tensors;
+    held as a constant of the plan, a batch with equal masks passes (a list's ``==`` compares
+    tensors elementwise, which has no truth value) and one with another mask is refused."""
+    masks = [torch.tensor([[1, 1, 0]]), torch.tensor([[1, 0, 0]])]
+    spec = input_spec("attention_mask", masks, 3)
+    assert spec.kind == "constant"
+    spec.encode([mask.clone() for mask in masks])  # equal: no refusal
+    with pytest.raises(graphsplit.SplitError, match="the step's input 'attention_mask' is"):
+        spec.encode([masks[0], torch.tensor([[1, 1, 1]])])
+    with pytest.raises(graphsplit.SplitError, match="a non-tensor input is a constant"):
+        spec.encode((masks[0], masks[1]))
