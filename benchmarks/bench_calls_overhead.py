@@ -265,7 +265,9 @@ def _cached_batch(split: Any, folder: Path, rows: int) -> Batch:
     return collate([dataset[index] for index in range(rows)])
 
 
-def measure(case_name: str, size: str, rounds: int, batches: int) -> dict[str, Any]:
+def measure(
+    case_name: str, size: str, rounds: int, batches: int, recompute: str = "never"
+) -> dict[str, Any]:
     import torch
 
     import graphsplit
@@ -273,8 +275,8 @@ def measure(case_name: str, size: str, rounds: int, batches: int) -> dict[str, A
     case = CASES[case_name](size, batches)
     example = case.batches[0]
     rows = len(next(iter(example.values())))
-    calls = graphsplit.split(case.step, kwargs=example, path="calls")
-    traced = graphsplit.split(case.step, kwargs=example, path="trace")
+    calls = graphsplit.split(case.step, kwargs=example, path="calls", recompute=recompute)
+    traced = graphsplit.split(case.step, kwargs=example, path="trace", recompute=recompute)
     parameters = [p for p in case.step.parameters() if p.requires_grad]
     with tempfile.TemporaryDirectory() as folder:
         # Both stage 2s train on a batch read back from their own cache, as in a real loop.
@@ -356,6 +358,7 @@ def measure(case_name: str, size: str, rounds: int, batches: int) -> dict[str, A
         "stage1_traced_s": stage1.spread("traced stage 1", "cpu").to_json(),
         "samples": samples,
         "bytes_per_sample": {"calls": calls_bytes / samples, "traced": traced_bytes / samples},
+        "recompute": recompute,
     }
     if case.free_call is not None:
         result["free_call_over_hand"] = {
@@ -392,7 +395,8 @@ def to_markdown(results: list[dict[str, Any]]) -> str:
     ]
     rows = [
         [
-            f"{r['case']} ({r['size']})",
+            f"{r['case']} ({r['size']})"
+            + (f", recompute={r['recompute']}" if r.get("recompute", "never") != "never" else ""),
             f"{r['hand_step_s']['median'] * 1e3:.1f}",
             ratio_text(r["calls_over_hand"]["cpu"]),
             ratio_text(r["calls_over_hand"]["wall"]),
@@ -422,10 +426,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     command.add_argument("--size", choices=["tiny", "small"], default="tiny")
     command.add_argument("--batches", type=int, default=4, help="cached batches per path")
+    command.add_argument(
+        "--recompute", choices=["never", "auto"], default="never", help="split(recompute=...)"
+    )
     args = command.parse_args(argv)
     rounds, batches = (1, 1) if args.quick else (args.rounds, args.batches)
     with torch_threads(args.threads) as threads:
-        results = [measure(case, args.size, rounds, batches) for case in args.cases]
+        results = [measure(case, args.size, rounds, batches, args.recompute) for case in args.cases]
     payload = report(
         "calls_overhead",
         results,

@@ -96,6 +96,8 @@ NOT_RUN: dict[str, str] = {
     ),
     "python -m benchmarks.bench_calls_overhead --cases sd kd --rounds 40 --out "
     "benchmarks/results": _measurement("15 s, once per version compared"),
+    "python -m benchmarks.bench_calls_overhead --cases sd --rounds 30 --recompute auto --out "
+    "benchmarks/results": _measurement("15 s, once per setting compared"),
     "python -m benchmarks.bench_split_scale --sizes 10000 --rounds 5 --baseline 6108010 --out "
     "benchmarks/results": _measurement("2 minutes, with its baseline worktree"),
     "python -m benchmarks.bench_plan_scale --cases sdxl flux --rounds 3 --baseline 6108010 --out "
