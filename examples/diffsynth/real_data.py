@@ -91,37 +91,10 @@ class UnifiedLikeDataset(torch.utils.data.Dataset):
         return self.samples[index]
 
 
-class WanTrainingModule(DiffusionTrainingModule):
-    """train.py's ``WanTrainingModule`` for ``--task sft`` with a LoRA on ``dit``, tiny."""
-
-    def __init__(self, tokenizer_dir: Path) -> None:
-        super().__init__()
-        from diffsynth.models.wan_video_text_encoder import HuggingfaceTokenizer
-
-        pipe = tiny_wan_pipeline()
-        # What from_pretrained sets (seq_len 512 there), on a local tokenizer folder.
-        pipe.tokenizer = HuggingfaceTokenizer(
-            name=str(tokenizer_dir), seq_len=16, clean="whitespace"
-        )
-        # switch_pipe_to_training_mode for a LoRA on dit (DiffSynth's own calls).
-        pipe.scheduler.set_timesteps(1000, training=True)
-        pipe.freeze_except([])
-        pipe.dit = self.add_lora_to_model(
-            pipe.dit, target_modules=["q", "k", "v", "o", "ffn.0", "ffn.2"], lora_rank=4
-        )
-        self.pipe = pipe
-        # "Store other configs", as train.py; no checkpointing (a CPU float32 check).
-        self.use_gradient_checkpointing = False
-        self.use_gradient_checkpointing_offload = False
-        self.extra_inputs = []
-        self.task = "sft"
-        self.task_to_loss = {
-            "sft": lambda pipe, inputs_shared, inputs_posi, inputs_nega: FlowMatchSFTLoss(
-                pipe, **inputs_shared, **inputs_posi
-            ),
-        }
-        self.max_timestep_boundary = 1.0
-        self.min_timestep_boundary = 0.0
+class TrainPyWanSteps:
+    """``parse_extra_inputs``, ``get_pipeline_inputs`` and ``forward`` of train.py's
+    ``WanTrainingModule``, verbatim, for every tiny module built like it here and in the tests
+    (each sets ``pipe``, ``extra_inputs``, ``task_to_loss`` and the other configs itself)."""
 
     # -- verbatim from examples/wanvideo/model_training/train.py --------------------------------
     # fmt: off
@@ -173,6 +146,39 @@ class WanTrainingModule(DiffusionTrainingModule):
         loss = self.task_to_loss[self.task](self.pipe, *inputs)
         return loss
     # fmt: on
+
+
+class WanTrainingModule(TrainPyWanSteps, DiffusionTrainingModule):
+    """train.py's ``WanTrainingModule`` for ``--task sft`` with a LoRA on ``dit``, tiny."""
+
+    def __init__(self, tokenizer_dir: Path) -> None:
+        super().__init__()
+        from diffsynth.models.wan_video_text_encoder import HuggingfaceTokenizer
+
+        pipe = tiny_wan_pipeline()
+        # What from_pretrained sets (seq_len 512 there), on a local tokenizer folder.
+        pipe.tokenizer = HuggingfaceTokenizer(
+            name=str(tokenizer_dir), seq_len=16, clean="whitespace"
+        )
+        # switch_pipe_to_training_mode for a LoRA on dit (DiffSynth's own calls).
+        pipe.scheduler.set_timesteps(1000, training=True)
+        pipe.freeze_except([])
+        pipe.dit = self.add_lora_to_model(
+            pipe.dit, target_modules=["q", "k", "v", "o", "ffn.0", "ffn.2"], lora_rank=4
+        )
+        self.pipe = pipe
+        # "Store other configs", as train.py; no checkpointing (a CPU float32 check).
+        self.use_gradient_checkpointing = False
+        self.use_gradient_checkpointing_offload = False
+        self.extra_inputs = []
+        self.task = "sft"
+        self.task_to_loss = {
+            "sft": lambda pipe, inputs_shared, inputs_posi, inputs_nega: FlowMatchSFTLoss(
+                pipe, **inputs_shared, **inputs_posi
+            ),
+        }
+        self.max_timestep_boundary = 1.0
+        self.min_timestep_boundary = 0.0
 
 
 def wan_real_step(tokenizer_dir: Path, seed: int = 0) -> WanTrainingModule:

@@ -19,9 +19,11 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import graphsplit
-from tests.conformance.unseen2_data_checks import assert_cache_round_trip
+from tests.conformance.unseen2_data_checks import (
+    assert_cache_round_trip,
+    kd_teacher_and_lora_student,
+)
 from tests.conformance.unseen_checks import word_tokenizer
-from tests.helpers import tiny_llama_config
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -42,23 +44,7 @@ TEXTS = [
 ]
 
 
-def _models():
-    torch.manual_seed(0)
-    teacher = transformers.LlamaForCausalLM(tiny_llama_config(pad_token_id=0))
-    teacher.eval().requires_grad_(False)
-    base = transformers.LlamaForCausalLM(tiny_llama_config(pad_token_id=0))
-    lora = peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian"
-    )
-    student = peft.get_peft_model(base, lora)
-    generator = torch.Generator().manual_seed(5)
-    for name, param in student.named_parameters():
-        if "lora_B" in name:  # peft's zeros would leave lora_A without a gradient
-            param.data = torch.randn(param.shape, generator=generator) * 0.02
-    return teacher, student
-
-
-teacher, student = _models()
+teacher, student = kd_teacher_and_lora_student()
 PARAMS = [param for param in student.parameters() if param.requires_grad]
 tokenizer = word_tokenizer(WORDS)
 

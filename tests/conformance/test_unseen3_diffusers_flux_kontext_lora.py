@@ -52,7 +52,11 @@ from diffusers.training_utils import (  # noqa: E402
     compute_loss_weighting_for_sd3,
 )
 
-from tests.conformance.unseen2_checks import assert_trains_from_its_cache  # noqa: E402
+from tests.conformance.unseen2_checks import (  # noqa: E402
+    assert_trains_from_its_cache,
+    cached_outputs,
+    unstored_inputs,
+)
 from tests.conformance.unseen_checks import stage2_top_modules, word_tokenizer  # noqa: E402
 
 WORDS = ["make", "the", "dog", "sks", "red", "blue", "a", "photo", "of", "in", "snow"]
@@ -589,21 +593,6 @@ def _batch(indices) -> dict:
     return collate_fn([_example(i) for i in indices], False)
 
 
-def _cached(split) -> set[str]:
-    """The cached calls' outputs (an input only cached calls compute with crosses as its
-    shape, ``<input>__shape``: :func:`_unstored`)."""
-    shapes = {f"{name}__shape" for name in split.plan.unstored}
-    return {key for key in split.boundary if key not in split.input_names and key not in shapes}
-
-
-def _unstored(split) -> set[str]:
-    """The inputs whose values are not stored: only cached calls compute with them."""
-    unstored = set(split.plan.unstored)
-    assert {f"{name}__shape" for name in unstored} <= set(split.boundary)
-    assert not unstored & set(split.boundary)
-    return unstored
-
-
 def test_the_trace_refuses_the_tokenizer_on_the_batchs_strings_naming_its_line():
     parts = build(train_text_encoder=False)
     with pytest.raises(graphsplit.TraceError) as caught:
@@ -627,11 +616,11 @@ def test_the_vae_on_both_images_and_the_text_encoders_are_cached(size):
     parts = build(train_text_encoder=False)
     split = split_and_verify(parts.step, (_batch(range(size)),))
     assert split.path == "calls"
-    assert _unstored(split) == {
+    assert unstored_inputs(split) == {
         "pixel_values",
         "cond_pixel_values",
     }  # only the cached VAE reads them
-    cached = _cached(split)
+    cached = cached_outputs(split)
     # Both VAE calls (target and conditioning image) answered from the cache, CLIP's pooled
     # output and T5's hidden states too.
     assert {key.split("__")[0] for key in cached} >= {
@@ -686,11 +675,11 @@ def test_train_text_encoder_keeps_clip_in_stage2_and_caches_t5_and_the_vae():
     parts = build(train_text_encoder=True)
     split = split_and_verify(parts.step, (_batch([0]),))
     assert split.path == "calls"
-    assert _unstored(split) == {
+    assert unstored_inputs(split) == {
         "pixel_values",
         "cond_pixel_values",
     }  # only the cached VAE reads them
-    assert _cached(split) == {
+    assert cached_outputs(split) == {
         "vae_encoder__0__out",
         "vae_encoder__1__out",
         "text_encoder_two__0__last_hidden_state",  # T5, frozen

@@ -50,7 +50,11 @@ from diffusers.training_utils import (  # noqa: E402
     compute_loss_weighting_for_sd3,
 )
 
-from tests.conformance.unseen2_checks import assert_trains_from_its_cache  # noqa: E402
+from tests.conformance.unseen2_checks import (  # noqa: E402
+    assert_trains_from_its_cache,
+    cached_outputs,
+    unstored_inputs,
+)
 from tests.conformance.unseen_checks import stage2_top_modules, word_tokenizer  # noqa: E402
 
 SYSTEM_PROMPT = (
@@ -326,21 +330,6 @@ def _batch(indices, *, caption: bool = True) -> dict:
     return collate_fn([_example(i, caption=caption) for i in indices])
 
 
-def _cached(split) -> set[str]:
-    """The cached calls' outputs (an input only cached calls compute with crosses as its
-    shape, ``<input>__shape``: :func:`_unstored`)."""
-    shapes = {f"{name}__shape" for name in split.plan.unstored}
-    return {key for key in split.boundary if key not in split.input_names and key not in shapes}
-
-
-def _unstored(split) -> set[str]:
-    """The inputs whose values are not stored: only cached calls compute with them."""
-    unstored = set(split.plan.unstored)
-    assert {f"{name}__shape" for name in unstored} <= set(split.boundary)
-    assert not unstored & set(split.boundary)
-    return unstored
-
-
 def _lora(parts) -> set[str]:
     return {f"transformer.{n}" for n, p in parts.transformer.named_parameters() if p.requires_grad}
 
@@ -394,8 +383,8 @@ def test_captions_cache_gemma_and_the_vae_encoder(size):
     parts = build(custom_instance_prompts=True)
     split = split_and_verify(parts.step, (_batch(range(size)),))
     assert split.path == "calls"
-    assert _unstored(split) == {"pixel_values"}  # only the cached VAE reads them
-    assert _cached(split) == {
+    assert unstored_inputs(split) == {"pixel_values"}  # only the cached VAE reads them
+    assert cached_outputs(split) == {
         "vae_encoder__0__out",
         "text_encoding_pipeline_text_encoder__0__hidden_states__1",  # the captions' [-2]
         # encode_prompt's negative "" per sample (guidance on): computed on, then discarded
@@ -426,8 +415,8 @@ def test_the_instance_prompt_caches_the_vae_encoder():
     assert line_of(parts.get_sigmas, "step_indices = [") in split.reason
     # The embeddings were computed before the loop: the refiner's frozen work on them is
     # stored with every row (a batch cannot tell a constant from a sample's own value).
-    assert _unstored(split) == {"pixel_values"}  # only the cached VAE reads them
-    assert _cached(split) == {"vae_encoder__0__out", *REFINER}
+    assert unstored_inputs(split) == {"pixel_values"}  # only the cached VAE reads them
+    assert cached_outputs(split) == {"vae_encoder__0__out", *REFINER}
     assert {n for n, p in split.stage2.named_parameters() if p.requires_grad} == _lora(parts)
     assert "text_encoding_pipeline" not in stage2_top_modules(split)  # never called in the step
     assert_the_moved_modules_are_held_but_never_computed_with(

@@ -44,7 +44,11 @@ diffusers = pytest.importorskip("diffusers")
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from tests.conformance.unseen2_checks import assert_trains_from_its_cache  # noqa: E402
+from tests.conformance.unseen2_checks import (  # noqa: E402
+    assert_trains_from_its_cache,
+    cached_outputs,
+    unstored_inputs,
+)
 from tests.conformance.unseen_checks import stage2_top_modules, word_tokenizer  # noqa: E402
 
 WORDS = ["a", "photo", "of", "sks", "dog", "on", "the", "beach", "in", "snow", "red", "blue"]
@@ -431,21 +435,6 @@ def _batch(indices, *, caption: bool = True) -> dict:
     return collate_fn([_example(i, caption=caption) for i in indices])
 
 
-def _cached(split) -> set[str]:
-    """The cached calls' outputs (an input only cached calls compute with crosses as its
-    shape, ``<input>__shape``: :func:`_unstored`)."""
-    shapes = {f"{name}__shape" for name in split.plan.unstored}
-    return {key for key in split.boundary if key not in split.input_names and key not in shapes}
-
-
-def _unstored(split) -> set[str]:
-    """The inputs whose values are not stored: only cached calls compute with them."""
-    unstored = set(split.plan.unstored)
-    assert {f"{name}__shape" for name in unstored} <= set(split.boundary)
-    assert not unstored & set(split.boundary)
-    return unstored
-
-
 def _trainable_in_stage2(split) -> set[str]:
     return {n for n, p in split.stage2.named_parameters() if p.requires_grad}
 
@@ -477,8 +466,8 @@ def test_without_train_text_encoder_the_vae_and_both_text_encoders_are_cached(si
     parts = build(train_text_encoder=False, custom_instance_prompts=True)
     split = split_and_verify(parts.step, (_batch(range(size)),))
     assert split.path == "calls"
-    assert _unstored(split) == {"pixel_values"}  # only the cached VAE reads them
-    cached = _cached(split)
+    assert unstored_inputs(split) == {"pixel_values"}  # only the cached VAE reads them
+    cached = cached_outputs(split)
     assert {key for key in cached if not key.startswith("unet_")} == {
         "vae_quant_conv__0__out",
         "text_encoders_0__0__2__1",  # CLIP one's hidden states [-2] (return_dict=False)
@@ -515,8 +504,8 @@ def test_train_text_encoder_caches_the_vae_and_neither_text_encoder(custom_insta
     example = _batch([0, 1], caption=custom_instance_prompts)
     split = split_and_verify(parts.step, (example,))
     assert split.path == "calls"
-    assert _unstored(split) == {"pixel_values"}  # only the cached VAE reads them
-    assert _cached(split) == {"vae_quant_conv__0__out"}
+    assert unstored_inputs(split) == {"pixel_values"}  # only the cached VAE reads them
+    assert cached_outputs(split) == {"vae_quant_conv__0__out"}
     stage1 = {".".join(n.split(".")[:2]) for n, _ in split.stage1.named_parameters()}
     assert stage1 == {"vae.encoder", "vae.quant_conv"}
     assert {"text_encoder_one", "text_encoder_two", "unet"} <= stage2_top_modules(split)

@@ -18,25 +18,16 @@ from torch.utils.data import DataLoader
 
 import graphsplit
 from graphsplit.errors import CacheError
-from tests.conformance.unseen2_data_checks import assert_cache_round_trip
-from tests.helpers import tiny_llama_config
+from tests.conformance.unseen2_data_checks import (
+    assert_cache_round_trip,
+    kd_teacher_and_lora_student,
+)
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 
-def _models():
-    torch.manual_seed(0)
-    teacher = transformers.LlamaForCausalLM(tiny_llama_config(pad_token_id=0))
-    teacher.eval().requires_grad_(False)
-    base = transformers.LlamaForCausalLM(tiny_llama_config(pad_token_id=0))
-    lora = peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian"
-    )
-    return teacher, peft.get_peft_model(base, lora)
-
-
-teacher, student = _models()
+teacher, student = kd_teacher_and_lora_student()
 PARAMS = [param for param in student.parameters() if param.requires_grad]
 
 

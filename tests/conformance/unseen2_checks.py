@@ -55,3 +55,19 @@ def assert_trains_from_its_cache(
         for want, got in zip(expected_grads, grads, strict=True):
             assert (want is None) == (got is None)
             assert want is None or torch.equal(want, got)
+
+
+def cached_outputs(split: graphsplit.CallSplit) -> set[str]:
+    """The boundary's cached call outputs: neither the step's inputs nor the shape an input
+    only cached calls compute with crosses as (``<input>__shape``: :func:`unstored_inputs`)."""
+    shapes = {f"{name}__shape" for name in split.plan.unstored}
+    return {key for key in split.boundary if key not in split.input_names and key not in shapes}
+
+
+def unstored_inputs(split: graphsplit.CallSplit) -> set[str]:
+    """The inputs whose values are not stored (only cached calls compute with them), checked
+    to cross as their shape alone."""
+    unstored = set(split.plan.unstored)
+    assert {f"{name}__shape" for name in unstored} <= set(split.boundary)
+    assert not unstored & set(split.boundary)
+    return unstored

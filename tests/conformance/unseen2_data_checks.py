@@ -94,3 +94,27 @@ def assert_epoch_covers_each_sample_once(
     assert sorted(flat) == sorted(cached[row]["key"] for row in range(len(cached)))
     assert len(set(flat)) == len(flat)
     return keys
+
+
+def kd_teacher_and_lora_student() -> tuple[nn.Module, nn.Module]:
+    """A tiny frozen Llama teacher and a Llama student with LoRA on ``q_proj`` / ``v_proj``
+    (seed 0), its ``lora_B`` drawn small: peft's zeros would leave ``lora_A`` without a
+    gradient, and the exactness checks compare every trainable gradient."""
+    import peft
+    import transformers
+
+    from tests.helpers import tiny_llama_config
+
+    torch.manual_seed(0)
+    teacher = transformers.LlamaForCausalLM(tiny_llama_config(pad_token_id=0))
+    teacher.eval().requires_grad_(False)
+    base = transformers.LlamaForCausalLM(tiny_llama_config(pad_token_id=0))
+    lora = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights="gaussian"
+    )
+    student = peft.get_peft_model(base, lora)
+    generator = torch.Generator().manual_seed(5)
+    for name, param in student.named_parameters():
+        if "lora_B" in name:
+            param.data = torch.randn(param.shape, generator=generator) * 0.02
+    return teacher, student

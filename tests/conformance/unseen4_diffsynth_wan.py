@@ -4,8 +4,9 @@ The module is ``examples/wanvideo/model_training/train.py``'s (DiffSynth-Studio,
 (c) ModelScope; https://github.com/modelscope/DiffSynth-Studio, commit fed7b18f): its
 constructor's steps after the model download (``split_pipeline_units``,
 ``switch_pipe_to_training_mode`` -- DiffSynth's own methods --, the stored configs, with
-gradient checkpointing forced on as train.py forces it) and ``parse_extra_inputs``,
-``get_pipeline_inputs`` and ``forward`` verbatim. Only the download differs:
+gradient checkpointing forced on as train.py forces it), and ``parse_extra_inputs``,
+``get_pipeline_inputs`` and ``forward`` verbatim
+(:class:`examples.diffsynth.real_data.TrainPyWanSteps`). Only the download differs:
 ``WanVideoPipeline.from_pretrained`` is replaced by DiffSynth's model classes with tiny configs
 and random weights, set on the pipeline as ``from_pretrained`` sets them, and the tokenizer is
 DiffSynth's ``HuggingfaceTokenizer`` on a tiny local word-level tokenizer
@@ -50,7 +51,7 @@ import torch
 from torch.utils.data import DataLoader
 
 import graphsplit
-from examples.diffsynth.real_data import PROMPTS, UnifiedLikeDataset, frames
+from examples.diffsynth.real_data import PROMPTS, TrainPyWanSteps, UnifiedLikeDataset, frames
 from examples.diffsynth.steps import DIFFSYNTH
 
 if DIFFSYNTH:
@@ -181,7 +182,7 @@ def tiny_pipeline(variant: str, tokenizer_dir: Path) -> Any:
     return pipe
 
 
-class WanTrainingModule(DiffusionTrainingModule):
+class WanTrainingModule(TrainPyWanSteps, DiffusionTrainingModule):
     """train.py's ``WanTrainingModule`` with ``--task sft`` and a LoRA, on a tiny pipeline."""
 
     # -- from examples/wanvideo/model_training/train.py's __init__, after the download ---------
@@ -229,54 +230,6 @@ class WanTrainingModule(DiffusionTrainingModule):
         self.max_timestep_boundary = max_timestep_boundary
         self.min_timestep_boundary = min_timestep_boundary
 
-    # -- verbatim from examples/wanvideo/model_training/train.py --------------------------------
-    def parse_extra_inputs(self, data, extra_inputs, inputs_shared):
-        for extra_input in extra_inputs:
-            if extra_input == "input_image":
-                inputs_shared["input_image"] = data["video"][0]
-            elif extra_input == "end_image":
-                inputs_shared["end_image"] = data["video"][-1]
-            elif extra_input in ("reference_image", "vace_reference_image", "animate2_reference_image"):  # noqa: E501
-                inputs_shared[extra_input] = data[extra_input][0]
-            else:
-                inputs_shared[extra_input] = data[extra_input]
-        if inputs_shared.get("framewise_decoding", False):
-            # WanToDance global model
-            inputs_shared["num_frames"] = 4 * (len(data["video"]) - 1) + 1
-        return inputs_shared
-
-    def get_pipeline_inputs(self, data):
-        inputs_posi = {"prompt": data["prompt"]}
-        inputs_nega = {}
-        inputs_shared = {
-            # Assume you are using this pipeline for inference,
-            # please fill in the input parameters.
-            "input_video": data["video"],
-            "height": data["video"][0].size[1],
-            "width": data["video"][0].size[0],
-            "num_frames": len(data["video"]),
-            # Please do not modify the following parameters
-            # unless you clearly know what this will cause.
-            "cfg_scale": 1,
-            "tiled": False,
-            "rand_device": self.pipe.device,
-            "use_gradient_checkpointing": self.use_gradient_checkpointing,
-            "use_gradient_checkpointing_offload": self.use_gradient_checkpointing_offload,
-            "cfg_merge": False,
-            "vace_scale": 1,
-            "max_timestep_boundary": self.max_timestep_boundary,
-            "min_timestep_boundary": self.min_timestep_boundary,
-        }
-        inputs_shared = self.parse_extra_inputs(data, self.extra_inputs, inputs_shared)
-        return inputs_shared, inputs_posi, inputs_nega
-
-    def forward(self, data, inputs=None):
-        if inputs is None: inputs = self.get_pipeline_inputs(data)  # noqa: E701
-        inputs = self.transfer_data_to_device(inputs, self.pipe.device, self.pipe.torch_dtype)
-        for unit in self.pipe.units:
-            inputs = self.pipe.unit_runner(unit, self.pipe, *inputs)
-        loss = self.task_to_loss[self.task](self.pipe, *inputs)
-        return loss
     # fmt: on
 
 
