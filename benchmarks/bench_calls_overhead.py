@@ -266,7 +266,12 @@ def _cached_batch(split: Any, folder: Path, rows: int) -> Batch:
 
 
 def measure(
-    case_name: str, size: str, rounds: int, batches: int, recompute: str = "never"
+    case_name: str,
+    size: str,
+    rounds: int,
+    batches: int,
+    recompute: str = "never",
+    steps: int = 1,
 ) -> dict[str, Any]:
     import torch
 
@@ -291,10 +296,14 @@ def measure(
 
         def train(loss: Callable[[], Any]) -> Callable[[], None]:
             def run() -> None:
-                # The CPU generator alone: torch.manual_seed also queues CUDA / XPU / MTIA
-                # seeds, each capturing a stack trace (0.3 ms a call), the same in every variant.
-                torch.default_generator.manual_seed(0)
-                loss().backward()
+                for _ in range(steps):
+                    # The CPU generator alone: torch.manual_seed also queues CUDA / XPU / MTIA
+                    # seeds, each capturing a stack trace (0.3 ms a call), the same in every
+                    # variant.
+                    torch.default_generator.manual_seed(0)
+                    loss().backward()
+                    for param in parameters:  # as the optimizer's zero_grad, in every variant
+                        param.grad = None
 
             return run
 
@@ -359,6 +368,7 @@ def measure(
         "samples": samples,
         "bytes_per_sample": {"calls": calls_bytes / samples, "traced": traced_bytes / samples},
         "recompute": recompute,
+        "steps_per_call": steps,
     }
     if case.free_call is not None:
         result["free_call_over_hand"] = {
@@ -396,8 +406,9 @@ def to_markdown(results: list[dict[str, Any]]) -> str:
     rows = [
         [
             f"{r['case']} ({r['size']})"
-            + (f", recompute={r['recompute']}" if r.get("recompute", "never") != "never" else ""),
-            f"{r['hand_step_s']['median'] * 1e3:.1f}",
+            + (f", recompute={r['recompute']}" if r.get("recompute", "never") != "never" else "")
+            + (f", {r['steps_per_call']} steps a call" if r.get("steps_per_call", 1) > 1 else ""),
+            f"{r['hand_step_s']['median'] * 1e3 / r.get('steps_per_call', 1):.1f}",
             ratio_text(r["calls_over_hand"]["cpu"]),
             ratio_text(r["calls_over_hand"]["wall"]),
             ratio_text(r["traced_over_hand"]["cpu"]),
@@ -429,10 +440,20 @@ def main(argv: list[str] | None = None) -> int:
     command.add_argument(
         "--recompute", choices=["never", "auto"], default="never", help="split(recompute=...)"
     )
+    command.add_argument(
+        "--steps",
+        type=int,
+        default=1,
+        help="consecutive stage-2 steps per timed call (a training loop runs its steps back to "
+        "back; with 1, every step follows another variant's, its caches cold)",
+    )
     args = command.parse_args(argv)
     rounds, batches = (1, 1) if args.quick else (args.rounds, args.batches)
     with torch_threads(args.threads) as threads:
-        results = [measure(case, args.size, rounds, batches, args.recompute) for case in args.cases]
+        results = [
+            measure(case, args.size, rounds, batches, args.recompute, args.steps)
+            for case in args.cases
+        ]
     payload = report(
         "calls_overhead",
         results,

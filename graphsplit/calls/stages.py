@@ -22,8 +22,8 @@ from torch import nn
 
 from graphsplit.calls import generators
 from graphsplit.calls.call_plan import CallPlan
-from graphsplit.calls.holders import answering, answers
-from graphsplit.calls.module_calls import CallId, CallRouter, restore
+from graphsplit.calls.holders import StageRoutes, answers
+from graphsplit.calls.module_calls import CallId, CallRouter
 from graphsplit.calls.outputs import constants_differ
 from graphsplit.calls.unstored_inputs.stand_in import refuse_stand_ins
 from graphsplit.errors import Fix, SplitError, user_error
@@ -217,8 +217,8 @@ class CallStage2(nn.Module):
         object.__setattr__(self, "_routed", routed)
 
     def __getstate__(self) -> dict[str, Any]:
-        # The answers are closures, made again on the first step after unpickling.
-        return {key: value for key, value in self.__dict__.items() if key != "_answers"}
+        # The routes' answers are closures, made again on the first step after unpickling.
+        return {key: value for key, value in self.__dict__.items() if key != "_routes"}
 
     def forward(self, **batch: Any) -> Any:
         plan: CallPlan = self._plan
@@ -228,14 +228,23 @@ class CallStage2(nn.Module):
         else:
             values = {spec.name: spec.gather(batch) for spec in plan.inputs if spec.present(batch)}
         args, kwargs = plan.call_arguments(values)
-        made = self.__dict__.get("_answers")
-        if made is None:
-            made = self.__dict__["_answers"] = answers(plan)
-        saved = CallRouter(self._routed, answering(plan, batch, made)).install()
+        routes = self._routes_for_this_step()
+        routes.install(batch)
         try:
             result = self._step(*args, **kwargs)
         finally:
-            restore(saved)
+            routes.remove()
         if names is None and plan.unstored:
             refuse_stand_ins(result)
         return result
+
+    def _routes_for_this_step(self) -> StageRoutes:
+        """The stage's routes; made again when a routed module's ``forward`` was replaced since
+        (a library's hook), and made afresh for a step run inside another (not kept)."""
+        routes: StageRoutes | None = self.__dict__.get("_routes")
+        if routes is not None and not routes.active and routes.current():
+            return routes
+        made = StageRoutes(self._plan, self._routed, answers(self._plan))
+        if routes is None or not routes.active:
+            self.__dict__["_routes"] = made
+        return made

@@ -10,6 +10,7 @@ one and answer it from the cache.
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -157,3 +158,74 @@ def test_stage2_leaves_the_users_modules_as_they_were_after_a_step_and_after_an_
     handle.remove()
     assert _instance_state(step) == before
     assert step.shared.forward is own_forward
+
+
+def test_a_forward_wrapped_on_the_instance_between_steps_is_the_one_stage2_runs_and_keeps():
+    """Stage 2 makes its routes once; a library that wraps a routed module's ``forward`` on
+    the instance after a step (accelerate's hooks do) is honoured: the wrapper runs for the
+    call stage 2 does not answer, and stays the module's ``forward`` after the step."""
+    step = SharedInside(register=False)
+    x = torch.randn(2, HIDDEN)
+    split = graphsplit.split(step, (x,), path="calls")
+    boundary = split.stage1(x)
+    assert _exact(step, split, x)
+    first_routes = split.stage2.__dict__["_routes"]
+
+    ran = []
+
+    def wrapping(module: nn.Module) -> None:
+        inner = module.forward
+
+        def wrapped(*args, **kwargs):
+            ran.append(module)
+            return inner(*args, **kwargs)
+
+        module.forward = wrapped
+
+    wrapping(step.wrapper)  # routed, not answered: it runs
+    wrapping(step.shared)  # call 0 answered from the cache; inside wrapper and call 1 it runs
+    before = _instance_state(step)
+    want = step(x).detach()
+    boundary = split.stage1(x)
+    ran.clear()
+    assert torch.equal(split.stage2(**boundary), want)
+    assert split.stage2.__dict__["_routes"] is not first_routes  # made again, once
+    assert ran == [step.wrapper, step.shared, step.shared]
+    assert _instance_state(step) == before
+    made = split.stage2.__dict__["_routes"]
+    split.stage2(**boundary)
+    assert split.stage2.__dict__["_routes"] is made
+
+
+def test_a_forward_patched_on_the_class_after_a_step_is_the_one_stage2_runs(monkeypatch):
+    step = SharedInside(register=False)
+    x = torch.randn(2, HIDDEN)
+    split = graphsplit.split(step, (x,), path="calls")
+    assert _exact(step, split, x)
+    ran = []
+    original = Wrapper.forward
+
+    def patched(self, x):
+        ran.append(self)
+        return original(self, x)
+
+    monkeypatch.setattr(Wrapper, "forward", patched)
+    want = step(x).detach()
+    boundary = split.stage1(x)
+    ran.clear()
+    assert torch.equal(split.stage2(**boundary), want)
+    assert ran == [step.wrapper]
+
+
+def test_a_deep_copy_of_stage2_after_a_step_routes_its_own_modules():
+    step = SharedInside(register=False)
+    x = torch.randn(2, HIDDEN)
+    split = graphsplit.split(step, (x,), path="calls")
+    boundary = split.stage1(x)
+    want = split.stage2(**boundary).detach()
+    before = _instance_state(step)
+    copied = copy.deepcopy(split.stage2)
+    assert "_routes" not in copied.__dict__
+    assert torch.equal(copied(**boundary), want)
+    assert _instance_state(step) == before
+    assert copied.__dict__["_routes"] is not split.stage2.__dict__["_routes"]
