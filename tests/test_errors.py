@@ -347,6 +347,26 @@ def test_stage_holding_a_meta_parameter_refuses_to_run():
         split.stage2(**boundary)
 
 
+def test_a_weight_loaded_onto_meta_after_several_steps_is_refused():
+    """The check gathers the stage's parameter dicts once and looks at their current values
+    every call: a weight loaded later with ``assign=True`` (a new object in the same dict) is
+    seen as it was before the check was made cheap."""
+    model = Step()
+    x = batch(3, 4)
+    split = graphsplit.split(model, (x,))
+    boundary = split.stage1(x)
+    expected = model(x)
+    for _ in range(3):
+        assert torch.equal(split.stage2(**boundary), expected)
+    on_meta = {
+        name: torch.empty_like(value, device="meta")
+        for name, value in model.head.state_dict().items()
+    }
+    model.head.load_state_dict(on_meta, assign=True)
+    with pytest.raises(MetaParameterError, match=r"'head\.weight'"):
+        split.stage2(**boundary)
+
+
 class _TupleBatchStep(nn.Module):
     """A webdataset-style step: the batch is one ``(image, label)`` tuple parameter."""
 
