@@ -5,7 +5,8 @@ plan key a cached batch carries (``graphsplit_signature``), looks the plan up, c
 against the plan's batch size and calls the plan's generated ``forward``. This measures that
 work alone, against the training step it serves:
 
-- dispatch: the time of ``split.stage2(**batch)`` with the plan's generated ``forward``
+- dispatch: the time of ``split.stage2(**batch)`` (``nn.Module.__call__``, the stage's
+  pre-hook refusing weights on ``meta``, the dispatcher) with the plan's generated ``forward``
   replaced by one that returns at once (the class attribute of the plan's own GraphModule
   class, put back after), per call, averaged over ``--calls`` calls;
 - step: ``split.stage2(**batch)`` forward + backward on the tiny zoo SD LoRA step (the demo's
@@ -97,7 +98,7 @@ def measure(rounds: int, calls: int) -> dict[str, Any]:
         def run() -> None:
             with _forward_returns_at_once(stage):
                 for _ in range(calls):
-                    stage.forward(**batch)
+                    stage(**batch)  # as training calls it: the module's hooks run too
 
         return run
 
