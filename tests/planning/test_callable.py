@@ -6,6 +6,7 @@ call the same objects in stage 2 and reproduce the function bit for bit.
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import re
@@ -407,3 +408,42 @@ def test_saved_code_of_a_function_split_runs_with_the_same_objects(tmp_path):
     assert saved.HEAD is HEAD
     boundary = split.stage1(X, Y)
     assert torch.equal(saved(**boundary), split.stage2(**boundary))
+
+
+class _Fields(collections.UserDict):
+    """A collator's mapping that is not a dict (transformers' ``BatchEncoding`` is one)."""
+
+    def scaled(self) -> torch.Tensor:
+        return self["x"] * 2
+
+
+@pytest.mark.parametrize("kind", [_Fields, collections.OrderedDict])
+@pytest.mark.parametrize("path", ["trace", "calls"])
+def test_a_mapping_batch_spreads_into_fields_and_the_step_gets_its_own_type_back(kind, path):
+    encoder, head = _models()
+    seen: list[type] = []
+
+    def step(batch):
+        seen.append(type(batch))
+        x = batch.scaled() if isinstance(batch, _Fields) else batch["x"] * 2
+        return F.mse_loss(head(encoder(x)), batch["y"])
+
+    example = kind(x=X, y=Y)
+    split = split_and_verify(step, (example,), path=path)
+    assert split.input_names == ("x", "y")
+    assert seen and set(seen) == {kind}
+    seen.clear()
+    boundary = split.stage1(x=X, y=Y)
+    assert torch.equal(split.stage2(**boundary), step(kind(x=X, y=Y)))
+    assert set(seen) == {kind}
+
+
+def test_a_defaultdict_batch_is_not_spread():
+    encoder, head = _models()
+
+    def step(batch):
+        return F.mse_loss(head(encoder(batch["x"])), batch["y"])
+
+    fields = collections.defaultdict(lambda: None, x=X, y=Y)
+    module = as_step_module(step, (fields,), {})
+    assert list(module.kwargs) == ["batch"] and module.kwargs["batch"] is fields

@@ -53,6 +53,7 @@ In: the step callable and the example batch. Out: :class:`StepCall`:
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import types
@@ -103,11 +104,20 @@ def _takes_a_dict_batch(module: nn.Module, args: Any, kwargs: dict[str, Any]) ->
         )
     except TypeError:
         return False  # bind_examples names the mismatch
-    return any(
-        isinstance(value, dict)
-        and (any(isinstance(v, torch.Tensor) for v in value.values()) or is_raw_sample(value))
-        for value in bound.arguments.values()
-    )
+    return any(_spreads(value) for value in bound.arguments.values())
+
+
+def _spreads(value: Any) -> bool:
+    """Whether a step argument is a dict batch whose fields become inputs of their own: a plain
+    dict, an ``OrderedDict`` or a ``UserDict`` (transformers' ``BatchEncoding``, what its
+    collators return) that holds a tensor or is a raw sample. The step gets the same type back,
+    rebuilt from the fields (:func:`_forward`); other dict subclasses (a ``defaultdict`` cannot
+    be rebuilt from its items alone) stay one value."""
+    if not (
+        type(value) in (dict, collections.OrderedDict) or isinstance(value, collections.UserDict)
+    ):
+        return False
+    return any(isinstance(v, torch.Tensor) for v in value.values()) or is_raw_sample(dict(value))
 
 
 def as_step_module(step: Any, args: Any, kwargs: dict[str, Any]) -> StepCall:
@@ -164,9 +174,14 @@ def as_step_module(step: Any, args: Any, kwargs: dict[str, Any]) -> StepCall:
             ),
         )
     spread = _spread_dicts(function, signature, bound.arguments)
+    rebuilt = {
+        name: type(value)
+        for name, value in bound.arguments.items()
+        if name in spread and type(value) is not dict
+    }
     # Parameters the example batch leaves out keep their defaults: they are not step inputs.
     passed = inspect.Signature([signature.parameters[name] for name in bound.arguments])
-    module = _build(step, function, owner, passed, module_arguments, spread, reached)
+    module = _build(step, function, owner, passed, module_arguments, spread, rebuilt, reached)
     positional, batch = [], {}
     for name, value in bound.arguments.items():
         if name in module_arguments:
@@ -194,9 +209,7 @@ def _spread_dicts(
     taken = set(signature.parameters)
     spread: dict[str, tuple[str, ...]] = {}
     for name, value in arguments.items():
-        if type(value) is not dict or not (
-            any(isinstance(v, torch.Tensor) for v in value.values()) or is_raw_sample(value)
-        ):
+        if not _spreads(value):
             continue
         keys = tuple(value)
         bad = [
@@ -349,9 +362,10 @@ def _build(
     signature: inspect.Signature,
     module_arguments: dict[str, nn.Module],
     spread: dict[str, tuple[str, ...]],
+    rebuilt: dict[str, type],
     reached: Reached,
 ) -> nn.Module:
-    forward = _forward(step, function, signature, module_arguments, spread)
+    forward = _forward(step, function, signature, module_arguments, spread, rebuilt)
     name = function.__name__ if function.__name__.isidentifier() else "function_step"
     cls = type(name, (FunctionStep,), {"forward": forward, "__doc__": function.__doc__})
     module = cls()
@@ -414,8 +428,12 @@ def _forward(
     signature: inspect.Signature,
     module_arguments: dict[str, nn.Module],
     spread: dict[str, tuple[str, ...]],
+    rebuilt: dict[str, type],
 ) -> Any:
     """``def forward(self, <the callable's batch parameters>): return step(...)`` on one line.
+
+    A spread dict batch is rebuilt from its fields as the type it had (``rebuilt``: a
+    ``BatchEncoding`` stays one, so ``batch.input_ids`` and ``batch.to(device)`` work as before).
 
     Compiled with the callable's file and first line, so reports point placeholders (the step's
     inputs) at the user's ``def``. Every argument is passed by name except positional-only ones.
@@ -448,13 +466,20 @@ def _forward(
             for key in spread[name]:
                 declare(key, inspect.Parameter.empty, kind)
             value = "{" + ", ".join(f"{key!r}: {key}" for key in spread[name]) + "}"
+            if name in rebuilt:
+                value = f"__rebuilt[{name!r}]({value})"
         else:
             declare(name, parameter.default, kind)
             value = name
         call.append(value if kind is parameter.POSITIONAL_ONLY else f"{name}={value}")
     head = ", ".join(["_graphsplit_step", *parameters])
     source = f"def forward({head}): return __step({', '.join(call)})\n"
-    namespace = {"__step": step, "__modules": dict(module_arguments), "__defaults": defaults}
+    namespace = {
+        "__step": step,
+        "__modules": dict(module_arguments),
+        "__defaults": defaults,
+        "__rebuilt": dict(rebuilt),
+    }
     code = function.__code__
     exec(compile(source, code.co_filename, "exec"), namespace)
     forward = namespace["forward"]
