@@ -22,6 +22,13 @@ alternating between rounds; the figure is the median (IQR) of the same-round rat
 - ``tried in turn``: two plans known and a batch that names none: the plans are tried, the
   random generators' states saved before each (the fallback a hand-made batch meets).
 
+``--meta-check`` also times the stage's meta check alone on an SD-1.5-shaped LoRA UNet
+(diffusers' ``UNet2DConditionModel`` with SD 1.5's block structure at widths 32-128, peft LoRA
+on the attention projections: the module and tensor counts of the real one): the hook every
+stage call runs (``MetaTensorCheck``) against the walk of ``named_parameters()`` and
+``named_buffers()`` it replaced (``_refuse_meta_tensors``, now run only to name a refused
+tensor), ``--calls`` calls of each per round, interleaved.
+
     python -m benchmarks.bench_dispatch --help
 """
 
@@ -136,6 +143,47 @@ def measure(rounds: int, calls: int) -> dict[str, Any]:
     }
 
 
+def meta_check(rounds: int, calls: int) -> dict[str, Any]:
+    """Seconds per call of the meta check and of the walk it replaced, on the UNet above."""
+    from diffusers import UNet2DConditionModel
+    from peft import LoraConfig
+
+    from graphsplit.planning.codegen.stages import MetaTensorCheck, _refuse_meta_tensors
+
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64, 128, 128),
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        norm_num_groups=8,
+        sample_size=8,
+    ).requires_grad_(False)
+    unet.add_adapter(LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    check = MetaTensorCheck()
+
+    def repeated(call: Callable[[], Any]) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(calls):
+                call()
+
+        return run
+
+    timings = interleaved(
+        {
+            "gathered dicts": repeated(lambda: check(unet, ())),
+            "walk": repeated(lambda: _refuse_meta_tensors(unet)),
+        },
+        rounds=rounds,
+    )
+    return {
+        "tensors": sum(1 for _ in unet.parameters()) + sum(1 for _ in unet.buffers()),
+        "modules": sum(1 for _ in unet.modules()),
+        "seconds_per_call": {
+            name: _scaled(timings.spread(name, "cpu").to_json(), 1 / calls)
+            for name in ("gathered dicts", "walk")
+        },
+    }
+
+
 def _scaled(value: dict[str, float], factor: float) -> dict[str, float]:
     return {name: (v * factor if name != "count" else v) for name, v in value.items()}
 
@@ -156,11 +204,26 @@ def to_markdown(result: dict[str, Any]) -> str:
         for case in CASES
     ]
     step = result["step_s"]
-    return (
+    text = (
         f"stage-2 step (forward + backward): {step['median'] * 1e3:.1f} ms "
         f"(IQR {step['q1'] * 1e3:.1f}–{step['q3'] * 1e3:.1f})\n\n"
         + markdown_table(header, rows, "lrrr")
     )
+    check = result.get("meta_check")
+    if check is not None:
+        text += (
+            f"\n\nThe meta check on an SD-1.5-shaped LoRA UNet ({check['tensors']} tensors in "
+            f"{check['modules']} modules), CPU µs a call\n\n"
+            + markdown_table(
+                ["check", "µs a call"],
+                [
+                    [name, cell(value, 1e6, ".1f")]
+                    for name, value in check["seconds_per_call"].items()
+                ],
+                "lr",
+            )
+        )
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,10 +231,17 @@ def main(argv: list[str] | None = None) -> int:
     command.add_argument(
         "--calls", type=int, default=200, help="dispatches timed per round (default: 200)"
     )
+    command.add_argument(
+        "--meta-check",
+        action="store_true",
+        help="also time the stage's meta check on an SD-1.5-shaped LoRA UNet",
+    )
     args = command.parse_args(argv)
     rounds, calls = (1, 20) if args.quick else (args.rounds, args.calls)
     with torch_threads(args.threads) as threads:
         result = measure(rounds, calls)
+        if args.meta_check:
+            result["meta_check"] = meta_check(rounds, max(1, calls // 4))
     payload = report(
         "dispatch",
         result,

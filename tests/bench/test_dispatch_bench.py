@@ -34,3 +34,12 @@ def test_the_stub_forward_is_put_back():
     with bench_dispatch._forward_returns_at_once(stage):
         assert stage.forward() is None
     assert stage.forward() == "generated"
+
+
+def test_meta_check_option_times_the_hook_and_the_walk_it_replaced(tmp_path):
+    assert bench_dispatch.main(["--quick", "--meta-check", "--out", str(tmp_path)]) == 0
+    check = json.loads((tmp_path / "dispatch.json").read_text())["results"]["meta_check"]
+    assert check["tensors"] > 900 and check["modules"] > 1900  # SD 1.5's structure with LoRA
+    assert set(check["seconds_per_call"]) == {"gathered dicts", "walk"}
+    assert all(value["median"] > 0 for value in check["seconds_per_call"].values())
+    assert "| walk |" in (tmp_path / "dispatch.md").read_text()
