@@ -22,6 +22,7 @@ In: the op memo's value-reading ops; the exception of every node whose meta run 
     reads_values(func) -> bool
     run_value_reading_op(func, args, kwargs) -> Any   # a failure: one of VALUE_READ_FAILURES
     meta_failure(node, exc) -> TraceError   # a TensorValueError for a value read, naming its line
+    ArgumentWritten                         # a module wrote into a dict / list argument
 """
 
 from __future__ import annotations
@@ -95,6 +96,17 @@ def run_value_reading_op(func: Any, args: tuple, kwargs: dict) -> Any:
         raise DynamicOutputShapeException(func) from exc
 
 
+class ArgumentWritten(Exception):
+    """A module called as one node of the graph wrote into a dict or list it was given
+    (sentence-transformers' modules add ``features["token_embeddings"]`` to the dict they
+    get): the step's own code may read that write afterwards, which the graph cannot show."""
+
+    def __init__(self, module: str, kind: str) -> None:
+        super().__init__(f"{module} writes into the {kind} it is given")
+        self.module = module
+        self.kind = kind
+
+
 def meta_failure(node: fx.Node, exc: Exception) -> TraceError:
     """The error for ``node``, whose meta run raised ``exc``: a :class:`TensorValueError` when
     ``exc`` is a value read (:data:`VALUE_READ_FAILURES`; the planning may retry the code
@@ -116,6 +128,18 @@ def meta_failure(node: fx.Node, exc: Exception) -> TraceError:
         source, code = node.meta.get("source"), node.meta.get("source_code")
         error.read_at = f"{source}  {code}" if source and code else source  # the user's line
         return error
+    if isinstance(exc, ArgumentWritten):
+        return user_error(
+            TraceError,
+            f"The module {exc.module} writes into the {exc.kind} it is given. The whole-step "
+            f"trace passes a module call's arguments as values of the graph, so the step's own "
+            f"code would not see that write if it read the {exc.kind} afterwards.",
+            node=node,
+            fix=Fix(
+                'split with path="auto" (the default) or path="calls": the module-level path '
+                "runs the step's own code; or give the module a copy and read what it returns"
+            ),
+        )
     return user_error(
         TraceError,
         f"Running this operation on meta tensors failed: {type(exc).__name__}: {message}",

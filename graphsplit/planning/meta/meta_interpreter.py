@@ -37,13 +37,14 @@ from torch._C import (
     _pop_torch_function_stack,
     _push_on_torch_function_stack,
 )
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from graphsplit.artifacts import OpRecord
 from graphsplit.errors import GraphsplitError
 from graphsplit.planning.meta import call_memo
 from graphsplit.planning.meta.analysis_view import current_call_memo, meta_execution, to_meta
 from graphsplit.planning.meta.eager_protocols import eager_protocols_on_meta
-from graphsplit.planning.meta.meta_failures import meta_failure
+from graphsplit.planning.meta.meta_failures import ArgumentWritten, meta_failure
 from graphsplit.planning.meta.op_recorder import recorded
 from graphsplit.planning.patching.torch_calls import TracedTorchCalls
 
@@ -96,7 +97,25 @@ class MetaInterpreter(fx.Interpreter):
         return to_meta(fetch(self.model, self.constants, target))
 
     def call_module(self, target, args, kwargs) -> Any:
-        return self.model.get_submodule(target)(*args, **kwargs)
+        module = self.model.get_submodule(target)
+        containers = [
+            value for value in (*args, *kwargs.values()) if isinstance(value, _FX_CONTAINERS)
+        ]
+        if not containers:
+            return module(*args, **kwargs)
+        # fx hands a dict or list argument over as its immutable copy, and a module that
+        # writes into it (as eager code may: the step built the dict for it) fails inside
+        # fx; it gets a plain copy, and a write into it is refused by its own error.
+        plain = {id(value): _plain(value) for value in containers}
+        args = tuple(plain.get(id(value), value) for value in args)
+        kwargs = {key: plain.get(id(value), value) for key, value in kwargs.items()}
+        before = {key: _items(value) for key, value in plain.items()}
+        result = module(*args, **kwargs)
+        for key, value in plain.items():
+            if _written(before[key], _items(value)):
+                kind = "dict" if isinstance(value, dict) else "list"
+                raise ArgumentWritten(target, kind)
+        return result
 
     def _run_node_plainly(self, node: fx.Node) -> Any:
         """``fx.Interpreter.run_node`` without what it does for other tools: it enters two
@@ -159,6 +178,26 @@ class MetaInterpreter(fx.Interpreter):
         if node.op == "call_method":
             return ("call_method", node.target), None
         return None, None
+
+
+_FX_CONTAINERS = (immutable_dict, immutable_list)
+
+
+def _plain(value: immutable_dict | immutable_list) -> dict | list:
+    return dict(value) if isinstance(value, dict) else list(value)
+
+
+def _items(value: dict | list) -> list[tuple[Any, Any]]:
+    """What a container holds (the items themselves, kept alive for the comparison)."""
+    return list(value.items() if isinstance(value, dict) else enumerate(value))
+
+
+def _written(before: list[tuple[Any, Any]], after: list[tuple[Any, Any]]) -> bool:
+    """Whether an item was added, removed or replaced (by identity) between the two."""
+    return len(before) != len(after) or any(
+        key != other_key or item is not other
+        for (key, item), (other_key, other) in zip(before, after)
+    )
 
 
 def _torch_or_operator(target: Any) -> bool:
