@@ -137,7 +137,7 @@ def meta_failure(node: fx.Node, exc: Exception) -> TraceError:
             node=node,
             fix=Fix(
                 'split with path="auto" (the default) or path="calls": the module-level path '
-                "runs the step's own code; or give the module a copy and read what it returns"
+                "runs the step's own code, and caches the module's output"
             ),
         )
     return user_error(
