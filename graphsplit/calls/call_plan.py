@@ -316,6 +316,10 @@ class CachedCall:
     copied: tuple[str, ...] = ()  # fields the step writes in place (stage 1 and 2 copy them)
     unread: dict[str, Unread] = dataclasses.field(default_factory=dict)
     """Output fields not stored: stage 2 never computes with them."""
+    echoed: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Output fields that are the step's own input tensors, by input name (sentence-transformers'
+    modules return the features dict they were given, ``input_ids`` and all): not stored a
+    second time; their key is the input's, and stage 1 checks every call returns them so."""
 
     @functools.cached_property
     def numbers(self) -> bool:
@@ -330,6 +334,7 @@ class CachedCall:
         found = {
             key: tensors[field].clone() if field in self.copied else tensors[field]
             for field, key in self.keys.items()
+            if field not in self.echoed
         }
         for field, unread in self.unread.items():
             if unread.shape_key is not None:

@@ -170,7 +170,8 @@ def split_calls(
         for spec in inputs
     )
     boundary = _input_boundary(inputs, values, batch_size)
-    stored, not_stored = _storage(verdicts, inner, uses, first, batch_size, boundary)
+    crossing = {spec.name: values[spec.name] for spec in inputs if spec.kind == "tensor"}
+    stored, not_stored = _storage(verdicts, inner, uses, first, batch_size, boundary, crossing)
     placeholders = {call: _placeholder(call, first.calls[call]) for call in inner}
     verdicts = [_stored_verdict(v, inner, stored) for v in verdicts]
     needed = needed_tensors(usages, candidates)
@@ -363,9 +364,13 @@ def _storage(
     first: Any,
     batch_size: int,
     boundary: dict[str, BoundarySpec],
+    crossing: dict[str, torch.Tensor],
 ) -> tuple[dict[CallId, CachedCall], dict[str, BoundarySpec]]:
     """The stored calls' plans, in the step's order, their keys added to ``boundary``; and
-    every cached field not stored (of those and of the ``inner`` calls), as it would cross."""
+    every cached field not stored (of those and of the ``inner`` calls), as it would cross.
+
+    A stored field that is one of the step's input tensors crossing as they are (``crossing``,
+    by name), not written in place, takes that input's key: the call echoes its input."""
     stored: dict[CallId, CachedCall] = {}
     not_stored: dict[str, BoundarySpec] = {}
     for verdict in verdicts:
@@ -378,8 +383,12 @@ def _storage(
         planned = None
         if call not in inner:
             size = batch_size if per_sample else None
-            planned = stored[call] = _cached_call(seen, uses[call], verdict.copied, size)
+            planned = stored[call] = _echoing(
+                _cached_call(seen, uses[call], verdict.copied, size), seen, crossing
+            )
         for field, tensor in seen.tensors.items():
+            if planned is not None and field in planned.echoed:
+                continue  # the input's own key is in the boundary already
             dim = batch_dim(tensor, batch_size) if per_sample else None
             key = key_of(call, field)
             spec = _spec(key, tensor, dim, f"{label}: {field}")
@@ -412,17 +421,42 @@ def _cached_call(
     return cached_call(call, seen.structure, fields, copied, unread)
 
 
+def _echoing(planned: CachedCall, seen: Any, crossing: dict[str, torch.Tensor]) -> CachedCall:
+    """``planned`` with its stored fields that are input tensors keyed by the input's name."""
+    by_id = {id(tensor): name for name, tensor in crossing.items()}
+    echoed = {
+        field: by_id[id(seen.tensors[field])]
+        for field in planned.keys
+        if field not in planned.copied
+        and id(seen.tensors[field]) in by_id
+        and seen.tensors[field] is crossing[by_id[id(seen.tensors[field])]]
+    }
+    if not echoed:
+        return planned
+    keys = {field: echoed.get(field, key) for field, key in planned.keys.items()}
+    return dataclasses.replace(planned, keys=keys, echoed=echoed)
+
+
 def _stored_verdict(
     verdict: CallVerdict, inner: dict[CallId, CallId | None], stored: dict[CallId, CachedCall]
 ) -> Any:
     call = (verdict.path, verdict.index)
-    if call in stored and stored[call].unread:
+    if call in stored and (stored[call].unread or stored[call].echoed):
         planned = stored[call]
         total = len(planned.keys) + len(planned.unread)
-        detail = (
-            f"stores {len(planned.keys)} of its {total} output fields; not stored, stage 2 "
-            f"never computes with them: {', '.join(planned.unread)}"
-        )
+        parts = []
+        if planned.unread:
+            parts.append(
+                f"stores {len(planned.keys) - len(planned.echoed)} of its {total} output "
+                f"fields; not stored, stage 2 never computes with them: "
+                f"{', '.join(planned.unread)}"
+            )
+        if planned.echoed:
+            echoes = ", ".join(
+                f"{field} (the input {name})" for field, name in planned.echoed.items()
+            )
+            parts.append(f"not stored again, the step's own inputs it returns: {echoes}")
+        detail = "; ".join(parts)
         detail = f"{verdict.detail}; {detail}" if verdict.detail else detail
         return dataclasses.replace(verdict, detail=detail)
     if call not in inner:

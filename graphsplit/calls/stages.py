@@ -24,7 +24,7 @@ from graphsplit.calls import generators
 from graphsplit.calls.call_plan import CallPlan
 from graphsplit.calls.holders import StageRoutes, answers
 from graphsplit.calls.module_calls import CallId, CallRouter
-from graphsplit.calls.outputs import constants_differ
+from graphsplit.calls.outputs import constants_differ, tensors_of
 from graphsplit.calls.unstored_inputs.stand_in import refuse_stand_ins
 from graphsplit.errors import Fix, SplitError, user_error
 from graphsplit.planning.rules.user_lines import frame_location, user_frame
@@ -174,6 +174,8 @@ class CallStage1(nn.Module):
                             "batches whose calls return the same numbers"
                         ),
                     )
+                if planned.echoed:
+                    _check_echoes(call, planned, output, values)
                 # A field the step goes on to write in place is kept as the call returned it.
                 outputs.update(planned.crossing(output))
                 if call == last:
@@ -198,6 +200,24 @@ class CallStage1(nn.Module):
                 fix=Fix("split with an example batch whose step makes the same frozen calls"),
             )
         return {key: crossing[key] if key in crossing else outputs[key] for key in plan.boundary}
+
+
+def _check_echoes(call: CallId, planned: Any, output: Any, values: dict[str, Any]) -> None:
+    """Refuse a call that returned another tensor where, on the example batch, it returned
+    the step's own input: the plan answers that field with the input in stage 2."""
+    tensors = tensors_of(output, planned.structure)
+    for field, name in planned.echoed.items():
+        if tensors[field] is not values.get(name):
+            raise user_error(
+                SplitError,
+                f"{call[0]} call {call[1]} returned the step's input {name!r} as its {field} "
+                "on the example batch, and another tensor on this one; the module-level plan "
+                "answers that field with the input in stage 2, so this batch cannot be cached.",
+                fix=Fix(
+                    "split with an example batch whose frozen calls return what they do "
+                    "on every batch"
+                ),
+            )
 
 
 class CallStage2(nn.Module):

@@ -242,8 +242,8 @@ def test_distillation_verifies_on_the_example_and_another_size(built):
 
 
 def test_the_teacher_sentence_embedding_is_cached_and_the_teacher_not_held(built):
-    """The default path is the module-level one (the whole-step trace refuses: see the xfail
-    below); the teacher's call is cached and its ``sentence_embedding`` field crosses."""
+    """The default path is the module-level one (the whole-step trace refuses: see below);
+    the teacher's call is cached and its ``sentence_embedding`` field crosses."""
     parts, split = built
     assert split.path == "calls"
     assert "teacher" not in stage2_top_modules(split)
@@ -259,23 +259,14 @@ def test_the_teacher_sentence_embedding_is_cached_and_the_teacher_not_held(built
     # the student reads the batch's three fields (dropout on its embeddings)
     for key in ("input_ids", "token_type_ids", "attention_mask"):
         assert per_sample.pop(key) == (6,)
-    # what is left: the teacher's output dict echoes its input fields (``features`` is returned
-    # with the two new keys added): see the xfail below
-    assert set(per_sample) == {
-        "teacher__0__input_ids",
-        "teacher__0__token_type_ids",
-        "teacher__0__attention_mask",
-    }
+    # nothing else: the teacher's output dict echoes its input fields (see below)
+    assert not per_sample
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the calls path stores the teacher's echoed input fields (teacher__0__input_ids, "
-    "__token_type_ids, __attention_mask: the same tensors as the step's inputs, which stage 2 "
-    "never reads from the teacher's output) beside the inputs themselves: 144 of 416 B a "
-    "sample stored twice",
-)
 def test_the_teachers_echoed_input_fields_are_not_stored_twice(built):
+    """``SentenceTransformer.forward`` returns the features dict it was given, so the
+    teacher's output holds the step's own ``input_ids``, ``token_type_ids`` and
+    ``attention_mask``: stage 2 answers those fields with the inputs, stored once."""
     _, split = built
     assert set(split.boundary) == {
         "input_ids",
@@ -283,6 +274,14 @@ def test_the_teachers_echoed_input_fields_are_not_stored_twice(built):
         "attention_mask",
         "teacher__0__sentence_embedding",
     }
+    (planned,) = split.plan.cached.values()
+    assert planned.echoed == {
+        name: name for name in ("input_ids", "token_type_ids", "attention_mask")
+    }
+    assert (
+        "not stored again, the step's own inputs it returns: input_ids (the input input_ids)"
+        in (split.report())
+    )
 
 
 def test_the_whole_step_trace_refuses_a_module_that_writes_into_its_features_dict(built):
