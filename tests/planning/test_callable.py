@@ -85,6 +85,23 @@ def test_globals_and_helper_functions_are_found():
     assert split.trainable == {"HEAD.weight", "HEAD.bias"}
 
 
+models = types.ModuleType("models")  # ``import models``: another file of the script
+models.encoder, models.head = _models(3)
+models.loss = F.mse_loss
+
+
+def python_module_step(x, y):
+    return models.loss(models.head(models.encoder(x)), y)
+
+
+@pytest.mark.parametrize("path", ["trace", "calls"])
+def test_models_held_by_an_imported_python_module_are_found(path):
+    split = split_and_verify(python_module_step, (X, Y), path=path)
+    assert split.trainable == {"models_head.weight", "models_head.bias"}
+    held = {name for name, _ in split.stage2.named_parameters()}
+    assert held == {"models_head.weight", "models_head.bias"}  # the encoder's work is cached
+
+
 class Trainer:
     """A trainer object (not a module) holding its models, as kohya / TRL trainers do."""
 

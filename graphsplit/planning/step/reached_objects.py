@@ -8,7 +8,9 @@ Glossary:
     reached object: a value the callable's code can see without being passed it: the default
         values of the parameters the call leaves out, its closure cells, the globals its code
         loads (also those of nested code and of helper functions defined in the same Python
-        module, with their defaults), ``self``'s attributes for a bound method.
+        module, with their defaults), ``self``'s attributes for a bound method, and the
+        modules (or containers) its code loads as attributes of an imported Python module
+        (``models.teacher``, held as ``models_teacher``).
     holder: a module made to hold the modules of a dict, list, tuple or plain object
         (``models["unet"]``, ``pipe.unet``) under the keys the code uses.
     helper object: a reached non-module object with attributes (a diffusers scheduler); the
@@ -212,6 +214,13 @@ def reach_code(
             reach_code(value, reached, visited)  # a helper defined beside the step
         else:
             reached.add(name, value)
+    for name, attribute in _module_attributes(code):
+        module = namespace.get(name)
+        if isinstance(module, types.ModuleType):
+            value = getattr(module, attribute, None)
+            # ``import models; models.teacher(...)``: the models another file of the script made
+            if isinstance(value, (nn.Module, dict, list, tuple)):
+                reached.add(f"{name}_{attribute}", value)
 
 
 def _reach_callable(value: Any, reached: Reached, visited: set[int]) -> None:
@@ -232,6 +241,28 @@ def _reach_callable(value: Any, reached: Reached, visited: set[int]) -> None:
         value = value.func
     if isinstance(value, types.FunctionType):
         reach_code(value, reached, visited)
+
+
+def _module_attributes(code: types.CodeType) -> list[tuple[str, str]]:
+    """``(global, attribute)`` for each ``global.attribute`` ``code`` (and the code nested in
+    it) loads, in first-load order: the attributes of a Python module the step names."""
+    pairs: list[tuple[str, str]] = []
+    previous = None
+    for instruction in dis.get_instructions(code):
+        if (
+            instruction.opname in ("LOAD_ATTR", "LOAD_METHOD")
+            and previous is not None
+            and previous.opname in ("LOAD_GLOBAL", "LOAD_NAME")
+        ):
+            owner = str(previous.argval).removesuffix(" + NULL").removeprefix("NULL + ")
+            attribute = str(instruction.argval).removesuffix(" + NULL").removeprefix("NULL|self + ")
+            if (owner, attribute) not in pairs:
+                pairs.append((owner, attribute))
+        previous = instruction
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            pairs += [pair for pair in _module_attributes(constant) if pair not in pairs]
+    return pairs
 
 
 def _loaded_globals(code: types.CodeType) -> list[str]:
