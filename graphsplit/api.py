@@ -239,9 +239,9 @@ def split(
         )
     except Exception as calls_refusal:  # the trace's split stands, and its report says so
         why = getattr(calls_refusal, "reason", None) or str(calls_refusal)
+        why = "\n    ".join(why.splitlines()) if why else type(calls_refusal).__name__
         traced.notes.append(
-            f'{nothing} The module-level path (path="calls") was tried and refused: '
-            f"{why.splitlines()[0] if why else type(calls_refusal).__name__}"
+            f'{nothing} The module-level path (path="calls") was tried and refused: {why}'
         )
         return traced
 
