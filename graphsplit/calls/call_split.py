@@ -62,6 +62,7 @@ def split_calls(
     reason: str = "",
     recompute: str = "never",
     trace_cached_nothing: bool = False,
+    opened: frozenset[str] = frozenset(),
 ) -> CallSplit:
     """Split a step at its frozen module calls whose inputs are a function of the sample alone.
 
@@ -69,13 +70,20 @@ def split_calls(
     with ``trace_cached_nothing`` the trace's split that cached the inputs only. Raises
     :class:`~graphsplit.SplitError` when no frozen call can be cached, listing each call's
     verdict.
+
+    ``opened``: frozen modules whose calls are not routed, so that the frozen modules they call
+    are judged on their own. The split fills it itself: a frozen module every call of which
+    takes a trainable or random input, and inside which other frozen modules were called (DeiT's
+    ``DistillationLoss``, holding the teacher it calls on the images, called on the student's
+    outputs), is opened and the step analysed again; that split is taken where a call inside
+    an opened module is cached.
     """
     step = as_step_module(model, args, dict(kwargs or {}))
     module = step.module
     named = list(module.named_parameters())
     frozen_names = resolve_frozen(module, frozen, named=named)
     trainable = frozenset(name for name, _ in named if name not in frozen_names)
-    routed = frozen_modules(module, trainable)
+    routed = {p: m for p, m in frozen_modules(module, trainable).items() if p not in opened}
     # Its random.Random / NumPy generators: the probes seed them and every run gives them back.
     generators.remember(own_generators(module).values())
     signature = inspect.signature(module.forward)
@@ -133,6 +141,26 @@ def split_calls(
     except Exception as error:  # the user's step itself failed on the example batch
         raise _step_failed(error, in_moved_run) from error
     verdicts = judge(first, second, batch_size, alone, reordered, changed)
+    more = _to_open(verdicts, first.nested | second.nested) - opened
+    if more:
+        try:
+            wider = split_calls(
+                model,
+                args,
+                kwargs,
+                frozen=frozen,
+                reason=reason,
+                recompute=recompute,
+                trace_cached_nothing=trace_cached_nothing,
+                opened=opened | more,
+            )
+        except SplitError:  # nothing cacheable with them opened either
+            wider = None
+        # Taken only where a call inside them is cached; else the calls stay counted as before.
+        if wider is not None and any(
+            v.cached and _inside(v.path, more) for v in wider.plan.verdicts
+        ):
+            return wider
     candidates = {(v.path, v.index) for v in verdicts if v.cached}
     if not candidates:
         listed = "\n".join(v.line() for v in verdicts) or "  (the step calls no frozen module)"
@@ -216,8 +244,36 @@ def split_calls(
             "argmax)",
             *_input_notes(inputs, stored_inputs),
             *_recompute_notes(redone, recompute),
+            *(
+                [
+                    f"opened: {', '.join(sorted(opened))}: every call takes an input that "
+                    "depends on a trainable parameter or a random draw, so the frozen modules "
+                    "called inside were judged on their own"
+                ]
+                if opened
+                else []
+            ),
         ],
         _model=module,
+    )
+
+
+_INPUT_REFUSALS = frozenset(
+    {Verdict.TRAINABLE_INPUT, Verdict.TRAINABLE_VALUE, Verdict.RANDOM_INPUT}
+)
+
+
+def _to_open(verdicts: list[CallVerdict], nested: set[tuple[str, str]]) -> frozenset[str]:
+    """The frozen modules to open: every call refused for its inputs, and frozen modules
+    called inside (``nested``: ``(outer, inner)`` pairs of the probes)."""
+    refusals: dict[str, list[Verdict]] = {}
+    for verdict in verdicts:
+        refusals.setdefault(verdict.path, []).append(verdict.verdict)
+    outers = {outer for outer, _ in nested}
+    return frozenset(
+        path
+        for path, found in refusals.items()
+        if path in outers and all(verdict in _INPUT_REFUSALS for verdict in found)
     )
 
 

@@ -223,20 +223,26 @@ def _assert_caches_the_teacher(split, model):
     assert list(per_sample.values()) == [((), torch.int64)], per_sample
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "the teacher, called inside DeiT's DistillationLoss module, is not cached: the trace "
-        "keeps `criterion` (a module holding only frozen parameters) as one leaf call, and "
-        "that call's inputs include the student's outputs, so it runs whole in stage 2 with "
-        "the teacher (boundary: samples, targets only; the report's note: 'the whole-step "
-        "trace caches nothing'); the module-level path then refuses with 'criterion call 0: "
-        "an input depends on a trainable parameter' and does not look inside the criterion"
-    ),
-)
 def test_deit_caches_the_teacher_called_inside_the_criterion():
+    """The trace keeps ``criterion`` (a module holding only the frozen teacher) as one call,
+    fed the student's outputs, and caches nothing; ``auto`` then takes the module-level path,
+    which opens the criterion (every call of it takes a trainable input) and caches the
+    teacher's call inside it: its logits cross, the teacher's weights are not held."""
     _teacher, model, _step, _params, split = _built("deit")
-    _assert_caches_the_teacher(split, model)
+    assert split.path == "calls"
+    held = {name for name, _ in split.stage2.named_parameters()}
+    assert not any("teacher_model" in name for name in held), sorted(held)
+    trainable = {n for n, p in split.stage2.named_parameters() if p.requires_grad}
+    assert {name.split(".", 1)[1] for name in trainable} == {
+        n for n, p in model.named_parameters() if p.requires_grad
+    }
+    per_sample = {key: (spec.shape[1:], spec.dtype) for key, spec in split.boundary.items()}
+    assert per_sample.pop("samples") == ((3, IMAGE, IMAGE), torch.float32)
+    assert per_sample.pop("targets") == ((), torch.int64)
+    assert list(per_sample) == ["criterion_teacher_model__0__logits"]
+    assert "opened: criterion: every call takes an input that depends on a trainable" in (
+        split.report()
+    )
 
 
 def test_control_caches_the_teacher_called_in_the_step_body():
