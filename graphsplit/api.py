@@ -157,10 +157,8 @@ def split(
             (:mod:`graphsplit.calls`): the outputs of frozen module calls whose inputs are a
             function of the sample alone are cached, and stage 2 runs the step's own Python
             with those calls answered from the cache. ``"auto"`` (default): the trace, and
-            where it refuses the step, the module-level path; also where the trace's stage 1
-            only passes the inputs on while its stage 2 holds frozen weights (a module kept
-            whole holds every frozen call) and the module-level path caches a call.
-            ``report()`` says which path was taken and why.
+            where it refuses the step, the module-level path; ``report()`` says which path was
+            taken and why.
 
     Returns:
         :class:`Split` with ``stage1``, ``stage2``, ``boundary``, ``report()``, ``save_code()``;
@@ -201,7 +199,7 @@ def split(
     if path == "trace":
         return _split_traced(model, args, kwargs, frozen, recompute, max_plans)
     try:
-        traced = _split_traced(model, args, kwargs, frozen, recompute, max_plans)
+        return _split_traced(model, args, kwargs, frozen, recompute, max_plans)
     except (TraceError, SplitError) as refusal:
         try:
             return split_calls(
@@ -219,42 +217,6 @@ def split(
                 f"too: {why}"
             )
             raise refusal from calls_refusal
-    if _computes_something(traced) or not _holds_frozen(traced):
-        return traced
-    # The trace caches the inputs only (a module it kept whole holds every frozen call): the
-    # module-level path may cache those calls' outputs, which is the point of splitting.
-    nothing = (
-        "the whole-step trace caches nothing: its boundary is the step's inputs "
-        f"({', '.join(traced.boundary)}), so stage 2 would run every frozen module."
-    )
-    try:
-        return split_calls(
-            model,
-            args,
-            kwargs,
-            frozen=frozen,
-            reason=nothing,
-            recompute=recompute,
-            trace_cached_nothing=True,
-        )
-    except Exception as calls_refusal:  # the trace's split stands, and its report says so
-        why = getattr(calls_refusal, "reason", None) or str(calls_refusal)
-        why = "\n    ".join(why.splitlines()) if why else type(calls_refusal).__name__
-        traced.notes.append(
-            f'{nothing} The module-level path (path="calls") was tried and refused: {why}'
-        )
-        return traced
-
-
-def _computes_something(split: Split) -> bool:
-    """Whether stage 1 computes any boundary value (not only passes the step's inputs on)."""
-    inputs = {node.name for node in split.graph.nodes if node.op == "placeholder"}
-    return any(key not in inputs for key in split.boundary)
-
-
-def _holds_frozen(split: Split) -> bool:
-    """Whether stage 2 holds a frozen parameter (work the module-level path might cache)."""
-    return any(name not in split.trainable for name, _ in split.stage2.named_parameters())
 
 
 def _whole_message(error: BaseException) -> str:

@@ -41,8 +41,6 @@ class CallSplit:
     batch_sizes: tuple[int, int] = (0, 0)
     model_name: str = ""
     reason: str = ""
-    trace_cached_nothing: bool = False
-    """``path="auto"``: the trace split the step but cached its inputs only (``reason`` says)."""
     notes: list[str] = field(default_factory=list)
     path: str = "calls"
     _model: nn.Module | None = field(default=None, repr=False)
@@ -60,12 +58,7 @@ class CallSplit:
     def report(self) -> str:
         """Which path was taken and why, the boundary, and each frozen call's verdict."""
         lines = [f"graphsplit plan for {self.model_name} (module-level path)"]
-        if self.reason and self.trace_cached_nothing:
-            lines.append(
-                "path: calls, because the whole-step trace split the step without caching anything:"
-            )
-            lines += ["    " + line for line in self.reason.splitlines()]
-        elif self.reason:
+        if self.reason:
             lines.append("path: calls, because the whole-step trace refused the step:")
             lines += ["    " + line for line in self.reason.splitlines()]
         else:

@@ -61,13 +61,11 @@ def split_calls(
     frozen: FrozenSpec = None,
     reason: str = "",
     recompute: str = "never",
-    trace_cached_nothing: bool = False,
     opened: frozenset[str] = frozenset(),
 ) -> CallSplit:
     """Split a step at its frozen module calls whose inputs are a function of the sample alone.
 
-    ``reason``: why the whole-step trace is not used (shown by ``report()``): its refusal, or
-    with ``trace_cached_nothing`` the trace's split that cached the inputs only. Raises
+    ``reason``: why the whole-step trace is not used (shown by ``report()``). Raises
     :class:`~graphsplit.SplitError` when no frozen call can be cached, listing each call's
     verdict.
 
@@ -151,7 +149,6 @@ def split_calls(
                 frozen=frozen,
                 reason=reason,
                 recompute=recompute,
-                trace_cached_nothing=trace_cached_nothing,
                 opened=opened | more,
             )
         except SplitError:  # nothing cacheable with them opened either
@@ -235,7 +232,6 @@ def split_calls(
         batch_sizes=(batch_size, batch_size),
         model_name=type(module).__name__,
         reason=reason,
-        trace_cached_nothing=trace_cached_nothing,
         notes=[
             "inputs were compared between two runs under seeds 0 and 1, the second with the "
             "trainable parameters moved: a random branch both runs took alike (a rare drop) "

