@@ -73,8 +73,8 @@ def split_calls(
     are judged on their own. The split fills it itself: a frozen module every call of which
     takes a trainable or random input, and inside which other frozen modules were called (DeiT's
     ``DistillationLoss``, holding the teacher it calls on the images, called on the student's
-    outputs), is opened and the step analysed again; that split is taken where a call inside
-    an opened module is cached.
+    outputs), is opened and the step analysed again, when no other call is cached; that split
+    is taken where a call inside an opened module is cached.
     """
     step = as_step_module(model, args, dict(kwargs or {}))
     module = step.module
@@ -139,8 +139,10 @@ def split_calls(
     except Exception as error:  # the user's step itself failed on the example batch
         raise _step_failed(error, in_moved_run) from error
     verdicts = judge(first, second, batch_size, alone, reordered, changed)
+    # Only where nothing else is cached: opening renumbers the calls inside, and a plan that
+    # caches other calls already is kept as it is (its fingerprint, its boundary).
     more = _to_open(verdicts, first.nested | second.nested) - opened
-    if more:
+    if more and not any(v.cached for v in verdicts):
         try:
             wider = split_calls(
                 model,
