@@ -18,23 +18,16 @@ from torch import nn
 
 from graphsplit.artifacts import BoundarySpec
 from graphsplit.calls import generators
-from graphsplit.calls.analysis import any_input_differs, batch_dim, is_batched, judge, probe
-from graphsplit.calls.call_plan import (
-    CachedCall,
-    CallPlan,
-    Placeholder,
-    Unread,
-    cached_call,
-    input_spec,
-    shape_rows,
-)
+from graphsplit.calls.analysis import any_input_differs, batch_dim, judge, probe
+from graphsplit.calls.call_plan import CallPlan, Placeholder, input_spec
 from graphsplit.calls.call_report import CallSplit
-from graphsplit.calls.field_reads import SHAPE, VALUE
-from graphsplit.calls.module_calls import CallId, frozen_modules, key_of, needed_routes
+from graphsplit.calls.field_reads import VALUE
+from graphsplit.calls.module_calls import CallId, frozen_modules, needed_routes
 from graphsplit.calls.provenance import MOVED, moved
 from graphsplit.calls.recomputed import Redone, redone_calls
 from graphsplit.calls.reordered import probe_reordered, take
 from graphsplit.calls.stages import CallStage1, CallStage2
+from graphsplit.calls.stored import spec_of, storage, stored_verdict
 from graphsplit.calls.unstored_inputs.derivation import Derivation, unstored_inputs
 from graphsplit.calls.usage import (
     field_uses,
@@ -198,9 +191,9 @@ def split_calls(
     )
     boundary = _input_boundary(inputs, values, batch_size)
     crossing = {spec.name: values[spec.name] for spec in inputs if spec.kind == "tensor"}
-    stored, not_stored = _storage(verdicts, inner, uses, first, batch_size, boundary, crossing)
+    stored, not_stored = storage(verdicts, inner, uses, first, batch_size, boundary, crossing)
     placeholders = {call: _placeholder(call, first.calls[call]) for call in inner}
-    verdicts = [_stored_verdict(v, inner, stored) for v in verdicts]
+    verdicts = [stored_verdict(v, inner, stored) for v in verdicts]
     needed = needed_tensors(usages, candidates)
     dropped = frozenset(p for p in every_call_cached(verdicts) if not _computes(routed[p], needed))
     kept = {v.path for v in verdicts if not v.cached}
@@ -401,127 +394,8 @@ def _input_boundary(
         if spec.kind == "constant":
             continue
         for key, tensor in spec.crossing(values[spec.name]).items():
-            boundary[key] = _spec(key, tensor, batch_dim(tensor, batch_size), "input")
+            boundary[key] = spec_of(key, tensor, batch_dim(tensor, batch_size), "input")
     return boundary
-
-
-def _spec(name: str, tensor: torch.Tensor, dim: int | None, source: str) -> BoundarySpec:
-    total = tensor.numel() * tensor.element_size()
-    per_sample = total // max(int(tensor.shape[0]), 1) if dim == 0 else total
-    return BoundarySpec(name, tuple(tensor.shape), tensor.dtype, dim, per_sample, source)
-
-
-def _storage(
-    verdicts: list[CallVerdict],
-    inner: dict[CallId, CallId | None],
-    uses: dict[CallId, dict[str, str]],
-    first: Any,
-    batch_size: int,
-    boundary: dict[str, BoundarySpec],
-    crossing: dict[str, torch.Tensor],
-) -> tuple[dict[CallId, CachedCall], dict[str, BoundarySpec]]:
-    """The stored calls' plans, in the step's order, their keys added to ``boundary``; and
-    every cached field not stored (of those and of the ``inner`` calls), as it would cross.
-
-    A stored field that is one of the step's input tensors crossing as they are (``crossing``,
-    by name), not written in place, takes that input's key: the call echoes its input."""
-    stored: dict[CallId, CachedCall] = {}
-    not_stored: dict[str, BoundarySpec] = {}
-    for verdict in verdicts:
-        call = (verdict.path, verdict.index)
-        if not verdict.cached:
-            continue
-        seen = first.calls[call]
-        per_sample = is_batched(seen.inputs.tensors(), batch_size)
-        label = f"{call[0]} call {call[1]}"
-        planned = None
-        if call not in inner:
-            size = batch_size if per_sample else None
-            planned = stored[call] = _echoing(
-                _cached_call(seen, uses[call], verdict.copied, size), seen, crossing
-            )
-        for field, tensor in seen.tensors.items():
-            if planned is not None and field in planned.echoed:
-                continue  # the input's own key is in the boundary already
-            dim = batch_dim(tensor, batch_size) if per_sample else None
-            key = key_of(call, field)
-            spec = _spec(key, tensor, dim, f"{label}: {field}")
-            if planned is not None and field in planned.keys:
-                boundary[key] = spec
-                continue
-            not_stored[key] = spec
-            shape_key = planned.unread[field].shape_key if planned is not None else None
-            if shape_key is not None:
-                shapes = shape_rows(tensor)
-                boundary[shape_key] = _spec(shape_key, shapes, 0, f"{label}: shape of {field}")
-    return stored, not_stored
-
-
-def _cached_call(
-    seen: Any, uses: dict[str, str], copied: tuple[str, ...], batch_size: int | None
-) -> CachedCall:
-    """The plan of one stored call: the fields stage 2 computes with (and those the step
-    writes in place) stored, the others :class:`Unread` (their shape stored where read)."""
-    call = seen.call
-    fields, unread = [], {}
-    for field, tensor in seen.tensors.items():
-        use = uses.get(field, VALUE)
-        if use == VALUE or field in copied:
-            fields.append(field)
-            continue
-        batched = batch_size is not None and batch_dim(tensor, batch_size) == 0
-        shape_key = f"{key_of(call, field)}__shape" if use == SHAPE and batched else None
-        unread[field] = Unread(tuple(tensor.shape), tensor.dtype, batched, shape_key)
-    return cached_call(call, seen.structure, fields, copied, unread)
-
-
-def _echoing(planned: CachedCall, seen: Any, crossing: dict[str, torch.Tensor]) -> CachedCall:
-    """``planned`` with its stored fields that are input tensors keyed by the input's name."""
-    by_id = {id(tensor): name for name, tensor in crossing.items()}
-    echoed = {
-        field: by_id[id(seen.tensors[field])]
-        for field in planned.keys
-        if field not in planned.copied
-        and id(seen.tensors[field]) in by_id
-        and seen.tensors[field] is crossing[by_id[id(seen.tensors[field])]]
-    }
-    if not echoed:
-        return planned
-    keys = {field: echoed.get(field, key) for field, key in planned.keys.items()}
-    return dataclasses.replace(planned, keys=keys, echoed=echoed)
-
-
-def _stored_verdict(
-    verdict: CallVerdict, inner: dict[CallId, CallId | None], stored: dict[CallId, CachedCall]
-) -> Any:
-    call = (verdict.path, verdict.index)
-    if call in stored and (stored[call].unread or stored[call].echoed):
-        planned = stored[call]
-        total = len(planned.keys) + len(planned.unread)
-        parts = []
-        if planned.unread:
-            parts.append(
-                f"stores {len(planned.keys) - len(planned.echoed)} of its {total} output "
-                f"fields; not stored, stage 2 never computes with them: "
-                f"{', '.join(planned.unread)}"
-            )
-        if planned.echoed:
-            echoes = ", ".join(
-                f"{field} (the input {name})" for field, name in planned.echoed.items()
-            )
-            parts.append(f"not stored again, the step's own inputs it returns: {echoes}")
-        detail = "; ".join(parts)
-        detail = f"{verdict.detail}; {detail}" if verdict.detail else detail
-        return dataclasses.replace(verdict, detail=detail)
-    if call not in inner:
-        return verdict
-    reader = inner[call]
-    detail = (
-        f"not stored: only {reader[0]} call {reader[1]}, itself cached, reads its output"
-        if reader is not None
-        else "not stored: the step never reads its output"
-    )
-    return dataclasses.replace(verdict, detail=detail)
 
 
 def _placeholder(call: CallId, seen: Any) -> Placeholder:

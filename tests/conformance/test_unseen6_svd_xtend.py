@@ -195,7 +195,11 @@ def _models():
             projection_dim=EMBED,
         )
     )
-    feature_extractor = transformers.CLIPImageProcessor()
+    # What ``CLIPImageProcessor()`` is without torchvision, which cannot load beside this
+    # torch build: its PIL / NumPy backend. Named, because the DiffSynth tests' torchvision
+    # stand-in (examples/diffsynth/diffsynth_import.py) would make transformers pick the
+    # torchvision backend later in the same process.
+    feature_extractor = transformers.CLIPImageProcessorPil()
     unet = diffusers.UNetSpatioTemporalConditionModel(
         sample_size=SIZE // 2,
         in_channels=8,
