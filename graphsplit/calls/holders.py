@@ -119,8 +119,8 @@ class StageRoutes:
     What :class:`~graphsplit.calls.module_calls.CallRouter` with an answering handler does, with
     the per-step objects gone: the routed forwards, the answers by module and call index and
     the list of instance dicts to write are made here once; a step only resets the call
-    counts, writes each routed module's ``forward`` and takes it back. On the tiny KD step
-    (1.2 ms) the per-step router cost about 1.2% of the step and this about 0.6% (see
+    counts, writes each routed module's ``forward`` and takes it back (``bench_calls_overhead
+    --steps 20``, tiny KD: "calls stage 2 / free call" 1.016–1.017 before, 1.008–1.012 after;
     docs/benchmarks.md). A step does not record the call order or the nesting: stage 2 only
     answers.
 
@@ -139,7 +139,7 @@ class StageRoutes:
             by_path.setdefault(path, {})[index] = answer
         not_held = plan.not_held
         self.installs = [
-            (module.__dict__, self._route(path, module, by_path.get(path, {}), not_held), own)
+            (module.__dict__, self._route(path, module, by_path.get(path, {}), not_held, own), own)
             for path, module in modules.items()
             for own in [module.__dict__.get("forward", _ABSENT)]
         ]
@@ -172,9 +172,13 @@ class StageRoutes:
         self.active = False
 
     def _route(
-        self, path: str, module: nn.Module, mine: dict[int, Answer], not_held: frozenset[str]
+        self,
+        path: str,
+        module: nn.Module,
+        mine: dict[int, Answer],
+        not_held: frozenset[str],
+        own: Any,
     ) -> Any:
-        own = module.__dict__.get("forward", _ABSENT)
 
         def forward() -> Any:
             return own if own is not _ABSENT else type(module).forward.__get__(module)

@@ -255,7 +255,7 @@ def _module_attributes(code: types.CodeType) -> list[tuple[str, str]]:
             and previous.opname in ("LOAD_GLOBAL", "LOAD_NAME")
         ):
             owner = str(previous.argval).removesuffix(" + NULL").removeprefix("NULL + ")
-            attribute = str(instruction.argval).removesuffix(" + NULL").removeprefix("NULL|self + ")
+            attribute = str(instruction.argval)
             if (owner, attribute) not in pairs:
                 pairs.append((owner, attribute))
         previous = instruction
