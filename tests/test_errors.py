@@ -20,6 +20,7 @@ from torch import nn
 import graphsplit
 import graphsplit.planning.analyse.boundary_codecs
 from graphsplit import MetaParameterError, SplitError, TraceError, VerifyError
+from graphsplit.errors import TensorValueError
 from tests.helpers import batch, split_and_verify
 
 
@@ -94,6 +95,48 @@ def test_item_reads_a_tensor_value():
     assert "reads the value of a tensor" in str(caught.value)
     assert_names_node_source_and_fix(caught.value, "item", ReadsItem.forward, ".item()")
     assert ".item()" in message_lines(caught.value)["fix"]
+
+
+class BuildsFromTensorItems(Step):
+    def forward(self, x):
+        latents = self.encoder(x)
+        stats = torch.Tensor([latents.mean(), latents.std()])
+        return self.head(latents - stats[0]).mean() * stats[1]
+
+
+def test_a_tensor_built_from_tensor_items_reads_their_values():
+    """torch.Tensor([0-dim tensors]) reads each item in C++; it is told as a value read, with
+    torch.stack as the fix (it used to be a meta failure whose fix spoke of devices)."""
+    with pytest.raises(TensorValueError) as caught:
+        graphsplit.split(BuildsFromTensorItems(), (batch(3, 4),), path="trace")
+    assert "torch.Tensor(...) from a list holding tensors" in str(caught.value)
+    assert_names_node_source_and_fix(
+        caught.value, "tensor", BuildsFromTensorItems.forward, "torch.Tensor([latents.mean()"
+    )
+    assert "torch.stack" in message_lines(caught.value)["fix"]
+    assert "device" not in message_lines(caught.value)["fix"]
+
+
+def _frozen_stats(latents):
+    return torch.tensor([latents.mean(), latents.std()])
+
+
+class FrozenHelperBuildsFromTensorItems(Step):
+    def forward(self, x):
+        latents = self.encoder(x)
+        stats = _frozen_stats(latents)
+        return self.head(latents - stats[0]).mean() * stats[1]
+
+
+def test_a_frozen_helper_building_from_tensor_items_runs_as_one_opaque_step():
+    """Told as a value read, a frozen function doing it still splits as before: the encoder's
+    output is cached, and the stats, which mix the batch's samples, are computed in stage 2
+    from it, exactly."""
+    model = FrozenHelperBuildsFromTensorItems()
+    split = split_and_verify(model, (batch(3, 4),), path="trace")
+    assert list(split.boundary) == ["encoder"]
+    assert not any(name.startswith("encoder") for name, _ in split.stage2.named_parameters())
+    assert graphsplit.verify(model, split, (batch(5, 4),), seed=1)
 
 
 # -- randomness drawn while tracing -------------------------------------------------------------

@@ -107,12 +107,64 @@ class ArgumentWritten(Exception):
         self.kind = kind
 
 
+# Constructors that copy a Python sequence's items into a new tensor. Given tensors among the
+# items (``torch.Tensor([a.mean(), a.max()])``), they read each one's value in C++, past the
+# ATen ops the meta run types its failures at: on meta, a plain ``RuntimeError`` (``item()``)
+# or ``TypeError``. Told by the node (its target, tensors among its data), not the message.
+_FROM_ITEMS: frozenset[Any] = frozenset(
+    {
+        torch.tensor,
+        torch.as_tensor,
+        torch.Tensor,
+        torch.FloatTensor,
+        torch.DoubleTensor,
+        torch.HalfTensor,
+        torch.BFloat16Tensor,
+        torch.LongTensor,
+        torch.IntTensor,
+        torch.ShortTensor,
+        torch.CharTensor,
+        torch.ByteTensor,
+        torch.BoolTensor,
+    }
+)
+
+
+def copies_tensor_items(node: fx.Node) -> bool:
+    """Whether ``node`` builds a tensor from a sequence holding graph values (tensors): a
+    value read of each of them, as ``.item()`` is."""
+    if node.op != "call_function" or node.target not in _FROM_ITEMS or not node.args:
+        return False
+    data = node.args[0]
+    if not isinstance(data, (list, tuple)):
+        return False
+    found: list[fx.Node] = []
+    fx.node.map_arg(data, found.append)
+    return bool(found)
+
+
 def meta_failure(node: fx.Node, exc: Exception) -> TraceError:
     """The error for ``node``, whose meta run raised ``exc``: a :class:`TensorValueError` when
-    ``exc`` is a value read (:data:`VALUE_READ_FAILURES`; the planning may retry the code
-    around it as one opaque step), else a :class:`TraceError` with the usual cause spelled out.
+    ``exc`` is a value read (:data:`VALUE_READ_FAILURES`, or a tensor built from tensor items:
+    :func:`copies_tensor_items`; the planning may retry the code around it as one opaque
+    step), else a :class:`TraceError` with the usual cause spelled out.
     """
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if copies_tensor_items(node):
+        name = getattr(node.target, "__module__", "torch") + "." + node.target.__name__
+        error = user_error(
+            TensorValueError,
+            f"The step builds a tensor with {name}(...) from a list holding tensors, which "
+            "reads each tensor's value; graphsplit decides the split without real data, so "
+            "values cannot steer the step.",
+            node=node,
+            fix=Fix(
+                "build it with torch.stack([...]) (0-dim items) or torch.cat([...]), which keep "
+                "the values in tensors, or compute it in the data pipeline"
+            ),
+        )
+        error.read_at = _user_line_of(node)
+        return error
     if isinstance(exc, VALUE_READ_FAILURES):
         inner = "" if isinstance(exc, TensorMethodValueRead) else _innermost_user_line(exc)
         error = user_error(
@@ -125,8 +177,7 @@ def meta_failure(node: fx.Node, exc: Exception) -> TraceError:
                 "masking), or move it into the data pipeline"
             ),
         )
-        source, code = node.meta.get("source"), node.meta.get("source_code")
-        error.read_at = f"{source}  {code}" if source and code else source  # the user's line
+        error.read_at = _user_line_of(node)
         return error
     if isinstance(exc, ArgumentWritten):
         return user_error(
@@ -149,6 +200,13 @@ def meta_failure(node: fx.Node, exc: Exception) -> TraceError:
             ".numpy()); if the failure is inside a library module, report it with this message"
         ),
     )
+
+
+def _user_line_of(node: fx.Node) -> str | None:
+    """``file:line  code`` of the user's line that made ``node`` (its source alone without the
+    code), which a value read's retry keys on."""
+    source, code = node.meta.get("source"), node.meta.get("source_code")
+    return f"{source}  {code}" if source and code else source
 
 
 def _innermost_user_line(exc: Exception) -> str:
