@@ -49,6 +49,12 @@ from graphsplit.planning.cut.boundary import (
     facts,
     module_owner,
 )
+from graphsplit.planning.leaf_choice import (
+    initial_leaves,
+    leaves_to_trace_into,
+    mixed_calls_worth_tracing,
+    refuse_changed_leaf_calls,
+)
 from graphsplit.planning.meta.analysis_view import analysis_view
 from graphsplit.planning.opaque.example_run import ExampleRun
 from graphsplit.planning.opaque.sites import (
@@ -166,15 +172,13 @@ def _frozen_work_judged_mixing(traced: Traced, trainable: frozenset[str]) -> lis
 def _planning_switches(model: nn.Module) -> Iterator[None]:
     """The process-wide switches the analysis makes, through one patcher (undone on exit).
 
-    Meta kernels for torch.distributions' samplers are registered (see
-    :func:`meta_samplers_registered`), the cyclic garbage collector is paused (see
-    :func:`cyclic_gc_paused`), and torch's fake
-    mode is kept from logging each op that fails on fake tensors: ``FakeTensorMode`` logs a
-    failing meta kernel with its traceback at ERROR level before it raises. The planning
-    expects some failures (a step that runs only at batch 1 fails at the probe sizes and is
-    planned again at batch 1; a module that cannot be traced into is kept whole), and one that
-    is not expected reaches the user as a ``TraceError`` that already names the op, the user's
-    line and torch's message: the log lines are noise either way.
+    Meta kernels for torch.distributions' samplers are registered
+    (:func:`meta_samplers_registered`), the cyclic collector is paused (:func:`cyclic_gc_paused`),
+    and torch's fake mode is kept from logging each op that fails on fake tensors (it logs a
+    failing meta kernel with its traceback at ERROR level before it raises). The planning
+    expects some failures (a step that runs only at batch 1 fails at the probe sizes; a module
+    that cannot be traced into is kept whole), and one it does not expect reaches the user as a
+    ``TraceError`` naming the op, the user's line and torch's message: noise either way.
     """
     with Patcher() as switches:
         switches.patch(logging.getLogger("torch._subclasses.fake_tensor"), "disabled", True)
@@ -192,18 +196,20 @@ def _rounds(
     sites: list[OpaqueSite],
     answered: set[str],
 ) -> Traced:
-    """Trace, analyse, and trace into mixed modules whose inputs are all cacheable; repeat
-    (under :func:`_planning_switches`)."""
+    """Trace, analyse, and trace into mixed modules whose inputs are all cacheable and leaves
+    called under a state the step changed (:mod:`..rules.leaf_state`); repeat (under
+    :func:`_planning_switches`)."""
     with _planning_switches(model):
         param_names = {id(param): name for name, param in model.named_parameters()}
-        leaves = _initial_leaves(model)
+        leaves = initial_leaves(model)
         notes: list[str] = []
         traced = _trace_once(model, examples, param_names, leaves, trainable, sites, answered)
         for _ in range(MAX_ROUNDS):
             deferred = deferred_calls_to_trace_into(
                 traced.graph, trainable, leaves, param_names.values()
             )
-            expand = (_mixed_calls_worth_tracing(traced, trainable) | deferred) & leaves
+            changed = leaves_to_trace_into(traced.graph, leaves)  # the step changed them
+            expand = (mixed_calls_worth_tracing(traced, trainable) | deferred | changed) & leaves
             if not expand:
                 break
             try:
@@ -214,13 +220,17 @@ def _rounds(
             except Exception as exc:  # any failure inside library code: keep the module whole
                 notes.append(f"kept {', '.join(sorted(expand))} whole: {_why(exc)}")
                 break
-            traced = finer
-            leaves = leaves - expand
-            notes.append(
-                f"traced into {', '.join(sorted(expand))}: its inputs are cacheable and, as "
-                "one call, it mixes frozen and trainable parameters or the batch's samples"
+            traced, leaves = finer, leaves - expand
+            why = (
+                "the step changes their state around the calls (traced, the graph holds what "
+                "each call computes)"
+                if expand <= changed
+                else "its inputs are cacheable and, as one call, it mixes frozen and trainable "
+                "parameters or the batch's samples"
             )
+            notes.append(f"traced into {', '.join(sorted(expand))}: {why}")
         check_grad_modes(traced.graph, trainable)  # the calls no round could trace into
+        refuse_changed_leaf_calls(traced.graph)
         return replace(traced, notes=traced.notes + tuple(notes))
 
 
@@ -235,9 +245,8 @@ def _why(exc: Exception) -> str:
     first_line = (str(exc).strip().splitlines() or [""])[0]
     if isinstance(exc, SplitError):
         return f"split inside it has no valid cut ({first_line})"
-    if isinstance(exc, TraceError):
-        return f"tracing into it failed ({first_line})"
-    return f"tracing into it failed ({type(exc).__name__}: {first_line})"
+    kind = "" if isinstance(exc, TraceError) else f"{type(exc).__name__}: "
+    return f"tracing into it failed ({kind}{first_line})"
 
 
 def _trace_once(
@@ -455,44 +464,3 @@ def _trainable_calls(model: nn.Module, trainable: frozenset[str]) -> Callable[[f
         return answer
 
     return is_trainable_call
-
-
-def _initial_leaves(model: nn.Module) -> frozenset[str]:
-    return frozenset(
-        name
-        for name, module in model.named_modules()
-        if name and next(module.parameters(), None) is not None
-    )
-
-
-def _mixed_calls_worth_tracing(traced: Traced, trainable: frozenset[str]) -> frozenset[str]:
-    """Leaf modules fed cacheable values that are tainted as one call but need not be all.
-
-    A module that mixes frozen and trainable parameters; or a frozen module judged to mix the
-    batch's samples that returns several values, some of which may not mix: a teacher called
-    with ``labels`` returns a ``.loss`` (a mean over the batch) beside per-sample logits, and
-    traced into, the unused loss is no longer part of the logits' work.
-    """
-    taint = compute_taint(traced.graph, trainable)
-    found = set()
-    for node in traced.graph.nodes:
-        owner = module_owner(node)
-        if owner is None:
-            continue
-        inputs = [arg for arg in node.all_input_nodes if arg is not owner]
-        params = facts(owner).params
-        mixed = bool(params & trainable) and bool(params - trainable)
-        why = taint.get(node)
-        mixing_frozen = (
-            bool(params)
-            and not params & trainable
-            and why is not None
-            and why.kind is TaintKind.MIXING
-            and why.origin is node
-            # Several outputs (a ModelOutput, a tuple), so some may not mix; one tensor that
-            # mixes (a BatchNorm in train mode) mixes however finely it is traced.
-            and not isinstance(node.meta.get("val"), torch.Tensor)
-        )
-        if (mixed or mixing_frozen) and inputs and not any(arg in taint for arg in inputs):
-            found.add(owner.target)
-    return frozenset(found)

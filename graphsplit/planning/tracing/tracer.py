@@ -26,6 +26,7 @@ Glossary:
         trace ends; traces in several threads run one at a time.
     checkpoint region: nodes traced inside ``torch.utils.checkpoint.checkpoint``, tagged
         ``node.meta["checkpoint"]`` (:mod:`graphsplit.planning.rules.checkpoint`).
+    module writes: the step's own, marked on leaf calls (:mod:`..patching.module_writes`).
 
 In: the model, example inputs as meta values, the names of modules to trace into.
 Out: :class:`~graphsplit.artifacts.Traced` — the graph, the constants it references, its guards:
@@ -57,6 +58,7 @@ from graphsplit.planning.patching.checkpoint_regions import record_checkpoints
 from graphsplit.planning.patching.einops_calls import record_einops_calls
 from graphsplit.planning.patching.leaf_methods import record_leaf_methods
 from graphsplit.planning.patching.module_state import module_state_restored
+from graphsplit.planning.patching.module_writes import ModuleWrites, record_module_writes
 from graphsplit.planning.patching.originals import python_len
 from graphsplit.planning.patching.patcher import Patcher
 from graphsplit.planning.patching.torch_calls import record_torch_calls
@@ -124,6 +126,7 @@ class StepTracer(fx.Tracer):
         # Which nodes get an op record while traced (see TracingInterpreter).
         self.record: Callable[[fx.Node], bool] | None = None
         self.interpreter: TracingInterpreter | None = None
+        self.module_writes: ModuleWrites | None = None  # the step's writes into its modules
         # The caller's grad mode and autocast: a node created under others was inside a `with`
         # block of the step, which stage code would not have (planning/rules/grad_modes.py).
         self.ambient_modes = current_modes()
@@ -160,6 +163,8 @@ class StepTracer(fx.Tracer):
             node.meta["source"], node.meta["source_code"] = current_location()
             mark_switched(node, self.ambient_modes)
             node.meta["val"] = self._meta_value(node)
+            if self.module_writes is not None:
+                self.module_writes.mark(node, self.module_proxies)
         return node
 
     def call_module(self, module, forward, args, kwargs):
@@ -293,10 +298,8 @@ class StepTracer(fx.Tracer):
         if isinstance(value, torch.Tensor) and convert is not python_len:  # len() reads the shape
             read = _VALUE_READS.get(convert)
             answered = NOT_ANSWERED if read is None else answer(self, proxy, read)
-            if answered is not NOT_ANSWERED:
-                return (
-                    answered  # frozen data, one sample per batch (planning/opaque/value_reads.py)
-                )
+            if answered is not NOT_ANSWERED:  # frozen data, one sample per batch (value_reads)
+                return answered
             error = user_error(
                 TensorValueError,
                 "Python control flow depends on the value of a tensor, which differs per "
@@ -322,8 +325,7 @@ class StepTracer(fx.Tracer):
             self.guards.append(guard)
         return result
 
-    def keep_pending_guards(self) -> None:
-        """Pending ``__index__`` guards were real Python ints: keep them."""
+    def keep_pending_guards(self) -> None:  # pending __index__ guards were real Python ints
         self.guards.extend(guard for guard, _ in self.pending_guards)
         self.pending_guards.clear()
 
@@ -374,11 +376,8 @@ def _descriptive_name(kind: str, target: Any, args: tuple) -> str | None:
     base = args[0] if args else None
     if not isinstance(base, fx.Node):
         return None
-    if (
-        kind == "call_method"
-        and base.op == "get_attr"
-        and isinstance(base.meta.get("val"), nn.Module)
-    ):
+    held = base.meta.get("val")
+    if kind == "call_method" and base.op == "get_attr" and isinstance(held, nn.Module):
         name = f"{base.name}_{target}"
     elif kind == "call_function" and target is getattr and len(args) > 1:
         name = f"{base.name}_{args[1]}" if base.op != "placeholder" else str(args[1])
@@ -467,6 +466,7 @@ def _trace_graph(
         record_legacy_constructor(patcher, tracer)
         assume_tensor_checks(patcher)
         replace_python_builtins(patcher, (TracedValue, TracedAttribute))
+        tracer.module_writes = record_module_writes(patcher, tracer, model)
         try:
             graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
         except KeyError as error:

@@ -1,0 +1,136 @@
+"""Which leaves the planning's rounds trace into, and the leaf calls no round could.
+
+The rounds (:mod:`graphsplit.planning.leaf_rounds`) start from every module holding
+parameters as a leaf (one ``call_module`` node) and trace into a leaf when, as one call, it
+would hide something the plan needs to see:
+
+- a **mixed call worth tracing**: the leaf mixes frozen and trainable parameters (a LoRA'd
+  UNet), or it is frozen and judged to mix the batch's samples while returning several values,
+  and its inputs are cacheable: traced into, the cut can separate the halves;
+- a **call under changed state**: the step's own Python changed an attribute of the leaf or of
+  a module under it before the call (DiffSynth-DPO's ``unet.disable_adapters()`` before the
+  reference prediction, a teacher's ``eval()`` in the step), which the tracer marks
+  (``node.meta[STATE_AT_CALL]``, :mod:`graphsplit.planning.patching.module_writes`). Stage
+  code calls a leaf under the state its modules hold when the stage runs, not the one the step
+  gave them, so the node is not the step's call. Traced into, the leaf's own Python runs in
+  the trace under the step's state, and the graph holds what that state computes (peft's
+  layers skip their LoRA branch, dropout gets ``training=False``). Every leaf at the marked
+  call's module or under it that is or holds a changed module is traced into at once: peft's
+  flags live on every LoRA layer, levels below the UNet called. A marked call left when no
+  round could trace into it is refused (:func:`refuse_changed_leaf_calls`), naming the call,
+  the change and the line that made it: a split that ran the call as recorded would train on
+  other numbers than the step.
+
+In: the model; the traced graph and the trainable parameter names; the leaf names.
+
+    initial_leaves(model) -> frozenset[str]
+    mixed_calls_worth_tracing(traced, trainable) -> frozenset[str]
+    leaves_to_trace_into(graph, leaves) -> frozenset[str]    # calls under changed state
+    refuse_changed_leaf_calls(graph) -> None                  # after the rounds: TraceError
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from graphsplit.artifacts import TaintKind, Traced
+from graphsplit.errors import Fix, TraceError, user_error
+from graphsplit.planning.cut.boundary import compute_taint, facts, module_owner
+from graphsplit.planning.patching.module_writes import STATE_AT_CALL
+
+CHANGED_STATE_FIX = Fix(
+    'split with path="auto" (the default) or path="calls": the module-level path runs the '
+    "step's own Python around each call; or make the change where graphsplit can trace it, "
+    "as a context manager of the library (peft's `with model.disable_adapter():`)"
+)
+
+
+def initial_leaves(model: nn.Module) -> frozenset[str]:
+    """Every submodule that holds parameters (directly or below it)."""
+    return frozenset(
+        name
+        for name, module in model.named_modules()
+        if name and next(module.parameters(), None) is not None
+    )
+
+
+def mixed_calls_worth_tracing(traced: Traced, trainable: frozenset[str]) -> frozenset[str]:
+    """Leaf modules fed cacheable values that are tainted as one call but need not be all.
+
+    A module that mixes frozen and trainable parameters; or a frozen module judged to mix the
+    batch's samples that returns several values, some of which may not mix: a teacher called
+    with ``labels`` returns a ``.loss`` (a mean over the batch) beside per-sample logits, and
+    traced into, the unused loss is no longer part of the logits' work.
+    """
+    taint = compute_taint(traced.graph, trainable)
+    found = set()
+    for node in traced.graph.nodes:
+        owner = module_owner(node)
+        if owner is None:
+            continue
+        inputs = [arg for arg in node.all_input_nodes if arg is not owner]
+        params = facts(owner).params
+        mixed = bool(params & trainable) and bool(params - trainable)
+        why = taint.get(node)
+        mixing_frozen = (
+            bool(params)
+            and not params & trainable
+            and why is not None
+            and why.kind is TaintKind.MIXING
+            and why.origin is node
+            # Several outputs (a ModelOutput, a tuple), so some may not mix; one tensor that
+            # mixes (a BatchNorm in train mode) mixes however finely it is traced.
+            and not isinstance(node.meta.get("val"), torch.Tensor)
+        )
+        if (mixed or mixing_frozen) and inputs and not any(arg in taint for arg in inputs):
+            found.add(owner.target)
+    return frozenset(found)
+
+
+def _leaf_of(node: fx.Node) -> str | None:
+    """The leaf a marked call runs: its ``call_module`` target, or the module handle of a leaf
+    method recorded as ``call_method`` (its first argument, a ``get_attr`` of the module)."""
+    if node.op == "call_module":
+        return str(node.target)
+    if node.op == "call_method" and node.args and isinstance(node.args[0], fx.Node):
+        return str(node.args[0].target)
+    return None
+
+
+def leaves_to_trace_into(graph: fx.Graph, leaves: frozenset[str]) -> frozenset[str]:
+    """Every leaf, at a marked call's module or under it, that is or holds a changed module."""
+    found: set[str] = set()
+    for node in graph.nodes:
+        changes = node.meta.get(STATE_AT_CALL)
+        called = _leaf_of(node) if changes else None
+        if called is None:
+            continue
+        for leaf in leaves:
+            if leaf != called and not leaf.startswith(called + "."):
+                continue
+            if any(
+                change.module == leaf or change.module.startswith(leaf + ".") for change in changes
+            ):
+                found.add(leaf)
+    return frozenset(found)
+
+
+def refuse_changed_leaf_calls(graph: fx.Graph) -> None:
+    """Refuse the first leaf call still made under a state the step changed."""
+    for node in graph.nodes:
+        changes = node.meta.get(STATE_AT_CALL)
+        if not changes:
+            continue
+        listed = "; ".join(str(change) for change in changes[:3])
+        more = f" and {len(changes) - 3} more" if len(changes) > 3 else ""
+        raise user_error(
+            TraceError,
+            f"The step changes the state of {_leaf_of(node)} before this call ({listed}"
+            f"{more}), and graphsplit could not trace into it: the graph calls it as one "
+            "node, which stage code would run under the state the module has then, not the "
+            "one the step gave it.",
+            node=node,
+            fix=CHANGED_STATE_FIX,
+        )
