@@ -6,7 +6,8 @@ would hide something the plan needs to see:
 
 - a **mixed call worth tracing**: the leaf mixes frozen and trainable parameters (a LoRA'd
   UNet), or it is frozen and judged to mix the batch's samples while returning several values,
-  and its inputs are cacheable: traced into, the cut can separate the halves;
+  and its inputs are cacheable (but for one number for the batch, the Trainer's
+  ``num_items_in_batch``): traced into, the cut can separate the halves;
 - a **call under changed state**: the step's own Python changed an attribute of the leaf or of
   a module under it before the call (DiffSynth-DPO's ``unet.disable_adapters()`` before the
   reference prediction, a teacher's ``eval()`` in the step), which the tracer marks
@@ -25,6 +26,8 @@ In: the model; the traced graph and the trainable parameter names; the leaf name
 
     initial_leaves(model) -> frozenset[str]
     mixed_calls_worth_tracing(traced, trainable) -> frozenset[str]
+    frozen_calls_fed_a_number(traced, trainable, model) -> frozenset[str]
+    why_traced_into(expand, changed, counted) -> str          # the report's reason
     leaves_to_trace_into(graph, leaves) -> frozenset[str]    # calls under changed state
     refuse_changed_leaf_calls(graph) -> None                  # after the rounds: TraceError
 """
@@ -63,6 +66,12 @@ def mixed_calls_worth_tracing(traced: Traced, trainable: frozenset[str]) -> froz
     batch's samples that returns several values, some of which may not mix: a teacher called
     with ``labels`` returns a ``.loss`` (a mean over the batch) beside per-sample logits, and
     traced into, the unused loss is no longer part of the logits' work.
+
+    A tainted input that is one number for the whole batch (a 0-dim tensor or a Python number:
+    the Trainer's ``num_items_in_batch``, which transformers' models take through their
+    ``**kwargs`` and hand on, to the loss and to their backbone's ``**kwargs``) does not keep
+    the module whole: traced into, taint follows it op by op (and a frozen backbone it reaches
+    is opened too: :func:`frozen_calls_fed_a_number`).
     """
     taint = compute_taint(traced.graph, trainable)
     found = set()
@@ -84,9 +93,67 @@ def mixed_calls_worth_tracing(traced: Traced, trainable: frozenset[str]) -> froz
             # mixes (a BatchNorm in train mode) mixes however finely it is traced.
             and not isinstance(node.meta.get("val"), torch.Tensor)
         )
-        if (mixed or mixing_frozen) and inputs and not any(arg in taint for arg in inputs):
+        tainted = [arg for arg in inputs if arg in taint]
+        if (mixed or mixing_frozen) and inputs and all(_one_number(arg) for arg in tainted):
             found.add(owner.target)
     return frozenset(found)
+
+
+def frozen_calls_fed_a_number(
+    traced: Traced, trainable: frozenset[str], model: nn.Module
+) -> frozenset[str]:
+    """Frozen leaves tainted only by one number for the batch fed beside cacheable inputs,
+    with every module under them but torch.nn's own (see :func:`_library_modules_under`)."""
+    taint = compute_taint(traced.graph, trainable)
+    found: set[str] = set()
+    for node in traced.graph.nodes:
+        owner = module_owner(node)
+        if owner is None or node not in taint:
+            continue
+        params = facts(owner).params
+        inputs = [arg for arg in node.all_input_nodes if arg is not owner]
+        tainted = [arg for arg in inputs if arg in taint]
+        frozen = bool(params) and not params & trainable
+        if frozen and tainted and len(tainted) < len(inputs) and all(map(_one_number, tainted)):
+            found.update(_library_modules_under(model, str(owner.target)))
+    return frozenset(found)
+
+
+def why_traced_into(
+    expand: frozenset[str], changed: frozenset[str], counted: frozenset[str]
+) -> str:
+    """The report's reason for one round's expansion (:mod:`graphsplit.planning.leaf_rounds`)."""
+    if expand <= changed:
+        return "the step changes their state around the calls (the graph holds what each computes)"
+    if expand <= counted:
+        return (
+            "frozen, fed one number for the batch (the Trainer's num_items_in_batch) beside "
+            "cacheable inputs: traced into, it taints only what computes with it"
+        )
+    return (
+        "its inputs are cacheable and, as one call, it mixes frozen and trainable parameters "
+        "or the batch's samples"
+    )
+
+
+def _library_modules_under(model: nn.Module, path: str) -> list[str]:
+    """``path`` and every module under it but torch.nn's own (which fx calls whole): the
+    number reaches every layer through their ``**kwargs``, and a round per level would run out
+    of rounds in a backbone of a dozen levels."""
+    found = [path]
+    for name, module in model.get_submodule(path).named_modules(prefix=path):
+        if name != path and not type(module).__module__.startswith("torch.nn."):
+            found.append(name)
+    return found
+
+
+def _one_number(node: fx.Node) -> bool:
+    """Whether ``node``'s value is one number for the whole batch: a 0-dim tensor or a Python
+    number (its meta value, as traced)."""
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0
+    return isinstance(value, (bool, int, float))
 
 
 def _leaf_of(node: fx.Node) -> str | None:

@@ -50,10 +50,12 @@ from graphsplit.planning.cut.boundary import (
     module_owner,
 )
 from graphsplit.planning.leaf_choice import (
+    frozen_calls_fed_a_number,
     initial_leaves,
     leaves_to_trace_into,
     mixed_calls_worth_tracing,
     refuse_changed_leaf_calls,
+    why_traced_into,
 )
 from graphsplit.planning.meta.analysis_view import analysis_view
 from graphsplit.planning.opaque.example_run import ExampleRun
@@ -209,7 +211,9 @@ def _rounds(
                 traced.graph, trainable, leaves, param_names.values()
             )
             changed = leaves_to_trace_into(traced.graph, leaves)  # the step changed them
-            expand = (mixed_calls_worth_tracing(traced, trainable) | deferred | changed) & leaves
+            counted = frozen_calls_fed_a_number(traced, trainable, model)
+            mixed = mixed_calls_worth_tracing(traced, trainable)
+            expand = (mixed | deferred | changed | counted) & leaves
             if not expand:
                 break
             try:
@@ -221,13 +225,7 @@ def _rounds(
                 notes.append(f"kept {', '.join(sorted(expand))} whole: {_why(exc)}")
                 break
             traced, leaves = finer, leaves - expand
-            why = (
-                "the step changes their state around the calls (traced, the graph holds what "
-                "each call computes)"
-                if expand <= changed
-                else "its inputs are cacheable and, as one call, it mixes frozen and trainable "
-                "parameters or the batch's samples"
-            )
+            why = why_traced_into(expand, changed, counted)
             notes.append(f"traced into {', '.join(sorted(expand))}: {why}")
         check_grad_modes(traced.graph, trainable)  # the calls no round could trace into
         refuse_changed_leaf_calls(traced.graph)

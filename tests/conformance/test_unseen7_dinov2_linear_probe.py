@@ -404,23 +404,19 @@ def test_control_whole_step_trace_iterates_the_classifiers_dict():
     assert split.path == "trace"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the Trainer passes num_items_in_batch (labels.ne(-100).sum(): a 0-d tensor that "
-    "mixes the batch) into model(**inputs); planning/leaf_rounds.py:_mixed_calls_worth_tracing "
-    "traces into a mixed module (frozen dinov2, trainable classifier) only when none of its "
-    "inputs is tainted, so `model` stays one tainted node and nothing is cached (boundary: "
-    "data, labels), though the kwarg only reaches the loss; path='auto' keeps that trace plan "
-    "while path='calls' caches model.dinov2. Fix: trace into a mixed module when some input is "
-    "cacheable, letting taint follow the ops inside",
-)
 def test_trainer_step_caches_the_frozen_backbone():
+    """The Trainer passes ``num_items_in_batch`` (``labels.ne(-100).sum()``: a 0-d tensor that
+    mixes the batch) into ``model(**inputs)``, and the model hands its ``**kwargs`` on to the
+    frozen backbone. One number for the batch no longer keeps a module whole: ``model`` and the
+    backbone are traced into, and only what computes with the count is tainted."""
     trainable, _step, _params, split = _built("transformers")
+    assert split.path == "trace"
     _assert_caches_the_backbone(split, trainable)
+    assert any("num_items_in_batch" in note for note in split.notes)
 
 
 def test_trainer_step_without_the_count_or_on_the_calls_path_caches_the_backbone():
-    """What the xfail above compares with: the same model called without ``num_items_in_batch``
+    """What the test above compares with: the same model called without ``num_items_in_batch``
     is traced into (the classifier's input is cached), and the Trainer's step on
     ``path="calls"`` caches ``model.dinov2``'s call."""
     trainable, step, _params, _split = _built("transformers")

@@ -1,0 +1,91 @@
+"""Which leaves a round traces into (planning/leaf_choice.py): one number for the batch.
+
+transformers' Trainer passes ``num_items_in_batch`` (``labels.ne(-100).sum()``, a 0-dim tensor
+that mixes the batch) into ``model(**inputs)`` whenever the model's forward takes ``**kwargs``,
+and the model hands its kwargs on to its backbone. Called whole, the frozen backbone was tainted
+by the count and nothing was cached; traced into, only what computes with the count is.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tests.helpers import batch, split_and_verify
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x, **kwargs):  # swallows the count, as transformers' layers do
+        return torch.tanh(self.linear(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Layer() for _ in range(3))
+
+    def forward(self, x, **kwargs):
+        for layer in self.layers:
+            x = layer(x, **kwargs)
+        return x
+
+
+class Classifier(nn.Module):
+    """A frozen backbone and a trainable head, the count handed down as transformers does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = Backbone().requires_grad_(False)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x, labels, **kwargs):
+        logits = self.head(self.backbone(x, **kwargs))
+        loss = nn.functional.cross_entropy(logits, labels, reduction="sum")
+        count = kwargs.get("num_items_in_batch")
+        return loss / count if count is not None else loss / labels.shape[0]
+
+
+class TrainerStep(nn.Module):
+    """The Trainer's ``compute_loss`` with ``num_items_in_batch``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Classifier()
+
+    def forward(self, x, labels):
+        num_items_in_batch = labels.ne(-100).sum()
+        return self.model(x, labels, num_items_in_batch=num_items_in_batch)
+
+
+def _labels(n: int) -> torch.Tensor:
+    return torch.arange(n) % 3
+
+
+def test_the_count_does_not_keep_the_frozen_backbone_whole():
+    step = TrainerStep()
+    split = split_and_verify(step, (batch(3, 4), _labels(3)), path="trace")
+    held = {name for name, _ in split.stage2.named_parameters()}
+    assert not any(".backbone." in name for name in held), sorted(held)
+    assert "x" not in split.boundary  # the backbone's output crosses, not the input
+    assert any("num_items_in_batch" in note for note in split.notes)
+    split_and_verify(step, (batch(5, 4), _labels(5)), path="trace")
+
+
+class NoisedBackbone(TrainerStep):
+    """Control: a per-sample random tensor beside the data keeps the backbone's call tainted
+    (nothing frozen can be cached behind it), as before."""
+
+    def forward(self, x, labels):
+        noisy = x + torch.randn_like(x)
+        return self.model(noisy, labels)
+
+
+def test_a_per_sample_draw_into_the_backbone_still_keeps_it_in_stage_2():
+    split = split_and_verify(NoisedBackbone(), (batch(3, 4), _labels(3)), path="trace")
+    held = {name for name, _ in split.stage2.named_parameters()}
+    assert any(".backbone." in name for name in held)
+    assert not any("num_items_in_batch" in note for note in split.notes)
