@@ -88,11 +88,11 @@ def probe(
         inputs = CallInputs.of(a, kw)
         live = [leaf for leaf in _leaves(a, kw) if isinstance(leaf, torch.Tensor)]
         live += list(module.buffers())  # a call that writes its own buffers (running stats)
-        before = [t._version for t in live]
+        before = [version(t) for t in live]
         state = generators.snapshot()
         output = forward(*a, **kw)
         draws = generators.snapshot() != state
-        mutates = [t._version for t in live] != before
+        mutates = [version(t) for t in live] != before
         seen = ProbedCall(call, inputs, carries_grad(live), draws, mutates, None)
         try:
             seen.structure, seen.tensors = flatten(output)
@@ -112,7 +112,7 @@ def probe(
             if not _whole_cacheable(seen, batch_size):  # else its class stays the user's
                 seen.watched = True
                 watched.append((output, watch(output, seen.reads)))
-        seen.versions = [t._version for t in seen.tensors.values()]
+        seen.versions = [version(t) for t in seen.tensors.values()]
         seen.aliased = aliased(seen.tensors, live + list(module.parameters()))
         calls[call] = seen
         return output
@@ -137,10 +137,17 @@ def probe(
     for seen in calls.values():
         seen.mutated_later = [
             name
-            for (name, tensor), version in zip(seen.tensors.items(), seen.versions)
-            if tensor._version != version
+            for (name, tensor), before in zip(seen.tensors.items(), seen.versions)
+            if version(tensor) != before
         ]
     return Probe(calls, result, router.nested)
+
+
+def version(tensor: torch.Tensor) -> int | None:
+    """``tensor._version``; ``None`` for an inference tensor (made under
+    ``torch.inference_mode()``, as DINOv2's linear evaluation runs its backbone), which keeps
+    no version counter and cannot be written outside inference mode."""
+    return None if tensor.is_inference() else tensor._version
 
 
 def aliased(outputs: dict[str, torch.Tensor], state: list[torch.Tensor]) -> set[str]:

@@ -58,6 +58,7 @@ from graphsplit.planning.leaf_choice import (
     why_traced_into,
 )
 from graphsplit.planning.meta.analysis_view import analysis_view
+from graphsplit.planning.meta.eager_protocols import inference_mode_as_no_grad_on_meta
 from graphsplit.planning.opaque.example_run import ExampleRun
 from graphsplit.planning.opaque.sites import (
     OpaqueSite,
@@ -187,6 +188,7 @@ def _planning_switches(model: nn.Module) -> Iterator[None]:
         switches.enter_context(cyclic_gc_paused())
         switches.enter_context(meta_samplers_registered())
         autocast_queries_answer_for_meta(switches, _weights_device_type(model))
+        inference_mode_as_no_grad_on_meta(switches)
         plan_compiled_code_as_written(switches, model)  # unet._orig_mod, not dynamo
         yield
 

@@ -1,4 +1,5 @@
-"""Which leaves a round traces into (planning/leaf_choice.py): one number for the batch.
+"""Which leaves a round traces into (planning/leaf_choice.py): one number for the batch; and
+a frozen leaf entering torch.inference_mode() in its own forward (planning/meta/eager_protocols.py).
 
 transformers' Trainer passes ``num_items_in_batch`` (``labels.ne(-100).sum()``, a 0-dim tensor
 that mixes the batch) into ``model(**inputs)`` whenever the model's forward takes ``**kwargs``,
@@ -8,6 +9,7 @@ by the count and nothing was cached; traced into, only what computes with the co
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -89,3 +91,42 @@ def test_a_per_sample_draw_into_the_backbone_still_keeps_it_in_stage_2():
     held = {name for name, _ in split.stage2.named_parameters()}
     assert any(".backbone." in name for name in held)
     assert not any("num_items_in_batch" in note for note in split.notes)
+
+
+# -- a frozen leaf that enters torch.inference_mode() in its own forward -----------------------
+class InferenceEncoder(nn.Module):
+    """DINOv2's linear evaluation runs its backbone so; the step builds normal tensors from the
+    inference tensors (``torch.cat``) before anything trains on them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.token = nn.Parameter(torch.zeros(1, 4))
+
+    def forward(self, x):
+        with torch.inference_mode():
+            return self.linear(x) + self.token.expand(x.shape[0], -1)  # a view of a weight
+
+
+class ProbesInferenceFeatures(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = InferenceEncoder().requires_grad_(False)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        features = torch.cat([self.encoder(x)])
+        return self.head(features).pow(2).mean()
+
+
+@pytest.mark.parametrize("path", ["trace", "calls"])
+def test_inference_mode_inside_a_frozen_leaf_splits_exactly(path):
+    """It used to fail on both paths: on fake tensors the weight's view raised "Cannot set
+    version_counter for inference tensor" (a TraceError whose fix spoke of devices), and the
+    module-level probe read the ``_version`` of the call's inference-tensor output."""
+    model = ProbesInferenceFeatures()
+    split = split_and_verify(model, (batch(3, 4),), path=path)
+    assert not any(name.startswith("encoder") for name, _ in split.stage2.named_parameters())
+    split_and_verify(model, (batch(5, 4),), path=path)
+    with torch.inference_mode():  # the step's own inference mode still works after a split
+        assert model.encoder(batch(2, 4)).is_inference()

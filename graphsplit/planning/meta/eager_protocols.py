@@ -16,10 +16,20 @@ Glossary:
         (:class:`~graphsplit.planning.meta.meta_failures.TensorMethodValueRead`), so the step
         is refused (or the code around them retried) as for ``.item()``.
 
-In: nothing. Out: a context manager, entered inside
-:func:`~graphsplit.planning.meta.analysis_view.meta_execution` wherever the analysis runs a node:
+    inference mode in a meta run: a frozen leaf whose own ``forward`` enters
+        ``torch.inference_mode()`` (DINOv2's linear evaluation wraps its backbone so). On fake
+        tensors, inference mode makes views of the analysis's stand-in parameters fail
+        ("Cannot set version_counter for inference tensor") and outputs whose ``_version``
+        the analysis cannot read. While a fake mode runs, ``inference_mode`` is entered as
+        ``no_grad``: the same values and shapes, no autograd, which is all the analysis asks;
+        stage code, on real tensors, enters the real inference mode as the step does.
+
+In: nothing, and for the inference mode the planning's patcher. Out: a context manager,
+entered inside :func:`~graphsplit.planning.meta.analysis_view.meta_execution` wherever the
+analysis runs a node, and the inference mode's replacement, registered once per planning:
 
     eager_protocols_on_meta() -> ContextManager
+    inference_mode_as_no_grad_on_meta(patcher) -> None
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from graphsplit.planning.meta.meta_failures import TensorMethodValueRead
+from graphsplit.planning.patching.patcher import Patcher
 from graphsplit.planning.rules.user_lines import current_line
 
 _META = torch.device("meta")
@@ -106,3 +117,31 @@ def eager_protocols_on_meta() -> Iterator[None]:
     """Run device moves and 0-dim tensor indexing the way the meta analysis needs them."""
     with _EagerProtocolsOnMeta():
         yield
+
+
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
+_GRAD_BEFORE = "_graphsplit_grad_before"  # on the inference_mode object, while entered on meta
+
+
+def inference_mode_as_no_grad_on_meta(patcher: Patcher) -> None:
+    """Enter ``torch.inference_mode`` (a ``with`` block or a decorator) as ``no_grad`` while a
+    fake mode runs, as itself otherwise, until ``patcher`` exits (see the glossary)."""
+    inference_mode = torch.autograd.grad_mode.inference_mode
+    enter, leave = inference_mode.__enter__, inference_mode.__exit__
+
+    def entered(self: Any) -> None:
+        if not self.mode or torch._C._get_dispatch_mode(_FAKE) is None:
+            return enter(self)
+        setattr(self, _GRAD_BEFORE, torch.is_grad_enabled())
+        torch._C._set_grad_enabled(False)
+        return None
+
+    def left(self: Any, *exc_info: Any) -> None:
+        before = self.__dict__.pop(_GRAD_BEFORE, None)
+        if before is None:
+            return leave(self, *exc_info)
+        torch._C._set_grad_enabled(before)
+        return None
+
+    patcher.patch_method(inference_mode, "__enter__", entered)
+    patcher.patch_method(inference_mode, "__exit__", left)

@@ -81,7 +81,7 @@ def _version(node: fx.Node) -> int | None:
     if not python_isinstance(value, torch.Tensor):
         return None
     with torch._C.DisableTorchFunction():
-        return value._version
+        return None if value.is_inference() else value._version  # inference: no counter
 
 
 def _versions(node: fx.Node) -> list[tuple[fx.Node, int]]:
@@ -96,6 +96,6 @@ def _versions(node: fx.Node) -> list[tuple[fx.Node, int]]:
     with torch._C.DisableTorchFunction():
         for arg in node.all_input_nodes:
             value = arg.meta.get("val")
-            if python_isinstance(value, torch.Tensor):
+            if python_isinstance(value, torch.Tensor) and not value.is_inference():
                 versions.append((arg, value._version))
     return versions

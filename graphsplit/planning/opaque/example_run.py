@@ -422,7 +422,9 @@ def _is_batched(value: Any, batch: int) -> bool:
 
 
 def _version(value: Any) -> int | None:
-    return value._version if isinstance(value, torch.Tensor) else None
+    if not isinstance(value, torch.Tensor) or value.is_inference():  # inference: no counter
+        return None
+    return value._version
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
