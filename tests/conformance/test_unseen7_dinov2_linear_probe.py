@@ -382,12 +382,13 @@ def test_control_caches_the_backbone_features_the_probes_read():
 
 @pytest.mark.xfail(
     strict=True,
-    reason="planning/tracing/tracer.py:iter iterates a traced dict by its keys, but "
-    "`outputs.items()` (the dict AllClassifiers returns) is a call_method node whose value is a "
-    "dict_items view: iter falls back to len + getitem(items, 0), which fails on meta "
-    "(TypeError: 'dict_items' object is not subscriptable) and the refusal's fix line says "
-    "'make the step device-agnostic'. Fix: iterate dict views (items/values/keys) as lists of "
-    "(key, dict[key]) nodes",
+    reason="the whole-step trace stops at the backbone's tuple: create_linear_input slices it "
+    "(x_tokens_list[-use_n_blocks:]), a getitem node whose value is a tuple of (patch tokens, "
+    "class token) pairs, and choose_boundary refuses a tuple crossing without a codec "
+    "(SplitError: 'a builtins.tuple, but it is not a tensor'). Fix: a slice of a traced tuple "
+    "or list as a tuple of per-item getitem nodes. (Iterating outputs.items() of the "
+    "classifiers' dict, which failed before it, traces now.) The default path caches the "
+    "backbone's call (test_control_caches_the_backbone_features_the_probes_read)",
 )
 def test_control_whole_step_trace_iterates_the_classifiers_dict():
     _trainable, step, _params, _split = _built("control")

@@ -19,6 +19,7 @@ traced size used as a Python dict key; the size texts a node's arguments hold:
 
     TracedValue(node, tracer): fx.Proxy
     TracedAttribute(root, attr): TracedValue
+    dict_view_items(obj) -> list | None                 # iterating a traced dict's view
     refuse_a_size_as_key(error: KeyError) -> None      # raises SplitError for a traced key
     texts_reaching(texts, arguments) -> list[Guard]     # taken out of ``texts``
 """
@@ -173,6 +174,29 @@ class TracedAttribute(TracedValue):
         if self._node is not None:
             return self._node.meta.get("val")
         return getattr(self.root.eager_value(), self.attr, None)
+
+
+_DICT_VIEWS = {"items", "values", "keys"}
+
+
+def dict_view_items(obj: TracedValue) -> list[Any] | None:
+    """What a ``for`` over ``d.items()`` / ``d.values()`` / ``d.keys()`` of a traced dict
+    ``d`` (a module's dict of outputs) iterates: ``(key, d[key])`` pairs, ``d[key]`` values or
+    the keys, each value a ``getitem`` node of ``d``, as eager iterates the view; ``None``
+    for any other value."""
+    node = obj.node
+    if node.op != "call_method" or node.target not in _DICT_VIEWS or len(node.args) != 1:
+        return None
+    mapping = node.args[0]
+    if not isinstance(mapping, fx.Node) or not isinstance(mapping.meta.get("val"), dict):
+        return None
+    traced = obj.tracer.proxy(mapping)
+    keys = list(mapping.meta["val"].keys())
+    if node.target == "keys":
+        return keys
+    if node.target == "values":
+        return [traced[key] for key in keys]
+    return [(key, traced[key]) for key in keys]
 
 
 def refuse_a_size_as_key(error: KeyError) -> None:

@@ -89,6 +89,7 @@ from graphsplit.planning.tracing.inplace import functionalize_inplace
 from graphsplit.planning.tracing.proxies import (
     TracedAttribute,
     TracedValue,
+    dict_view_items,
     refuse_a_size_as_key,
     refuse_traced_text,
     texts_reaching,
@@ -346,17 +347,15 @@ class StepTracer(fx.Tracer):
         return self.concrete(obj, bool)
 
     def iter(self, obj: TracedValue) -> Iterator[Any]:
-        value = obj.node.meta.get("val")
-        if isinstance(value, dict):
-            return iter(list(value.keys()))
+        value, view = obj.node.meta.get("val"), dict_view_items(obj)
+        if isinstance(value, dict) or view is not None:
+            return iter(list(value.keys()) if view is None else view)
         length = self.concrete(obj, python_len)
         return iter([obj[index] for index in range(length)])
 
     def keys(self, obj: TracedValue) -> Any:
         value = obj.node.meta.get("val")
-        if hasattr(value, "keys"):
-            return list(value.keys())
-        return super().keys(obj)
+        return list(value.keys()) if hasattr(value, "keys") else super().keys(obj)
 
 
 def _instruction(frame: FrameType | None) -> tuple[int, int]:
