@@ -100,9 +100,9 @@ class CallSplit:
         held = held_though_cached(self.plan)
         if held:
             lines.append(
-                "held by stage 2 though every call is answered from the cache (the step moves "
-                "or computes with their weights outside those calls, e.g. module.to(device) "
-                "in the step): " + ", ".join(held)
+                "held by stage 2 though every call is answered from the cache (the step "
+                "computes with or converts their weights outside those calls, e.g. "
+                "module.half() in the step): " + ", ".join(held)
             )
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)

@@ -113,6 +113,21 @@ _ABSENT = object()
 """An instance dict without its own ``forward`` (the class's is called)."""
 
 
+def _skipped_on_meta(module: nn.Module) -> Any:
+    """``module._apply`` (what ``.to()``, ``.cuda()``, ``.half()`` and a parent's move run),
+    skipped while the module holds a tensor on ``meta``: stage 2 never computes with a module
+    it does not hold, and moving its meta weights would raise ("Cannot copy out of meta
+    tensor")."""
+
+    def _apply(*args: Any, **kwargs: Any) -> nn.Module:
+        tensors = (*module.parameters(), *module.buffers())
+        if any(tensor.is_meta for tensor in tensors):
+            return module
+        return type(module)._apply(module, *args, **kwargs)
+
+    return _apply
+
+
 class StageRoutes:
     """Stage 2's routes, made once and installed around every step.
 
@@ -131,7 +146,7 @@ class StageRoutes:
     ``forward`` up when they run, so a patched class is honoured too.
     """
 
-    __slots__ = ("active", "cached", "counts", "depth", "installs")
+    __slots__ = ("active", "applies", "cached", "counts", "depth", "installs")
 
     def __init__(self, plan: CallPlan, modules: dict[str, nn.Module], table: dict) -> None:
         by_path: dict[str, dict[int, Answer]] = {}
@@ -142,6 +157,13 @@ class StageRoutes:
             (module.__dict__, self._route(path, module, by_path.get(path, {}), not_held, own), own)
             for path, module in modules.items()
             for own in [module.__dict__.get("forward", _ABSENT)]
+        ]
+        # A module stage 2 does not hold may be on meta in a stage-2 process; the step's own
+        # moves of it (vae.to(device) every step, as --offload scripts do) then skip it.
+        self.applies = [
+            (module.__dict__, _skipped_on_meta(module), module.__dict__.get("_apply", _ABSENT))
+            for path, module in modules.items()
+            if path in not_held
         ]
         self.counts: dict[str, int] = {}
         self.depth = 0
@@ -160,6 +182,8 @@ class StageRoutes:
         self.active = True
         for instance, routed, _ in self.installs:
             instance["forward"] = routed
+        for instance, skipped, _ in self.applies:
+            instance["_apply"] = skipped
 
     def remove(self) -> None:
         """Give every routed module its own ``forward`` back."""
@@ -168,6 +192,11 @@ class StageRoutes:
                 instance.pop("forward", None)
             else:
                 instance["forward"] = own
+        for instance, _, own in self.applies:
+            if own is _ABSENT:
+                instance.pop("_apply", None)
+            else:
+                instance["_apply"] = own
         self.cached = {}
         self.active = False
 

@@ -63,6 +63,15 @@ METADATA = frozenset(
 )
 """Tensor methods that read metadata, not values: they need no weights."""
 
+MOVES = frozenset(
+    {"to", "cpu", "cuda", "type", "float", "double", "half", "bfloat16", "contiguous"}
+)
+"""Tensor methods that move or convert: given a tensor already where and what they ask for,
+they return that very tensor (``vae.to(accelerator.device)`` on a VAE already there, as
+diffusers' scripts with ``--offload`` move their encoders every step), computing nothing;
+``nn.Module._apply`` then sets ``param.data`` to the same tensor. Such a call, and that set,
+need no weights."""
+
 
 class Usage(TorchFunctionMode):
     """Records, per context, the ids of the tensors torch calls take (``read``), of those they
@@ -97,10 +106,11 @@ class Usage(TorchFunctionMode):
         ids = _tensor_ids(args)
         if kwargs:
             ids |= _tensor_ids(kwargs.values())
+        result = func(*args, **(kwargs or {}))
         if ids:
             self.tick += 1
             self.read.setdefault(self.context, set()).update(ids)
-            if getattr(func, "__name__", "") not in METADATA:
+            if not _metadata_only(func, args, result):
                 self.computed.setdefault(self.context, set()).update(ids)
             kind = read_kind(func)
             if kind != FREE:
@@ -108,7 +118,20 @@ class Usage(TorchFunctionMode):
                 stamps = table.setdefault(self.context, {})
                 for key in ids:
                     stamps[key] = self.tick
-        return func(*args, **(kwargs or {}))
+        return result
+
+
+def _metadata_only(func: Any, args: Any, result: Any) -> bool:
+    """Whether the call read metadata only: :data:`METADATA`, or a :data:`MOVES` call that
+    returned the tensor it was given, or ``param.data = param`` (see :data:`MOVES`)."""
+    name = getattr(func, "__name__", "")
+    if name in METADATA or name == "_has_compatible_shallow_copy_type":
+        return True
+    if name in MOVES:
+        return bool(args) and result is args[0]
+    if name == "__set__":  # a data descriptor: ``tensor.data = value``
+        return len(args) == 2 and args[0] is args[1]
+    return False
 
 
 def _tensor_ids(values: Iterable[Any]) -> set[int]:

@@ -436,20 +436,11 @@ def test_flux_control_caches_the_vae_and_the_text_encoders():
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "every call of vae.encoder and of both text encoders is answered from the cache, yet "
-        "stage 2 holds their weights: the step's vae.to(accelerator.device) and "
-        "text_encoding_pipeline.to(accelerator.device) (no-op moves, the modules are already "
-        "there) run Tensor.to on every parameter, which graphsplit/calls/usage.py:Usage "
-        "records as a value read outside any cached call ('to' is not in METADATA), so "
-        "call_split's dropped/unused sets keep them (the report says 'held by stage 2 though "
-        "every call is answered from the cache ... e.g. module.to(device) in the step'); "
-        "with both .to replaced by identity, stage 2 holds none of them"
-    ),
-)
 def test_flux_control_stage2_holds_no_frozen_encoder_weights():
+    """Every call of ``vae.encoder`` and of both text encoders is answered from the cache. The
+    step's ``vae.to(accelerator.device)`` and ``text_encoding_pipeline.to(accelerator.device)``
+    (moves to where the modules already are) used to count as computing with every weight, so
+    stage 2 held them; a move that returns the very tensor computes nothing."""
     _parts, split = _built()
     stage2 = {name for name, _ in split.stage2.named_parameters()}
     held = sorted(n for n in stage2 if n.startswith(("text_encoding_pipeline", "vae.encoder")))
