@@ -150,9 +150,7 @@ def test_a_cached_module_whose_weight_stage2_computes_with_is_held():
     split = split_and_verify(UsesTheCachedEncodersWeight(), (X,), path="calls")
     assert "vae.encoder.weight" in _held(split)
     assert "vae.encoder" not in split.plan.dropped
-    assert "outside those calls, e.g. module.half() in the step): vae.encoder\n" in (
-        split.report()
-    )
+    assert "outside those calls, e.g. module.half() in the step): vae.encoder\n" in (split.report())
     assert split.to_json()["held_though_cached"] == ["vae.encoder"]
 
 
