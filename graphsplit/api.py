@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+import torch
 import torch.fx as fx
 from torch import nn
 
 from graphsplit.artifacts import BoundarySpec, Cut
-from graphsplit.calls import CallSplit, split_calls
+from graphsplit.calls import CallSplit, generators, split_calls
 from graphsplit.errors import Fix, SplitError, TraceError, user_error
 from graphsplit.planning.codegen.compiled_calls import compiled_code_notes
 from graphsplit.planning.codegen.stages import build_stage1, build_stage2, standalone_source
@@ -199,7 +200,7 @@ def split(
     if path == "trace":
         return _split_traced(model, args, kwargs, frozen, recompute, max_plans)
     try:
-        return _split_traced(model, args, kwargs, frozen, recompute, max_plans)
+        traced = _split_traced(model, args, kwargs, frozen, recompute, max_plans)
     except (TraceError, SplitError) as refusal:
         try:
             return split_calls(
@@ -217,6 +218,63 @@ def split(
                 f"too: {why}"
             )
             raise refusal from calls_refusal
+    return prefer_calls_over_kept_whole(traced, args, kwargs, frozen=frozen, recompute=recompute)
+
+
+def prefer_calls_over_kept_whole(
+    traced: Split,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+    *,
+    frozen: FrozenSpec,
+    recompute: Recompute,
+) -> Split | CallSplit:
+    """``path="auto"``: the trace's split, or the module-level path's where the trace kept a
+    module whole because tracing into it failed, stage 2 holds frozen weights of it for that
+    reason alone, and the module-level path holds fewer frozen bytes in stage 2 (Gemma 3's
+    ``Gemma3Model``, whose vmapped mask fx cannot trace: the trace ran the frozen vision tower
+    every step, the module-level path caches its call).
+
+    Only that typed signal (``Plan.kept_whole``) opens the comparison: a trace plan that
+    caches nothing is often the min-cut's own right choice (ids are cheaper than their
+    embeddings), so "caches nothing" alone says nothing. The module-level split must also run
+    stage 2 on its own stage 1's output of the example: its probes see real tensors, and a
+    step that checks ``type(x) is torch.Tensor`` would refuse the stand-in of an unstored input.
+    """
+    kept = traced.plan_set.first.kept_whole if traced.plan_set is not None else frozenset()
+    held = _frozen_bytes(traced.stage2, traced.trainable, under=kept)
+    if not held:
+        return traced
+    reason = (
+        f"the whole-step trace kept {', '.join(sorted(kept))} whole (tracing into it failed; "
+        f"see its note), so its stage 2 would run {held:,} bytes of frozen weights in it"
+    )
+    try:
+        calls = split_calls(
+            traced._model, args, kwargs, frozen=frozen, reason=reason, recompute=recompute
+        )
+        with generators.forked(0), torch.no_grad():  # the user's random streams stay put
+            calls.stage2(**calls.stage1(*args, **(kwargs or {})))
+    except Exception:  # the module-level path cannot do better here: keep the trace's
+        return traced
+    if _frozen_bytes(calls.stage2, traced.trainable) >= held:
+        return traced
+    return calls
+
+
+def _frozen_bytes(
+    stage: nn.Module, trainable: frozenset[str], under: frozenset[str] | None = None
+) -> int:
+    """Bytes of the frozen parameters ``stage`` holds (those under a path of ``under`` only,
+    when given); names as in the step module."""
+    total = 0
+    for name, param in stage.named_parameters():
+        if name in trainable or param.requires_grad:
+            continue
+        if under is not None and not any(name.startswith(path + ".") for path in under):
+            continue
+        total += param.numel() * param.element_size()
+    return total
 
 
 def _whole_message(error: BaseException) -> str:
@@ -304,6 +362,7 @@ class _Planner:
             example=example_record(tuple(args), dict(kwargs)),
             seconds=time.perf_counter() - started,
             defaulted=defaults_taken(model, examples.inputs),
+            kept_whole=traced.kept_whole,
         )
 
     @one_planning_at_a_time  # a plan made for a later batch waits like a split() does

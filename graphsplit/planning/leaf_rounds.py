@@ -207,6 +207,7 @@ def _rounds(
         param_names = {id(param): name for name, param in model.named_parameters()}
         leaves = initial_leaves(model)
         notes: list[str] = []
+        kept_whole: frozenset[str] = frozenset()
         traced = _trace_once(model, examples, param_names, leaves, trainable, sites, answered)
         for _ in range(MAX_ROUNDS):
             deferred = deferred_calls_to_trace_into(
@@ -222,16 +223,21 @@ def _rounds(
                 finer = _trace_once(
                     model, examples, param_names, leaves - expand, trainable, sites, answered
                 )
-                choose_boundary(finer.graph, trainable)  # a finer trace must still have a cut
             except Exception as exc:  # any failure inside library code: keep the module whole
                 notes.append(f"kept {', '.join(sorted(expand))} whole: {_why(exc)}")
+                kept_whole = expand
+                break
+            try:
+                choose_boundary(finer.graph, trainable)  # a finer trace must still have a cut
+            except Exception as exc:
+                notes.append(f"kept {', '.join(sorted(expand))} whole: {_why(exc, cut=True)}")
                 break
             traced, leaves = finer, leaves - expand
             why = why_traced_into(expand, changed, counted)
             notes.append(f"traced into {', '.join(sorted(expand))}: {why}")
         check_grad_modes(traced.graph, trainable)  # the calls no round could trace into
         refuse_changed_leaf_calls(traced.graph)
-        return replace(traced, notes=traced.notes + tuple(notes))
+        return replace(traced, notes=traced.notes + tuple(notes), kept_whole=kept_whole)
 
 
 def _weights_device_type(model: nn.Module) -> str:
@@ -240,12 +246,13 @@ def _weights_device_type(model: nn.Module) -> str:
     return next((t.device.type for t in tensors if t.device.type != "meta"), "cpu")
 
 
-def _why(exc: Exception) -> str:
-    """One line for the report: why tracing into a module was given up."""
+def _why(exc: Exception, *, cut: bool = False) -> str:
+    """One line for the report: why tracing into a module was given up (``cut``: the finer
+    trace ran, but has no valid cut)."""
     first_line = (str(exc).strip().splitlines() or [""])[0]
-    if isinstance(exc, SplitError):
+    if cut:
         return f"split inside it has no valid cut ({first_line})"
-    kind = "" if isinstance(exc, TraceError) else f"{type(exc).__name__}: "
+    kind = "" if isinstance(exc, (TraceError, SplitError)) else f"{type(exc).__name__}: "
     return f"tracing into it failed ({kind}{first_line})"
 
 

@@ -89,6 +89,8 @@ class Plan:
     seconds: float  # what making it cost
     # Inputs the example did not give, traced as forward's default (signatures/defaults.py).
     defaulted: dict[str, Any] = field(default_factory=dict)
+    # Leaves kept whole because tracing into them failed (artifacts.Traced.kept_whole).
+    kept_whole: frozenset[str] = frozenset()
 
     @property
     def key(self) -> str:

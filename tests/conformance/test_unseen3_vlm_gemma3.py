@@ -170,14 +170,15 @@ def test_the_module_level_path_caches_tower_and_projector_per_sample(shapes, tmp
     assert_trains_from_its_cache(step, split, [example, other], tmp_path / "c")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="path='auto' keeps a whole-step trace that caches nothing (the vmapped mask keeps "
-    "Gemma3Model whole) though the module-level path caches the tower: auto does not compare "
-    "what the two paths cache (graphsplit/api.py split, calls/routing)",
-)
 def test_auto_caches_the_tower():
+    """The trace keeps ``Gemma3Model`` whole (fx cannot trace its vmapped mask), so its stage 2
+    would run the frozen vision tower every step; ``auto`` compares on that typed signal
+    (``Plan.kept_whole``) and takes the module-level path, which caches the tower's call."""
     torch.manual_seed(0)
     step = Gemma3SFT().train()
-    split = graphsplit.split(step, _batch([(16, 32), (30, 30)]))
+    example = _batch([(16, 32), (30, 30)])
+    split = graphsplit.split(step, example)
+    assert split.path == "calls"
     assert not _tower(stage2_params(split))
+    assert "kept model.base_model.model.model whole (tracing into it failed" in split.report()
+    assert all(c.ok for c in graphsplit.verify(step, split, example))
