@@ -25,8 +25,8 @@ would hide something the plan needs to see:
 In: the model; the traced graph and the trainable parameter names; the leaf names.
 
     initial_leaves(model) -> frozenset[str]
-    mixed_calls_worth_tracing(traced, trainable) -> frozenset[str]
-    frozen_calls_fed_a_number(traced, trainable, model) -> frozenset[str]
+    mixed_calls_worth_tracing(traced, trainable, taint) -> frozenset[str]
+    frozen_calls_fed_a_number(traced, trainable, taint, model) -> frozenset[str]
     why_traced_into(expand, changed, counted) -> str          # the report's reason
     leaves_to_trace_into(graph, leaves) -> frozenset[str]    # calls under changed state
     refuse_changed_leaf_calls(graph) -> None                  # after the rounds: TraceError
@@ -34,13 +34,16 @@ In: the model; the traced graph and the trainable parameter names; the leaf name
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.fx as fx
 from torch import nn
 
 from graphsplit.artifacts import TaintKind, Traced
 from graphsplit.errors import Fix, TraceError, user_error
-from graphsplit.planning.cut.boundary import compute_taint, facts, module_owner
+from graphsplit.planning.cut.boundary import facts, module_owner
 from graphsplit.planning.patching.module_writes import STATE_AT_CALL
 
 CHANGED_STATE_FIX = Fix(
@@ -59,7 +62,9 @@ def initial_leaves(model: nn.Module) -> frozenset[str]:
     )
 
 
-def mixed_calls_worth_tracing(traced: Traced, trainable: frozenset[str]) -> frozenset[str]:
+def mixed_calls_worth_tracing(
+    traced: Traced, trainable: frozenset[str], taint: Mapping[fx.Node, Any]
+) -> frozenset[str]:
     """Leaf modules fed cacheable values that are tainted as one call but need not be all.
 
     A module that mixes frozen and trainable parameters; or a frozen module judged to mix the
@@ -71,9 +76,9 @@ def mixed_calls_worth_tracing(traced: Traced, trainable: frozenset[str]) -> froz
     the Trainer's ``num_items_in_batch``, which transformers' models take through their
     ``**kwargs`` and hand on, to the loss and to their backbone's ``**kwargs``) does not keep
     the module whole: traced into, taint follows it op by op (and a frozen backbone it reaches
-    is opened too: :func:`frozen_calls_fed_a_number`).
+    is opened too: :func:`frozen_calls_fed_a_number`). ``taint``: the graph's
+    (:func:`~graphsplit.planning.cut.boundary.compute_taint`), computed once per round.
     """
-    taint = compute_taint(traced.graph, trainable)
     found = set()
     for node in traced.graph.nodes:
         owner = module_owner(node)
@@ -100,11 +105,10 @@ def mixed_calls_worth_tracing(traced: Traced, trainable: frozenset[str]) -> froz
 
 
 def frozen_calls_fed_a_number(
-    traced: Traced, trainable: frozenset[str], model: nn.Module
+    traced: Traced, trainable: frozenset[str], taint: Mapping[fx.Node, Any], model: nn.Module
 ) -> frozenset[str]:
     """Frozen leaves tainted only by one number for the batch fed beside cacheable inputs,
     with every module under them but torch.nn's own (see :func:`_library_modules_under`)."""
-    taint = compute_taint(traced.graph, trainable)
     found: set[str] = set()
     for node in traced.graph.nodes:
         owner = module_owner(node)

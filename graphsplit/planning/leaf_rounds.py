@@ -214,8 +214,9 @@ def _rounds(
                 traced.graph, trainable, leaves, param_names.values()
             )
             changed = leaves_to_trace_into(traced.graph, leaves)  # the step changed them
-            counted = frozen_calls_fed_a_number(traced, trainable, model)
-            mixed = mixed_calls_worth_tracing(traced, trainable)
+            taint = compute_taint(traced.graph, trainable)
+            counted = frozen_calls_fed_a_number(traced, trainable, taint, model)
+            mixed = mixed_calls_worth_tracing(traced, trainable, taint)
             expand = (mixed | deferred | changed | counted) & leaves
             if not expand:
                 break
