@@ -382,13 +382,14 @@ def test_control_caches_the_backbone_features_the_probes_read():
 
 @pytest.mark.xfail(
     strict=True,
-    reason="the whole-step trace stops at the backbone's tuple: create_linear_input slices it "
-    "(x_tokens_list[-use_n_blocks:]), a getitem node whose value is a tuple of (patch tokens, "
-    "class token) pairs, and choose_boundary refuses a tuple crossing without a codec "
-    "(SplitError: 'a builtins.tuple, but it is not a tensor'). Fix: a slice of a traced tuple "
-    "or list as a tuple of per-item getitem nodes. (Iterating outputs.items() of the "
-    "classifiers' dict, which failed before it, traces now.) The default path caches the "
-    "backbone's call (test_control_caches_the_backbone_features_the_probes_read)",
+    reason="the whole-step trace stops at the backbone's output: ModelWithIntermediateLayers "
+    "returns a tuple of (patch tokens, class token) pairs, and the trainable AllClassifiers "
+    "module takes it whole, so the tuple node itself would cross, which choose_boundary "
+    "refuses (SplitError: 'a builtins.tuple, but it is not a tensor'). Fix: a tuple or list of "
+    "tensors a node takes whole crossing as its tensors, rebuilt in stage 2. (Iterating "
+    "outputs.items() of the classifiers' dict, which failed before it, traces now.) The "
+    "default path caches the backbone's call (test_control_caches_the_backbone_features_the_"
+    "probes_read)",
 )
 def test_control_whole_step_trace_iterates_the_classifiers_dict():
     _trainable, step, _params, _split = _built("control")
