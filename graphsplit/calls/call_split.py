@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from graphsplit.artifacts import BoundarySpec
-from graphsplit.calls import generators
-from graphsplit.calls.analysis import any_input_differs, batch_dim, judge, probe
+from graphsplit.calls import forced_draws, generators
+from graphsplit.calls.analysis import Probe, any_input_differs, batch_dim, judge, probe
 from graphsplit.calls.call_plan import CallPlan, Placeholder, input_spec
 from graphsplit.calls.call_report import CallSplit
 from graphsplit.calls.field_reads import VALUE
@@ -99,7 +99,10 @@ def split_calls(
     try:
         with _grad_flags(named, trainable):
             usages = [Derivation(roots), Derivation(roots)]
-            first = probe(module, step.args, step.kwargs, routed, SEEDS[0], batch_size, usages[0])
+            with forced_draws.watched() as drawn:
+                first = probe(
+                    module, step.args, step.kwargs, routed, SEEDS[0], batch_size, usages[0]
+                )
             # The second run also moves the trainable weights (.provenance.moved): a frozen call
             # fed them under no_grad has no autograd record, but its inputs then differ.
             in_moved_run = True
@@ -132,6 +135,15 @@ def split_calls(
     except Exception as error:  # the user's step itself failed on the example batch
         raise _step_failed(error, in_moved_run) from error
     verdicts = judge(first, second, batch_size, alone, reordered, changed)
+    ends = forced_draws.ENDS if drawn[0] else ()
+    forced_runs = [_forced_probe(module, step, routed, end, batch_size) for end in ends]
+    steered = forced_draws.steered_calls(first, forced_runs)
+    verdicts = [
+        CallVerdict(v.path, v.index, Verdict.RANDOM_INPUT, steered[(v.path, v.index)])
+        if v.cached and (v.path, v.index) in steered
+        else v
+        for v in verdicts
+    ]
     # Only where nothing else is cached: opening renumbers the calls inside, and a plan that
     # caches other calls already is kept as it is (its fingerprint, its boundary).
     more = _to_open(verdicts, first.nested | second.nested) - opened
@@ -234,6 +246,7 @@ def split_calls(
             "on the trainable parameters only through a choice the move left as it was (an "
             "argmax)",
             *_input_notes(inputs, stored_inputs),
+            *_forced_notes(drawn[0], forced_runs),
             *_recompute_notes(redone, recompute),
             *(
                 [
@@ -333,6 +346,33 @@ def _redone_verdict(verdict: CallVerdict, redone: Redone) -> CallVerdict:
         f"sample not stored, for a price of {trade.price} byte-equivalents"
     )
     return dataclasses.replace(verdict, verdict=Verdict.RECOMPUTED, detail=detail, copied=())
+
+
+def _forced_probe(
+    module: nn.Module, step: Any, routed: dict[str, nn.Module], fraction: float, batch_size: int
+) -> Probe | None:
+    """The first probe again with the step's Python/NumPy draws forced (:mod:`.forced_draws`);
+    None where the step fails so."""
+    try:
+        with forced_draws.forced(fraction):
+            return probe(module, step.args, step.kwargs, routed, SEEDS[0], batch_size)
+    except Exception:
+        return None
+
+
+def _forced_notes(drawn: int, runs: list[Probe | None]) -> list[str]:
+    if not drawn:
+        return []
+    if all(run is not None for run in runs):
+        return [
+            f"the step draws from Python's or NumPy's generator ({drawn} draws): it was run "
+            "again with those draws forced to the bottom and the top of their range, and a "
+            "frozen call whose inputs a forced run changed is not cached"
+        ]
+    return [
+        "the step draws from Python's or NumPy's generator, and failed when those draws were "
+        "forced to an end of their range: a rare branch they steer was not checked"
+    ]
 
 
 def _recompute_notes(redone: Redone, recompute: str) -> list[str]:
