@@ -204,8 +204,10 @@ def test_peft_gc_step_cache_round_trip(tmp_path):
     "with batch_dim=None, so BoundarySpec.is_constant (artifacts.py) calls it a per-dataset "
     "constant; split() accepts it, and graphsplit.cache refuses only at the second batch of a "
     "plan, in caching/write/plan_constants.py PlanConstants.handle, with "
-    "NOT_A_CONSTANT_FIX: 'this is a graphsplit bug in finding batch dims' (a loader with one "
-    "batch per plan caches the first batch's count silently as every batch's)",
+    "a refusal naming the per-batch value and the fix (compute it in the step); a loader "
+    "with one batch per plan caches the first batch's count silently as every batch's. A "
+    "split-time refusal of every unbatched tensor input was tried and reverted: a constant "
+    "tensor input (tests/planning/test_callable.py's scale) looks the same at split time",
 )
 def test_count_handed_to_the_step_is_refused_at_split_naming_it():
     model = _model()
@@ -222,8 +224,8 @@ def test_count_handed_to_the_step_is_refused_at_split_naming_it():
 def test_count_handed_to_the_step_today(tmp_path):
     """What happens today with the count as an argument (see the xfail above): the split is
     made and verifies; a cache of one batch per plan stores that batch's count once and hands
-    it to every later batch of cached rows; two batches of one plan are refused as a bug of
-    graphsplit's."""
+    it to every later batch of cached rows; two batches of one plan are refused, naming the
+    per-batch value and the fix (the message used to call it a bug of graphsplit's)."""
     model = _model()
 
     def training_step(inputs, num_items_in_batch):
@@ -256,9 +258,9 @@ def test_count_handed_to_the_step_today(tmp_path):
         torch.manual_seed(0)
         assert torch.equal(split.stage2(**row), expected) is same
 
-    # Two batches of one plan (one length), two counts: refused as a graphsplit bug.
+    # Two batches of one plan (one length), two counts: refused, naming the per-batch value.
     loader = [with_count(_batch(2, seed=seed)) for seed in (3, 11)]
     assert loader[0]["input_ids"].shape == loader[1]["input_ids"].shape
     assert not torch.equal(loader[0]["num_items_in_batch"], loader[1]["num_items_in_batch"])
-    with pytest.raises(CacheError, match="graphsplit bug"):
+    with pytest.raises(CacheError, match="it is a per-batch value"):
         graphsplit.cache(split, loader, tmp_path / "two", progress=False)

@@ -176,7 +176,7 @@ def test_padding_free_step_verifies_on_a_batch_of_another_longest_sample():
     "BoundarySpecs with batch_dim=None, i.e. per-dataset constants (calls/stored spec_of, "
     "artifacts.py BoundarySpec.is_constant); graphsplit.cache then refuses the second batch "
     "of the plan in caching/write/plan_constants.py PlanConstants.handle with "
-    "NOT_A_CONSTANT_FIX, 'this is a graphsplit bug in finding batch dims' (verify passes: it "
+    "a refusal naming the per-batch value and the fix (verify passes: it "
     "hands stage 1's values to stage 2 without the cache)",
 )
 def test_padding_free_cache_round_trip(tmp_path):
@@ -195,7 +195,7 @@ def test_padding_free_cache_round_trip(tmp_path):
 
 def test_padding_free_cache_refusal_today(tmp_path):
     """What the xfail above meets: the flash-attention offsets are taken for per-dataset
-    constants, and two packed batches of one plan are refused as a graphsplit bug."""
+    constants, and two packed batches of one plan are refused, naming the per-batch value."""
     _model, _step, _params, packed, split = _built()
     assert split.boundary["cu_seq_lens_q"].is_constant
     example = packed([0, 1, 2])
@@ -206,4 +206,5 @@ def test_padding_free_cache_refusal_today(tmp_path):
     )
     with pytest.raises(CacheError, match="'cu_seq_lens_q' differs between batches") as error:
         graphsplit.cache(split, [example, other], tmp_path / "cache", progress=False)
-    assert "graphsplit bug" in str(error.value)
+    assert "it is a per-batch value" in str(error.value)
+    assert "compute it inside the step" in str(error.value)

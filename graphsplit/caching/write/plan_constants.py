@@ -51,8 +51,9 @@ from graphsplit.errors import CacheError, Fix, user_error
 __all__ = ["PlanConstants", "refuse_unrecorded_constants"]
 
 NOT_A_CONSTANT_FIX = Fix(
-    "this is a graphsplit bug in finding batch dims; please report it with the step that "
-    "triggers it"
+    "compute it inside the step from the batch's own tensors (the Trainer's count: "
+    "num_items_in_batch = (labels != -100).sum()), so stage 2 recomputes it from what the "
+    "cache holds; or give it one value per sample (a batch dimension)"
 )
 BATCH_ZERO_FIX = Fix(
     "cache on one process, or put a batch of the split's own example shape first in the loader "
@@ -111,7 +112,10 @@ class PlanConstants:
                     raise user_error(
                         CacheError,
                         f"the per-dataset constant {name!r} differs between batches of one plan, "
-                        "so it is not a constant.",
+                        "so it is not a constant: it has no batch dimension, so the cache would "
+                        "store it once for the whole dataset, but it is a per-batch value (a "
+                        "count of the batch's tokens handed to the step, a packed batch's "
+                        "sequence offsets).",
                         fix=NOT_A_CONSTANT_FIX,
                     )
             return {}
