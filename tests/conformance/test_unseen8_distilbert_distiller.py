@@ -394,3 +394,17 @@ def test_distiller_cache_round_trip(form, tmp_path):
     names = list(split.input_names)
     loader = [dict(zip(names, example, strict=True)) for example in batches]
     assert_cache_round_trip(split, lambda raw: step(**raw), loader, tmp_path / "cache", params)
+
+
+def test_premasked_trace_refusal_names_the_tied_trainable_weight():
+    """DistilBERT ties ``vocab_projector.weight`` to its trainable word embeddings. The trace's
+    refusal of the step's value-reading ``Distiller.step`` named the alias as "the frozen
+    tensor ... on the meta device" (load the frozen weights, it said); the alias is named as
+    ``named_parameters()`` names the tensor, and the refusal says it is trainable."""
+    _distiller, step, _params, batch, _split = _built("premasked")
+    with pytest.raises(graphsplit.TraceError) as caught:
+        graphsplit.split(step, batch(2, 0), path="trace")
+    message = str(caught.value)
+    assert type(caught.value).__name__ == "TrainableSideError"
+    assert "reads the trainable parameter distiller.student.distilbert.embeddings" in message
+    assert "frozen tensor" not in message

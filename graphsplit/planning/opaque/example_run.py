@@ -277,13 +277,14 @@ class ExampleRun:
     @contextlib.contextmanager
     def _real_run(self, node: fx.Node, site: OpaqueSite | ValueSite) -> Iterator[None]:
         """Real frozen weights in place, no autograd, meta tensors and RNG draws refused."""
-        names = {
-            id(tensor): name
-            for name, tensor in (
-                *self.model.named_parameters(remove_duplicate=False),
-                *self.model.named_buffers(remove_duplicate=False),
-            )
-        }
+        # Every alias of a tied tensor, named as named_parameters() names it (its first path):
+        # DistilBERT's vocab_projector.weight is the trainable word embedding, not a frozen one.
+        names: dict[int, str] = {}
+        for name, tensor in (
+            *self.model.named_parameters(remove_duplicate=False),
+            *self.model.named_buffers(remove_duplicate=False),
+        ):
+            names.setdefault(id(tensor), name)
         states = generator_states()
         swapped = self._swap_in_real()
         try:
