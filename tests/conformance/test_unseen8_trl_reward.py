@@ -281,8 +281,8 @@ def test_legacy_reward_step_cache_round_trip(tmp_path):
     "batch_dim 0, the DataLoader's batch is B dataset items (caching/loader/batches.py "
     "_refuse_rows_per_item lets it through because the margin has B rows), and "
     "caching/write/plan_rows.py run_stage1 refuses input_ids 'whose batch dim 0 should hold "
-    "the batch's 2 samples' with the fix 'batch every input along dim 0 (as a DataLoader "
-    "does)', which the DataLoader already does; nothing stores a pair's two rows as one sample",
+    "the batch's 2 samples' (naming the 2 rows per sample and a fix that gives them a dim of "
+    "their own); nothing stores a pair's two rows as one sample",
 )
 def test_trl_reward_step_cache_round_trip(tmp_path):
     _, step, params, collate, split = _built("trl")
@@ -291,8 +291,9 @@ def test_trl_reward_step_cache_round_trip(tmp_path):
 
 
 def test_trl_reward_step_cache_refusal_today(tmp_path):
-    """What the xfail above meets today: the refusal names ``input_ids`` and its two rows per
-    pair, but its fix asks for what the DataLoader already does."""
+    """What the xfail above meets today: the refusal names ``input_ids``, its two rows per
+    pair and a fix that gives them a dimension of their own (it used to ask for what the
+    DataLoader already does: batch every input along dim 0)."""
     *_, collate, split = _built("trl")
     loader = DataLoader(_pairs(4, seed=3), batch_size=2, collate_fn=collate)
     with pytest.raises(CacheError) as error:
@@ -300,4 +301,7 @@ def test_trl_reward_step_cache_refusal_today(tmp_path):
     message = str(error.value)
     assert "'input_ids' with shape (4," in message
     assert "should hold the batch's 2 samples" in message
-    assert "batch every input along dim 0 (as a DataLoader does)" in message
+    assert "It holds 4 rows, 2 per sample" in message
+    assert "TRL's preference collators" in message
+    assert "a dimension of their own" in message
+    assert "batch every input along dim 0 (as a DataLoader does)" not in message

@@ -115,16 +115,35 @@ def run_stage1(
         if spec.batch_dim is not None and (
             value.dim() <= spec.batch_dim or value.shape[spec.batch_dim] != size
         ):
+            rows = value.shape[spec.batch_dim] if value.dim() > spec.batch_dim else None
             raise user_error(
                 CacheError,
                 f"stage 1 returned {name!r} with shape {tuple(value.shape)}, whose batch dim "
-                f"{spec.batch_dim} should hold the batch's {size} samples.",
-                fix=Fix(
-                    "batch every input along dim 0 (as a DataLoader does), with one 'key' per "
-                    "sample"
-                ),
+                f"{spec.batch_dim} should hold the batch's {size} samples."
+                + (_FOLDED.format(rows=rows, per=rows // size) if _folded(rows, size) else ""),
+                fix=_FOLDED_FIX if _folded(rows, size) else _UNBATCHED_FIX,
             )
     return dict(outputs), plan
+
+
+_UNBATCHED_FIX = Fix(
+    "batch every input along dim 0 (as a DataLoader does), with one 'key' per sample"
+)
+_FOLDED = (
+    " It holds {rows} rows, {per} per sample: the collator stacks several rows per dataset "
+    "item along dim 0 (TRL's preference collators stack each pair's chosen and rejected rows), "
+    "and a cache row is one sample's."
+)
+_FOLDED_FIX = Fix(
+    "give each sample's rows a dimension of their own (e.g. input_ids of shape (batch, 2, "
+    "length), flattened in the step with .flatten(0, 1)), or keep them in separate fields "
+    "(chosen_input_ids, rejected_input_ids), so that dim 0 holds one row per sample"
+)
+
+
+def _folded(rows: int | None, size: int) -> bool:
+    """Whether ``rows`` is a multiple (2 or more) of the batch's ``size`` samples."""
+    return rows is not None and size > 0 and rows > size and rows % size == 0
 
 
 def refuse_other_boundary(plan: Any, header: CacheHeader) -> None:
