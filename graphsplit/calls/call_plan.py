@@ -374,6 +374,10 @@ class CallPlan:
     """Frozen modules the step never computes with in stage 2 (a VAE's decoder): not held."""
     not_stored: dict[str, BoundarySpec] = dataclasses.field(default_factory=dict)
     """The cached calls' output fields stage 2 never reads, as the boundary would hold them."""
+    placed: frozenset[str] = frozenset()
+    """Modules not held whose weights' ``.device`` the step reads in stage 2 (diffusers'
+    ``pipeline.device`` to place the captions' ids): built on meta, they would place the data
+    there, so they must be built on the training device."""
 
     @property
     def shape_keys(self) -> list[str]:

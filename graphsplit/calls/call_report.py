@@ -85,11 +85,18 @@ class CallSplit:
             f"stage 1 holds {_count(self.stage1)}; stage 2 holds {_count(self.stage2)} "
             "and runs the step's own Python (a module the step compiled runs compiled)."
         )
-        if self.plan.dropped:
-            dropped = ", ".join(sorted(self.plan.dropped))
+        placed = self.plan.placed
+        if self.plan.dropped - placed:
+            dropped = ", ".join(sorted(self.plan.dropped - placed))
             lines.append(
                 "answered from the cache in stage 2 (weights not held, may stay on meta): "
                 + dropped
+            )
+        if placed:
+            lines.append(
+                "not held by stage 2, but the step reads their weights' .device there (to "
+                "place data): build them on the training device, not on meta: "
+                + ", ".join(sorted(placed))
             )
         if self.plan.unused:
             unused = ", ".join(sorted(self.plan.unused))

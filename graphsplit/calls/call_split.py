@@ -30,6 +30,7 @@ from graphsplit.calls.stages import CallStage1, CallStage2
 from graphsplit.calls.stored import spec_of, storage, stored_verdict
 from graphsplit.calls.unstored_inputs.derivation import Derivation, unstored_inputs
 from graphsplit.calls.usage import (
+    device_read_tensors,
     field_uses,
     inner_calls,
     needed_tensors,
@@ -210,6 +211,8 @@ def split_calls(
     dropped = frozenset(p for p in every_call_cached(verdicts) if not _computes(routed[p], needed))
     kept = {v.path for v in verdicts if not v.cached}
     unused = unused_modules(routed, needed, kept, dropped)
+    read_device = device_read_tensors(usages, candidates)
+    placed = frozenset(p for p in dropped | unused if _computes(routed[p], read_device))
     nested = first.nested | second.nested | (alone.nested if alone is not None else set())
     for run in reordered.probes if reordered is not None else []:
         nested |= run.nested
@@ -224,6 +227,7 @@ def split_calls(
         cached=stored,
         verdicts=tuple(verdicts),
         dropped=dropped,
+        placed=placed,
         boundary=boundary,
         placeholders=placeholders,
         unused=unused,

@@ -90,6 +90,9 @@ class Usage(TorchFunctionMode):
         self.shape_reads: dict[Context, dict[int, int]] = {}
         self.value_reads: dict[Context, dict[int, int]] = {}
         self.returned: dict[CallId, int] = {}
+        # Ids of tensors whose .device (or get_device()) a context read: code that places
+        # data where a module's weights are (pipeline.device).
+        self.device_reads: dict[Context, set[int]] = {}
 
     @property
     def context(self) -> Context:
@@ -112,6 +115,8 @@ class Usage(TorchFunctionMode):
             self.read.setdefault(self.context, set()).update(ids)
             if not _metadata_only(func, args, result):
                 self.computed.setdefault(self.context, set()).update(ids)
+            elif _reads_device(func):
+                self.device_reads.setdefault(self.context, set()).update(ids)
             kind = read_kind(func)
             if kind != FREE:
                 table = self.value_reads if kind == VALUE else self.shape_reads
@@ -119,6 +124,21 @@ class Usage(TorchFunctionMode):
                 for key in ids:
                     stamps[key] = self.tick
         return result
+
+
+def _reads_device(func: Any) -> bool:
+    """``tensor.device`` (the descriptor's ``__get__``) or ``tensor.get_device()``."""
+    name = getattr(func, "__name__", "")
+    if name == "get_device":
+        return True
+    return (
+        name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") == "device"
+    )
+
+
+def device_read_tensors(usages: list[Usage], cached: set[CallId]) -> set[int]:
+    """Ids of the tensors whose device the step reads outside ``cached`` calls, in any probe."""
+    return set().union(*(_in_stage2(usage.device_reads, cached) for usage in usages))
 
 
 def _metadata_only(func: Any, args: Any, result: Any) -> bool:

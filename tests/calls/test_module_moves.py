@@ -85,3 +85,25 @@ def test_a_move_that_converts_the_weights_keeps_them_held():
 def test_the_default_path_also_leaves_the_moved_encoder_out(path):
     split = split_and_verify(MovesItsEncoder(), (batch(3, 4),), path=path)
     assert not any(name.startswith("encoder") for name in _params(split))
+
+
+class PlacesByTheEncodersDevice(MovesItsEncoder):
+    """diffusers' pipelines place the data where the module's weights are (``pipe.device``):
+    built on meta in a stage-2 process, the encoder would put the batch there."""
+
+    def forward(self, x):
+        device = next(self.encoder.parameters()).device
+        with torch.no_grad():
+            features = self.encoder(x.to(device))
+        return self.head(features).pow(2).mean()
+
+
+def test_a_module_whose_device_stage2_reads_is_not_held_but_must_stay_off_meta():
+    split = split_and_verify(PlacesByTheEncodersDevice(), (batch(3, 4),), path="calls")
+    assert not any(name.startswith("encoder") for name in _params(split))
+    report = split.report()
+    assert "the step reads their weights' .device there" in report
+    assert "build them on the training device, not on meta: encoder" in report
+    assert "may stay on meta" not in report
+    moved = split_and_verify(MovesItsEncoder(), (batch(3, 4),), path="calls")
+    assert "may stay on meta): encoder" in moved.report()  # .to(x.device) reads x's, not its

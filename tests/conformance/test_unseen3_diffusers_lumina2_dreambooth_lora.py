@@ -411,6 +411,11 @@ def test_captions_cache_gemma_and_the_vae_encoder(size):
     assert_the_moved_modules_are_not_held(
         split, other, {"vae.encoder", "text_encoding_pipeline.text_encoder"}
     )
+    # The step reads the pipeline's .device to place the captions' ids: the report says to
+    # build it on the training device (not on meta), though stage 2 does not hold it.
+    assert "build them on the training device, not on meta: text_encoding_pipeline" in (
+        split.report()
+    )
 
 
 def test_the_instance_prompt_caches_the_vae_encoder():
