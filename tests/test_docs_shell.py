@@ -134,6 +134,8 @@ NOT_RUN: dict[str, str] = {
     "/tmp/bench-q": _measurement("1 minute"),
     "python -m benchmarks.bench_split_scale --sizes 10000 --rounds 3 --baseline ../wt-base-e688 "
     "--out /tmp/bench-q2": _measurement("2 minutes, with a baseline worktree"),
+    "python -m benchmarks.bench_split_scale --sizes 10000 --rounds 5 --baseline ../wt-base "
+    "--out /tmp/bench-chain": _measurement("4 minutes, with a baseline worktree"),
     "python -m benchmarks.bench_trainer_live --out benchmarks/results": _measurement("minutes"),
     "python -m benchmarks.bench_trainer_live --samples 256 --teacher 512 --out "
     "benchmarks/results/big": _measurement("minutes"),
