@@ -140,7 +140,7 @@ def split_calls(
     forced_runs = [_forced_probe(module, step, routed, end, batch_size) for end in ends]
     steered = forced_draws.steered_calls(first, forced_runs)
     verdicts = [
-        CallVerdict(v.path, v.index, Verdict.RANDOM_INPUT, steered[(v.path, v.index)])
+        CallVerdict(v.path, v.index, Verdict.RARE_BRANCH, steered[(v.path, v.index)])
         if v.cached and (v.path, v.index) in steered
         else v
         for v in verdicts
@@ -267,7 +267,7 @@ def split_calls(
 
 
 _INPUT_REFUSALS = frozenset(
-    {Verdict.TRAINABLE_INPUT, Verdict.TRAINABLE_VALUE, Verdict.RANDOM_INPUT}
+    {Verdict.TRAINABLE_INPUT, Verdict.TRAINABLE_VALUE, Verdict.RANDOM_INPUT, Verdict.RARE_BRANCH}
 )
 
 

@@ -14,6 +14,7 @@ class Verdict(enum.Enum):
     TRAINABLE_INPUT = "trainable-input"
     TRAINABLE_VALUE = "trainable-value"
     RANDOM_INPUT = "random-input"
+    RARE_BRANCH = "rare-branch"
     DRAWS_ITSELF = "draws-itself"
     MUTATED = "mutated"
     NON_TENSOR = "non-tensor"
@@ -40,6 +41,11 @@ _WHY = {
     Verdict.RANDOM_INPUT: (
         "an input differs between two runs under different seeds (it depends on a random "
         "draw, or on state that changes from step to step)"
+    ),
+    Verdict.RARE_BRANCH: (
+        "a rare random branch changes its inputs: with the step's Python / NumPy draws forced "
+        "to an end of their range, its inputs differ or the call is not made (a caption "
+        "dropout drawn with random.random())"
     ),
     Verdict.DRAWS_ITSELF: "the call draws random numbers itself (dropout in training mode?)",
     Verdict.MUTATED: "the step mutates the call's output in place, or the call mutates its inputs",

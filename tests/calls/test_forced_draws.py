@@ -17,6 +17,7 @@ from torch import nn
 
 import graphsplit
 from graphsplit.calls import forced_draws
+from graphsplit.calls.verdicts import Verdict
 from tests.helpers import batch
 
 EMPTY = torch.zeros(4)
@@ -64,6 +65,8 @@ def test_a_rare_dropout_branch_keeps_the_encoder_uncached_and_stage2_exact(kind,
     assert not any(key.startswith("encoder__") for key in split.boundary)
     assert "vae__0__out" in split.boundary
     assert "forced to the bottom of their range" in split.report()
+    verdicts = {v.path: v.verdict for v in split.plan.verdicts}
+    assert verdicts["encoder"] is Verdict.RARE_BRANCH
     random.seed(0)
     np.random.seed(0)
     graphsplit.cache(split, [{"x": x}], tmp_path / "cache", progress=False)

@@ -136,14 +136,7 @@ def steered_calls(first: Any, forced_runs: list[Any]) -> dict[Any, str]:
                 continue
             other = run.calls.get(call)
             if other is None:
-                steered[call] = (
-                    f"with the step's Python/NumPy draws forced to the {where} of their range, "
-                    "the step does not make this call (a rare random branch)"
-                )
+                steered[call] = f"forced to the {where} of their range, the step does not make it"
             elif seen.inputs.difference(other.inputs) is not None:
-                steered[call] = (
-                    f"with the step's Python/NumPy draws forced to the {where} of their range, "
-                    "its inputs differ (a rare random branch, such as a caption dropout, "
-                    "changes them)"
-                )
+                steered[call] = f"forced to the {where} of their range, its inputs differ"
     return steered
