@@ -218,11 +218,14 @@ def split(
                 f"too: {why}"
             )
             raise refusal from calls_refusal
-    return prefer_calls_over_kept_whole(traced, args, kwargs, frozen=frozen, recompute=recompute)
+    return prefer_calls_over_kept_whole(
+        traced, model, args, kwargs, frozen=frozen, recompute=recompute
+    )
 
 
 def prefer_calls_over_kept_whole(
     traced: Split,
+    model: nn.Module | Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any] | None,
     *,
@@ -250,9 +253,7 @@ def prefer_calls_over_kept_whole(
         f"see its note), so its stage 2 would run {held:,} bytes of frozen weights in it"
     )
     try:
-        calls = split_calls(
-            traced._model, args, kwargs, frozen=frozen, reason=reason, recompute=recompute
-        )
+        calls = split_calls(model, args, kwargs, frozen=frozen, reason=reason, recompute=recompute)
         with generators.forked(0), torch.no_grad():  # the user's random streams stay put
             calls.stage2(**calls.stage1(*args, **(kwargs or {})))
     except Exception:  # the module-level path cannot do better here: keep the trace's

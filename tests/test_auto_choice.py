@@ -91,3 +91,15 @@ def test_auto_keeps_the_trace_when_the_module_kept_whole_holds_no_frozen_weight(
     split = split_and_verify(FrozenBeside(), (batch(3, 4),))
     assert split.path == "trace"
     assert "frozen" in list(split.boundary)
+
+
+def test_a_function_step_is_compared_as_the_user_wrote_it():
+    block = Untraceable()
+
+    def training_step(x):
+        return block(x).pow(2).mean()
+
+    split = graphsplit.split(training_step, (batch(3, 4),))
+    assert split.path == "calls"
+    assert _frozen_in_stage2(split) == []
+    assert all(c.ok for c in graphsplit.verify(training_step, split, (batch(5, 4),)))
