@@ -116,6 +116,12 @@ class OwnGenerators(TorchFunctionMode):
             self.first[id(generator)] = (generator, generator.get_state())
             if self.seed is not None:
                 generator.manual_seed(_derived_seed(self.seed, len(self.first)))
+                # A fork opened before this first sight (stage 1 inside a seeded verify) gives
+                # the generator back as seeded here, as if seeded before the fork: stage 2 then
+                # draws from where the eager run started.
+                for snapshot in _FORK_SNAPSHOTS:
+                    if id(generator) in snapshot:
+                        snapshot[id(generator)] = (generator, generator.get_state())
 
     def restore(self) -> None:
         for generator, state in self.first.values():
@@ -123,6 +129,8 @@ class OwnGenerators(TorchFunctionMode):
 
 
 _WATCHING: list[OwnGenerators] = []
+_FORK_SNAPSHOTS: list[dict[int, tuple[torch.Generator, torch.Tensor]]] = []
+"""The states unwatched forks (stage 1) give their known generators back, innermost last."""
 
 PYTHON_KNOWN: dict[int, Any] = {}
 """The step's own ``random.Random`` / NumPy generators the probes found (by id, kept alive as
@@ -175,10 +183,13 @@ def _forked(seed: int | None, watch: bool) -> Iterator[None]:
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     own = OwnGenerators(seed) if watch else None
     if own is None:
-        for generator in list(KNOWN):  # an outer watch (a seeded verify) keeps and seeds first
-            for outer in _WATCHING:
-                outer.see(generator)
-        known = [(generator, generator.get_state()) for generator in list(KNOWN)]
+        # Given back by their states. An outer watch (a seeded verify) seeds a generator on
+        # its first use, and updates this snapshot then (OwnGenerators.see): seeing every known
+        # generator here instead numbered this step's by the order of a set that also holds
+        # other splits' generators, so stage 2 could start from another seed than the eager
+        # run (a verify that failed depending on what else the process held).
+        known = {id(generator): (generator, generator.get_state()) for generator in list(KNOWN)}
+        _FORK_SNAPSHOTS.append(known)
     else:
         _WATCHING.append(own)
     with torch.random.fork_rng(devices=devices), own or contextlib.nullcontext():
@@ -186,7 +197,8 @@ def _forked(seed: int | None, watch: bool) -> Iterator[None]:
             yield
         finally:
             if own is None:
-                for generator, state in known:
+                _FORK_SNAPSHOTS[:] = [other for other in _FORK_SNAPSHOTS if other is not known]
+                for generator, state in known.values():
                     generator.set_state(state)
             else:
                 _WATCHING.pop()

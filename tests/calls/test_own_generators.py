@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import graphsplit
-from graphsplit.calls import Verdict
+from graphsplit.calls import Verdict, generators
 from tests.helpers import line_of
 
 
@@ -86,6 +86,21 @@ def test_verify_compares_the_step_and_the_split_from_one_state_of_the_generator(
     split = graphsplit.split(step, (X[:3],), path="trace")
     for seed in range(4):
         assert all(c.ok for c in graphsplit.verify(step, split, (X[:3],), seed=seed))
+
+
+def test_verify_does_not_depend_on_other_splits_generators_alive_in_the_process():
+    """Stage 1 (forked) handed every generator any split had seen to the seeded verify around
+    it, so this step's generator was seeded by its place in a set that also held other steps'
+    generators, and stage 2 started from another seed than the eager run: a verify that failed
+    depending on what else the process held (seen in the full suite, on LTX-Video's step)."""
+    others = [torch.Generator().manual_seed(index) for index in range(40)]
+    for other in others:  # as other splits' steps, still alive, leave them
+        generators.KNOWN.add(other)
+    step = DrawsFromItsGenerator(_generator())
+    split = graphsplit.split(step, (X[:3],), path="calls")
+    for seed in range(4):
+        assert all(c.ok for c in graphsplit.verify(step, split, (X[:3],), seed=seed))
+    assert len(others) == 40  # kept alive to the end
 
 
 # -- the step's own Python-level generators (random.Random, NumPy) ---------------------------
