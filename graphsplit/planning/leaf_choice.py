@@ -9,7 +9,7 @@ would hide something the plan needs to see:
   and its inputs are cacheable (but for one number for the batch, the Trainer's
   ``num_items_in_batch``): traced into, the cut can separate the halves;
 - a **call under changed state**: the step's own Python changed an attribute of the leaf or of
-  a module under it before the call (DiffSynth-DPO's ``unet.disable_adapters()`` before the
+  a module under it before the call (Diffusion-DPO's ``unet.disable_adapters()`` before the
   reference prediction, a teacher's ``eval()`` in the step), which the tracer marks
   (``node.meta[STATE_AT_CALL]``, :mod:`graphsplit.planning.patching.module_writes`). Stage
   code calls a leaf under the state its modules hold when the stage runs, not the one the step

@@ -1,17 +1,18 @@
 """Writes the step's own Python makes into its modules while traced, and which leaf calls see them.
 
 A module called as one node of the graph (a leaf) runs its ``forward`` when stage code calls
-it, under whatever state the module holds then. The step's Python around the call is not in
-the graph: DiffSynth-DPO's reference prediction is ``unet.disable_adapters()``, the same
-``unet(...)`` call as the policy's, then ``unet.enable_adapters()``; a teacher's
-``teacher.eval()`` at the top of the step. The graph would hold two identical ``unet`` calls
-(stage 2 would run the reference with the LoRA on), or one teacher call run in whatever mode
-the teacher is in when stage 1 runs. So while the step is traced, every write into a module's
-attributes by code that is not a node's meta run (:class:`ModuleWrites`) is followed, and each
-leaf call made while some attribute of a module under it holds another value than it held
-when the trace began is marked (``node.meta[STATE_AT_CALL]``,
-:mod:`graphsplit.planning.leaf_choice` says what the planning does with it). A value
-written back (``enable_adapters()``) is no longer a change: the policy's call is not marked.
+it, under whatever state the module holds then. The step's Python around the call is not in the
+graph: diffusers' Diffusion-DPO script gets its reference prediction with
+``unet.disable_adapters()``, the same ``unet(...)`` call as the policy's, then
+``unet.enable_adapters()``; a teacher's ``teacher.eval()`` at the top of the step. The graph
+would hold two identical ``unet`` calls (stage 2 would run the reference with the LoRA on), or
+one teacher call run in whatever mode the teacher is in when stage 1 runs. So while the step is
+traced, every write into a module's attributes by code that is not a node's meta run
+(:class:`ModuleWrites`) is followed, and each leaf call made while some attribute of a module
+under it holds another value than it held when the trace began is marked
+(``node.meta[STATE_AT_CALL]``, :mod:`graphsplit.planning.leaf_choice` says what the planning
+does with it). A value written back (``enable_adapters()``) is no longer a change: the policy's
+call is not marked.
 
 Glossary:
     write: ``module.name = value`` through ``nn.Module.__setattr__`` (``train()`` / ``eval()``,
@@ -20,7 +21,9 @@ Glossary:
     changed attribute: a written attribute whose value is not its value when the trace began
         (``is`` the same object, or an equal plain value: a bool, number, string, ``None``, or
         a list / tuple / set / dict of them). ``teacher.eval()`` on a teacher already in eval
-        mode changes nothing.
+        mode changes nothing; nor does an attribute of one of torch.nn's own modules that its
+        ``forward`` (and the methods it names) never loads: ``eval()`` sets ``training`` on
+        every ``Linear``, which only dropout's, batch norm's and the like read.
 
 Cost: nothing for a leaf call while no attribute is changed (the usual step); otherwise one
 walk of the leaf's modules per leaf, cached for the trace.
