@@ -245,6 +245,8 @@ def prefer_calls_over_kept_whole(
     step that checks ``type(x) is torch.Tensor`` would refuse the stand-in of an unstored input.
     """
     kept = traced.plan_set.first.kept_whole if traced.plan_set is not None else frozenset()
+    if not kept:  # the usual plan: no walk of stage 2's parameters
+        return traced
     held = _frozen_bytes(traced.stage2, traced.trainable, under=kept)
     if not held:
         return traced

@@ -136,6 +136,12 @@ NOT_RUN: dict[str, str] = {
     "--out /tmp/bench-q2": _measurement("2 minutes, with a baseline worktree"),
     "python -m benchmarks.bench_split_scale --sizes 10000 --rounds 5 --baseline ../wt-base "
     "--out /tmp/bench-chain": _measurement("4 minutes, with a baseline worktree"),
+    "python -m benchmarks.bench_plan_scale --cases sdxl flux --rounds 3 --baseline ../wt-base "
+    "--out /tmp/bench-plan": _measurement("3 minutes, with a baseline worktree"),
+    "python -m benchmarks.bench_plan_scale --cases sdxl --rounds 4 --baseline ../wt-nowrites "
+    "--out /tmp/bench-plan2": _measurement("2 minutes, with a baseline worktree"),
+    "python -m benchmarks.bench_plan_scale --cases sdxl flux --rounds 4 --baseline ../wt-base "
+    "--out /tmp/bench-plan3": _measurement("4 minutes, with a baseline worktree"),
     "python -m benchmarks.bench_trainer_live --out benchmarks/results": _measurement("minutes"),
     "python -m benchmarks.bench_trainer_live --samples 256 --teacher 512 --out "
     "benchmarks/results/big": _measurement("minutes"),

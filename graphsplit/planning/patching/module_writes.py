@@ -26,7 +26,7 @@ Glossary:
         every ``Linear``, which only dropout's, batch norm's and the like read.
 
 Cost: nothing for a leaf call while no attribute is changed (the usual step); otherwise one
-walk of the leaf's modules per leaf, cached for the trace.
+walk of the model's module paths per trace, then a prefix test per changed attribute.
 
 In: the patcher and tracer of one trace, the step's root module. Out: the recorder, which the
 tracer asks at each leaf call:
@@ -67,6 +67,9 @@ class StateChange:
 
 
 _GRAPHSPLIT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Writes by the tracers' own code are not the step's: graphsplit's patches set leaf methods,
+# torch.fx stores the tensor constants it meets on the root (``_tensor_constant0``).
+_TRACER_DIRS = (_GRAPHSPLIT_DIR + os.sep, os.path.join(os.path.dirname(fx.__file__), ""))
 _MISSING = object()
 _PLAIN = frozenset({bool, int, float, str, type(None)})
 
@@ -143,7 +146,6 @@ class ModuleWrites:
         self.changed: dict[tuple[int, str], tuple[nn.Module, Any, str]] = {}
         self._originals: dict[tuple[int, str], tuple[nn.Module, Any]] = {}
         self._paths: dict[int, str] | None = None
-        self._under: dict[str, frozenset[int]] = {}
 
     def before_write(self, module: nn.Module, name: str) -> None:
         """Remember what ``module.name`` held before its first write in this trace."""
@@ -182,21 +184,15 @@ class ModuleWrites:
         """The changed attributes of the module at ``path`` (in the root) and its submodules."""
         if not self.changed:
             return ()
-        under = self._under.get(path)
-        if under is None:
-            module = self.root.get_submodule(path)
-            under = self._under[path] = frozenset(id(m) for m in module.modules())
-        found = [
-            (key, entry)
-            for key, entry in self.changed.items()
-            if key[0] in under and not _unread_by_torch_forward(entry[0], key[1])
-        ]
-        if not found:
-            return ()
         paths = self._module_paths()
-        return tuple(
-            StateChange(paths.get(key[0], "?"), key[1], line) for key, (_, _, line) in found
-        )
+        found = []
+        for (module_id, name), (module, _, line) in self.changed.items():
+            where = paths.get(module_id)
+            if where is None or not (where == path or where.startswith(path + ".")):
+                continue
+            if not _unread_by_torch_forward(module, name):
+                found.append(StateChange(where, name, line))
+        return tuple(found)
 
     def _module_paths(self) -> dict[int, str]:
         if self._paths is None:
@@ -217,7 +213,7 @@ def record_module_writes(patcher: Patcher, tracer: Any, root: nn.Module) -> Modu
         if (
             tracer.computing_meta
             or not patcher.traces_here()
-            or sys._getframe(1).f_code.co_filename.startswith(_GRAPHSPLIT_DIR)
+            or sys._getframe(1).f_code.co_filename.startswith(_TRACER_DIRS)
         ):
             original(module, name, value)
             return
