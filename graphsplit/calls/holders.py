@@ -113,6 +113,14 @@ _ABSENT = object()
 """An instance dict without its own ``forward`` (the class's is called)."""
 
 
+def _give_back(instance: dict[str, Any], name: str, own: Any) -> None:
+    """Put the instance's own ``name`` back (none, when it had none: the class's is looked up)."""
+    if own is _ABSENT:
+        instance.pop(name, None)
+    else:
+        instance[name] = own
+
+
 def _skipped_on_meta(module: nn.Module) -> Any:
     """``module._apply`` (what ``.to()``, ``.cuda()``, ``.half()`` and a parent's move run),
     skipped while the module holds a tensor on ``meta``: stage 2 never computes with a module
@@ -188,15 +196,9 @@ class StageRoutes:
     def remove(self) -> None:
         """Give every routed module its own ``forward`` back."""
         for instance, _, own in self.installs:
-            if own is _ABSENT:
-                instance.pop("forward", None)
-            else:
-                instance["forward"] = own
+            _give_back(instance, "forward", own)
         for instance, _, own in self.applies:
-            if own is _ABSENT:
-                instance.pop("_apply", None)
-            else:
-                instance["_apply"] = own
+            _give_back(instance, "_apply", own)
         self.cached = {}
         self.active = False
 

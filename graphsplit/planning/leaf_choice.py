@@ -25,8 +25,7 @@ would hide something the plan needs to see:
 In: the model; the traced graph and the trainable parameter names; the leaf names.
 
     initial_leaves(model) -> frozenset[str]
-    mixed_calls_worth_tracing(traced, trainable, taint) -> frozenset[str]
-    frozen_calls_fed_a_number(traced, trainable, taint, model) -> frozenset[str]
+    calls_worth_tracing(traced, trainable, taint, model) -> (mixed, counted)
     why_traced_into(expand, changed, counted) -> str          # the report's reason
     leaves_to_trace_into(graph, leaves) -> frozenset[str]    # calls under changed state
     refuse_changed_leaf_calls(graph) -> None                  # after the rounds: TraceError
@@ -62,35 +61,41 @@ def initial_leaves(model: nn.Module) -> frozenset[str]:
     )
 
 
-def mixed_calls_worth_tracing(
-    traced: Traced, trainable: frozenset[str], taint: Mapping[fx.Node, Any]
-) -> frozenset[str]:
-    """Leaf modules fed cacheable values that are tainted as one call but need not be all.
+def calls_worth_tracing(
+    traced: Traced, trainable: frozenset[str], taint: Mapping[fx.Node, Any], model: nn.Module
+) -> tuple[frozenset[str], frozenset[str]]:
+    """``(mixed, counted)``: the leaves to trace into for what one call hides, in one pass.
 
-    A module that mixes frozen and trainable parameters; or a frozen module judged to mix the
-    batch's samples that returns several values, some of which may not mix: a teacher called
-    with ``labels`` returns a ``.loss`` (a mean over the batch) beside per-sample logits, and
-    traced into, the unused loss is no longer part of the logits' work.
+    ``mixed``: leaf modules fed cacheable values that are tainted as one call but need not be
+    all. A module that mixes frozen and trainable parameters; or a frozen module judged to mix
+    the batch's samples that returns several values, some of which may not mix: a teacher
+    called with ``labels`` returns a ``.loss`` (a mean over the batch) beside per-sample
+    logits, and traced into, the unused loss is no longer part of the logits' work.
 
     A tainted input that is one number for the whole batch (a 0-dim tensor or a Python number:
     the Trainer's ``num_items_in_batch``, which transformers' models take through their
     ``**kwargs`` and hand on, to the loss and to their backbone's ``**kwargs``) does not keep
-    the module whole: traced into, taint follows it op by op (and a frozen backbone it reaches
-    is opened too: :func:`frozen_calls_fed_a_number`). ``taint``: the graph's
-    (:func:`~graphsplit.planning.cut.boundary.compute_taint`), computed once per round.
+    a module whole: traced into, taint follows it op by op. ``counted``: frozen leaves tainted
+    only by such numbers beside cacheable inputs, with every module under them but torch.nn's
+    own (:func:`_library_modules_under`): the backbone that swallows the count in its
+    ``**kwargs`` would otherwise be tainted by it.
+
+    ``taint``: the graph's (:func:`~graphsplit.planning.cut.boundary.compute_taint`),
+    computed once per round.
     """
-    found = set()
+    mixed_calls: set[str] = set()
+    counted: set[str] = set()
     for node in traced.graph.nodes:
         owner = module_owner(node)
         if owner is None:
             continue
         inputs = [arg for arg in node.all_input_nodes if arg is not owner]
         params = facts(owner).params
+        frozen = bool(params) and not params & trainable
         mixed = bool(params & trainable) and bool(params - trainable)
         why = taint.get(node)
         mixing_frozen = (
-            bool(params)
-            and not params & trainable
+            frozen
             and why is not None
             and why.kind is TaintKind.MIXING
             and why.origin is node
@@ -99,28 +104,12 @@ def mixed_calls_worth_tracing(
             and not isinstance(node.meta.get("val"), torch.Tensor)
         )
         tainted = [arg for arg in inputs if arg in taint]
-        if (mixed or mixing_frozen) and inputs and all(_one_number(arg) for arg in tainted):
-            found.add(owner.target)
-    return frozenset(found)
-
-
-def frozen_calls_fed_a_number(
-    traced: Traced, trainable: frozenset[str], taint: Mapping[fx.Node, Any], model: nn.Module
-) -> frozenset[str]:
-    """Frozen leaves tainted only by one number for the batch fed beside cacheable inputs,
-    with every module under them but torch.nn's own (see :func:`_library_modules_under`)."""
-    found: set[str] = set()
-    for node in traced.graph.nodes:
-        owner = module_owner(node)
-        if owner is None or node not in taint:
-            continue
-        params = facts(owner).params
-        inputs = [arg for arg in node.all_input_nodes if arg is not owner]
-        tainted = [arg for arg in inputs if arg in taint]
-        frozen = bool(params) and not params & trainable
-        if frozen and tainted and len(tainted) < len(inputs) and all(map(_one_number, tainted)):
-            found.update(_library_modules_under(model, str(owner.target)))
-    return frozenset(found)
+        numbers_only = all(_one_number(arg) for arg in tainted)
+        if (mixed or mixing_frozen) and inputs and numbers_only:
+            mixed_calls.add(owner.target)
+        if frozen and tainted and len(tainted) < len(inputs) and numbers_only:
+            counted.update(_library_modules_under(model, str(owner.target)))
+    return frozenset(mixed_calls), frozenset(counted)
 
 
 def why_traced_into(
@@ -160,45 +149,36 @@ def _one_number(node: fx.Node) -> bool:
     return isinstance(value, (bool, int, float))
 
 
-def _leaf_of(node: fx.Node) -> str | None:
-    """The leaf a marked call runs: its ``call_module`` target, or the module handle of a leaf
-    method recorded as ``call_method`` (its first argument, a ``get_attr`` of the module)."""
-    if node.op == "call_module":
-        return str(node.target)
-    if node.op == "call_method" and node.args and isinstance(node.args[0], fx.Node):
-        return str(node.args[0].target)
-    return None
-
-
 def leaves_to_trace_into(graph: fx.Graph, leaves: frozenset[str]) -> frozenset[str]:
     """Every leaf, at a marked call's module or under it, that is or holds a changed module."""
     found: set[str] = set()
     for node in graph.nodes:
-        changes = node.meta.get(STATE_AT_CALL)
-        called = _leaf_of(node) if changes else None
-        if called is None:
+        mark = node.meta.get(STATE_AT_CALL)
+        if mark is None:
             continue
         for leaf in leaves:
-            if leaf != called and not leaf.startswith(called + "."):
-                continue
-            if any(
-                change.module == leaf or change.module.startswith(leaf + ".") for change in changes
-            ):
+            if _within(leaf, mark.leaf) and any(_within(c.module, leaf) for c in mark.changes):
                 found.add(leaf)
     return frozenset(found)
+
+
+def _within(path: str, ancestor: str) -> bool:
+    """Whether the module at ``path`` is ``ancestor`` or under it."""
+    return path == ancestor or path.startswith(ancestor + ".")
 
 
 def refuse_changed_leaf_calls(graph: fx.Graph) -> None:
     """Refuse the first leaf call still made under a state the step changed."""
     for node in graph.nodes:
-        changes = node.meta.get(STATE_AT_CALL)
-        if not changes:
+        mark = node.meta.get(STATE_AT_CALL)
+        if mark is None:
             continue
+        changes = mark.changes
         listed = "; ".join(str(change) for change in changes[:3])
         more = f" and {len(changes) - 3} more" if len(changes) > 3 else ""
         raise user_error(
             TraceError,
-            f"The step changes the state of {_leaf_of(node)} before this call ({listed}"
+            f"The step changes the state of {mark.leaf} before this call ({listed}"
             f"{more}), and graphsplit could not trace into it: the graph calls it as one "
             "node, which stage code would run under the state the module has then, not the "
             "one the step gave it.",

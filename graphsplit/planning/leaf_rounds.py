@@ -50,10 +50,9 @@ from graphsplit.planning.cut.boundary import (
     module_owner,
 )
 from graphsplit.planning.leaf_choice import (
-    frozen_calls_fed_a_number,
+    calls_worth_tracing,
     initial_leaves,
     leaves_to_trace_into,
-    mixed_calls_worth_tracing,
     refuse_changed_leaf_calls,
     why_traced_into,
 )
@@ -215,8 +214,7 @@ def _rounds(
             )
             changed = leaves_to_trace_into(traced.graph, leaves)  # the step changed them
             taint = compute_taint(traced.graph, trainable)
-            counted = frozen_calls_fed_a_number(traced, trainable, taint, model)
-            mixed = mixed_calls_worth_tracing(traced, trainable, taint)
+            mixed, counted = calls_worth_tracing(traced, trainable, taint, model)
             expand = (mixed | deferred | changed | counted) & leaves
             if not expand:
                 break

@@ -115,13 +115,14 @@ def run_stage1(
         if spec.batch_dim is not None and (
             value.dim() <= spec.batch_dim or value.shape[spec.batch_dim] != size
         ):
-            rows = value.shape[spec.batch_dim] if value.dim() > spec.batch_dim else None
+            rows = value.shape[spec.batch_dim] if value.dim() > spec.batch_dim else 0
+            folded = size > 0 and rows > size and rows % size == 0  # k rows per sample
             raise user_error(
                 CacheError,
                 f"stage 1 returned {name!r} with shape {tuple(value.shape)}, whose batch dim "
                 f"{spec.batch_dim} should hold the batch's {size} samples."
-                + (_FOLDED.format(rows=rows, per=rows // size) if _folded(rows, size) else ""),
-                fix=_FOLDED_FIX if _folded(rows, size) else _UNBATCHED_FIX,
+                + (_FOLDED.format(rows=rows, per=rows // size) if folded else ""),
+                fix=_FOLDED_FIX if folded else _UNBATCHED_FIX,
             )
     return dict(outputs), plan
 
@@ -139,11 +140,6 @@ _FOLDED_FIX = Fix(
     "length), flattened in the step with .flatten(0, 1)), or keep them in separate fields "
     "(chosen_input_ids, rejected_input_ids), so that dim 0 holds one row per sample"
 )
-
-
-def _folded(rows: int | None, size: int) -> bool:
-    """Whether ``rows`` is a multiple (2 or more) of the batch's ``size`` samples."""
-    return rows is not None and size > 0 and rows > size and rows % size == 0
 
 
 def refuse_other_boundary(plan: Any, header: CacheHeader) -> None:

@@ -17,7 +17,8 @@ call is not marked.
 Glossary:
     write: ``module.name = value`` through ``nn.Module.__setattr__`` (``train()`` / ``eval()``,
         peft's ``enable_adapters`` / ``set_adapter``, a user's flag), made in the tracing
-        thread by code other than graphsplit's own (its patches set leaf methods on modules).
+        thread by code other than the tracers' own (graphsplit's patches set leaf methods on
+        modules, torch.fx stores tensor constants on the root).
     changed attribute: a written attribute whose value is not its value when the trace began
         (``is`` the same object, or an equal plain value: a bool, number, string, ``None``, or
         a list / tuple / set / dict of them). ``teacher.eval()`` on a teacher already in eval
@@ -31,15 +32,13 @@ walk of the model's module paths per trace, then a prefix test per changed attri
 In: the patcher and tracer of one trace, the step's root module. Out: the recorder, which the
 tracer asks at each leaf call:
 
-    STATE_AT_CALL, StateChange                  # the mark: node.meta[STATE_AT_CALL] = changes
+    STATE_AT_CALL, ChangedState, StateChange    # the mark: node.meta[STATE_AT_CALL]
     record_module_writes(patcher, tracer, root) -> ModuleWrites
     writes.mark(node, module_handles) -> None   # at each node the tracer creates
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +47,7 @@ import torch.fx as fx
 from torch import nn
 
 from graphsplit.planning.patching.patcher import Patcher
+from graphsplit.planning.patching.traced_builtins import called_by_the_tracer
 from graphsplit.planning.rules.user_lines import current_line
 
 STATE_AT_CALL = "state_at_call"  # node.meta key of a leaf call made under changed state
@@ -66,10 +66,14 @@ class StateChange:
         return f"{where} (set at {self.line})"
 
 
-_GRAPHSPLIT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Writes by the tracers' own code are not the step's: graphsplit's patches set leaf methods,
-# torch.fx stores the tensor constants it meets on the root (``_tensor_constant0``).
-_TRACER_DIRS = (_GRAPHSPLIT_DIR + os.sep, os.path.join(os.path.dirname(fx.__file__), ""))
+@dataclass(frozen=True)
+class ChangedState:
+    """The mark of a leaf call made under changed state: the leaf it calls, and the changes."""
+
+    leaf: str
+    changes: tuple[StateChange, ...]
+
+
 _MISSING = object()
 _PLAIN = frozenset({bool, int, float, str, type(None)})
 
@@ -178,7 +182,7 @@ class ModuleWrites:
             return
         changes = self.changes_under(leaf)
         if changes:
-            node.meta[STATE_AT_CALL] = changes
+            node.meta[STATE_AT_CALL] = ChangedState(leaf, changes)
 
     def changes_under(self, path: str) -> tuple[StateChange, ...]:
         """The changed attributes of the module at ``path`` (in the root) and its submodules."""
@@ -213,7 +217,9 @@ def record_module_writes(patcher: Patcher, tracer: Any, root: nn.Module) -> Modu
         if (
             tracer.computing_meta
             or not patcher.traces_here()
-            or sys._getframe(1).f_code.co_filename.startswith(_TRACER_DIRS)
+            # The tracers' own writes: graphsplit's patches set leaf methods, torch.fx stores
+            # the tensor constants it meets on the root (``_tensor_constant0``).
+            or called_by_the_tracer()
         ):
             original(module, name, value)
             return

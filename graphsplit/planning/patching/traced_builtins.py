@@ -58,6 +58,7 @@ traced size into a Python int. Out: nothing; the replacements are registered wit
 
     replace_python_builtins(patcher, traced_types) -> None
     replace_range(patcher, to_int) -> None
+    called_by_the_tracer(depth=2) -> bool   # also asked by patching/module_writes.py
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ from graphsplit.planning.patching.originals import (
 )
 from graphsplit.planning.patching.patcher import Patcher
 
-__all__ = ["replace_python_builtins", "replace_range"]
+__all__ = ["called_by_the_tracer", "replace_python_builtins", "replace_range"]
 
 _GRAPHSPLIT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
@@ -94,7 +95,7 @@ _TRACER_FILES = (
 _NOT_THE_TRACER = os.path.join(_TORCH_DIR, "fx", "experimental") + os.sep  # shape helpers
 
 
-def _called_by_the_tracer(depth: int = 2) -> bool:
+def called_by_the_tracer(depth: int = 2) -> bool:
     """True when the caller of the patched builtin is torch.fx, torch's pytree or graphsplit."""
     filename = sys._getframe(depth).f_code.co_filename
     return filename.startswith(_TRACER_FILES) and not filename.startswith(_NOT_THE_TRACER)
@@ -118,17 +119,17 @@ def replace_python_builtins(patcher: Patcher, traced_types: tuple[type, ...]) ->
         value = obj.eager_value()
         if python_isinstance(value, torch.Tensor):
             return issubclass(torch.Tensor, classinfo)
-        if value is None or _called_by_the_tracer():
+        if value is None or called_by_the_tracer():
             return False
         return python_isinstance(value, classinfo)
 
     def eager_callable(obj: Any) -> bool:
-        if type(obj) not in traced or not patcher.traces_here() or _called_by_the_tracer():
+        if type(obj) not in traced or not patcher.traces_here() or called_by_the_tracer():
             return python_callable(obj)
         return python_callable(obj.eager_value())
 
     def eager_len(obj: Any) -> Any:
-        if type(obj) not in traced or not patcher.traces_here() or _called_by_the_tracer():
+        if type(obj) not in traced or not patcher.traces_here() or called_by_the_tracer():
             return python_len(obj)
         if _length_can_follow_the_batch(obj.eager_value()):
             return obj.tracer.create_proxy("call_function", python_len, (obj,), {})
@@ -239,7 +240,7 @@ def _list_type(traced: frozenset[type], patcher: Patcher) -> type:
                 and patcher.traces_here()
                 and python_isinstance(args[0].eager_value(), torch.Tensor)
                 and args[0].eager_value().dim() > 0
-                and not _called_by_the_tracer()
+                and not called_by_the_tracer()
             ):
                 return args[0].tracer.create_proxy("call_function", python_list, args, {})
             return python_list(*args, **kwargs)
