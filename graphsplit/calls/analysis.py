@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from graphsplit.calls import generators
+from graphsplit.calls import generators, row_folds
 from graphsplit.calls.field_reads import Reads, field_names, unwatch, watch
 from graphsplit.calls.model_outputs import is_model_output
 from graphsplit.calls.module_calls import CallId, CallRouter
@@ -200,7 +200,15 @@ def judge(
         verdict = _judge(seen, second.calls.get(call), batch_size)
         if verdict.verdict is Verdict.RANDOM_INPUT and moved_by_training(seen, moved):
             verdict = CallVerdict(call[0], call[1], Verdict.TRAINABLE_VALUE)
-        if verdict.cached and reordered is not None:
+        folds = row_folds.candidates(seen.inputs.tensors(), seen.tensors, batch_size)
+        fold, why = None, ""
+        if verdict.cached and folds:
+            other = None if alone is None else alone.calls.get(call)
+            fold, why = row_folds.shown(folds, seen, batch_size, other, reordered)
+        if fold is not None:
+            detail = "; ".join(part for part in (verdict.detail, fold.describe()) if part)
+            verdict = dataclasses.replace(verdict, fold=fold, detail=detail)
+        elif verdict.cached and reordered is not None:
             batched = is_batched(seen.inputs.tensors(), batch_size)
             if batched or seen.inputs.tensors():
                 verdict = reordered.verdict(call, seen, batched) or verdict
@@ -219,6 +227,8 @@ def judge(
                     else "an unbatched input changes with the sample (a per-sample call)"
                 )
                 verdict = CallVerdict(call[0], call[1], Verdict.NOT_PER_SAMPLE, detail)
+        if why and not verdict.cached:  # why its k * B rows were not cached k a sample
+            verdict = dataclasses.replace(verdict, detail=f"{verdict.detail}; {why}")
         verdicts.append(verdict)
     return verdicts
 

@@ -33,6 +33,7 @@ from graphsplit.artifacts import BoundarySpec
 from graphsplit.calls.module_calls import CallId, key_of
 from graphsplit.calls.outputs import Structure, holds_constant, tensors_of
 from graphsplit.calls.provenance import same_value
+from graphsplit.calls.row_folds import RowFold
 from graphsplit.calls.unstored_inputs.stand_in import stand_in
 from graphsplit.calls.verdicts import CallVerdict
 from graphsplit.errors import Fix, SplitError, user_error
@@ -320,6 +321,9 @@ class CachedCall:
     """Output fields that are the step's own input tensors, by input name (sentence-transformers'
     modules return the features dict they were given, ``input_ids`` and all): not stored a
     second time; their key is the input's, and stage 1 checks every call returns them so."""
+    fold: RowFold | None = None
+    """A call taking ``k`` rows a sample (:mod:`.row_folds`): stage 1 stores its fields
+    ``[B, k, ...]``, stage 2 unfolds them to the call's ``[k * B, ...]``."""
 
     @functools.cached_property
     def numbers(self) -> bool:
@@ -336,6 +340,8 @@ class CachedCall:
             for field, key in self.keys.items()
             if field not in self.echoed
         }
+        if self.fold is not None:
+            found = {key: self.fold.fold(tensor) for key, tensor in found.items()}
         for field, unread in self.unread.items():
             if unread.shape_key is not None:
                 found[unread.shape_key] = shape_rows(tensors[field])

@@ -329,15 +329,22 @@ def _stored_bytes(
     inner = inner_calls(probes, usages, uses)
     unstored, _ = unstored_inputs(usages, [probe.result for probe in probes], cached)
     copied = {(v.path, v.index): v.copied for v in verdicts}
-    tensors = [tensor for name, tensor in roots.items() if name not in unstored]
+    folded = {(v.path, v.index) for v in verdicts if v.fold is not None}
+    tensors = [
+        (tensor, batch_dim(tensor, batch_size) == 0)
+        for name, tensor in roots.items()
+        if name not in unstored
+    ]
     for call in cached - inner.keys():
         for name, tensor in probes[0].calls[call].tensors.items():
             if uses[call].get(name, VALUE) == VALUE or name in copied.get(call, ()):
-                tensors.append(tensor)
+                # A folded call's k * B rows are stored k a sample (.row_folds).
+                per_sample = call in folded or batch_dim(tensor, batch_size) == 0
+                tensors.append((tensor, per_sample))
     return sum(
         tensor.numel() * tensor.element_size() // batch_size
-        for tensor in tensors
-        if batch_dim(tensor, batch_size) == 0
+        for tensor, per_sample in tensors
+        if per_sample
     )
 
 

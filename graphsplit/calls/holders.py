@@ -36,6 +36,8 @@ def answers(plan: CallPlan) -> dict[CallId, Answer]:
             answer = _copying(answer, [planned.keys[field] for field in planned.copied])
         if planned.unread:
             answer = _filling(answer, planned, label)
+        if planned.fold is not None:
+            answer = _unfolding(answer, planned)
         table[call] = answer
     for call, held in plan.placeholders.items():
         label = f"{call[0]} call {call[1]}"
@@ -88,6 +90,18 @@ def _batch_shape(rows: torch.Tensor, where: str) -> tuple[int, ...]:
             fix=Fix("batch samples whose frozen calls return outputs of the same shape"),
         )
     return (int(rows.shape[0]), *(int(size) for size in rows[0, 1:].tolist()))
+
+
+def _unfolding(answer: Answer, planned: CachedCall) -> Answer:
+    """``answer`` given the call's own ``[k * B, ...]`` rows of each stored ``[B, k, ...]``
+    field (:mod:`.row_folds`)."""
+    fold = planned.fold
+    keys = [key for field, key in planned.keys.items() if field not in planned.echoed]
+
+    def unfolded(cached: Mapping[str, torch.Tensor]) -> Any:
+        return answer({**cached, **{key: fold.unfold(cached[key]) for key in keys}})  # type: ignore[union-attr]
+
+    return unfolded
 
 
 def _copying(answer: Answer, keys: list[str]) -> Answer:

@@ -25,6 +25,7 @@ from graphsplit.calls.call_plan import CallPlan
 from graphsplit.calls.holders import StageRoutes, answers
 from graphsplit.calls.module_calls import CallId, CallRouter
 from graphsplit.calls.outputs import constants_differ, tensors_of
+from graphsplit.calls.stopped_step import ModuleState
 from graphsplit.calls.unstored_inputs.stand_in import refuse_stand_ins
 from graphsplit.errors import Fix, SplitError, user_error
 from graphsplit.planning.rules.user_lines import frame_location, user_frame
@@ -137,7 +138,8 @@ class CallStage1(nn.Module):
             module = self._routed[cached.call[0]]
             stored = [*cached.keys.values()]
             stored += [u.shape_key for u in cached.unread.values() if u.shape_key is not None]
-            lines.append(f"call {cached.call} {type(module).__qualname__} -> {stored}")
+            folded = f" ({cached.fold.describe()})" if cached.fold is not None else ""
+            lines.append(f"call {cached.call} {type(module).__qualname__} -> {stored}{folded}")
         for call in plan.placeholders:  # run by stage 1, read only by cached calls
             lines.append(f"call {call} {type(self._routed[call[0]]).__qualname__} -> not stored")
         return "\n".join(lines)
@@ -184,13 +186,19 @@ class CallStage1(nn.Module):
 
         if last is not None:
             router = CallRouter(self._routed, record)
-            with (
-                generators.forked(watch=False),
-                torch.no_grad(),
-                router.installed(),
-                contextlib.suppress(_Stop),
-            ):
-                self._step(*args, **kwargs)
+            # Stopped at its last cached call, the step does not undo what it changed for a
+            # while (Diffusion-DPO's disable_adapters() around the reference call).
+            state = ModuleState.of(self._step)
+            try:
+                with (
+                    generators.forked(watch=False),
+                    torch.no_grad(),
+                    router.installed(),
+                    contextlib.suppress(_Stop),
+                ):
+                    self._step(*args, **kwargs)
+            finally:
+                state.put_back()
         missing = [key for key in plan.boundary if key not in outputs and key not in crossing]
         if missing:
             raise user_error(

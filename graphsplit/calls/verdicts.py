@@ -6,6 +6,8 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from graphsplit.calls.row_folds import RowFold
+
 
 class Verdict(enum.Enum):
     """What the analysis found about one call (:mod:`graphsplit.calls.analysis`)."""
@@ -76,6 +78,9 @@ class CallVerdict:
     copied: tuple[str, ...] = ()
     """Cached output fields the step writes in place: stage 1 keeps them as the call returned
     them, stage 2 hands the step a copy (so the cache it reads from stays as written)."""
+    fold: RowFold | None = None
+    """A call taking ``k`` rows a sample (:mod:`.row_folds`): its outputs are stored a
+    sample's ``k`` rows an entry."""
 
     @property
     def cached(self) -> bool:

@@ -424,20 +424,14 @@ def test_svd_caches_the_image_embedding():
     assert trainable == {f"unet.{n}" for n, _ in parts.unet.named_parameters()}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "the VAE's encoding of the clip's frames (tensor_to_vae_latent: rearrange "
-        "'b f c h w -> (b f) c h w' before vae.encode) is not cached: the module-level path "
-        "judges 'vae.encoder call 0: its inputs depend on the batch but an output has no "
-        "batch dimension first (it would not cache per sample) (an unbatched input changes "
-        "with the sample (a per-sample call))'; the boundary is pixel_values and the image "
-        "embedding only, and stage 2 re-encodes every frame each step"
-    ),
-)
 def test_svd_caches_the_frame_latents():
+    """``rearrange(pixel_values, "b f c h w -> (b f) c h w")`` before ``vae.encode``: the
+    frames' latents are cached ``FRAMES`` rows a sample (graphsplit.calls.row_folds)."""
     _parts, split = _built()
-    assert any(key.startswith("vae") for key in split.boundary), sorted(split.boundary)
+    latents = split.boundary["vae_quant_conv__0__out"]
+    assert latents.batch_dim == 0 and latents.shape[1] == FRAMES, latents
+    verdict = next(v for v in split.plan.verdicts if v.path == "vae.quant_conv" and v.index == 0)
+    assert verdict.cached and f"{FRAMES} rows a sample, grouped" in verdict.line()
 
 
 def test_svd_cache_round_trip(tmp_path):

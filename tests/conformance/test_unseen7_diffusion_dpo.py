@@ -326,24 +326,17 @@ def test_dpo_cache_round_trip(tmp_path):
     assert_cache_round_trip(split, parts.step, loader, tmp_path / "cache", parts.params)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "the pair folded onto the batch (torch.cat(pixel_values.chunk(2, dim=1)): 2 x batch "
-        "rows, row i and row batch+i from sample i) is not cached by either path. Module-level "
-        "path (graphsplit/calls/analysis.py:judge): is_batched wants a leading dim equal to the "
-        "batch size, so the 2B-row vae.encoder call is judged 'unbatched' and NOT_PER_SAMPLE "
-        "('an output has no batch dimension first ... an unbatched input changes with the "
-        "sample'); stage 2 holds vae.encoder and re-encodes both images every step. Trace path: "
-        "choose_boundary refuses the 2B-row vae.encode output (planning/cut/boundary.py:_explain "
-        "then blames its type: 'a AutoencoderKLOutput, but it is not a tensor ... register a "
-        "codec, or use .sample', though the step already uses .latent_dist.sample())"
-    ),
-)
 def test_dpo_caches_the_vae_latents():
+    """The pair folded onto the batch (``torch.cat(pixel_values.chunk(2, dim=1))``: rows i
+    and B+i are sample i's) is cached a pair an entry; stage 2 holds no VAE
+    (graphsplit.calls.row_folds), and trains exactly from the cache (the round trip above)."""
     _parts, split = _built()
     stage2 = {name for name, _ in split.stage2.named_parameters()}
     assert not any(name.startswith("vae.") for name in stage2), sorted(stage2)[:3]
+    latents = split.boundary["vae_quant_conv__0__out"]
+    assert latents.batch_dim == 0 and latents.shape[:2] == (2, 2), latents
+    vae = [v for v in split.plan.verdicts if v.path == "vae.quant_conv"]
+    assert vae[0].cached and "2 rows a sample, strided" in vae[0].line()
 
 
 def test_dpo_trace_path_refusal_names_the_reference_call():

@@ -278,23 +278,16 @@ def test_animatediff_caches_the_text_embedding_and_trains_only_the_motion_module
     assert expected and all(".motion_modules." in name for name in expected)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "the VAE's encoding of the clip's frames (rearrange 'b f c h w -> (b f) c h w' "
-        "before vae.encode, as in SVD_Xtend's test_unseen6_svd_xtend) is not cached: "
-        "graphsplit/calls/analysis.py batch_dim / is_batched take a call's input as batched "
-        "only where its first dimension is the batch size, so vae.encoder's input of b * f "
-        "rows reads as unbatched and judge() finds it changes with the sample (NOT_PER_SAMPLE: "
-        "'an unbatched input changes with the sample (a per-sample call)'); the boundary holds "
-        "the raw pixel_values, and stage 2 holds the VAE encoder and re-encodes every frame "
-        "each step"
-    ),
-)
 def test_animatediff_caches_the_frame_latents():
+    """The clip's frames reach the VAE as ``(b f) c h w`` (``FRAMES`` rows a sample, grouped):
+    cached one clip an entry, and stage 2 holds no VAE encoder (graphsplit.calls.row_folds)."""
     _parts, split = _built()
-    assert any(key.startswith("vae") for key in split.boundary), sorted(split.boundary)
+    folded = {key: spec for key, spec in split.boundary.items() if key.startswith("vae")}
+    assert folded, sorted(split.boundary)
+    assert all(spec.shape[1] == FRAMES and spec.batch_dim == 0 for spec in folded.values())
     assert not any(name.startswith("vae.encoder") for name, _ in split.stage2.named_parameters())
+    lines = [v.line() for v in split.plan.verdicts if v.path.startswith("vae") and v.cached]
+    assert lines and all(f"{FRAMES} rows a sample, grouped" in line for line in lines), lines
 
 
 def test_animatediff_cache_round_trip(tmp_path):

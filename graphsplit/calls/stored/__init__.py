@@ -19,6 +19,7 @@ from graphsplit.calls.analysis import batch_dim, is_batched
 from graphsplit.calls.call_plan import CachedCall, Unread, cached_call, shape_rows
 from graphsplit.calls.field_reads import SHAPE, VALUE
 from graphsplit.calls.module_calls import CallId, key_of
+from graphsplit.calls.row_folds import RowFold
 from graphsplit.calls.verdicts import CallVerdict
 
 
@@ -49,18 +50,21 @@ def storage(
         if not verdict.cached:
             continue
         seen = first.calls[call]
-        per_sample = is_batched(seen.inputs.tensors(), batch_size)
+        fold = verdict.fold
+        per_sample = fold is not None or is_batched(seen.inputs.tensors(), batch_size)
         label = f"{call[0]} call {call[1]}"
         planned = None
         if call not in inner:
             size = batch_size if per_sample else None
             planned = stored[call] = _echoing(
-                cached_call_of(seen, uses[call], verdict.copied, size), seen, crossing
+                cached_call_of(seen, uses[call], verdict.copied, size, fold), seen, crossing
             )
         for field, tensor in seen.tensors.items():
             if planned is not None and field in planned.echoed:
                 continue  # the input's own key is in the boundary already
             dim = batch_dim(tensor, batch_size) if per_sample else None
+            if fold is not None:
+                tensor, dim = fold.fold(tensor), 0  # stored a sample's k rows an entry
             key = key_of(call, field)
             spec = spec_of(key, tensor, dim, f"{label}: {field}")
             if planned is not None and field in planned.keys:
@@ -75,21 +79,30 @@ def storage(
 
 
 def cached_call_of(
-    seen: Any, uses: dict[str, str], copied: tuple[str, ...], batch_size: int | None
+    seen: Any,
+    uses: dict[str, str],
+    copied: tuple[str, ...],
+    batch_size: int | None,
+    fold: RowFold | None = None,
 ) -> CachedCall:
     """The plan of one stored call: the fields stage 2 computes with (and those the step
-    writes in place) stored, the others :class:`Unread` (their shape stored where read)."""
+    writes in place) stored, the others :class:`Unread` (their shape stored where read; a
+    folded call's field whose shape is read is stored whole: its shape rows would be the
+    call's ``k * B``, not the batch's)."""
     call = seen.call
     fields, unread = [], {}
     for field, tensor in seen.tensors.items():
         use = uses.get(field, VALUE)
-        if use == VALUE or field in copied:
+        if use == VALUE or field in copied or (fold is not None and use == SHAPE):
             fields.append(field)
             continue
-        batched = batch_size is not None and batch_dim(tensor, batch_size) == 0
+        batched = fold is not None or (
+            batch_size is not None and batch_dim(tensor, batch_size) == 0
+        )
         shape_key = f"{key_of(call, field)}__shape" if use == SHAPE and batched else None
         unread[field] = Unread(tuple(tensor.shape), tensor.dtype, batched, shape_key)
-    return cached_call(call, seen.structure, fields, copied, unread)
+    planned = cached_call(call, seen.structure, fields, copied, unread)
+    return planned if fold is None else dataclasses.replace(planned, fold=fold)
 
 
 def _echoing(planned: CachedCall, seen: Any, crossing: dict[str, torch.Tensor]) -> CachedCall:

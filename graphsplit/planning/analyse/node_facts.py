@@ -223,7 +223,10 @@ def _data_dependence(
     batched_inputs = {
         name
         for name, value in examples.values[0].items()
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch
+        if any(  # a batch field, or a dict field holding one (ControlNet-SDXL's conditions)
+            isinstance(item, torch.Tensor) and item.dim() > 0 and item.shape[0] == batch
+            for item in (value.values() if type(value) is dict else (value,))
+        )
     }
     depends: dict[fx.Node, bool] = {}
     for node in graph.nodes:

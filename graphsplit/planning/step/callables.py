@@ -110,14 +110,21 @@ def _takes_a_dict_batch(module: nn.Module, args: Any, kwargs: dict[str, Any]) ->
 def _spreads(value: Any) -> bool:
     """Whether a step argument is a dict batch whose fields become inputs of their own: a plain
     dict, an ``OrderedDict`` or a ``UserDict`` (transformers' ``BatchEncoding``, what its
-    collators return) that holds a tensor or is a raw sample. The step gets the same type back,
-    rebuilt from the fields (:func:`_forward`); other dict subclasses (a ``defaultdict`` cannot
-    be rebuilt from its items alone) stay one value."""
+    collators return) that holds a tensor (or a plain dict of them: ``{"unet_added_conditions":
+    {"text_embeds": ..., "time_ids": ...}}``) or is a raw sample. The step gets the same type
+    back, rebuilt from the fields (:func:`_forward`); other dict subclasses (a ``defaultdict``
+    cannot be rebuilt from its items alone) stay one value."""
     if not (
         type(value) in (dict, collections.OrderedDict) or isinstance(value, collections.UserDict)
     ):
         return False
-    return any(isinstance(v, torch.Tensor) for v in value.values()) or is_raw_sample(dict(value))
+    return any(_holds_tensor(v) for v in value.values()) or is_raw_sample(dict(value))
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    return type(value) is dict and any(isinstance(v, torch.Tensor) for v in value.values())
 
 
 def as_step_module(step: Any, args: Any, kwargs: dict[str, Any]) -> StepCall:

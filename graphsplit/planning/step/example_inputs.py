@@ -118,7 +118,7 @@ def _bind_inputs(model: nn.Module, args: Any, kwargs: dict[str, Any]) -> dict[st
 
 
 def _example_batch_size(inputs: dict[str, Any]) -> int:
-    for value in inputs.values():
+    for _, value in [*inputs.items(), *_named_fields(inputs)]:  # top level first, then dicts'
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             return int(value.shape[0])
     nested = [
@@ -187,19 +187,25 @@ def _named_fields(inputs: dict[str, Any]) -> list[tuple[str, Any]]:
 
 
 def _example_values(inputs: dict[str, Any], batch: int, new_batch: int) -> dict[str, Any]:
-    examples = {}
-    for name, value in inputs.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
-            shape = (new_batch, *value.shape[1:])
-            examples[name] = torch.empty(shape, dtype=value.dtype, device=META)
-        elif _is_per_sample_list(value, batch):
-            # One item per sample (prompt strings, SDXL's original sizes): it grows with the
-            # batch like a tensor does. Left at the example's length, what the step builds from
-            # it would look like a per-dataset constant and be stored once for every batch.
-            examples[name] = type(value)(value[i % batch] for i in range(new_batch))
-        else:
-            examples[name] = to_meta(value)
-    return examples
+    return {name: _example_value(value, batch, new_batch) for name, value in inputs.items()}
+
+
+def _example_value(value: Any, batch: int, new_batch: int) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
+        shape = (new_batch, *value.shape[1:])
+        return torch.empty(shape, dtype=value.dtype, device=META)
+    if type(value) is dict:
+        # A batch field holding a dict of batched tensors (diffusers' ControlNet-SDXL script
+        # collates ``batch["unet_added_conditions"]``): its tensors grow with the batch too.
+        # Left at the example's size, what the step computes from them looks the same at
+        # both probe sizes, and would be planned as a per-dataset constant, stored once.
+        return {key: _example_value(item, batch, new_batch) for key, item in value.items()}
+    if _is_per_sample_list(value, batch):
+        # One item per sample (prompt strings, SDXL's original sizes): it grows with the
+        # batch like a tensor does. Left at the example's length, what the step builds from
+        # it would look like a per-dataset constant and be stored once for every batch.
+        return type(value)(value[i % batch] for i in range(new_batch))
+    return to_meta(value)
 
 
 def _is_per_sample_list(value: Any, batch: int) -> bool:
