@@ -233,10 +233,12 @@ def prefer_calls_over_kept_whole(
     recompute: Recompute,
 ) -> Split | CallSplit:
     """``path="auto"``: the trace's split, or the module-level path's where the trace kept a
-    module whole because tracing into it failed, stage 2 holds frozen weights of it for that
-    reason alone, and the module-level path holds fewer frozen bytes in stage 2 (Gemma 3's
-    ``Gemma3Model``, whose vmapped mask fx cannot trace: the trace ran the frozen vision tower
-    every step, the module-level path caches its call).
+    module whole because tracing into it failed or found no valid cut inside it, stage 2
+    holds frozen weights of it for that reason alone, and the module-level path holds fewer
+    frozen bytes in stage 2 (Gemma 3's ``Gemma3Model``, whose vmapped mask fx cannot trace:
+    the trace ran the frozen vision tower every step, the module-level path caches its call;
+    ``BertForMultipleChoice``, whose BERT runs on batch x choices rows the trace cannot cut
+    per sample, cached four rows a sample by the module-level path).
 
     Only that typed signal (``Plan.kept_whole``) opens the comparison: a trace plan that
     caches nothing is often the min-cut's own right choice (ids are cheaper than their
@@ -251,13 +253,17 @@ def prefer_calls_over_kept_whole(
     if not held:
         return traced
     reason = (
-        f"the whole-step trace kept {', '.join(sorted(kept))} whole (tracing into it failed; "
-        f"see its note), so its stage 2 would run {held:,} bytes of frozen weights in it"
+        f"the whole-step trace kept {', '.join(sorted(kept))} whole (tracing into it failed or "
+        f"found no valid cut; see its note), so its stage 2 would run {held:,} bytes of frozen "
+        "weights in it"
     )
     try:
         calls = split_calls(model, args, kwargs, frozen=frozen, reason=reason, recompute=recompute)
+        # Stage 1 takes the batch as the split binds it (a dict batch's fields spread), as
+        # verify() calls it.
+        step = as_step_module(model, args, dict(kwargs or {}))
         with generators.forked(0), torch.no_grad():  # the user's random streams stay put
-            calls.stage2(**calls.stage1(*args, **(kwargs or {})))
+            calls.stage2(**calls.stage1(*step.args, **step.kwargs))
     except Exception:  # the module-level path cannot do better here: keep the trace's
         return traced
     if _frozen_bytes(calls.stage2, traced.trainable) >= held:

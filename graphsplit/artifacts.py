@@ -126,8 +126,9 @@ class Traced:
     # a plan that runs one sample per batch (see
     # graphsplit.planning.step.example_inputs.ONE_SAMPLE).
     batch_sizes: tuple[int, int] | None = None
-    # Leaves a round meant to trace into and kept whole because tracing into them failed (not
-    # for want of a valid cut): their frozen work may run in stage 2 only because of that.
+    # Leaves a round meant to trace into and kept whole because tracing into them failed, or
+    # because the finer graph had no valid cut (BertForMultipleChoice's BERT on batch x choices
+    # rows): their frozen work may run in stage 2 only because of that.
     kept_whole: frozenset[str] = frozenset()
 
 

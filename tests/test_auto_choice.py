@@ -103,3 +103,45 @@ def test_a_function_step_is_compared_as_the_user_wrote_it():
     assert split.path == "calls"
     assert _frozen_in_stage2(split) == []
     assert all(c.ok for c in graphsplit.verify(training_step, split, (batch(5, 4),)))
+
+
+def test_a_step_taking_a_dict_batch_is_compared_with_its_fields_spread():
+    """The comparison runs the module-level stages on the example as ``verify`` does: a dict
+    batch's fields are stage 1's inputs (it used to call ``stage1(batch)``, which raised, and
+    kept the trace's plan for every step written ``def step(batch)``)."""
+    block = Untraceable()
+
+    def training_step(batch):
+        return block(batch["x"]).pow(2).mean()
+
+    split = graphsplit.split(training_step, ({"x": batch(3, 4)},))
+    assert split.path == "calls"
+    assert _frozen_in_stage2(split) == []
+    checks = graphsplit.verify(training_step, split, ({"x": batch(5, 4)},))
+    assert checks and all(c.ok for c in checks)
+
+
+class FoldsTheBatch(nn.Module):
+    """Its frozen half runs on ``x.reshape(-1, 4)``: two rows a sample, which the trace cannot
+    cut per sample (no valid cut inside it) and the module-level path caches two rows an
+    entry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(4, 4).requires_grad_(False)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.encoder(x.reshape(-1, 4))).reshape(x.shape[0], -1)
+
+
+def test_auto_compares_where_the_finer_trace_had_no_valid_cut():
+    model = Wraps(FoldsTheBatch())
+    trace = graphsplit.split(model, (batch(3, 2, 4),), path="trace")
+    assert any("no valid cut" in note for note in trace.notes)
+    assert trace.plan_set.first.kept_whole == frozenset({"block"})
+    assert _frozen_in_stage2(trace) == ["block.encoder.weight", "block.encoder.bias"]
+    split = split_and_verify(model, (batch(3, 2, 4),))
+    assert split.path == "calls"
+    assert _frozen_in_stage2(split) == []
+    assert "found no valid cut" in split.report()

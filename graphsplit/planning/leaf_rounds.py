@@ -230,6 +230,7 @@ def _rounds(
                 choose_boundary(finer.graph, trainable)  # a finer trace must still have a cut
             except Exception as exc:
                 notes.append(f"kept {', '.join(sorted(expand))} whole: {_why(exc, cut=True)}")
+                kept_whole = expand
                 break
             traced, leaves = finer, leaves - expand
             why = why_traced_into(expand, changed, counted)

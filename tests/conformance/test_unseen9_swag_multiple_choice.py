@@ -202,37 +202,26 @@ def test_swag_cache_round_trip(tmp_path):
     assert len(cached) == len(SWAG["label"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BertForMultipleChoice runs the frozen BERT on input_ids.view(-1, seq): rows are "
-    "batch*num_choices. node_facts.batch_layout_of classifies the (batch*4, 32) pooled output "
-    "as BatchLayout.UNKNOWN (the batch size is not one dim's size), so rules/taint.is_storable "
-    "refuses every tensor inside BERT and after it up to logits.view(-1, num_choices); the "
-    "finer trace of `model` has no cut, leaf_rounds keeps `model` whole and the boundary is "
-    "the raw input_ids/attention_mask/labels: stage 2 holds and reruns all of BERT. The "
-    "module-level path caches BERT four rows a sample (test below), but path='auto' compares "
-    "with it only where tracing into a module failed (Plan.kept_whole), not where the finer "
-    "trace had no valid cut",
-)
 def test_swag_caches_the_frozen_bert():
+    """BertForMultipleChoice runs the frozen BERT on ``input_ids.view(-1, seq)``: batch x 4
+    rows. The trace finds no valid cut inside ``model`` (no dim of BERT's outputs is the
+    batch's) and keeps it whole; ``path="auto"`` then compares with the module-level path,
+    which caches BERT's call four rows a sample (graphsplit/calls/row_folds)."""
     *_, split = _built()
+    assert split.path == "calls"
+    assert "found no valid cut" in split.report()
     held = {name for name, _ in split.stage2.named_parameters()}
     assert not any(".bert." in name for name in held), sorted(held)
     inputs = {"input_ids", "attention_mask", "token_type_ids"}
     assert not inputs & set(split.boundary), sorted(split.boundary)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the report's note names the wrong culprit: cut/boundary._unreachable_input walks "
-    "past the unstorable folded getitem outputs[1] (a (batch*4, 32) tensor, not a placeholder "
-    "and not banned) up to the frozen call model_bert (banned), so _explain names its "
-    "BaseModelOutputWithPoolingAndCrossAttentions ('not a tensor') with a register_codec fix; "
-    "a codec would not help. Without the ModelOutput wrapper (a frozen Linear on x.view(-1, F)) "
-    "the same walk names the folded tensor and 'one row per sample'.",
-)
-def test_swag_report_names_the_folded_batch_as_why_nothing_is_cached():
-    *_, split = _built()
+def test_swag_trace_note_names_the_folded_batch():
+    """``path="trace"`` keeps ``model`` whole; its note names the (batch*4, 32) pooled output
+    that has no batch dimension (it used to walk past it to BERT's call and blame its
+    ``ModelOutput`` type with a ``register_codec`` fix, which would not help)."""
+    _model, step, *_rest, example, _split = _built()
+    split = graphsplit.split(step, (example,), path="trace")
     note = next(note for note in split.notes if note.startswith("kept model whole"))
     assert "one row per sample" in note, note
     assert "register_codec" not in note and "not a tensor" not in note, note

@@ -79,6 +79,7 @@ def test_a_module_that_fails_to_trace_into_is_kept_whole_with_a_note():
 
 def test_a_finer_trace_without_a_valid_cut_falls_back_to_the_coarser_split():
     model = Wraps(FoldsTheBatch())
-    split = split_and_verify(model, (batch(3, 2, 4),))
+    # path="trace": "auto" then takes the module-level path (tests/test_auto_choice.py)
+    split = split_and_verify(model, (batch(3, 2, 4),), path="trace")
     note = next(note for note in split.notes if note.startswith("kept block whole"))
     assert "no valid cut" in note

@@ -357,8 +357,14 @@ def _infeasible(graph: fx.Graph, taint: Mapping[fx.Node, Taint]) -> SplitError:
     needed += next(n for n in graph.nodes if n.op == "output").all_input_nodes
     seen: set[fx.Node] = set()
     for start in needed:
-        culprit = _unreachable_input(start, taint, seen)
+        unbatched: list[fx.Node] = []
+        culprit = _unreachable_input(start, taint, seen, unbatched)
         if culprit is not None:
+            # A tensor on the way that could not be stored for want of a batch dimension is
+            # the cause, not the non-tensor its frozen producer returned (BertForMultipleChoice:
+            # BERT's ModelOutput on batch x choices rows, read through ``outputs[1]``).
+            if unbatched and not facts(culprit).is_tensor:
+                return _explain(unbatched[0])
             return _explain(culprit)
     return user_error(
         SplitError,
@@ -371,8 +377,13 @@ def _infeasible(graph: fx.Graph, taint: Mapping[fx.Node, Taint]) -> SplitError:
 
 
 def _unreachable_input(
-    start: fx.Node, taint: Mapping[fx.Node, Taint], seen: set[fx.Node]
+    start: fx.Node,
+    taint: Mapping[fx.Node, Taint],
+    seen: set[fx.Node],
+    unbatched: list[fx.Node],
 ) -> fx.Node | None:
+    """The placeholder or banned node stage 2 would need to recompute ``start``; ``unbatched``
+    gets the tensors passed on the way that are not stored for want of a batch dimension."""
     pending = [start] if start not in taint else list(start.all_input_nodes)
     while pending:
         node = pending.pop()
@@ -383,6 +394,8 @@ def _unreachable_input(
             continue
         if node.op == "placeholder" or is_banned(node, taint):
             return node
+        if node.op != "get_attr" and facts(node).is_tensor:
+            unbatched.append(node)
         pending.extend(node.all_input_nodes)
     return None
 
