@@ -32,6 +32,7 @@ bench_trainer_live = "benchmarks.bench_trainer_live"
 bench_cache_overlap = "benchmarks.bench_cache_overlap"
 bench_dispatch = "benchmarks.bench_dispatch"
 bench_field_bytes = "benchmarks.bench_field_bytes"
+bench_stage1_state = "benchmarks.bench_stage1_state"
 
 
 def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
@@ -58,6 +59,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
             ("cache() against stage 1", bench_cache_overlap, ["--rounds", "9", *target]),
             ("stage-2 dispatch", bench_dispatch, ["--rounds", "15", *target]),
             ("module-level cached fields", bench_field_bytes, [*target]),
+            ("stage 1, state put back", bench_stage1_state, ["--rounds", "15", *target]),
         ]  # fmt: skip
     return [
         ("step time", bench_step_time, ["--quick", *target]),
@@ -77,6 +79,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
         ("cache() against stage 1", bench_cache_overlap, ["--quick", *target]),
         ("stage-2 dispatch", bench_dispatch, ["--quick", *target]),
         ("module-level cached fields", bench_field_bytes, ["--quick", *target]),
+        ("stage 1, state put back", bench_stage1_state, ["--quick", *target]),
     ]
 
 

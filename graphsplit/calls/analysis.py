@@ -119,6 +119,7 @@ def probe(
 
     watched: list[tuple[Any, type]] = []
     router = CallRouter(modules, record)
+    kept = _inputs_kept(args, kwargs)
     try:
         with (
             generators.seeded(seed),
@@ -134,6 +135,7 @@ def probe(
     finally:
         for output, original in watched:
             unwatch(output, original)
+        _put_back_inputs(kept)
     for seen in calls.values():
         seen.mutated_later = [
             name
@@ -141,6 +143,29 @@ def probe(
             if version(tensor) != before
         ]
     return Probe(calls, result, router.nested)
+
+
+def _inputs_kept(args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, int | None, torch.Tensor]]:
+    """Each input tensor, its version and a copy: a step that writes its batch in place
+    (Whisper's SpecAugment masks ``input_features`` with spans NumPy draws) must start every
+    probe from the example as the user gave it. Left written, the second probe masked an
+    already masked example, both probes fed the frozen encoder the same union of the masks, and
+    its call was cached with one draw frozen in for every epoch."""
+    leaves = [leaf for leaf in _leaves(args, kwargs) if isinstance(leaf, torch.Tensor)]
+    return [
+        (tensor, tensor._version, tensor.detach().clone())
+        for tensor in dict.fromkeys(leaves)  # each tensor once
+        if not tensor.is_inference()
+    ]
+
+
+def _put_back_inputs(kept: list[tuple[torch.Tensor, int | None, torch.Tensor]]) -> None:
+    """The written inputs' values as :func:`_inputs_kept` found them (their identity kept: the
+    probes follow the inputs by identity)."""
+    for tensor, before, copy in kept:
+        if tensor._version != before:
+            with torch.no_grad():
+                tensor.copy_(copy)
 
 
 def version(tensor: torch.Tensor) -> int | None:

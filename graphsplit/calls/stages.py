@@ -129,6 +129,15 @@ class CallStage1(nn.Module):
         object.__setattr__(self, "_watched", watched)
 
     @property
+    def _parameters_kept(self) -> list[nn.Parameter]:
+        """The step's parameters, whose ``requires_grad`` a stopped step's run must leave as
+        it found them: listed once (a walk of the model on every call would cost more)."""
+        kept = self.__dict__.get("_kept_parameters")
+        if kept is None:
+            kept = self.__dict__["_kept_parameters"] = list(self._step.parameters())
+        return kept
+
+    @property
     def code(self) -> str:
         """What this stage computes, as text (the cache fingerprint hashes it)."""
         plan: CallPlan = self._plan
@@ -188,7 +197,7 @@ class CallStage1(nn.Module):
             router = CallRouter(self._routed, record)
             # Stopped at its last cached call, the step does not undo what it changed for a
             # while (Diffusion-DPO's disable_adapters() around the reference call).
-            state = ModuleState.of(self._step)
+            state = ModuleState.of(self._parameters_kept)
             try:
                 with (
                     generators.forked(watch=False),

@@ -59,17 +59,49 @@ def test_stage_1_puts_back_the_state_the_step_changed_before_its_stop():
 
 def test_module_state_puts_back_attributes_held_modules_and_flags():
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
-    first, weight = model[0], model[0].weight
-    state = ModuleState.of(model)
+    model[0].flag = "before"
+    first, weight, bias = model[0], model[0].weight, model[0].bias
+    state = ModuleState.of(list(model.parameters()))
     model.training = False
     model[0].new_attribute = 3
+    model[0].flag = "during"
+    model[0].flag = "later"
     model[1] = nn.Tanh()
     model[0].weight = nn.Parameter(torch.zeros(2, 2))
-    model[0].register_buffer("scale", torch.ones(1))
+    del model[0].bias
+    model[0].bias = torch.ones(2)  # a plain tensor where the parameter was
+    model[0].extra = nn.Identity()  # a new submodule
     weight.requires_grad_(False)
     state.put_back()
     assert model.training is True
-    assert not hasattr(model[0], "new_attribute")
+    assert not hasattr(model[0], "new_attribute") and model[0].flag == "before"
     assert isinstance(model[1], nn.ReLU) and model[0] is first
     assert model[0].weight is weight and weight.requires_grad
-    assert "scale" not in dict(model[0].named_buffers())
+    assert model[0].bias is bias and dict(model[0].named_parameters())["bias"] is bias
+    assert "extra" not in dict(model[0].named_children())
+
+
+def test_writes_are_followed_in_the_running_thread_only():
+    import threading
+
+    model = nn.Linear(2, 2)
+    state = ModuleState.of([])
+    other = threading.Thread(target=lambda: setattr(model, "written_elsewhere", 1))
+    other.start()
+    other.join()
+    model.written_here = 2
+    state.put_back()
+    assert model.written_elsewhere == 1 and not hasattr(model, "written_here")
+
+
+def test_a_stage_1_inside_another_keeps_the_outer_record():
+    model = nn.Linear(2, 2)
+    outer = ModuleState.of([])
+    model.first = 1
+    inner = ModuleState.of([])
+    model.second = 2
+    inner.put_back()
+    assert not hasattr(model, "second")
+    model.third = 3
+    outer.put_back()
+    assert not any(hasattr(model, name) for name in ("first", "second", "third"))

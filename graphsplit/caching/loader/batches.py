@@ -228,6 +228,9 @@ def as_mapping(batch: Any, names: Sequence[str]) -> dict[str, Any]:
         return {name: batch[name] for name in names}
     if isinstance(batch, (list, tuple)) and len(batch) == len(names):
         return dict(zip(names, batch))
+    if isinstance(batch, (list, tuple)) and len(names) == 1:
+        # A step taking the loader's tuple whole (a webdataset's ``image, text = batch``).
+        return {names[0]: batch}
     raise user_error(
         CacheError,
         f"a batch is a {type(batch).__name__}; graphsplit.cache needs a dict holding {list(names)} "
@@ -268,9 +271,11 @@ def batch_keys(batch: Any, positions: Sequence[int]) -> list[str]:
 def _batch_length(batch: Any, names: Sequence[str]) -> int:
     # The inputs the batch holds: a missing one is refused with its own reason by stage 1.
     present = [n for n in names if n in batch] if isinstance(batch, Mapping) else names
+    values = list(as_mapping(batch, present).values())
+    values += [item for value in values if type(value) in (list, tuple) for item in value]
     sizes = [
         int(value.shape[0])
-        for value in as_mapping(batch, present).values()
+        for value in values
         if isinstance(value, torch.Tensor) and value.dim() > 0
     ]
     if isinstance(batch, Mapping) and "key" in batch:

@@ -1,0 +1,219 @@
+"""Conformance: TRL's ``SFTTrainer`` on a tiny LLaVA, vision tower frozen, via ``split_trainer``.
+
+Upstream: TRL 1.16's ``SFTTrainer`` (trl/trainer/sft_trainer.py), unchanged, as its VLM
+fine-tuning docs build it: a vision dataset (``images`` plus ``prompt`` / ``completion``: the
+trainer skips dataset preparation and collates raw examples with
+``DataCollatorForVisionLanguageModeling``, which runs the processor and pads each batch to its
+longest, completion-only labels), ``processing_class`` the model's processor, and the vision
+tower frozen (``model.model.vision_tower.requires_grad_(False)``; the projector and the
+language model train). ``SFTConfig`` defaults otherwise (``gradient_checkpointing=True``,
+``max_length=None`` so the image tokens are not truncated). Its ``compute_loss`` runs
+``model(**inputs, fused_lm_head=True)``, divides the summed ``-log_probs`` by the token count
+and logs entropy, token accuracy and ``num_tokens`` with ``.item()``.
+
+Model: ``LlavaForConditionalGeneration`` (CLIP 32 wide, 2 layers, 16 px in 4 px patches;
+Llama 32 wide, 2 layers), processor and images as in
+tests/conformance/test_unseen9_llava_projector_pretraining.py, random weights.
+
+What holds: ``compute_loss`` (``TrainerLoss``) splits on the default path (the module-level
+one: TRL's metrics branch on ``num_valid > 0``), caches the tower's selected hidden layer
+(stage 2 holds no tower weight), verifies bit for bit on batches of 2 and 3, and a cache
+through the disk trains stage 2 exactly.
+
+What fails (xfail, strict):
+
+- the losses of ``trainer.train()`` after ``split_trainer`` differ from the plain
+  ``SFTTrainer``'s (given the same batches, ``batch_by_padded_length``): 3.2981694 against
+  3.2986596 at step 1 (1.5e-4 relative). Seen while building this test (the same setup with
+  other captions: 3.3397181 against 3.3395135): same samples, same stored rows, and stage 2
+  on them equals the unsplit ``compute_loss`` called outside the loop (3.3397147); it is the
+  plain trainer whose model computes otherwise inside ``train()`` (3.3395135 from the same
+  weights and batch), after ``train()`` prepared it (an instance ``forward`` set on it, gradient
+  checkpointing, ``enable_input_require_grads`` hooks; ``gradient_checkpointing=False`` alone
+  does not remove the gap). Not root-caused to one graphsplit function: ``split_trainer``
+  plans and caches before ``train()`` prepares the model, and stage 2 traced into ``model``
+  instead of calling the prepared ``forward``.
+- the split run logs other metrics: ``split_trainer``'s planning probes and caching pass run
+  TRL's ``compute_loss``, whose bookkeeping (``self._total_train_tokens += ...``,
+  ``self._metrics["train"][...].append``) runs each time, so the first logged ``num_tokens``
+  is 126 instead of 36 and ``entropy`` is averaged with the probes' values.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphsplit
+from tests.conformance.unseen2_data_checks import assert_cache_round_trip
+from tests.conformance.unseen3_vlm_checks import images, tiny_tokenizer
+from tests.conformance.unseen_checks import stage2_top_modules
+from tests.helpers import assert_stage1_holds_no_trainable, param_names
+
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+trl = pytest.importorskip("trl")
+from graphsplit.integrations.transformers import (  # noqa: E402
+    TrainerLoss,
+    batch_by_padded_length,
+    split_trainer,
+)
+
+COMPLETIONS = ["a cat sat on the mat", "two big dogs", "the red picture of a dog", "one cat"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _processor():
+    tokenizer = tiny_tokenizer(["<image>"])
+    image_processor = transformers.CLIPImageProcessorPil(
+        size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}
+    )
+    return transformers.LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=4,
+        vision_feature_select_strategy="default",
+        image_token="<image>",
+        num_additional_image_tokens=1,
+    )
+
+
+PROCESSOR = _processor()
+
+
+def _model():
+    tokenizer = PROCESSOR.tokenizer
+    torch.manual_seed(0)
+    config = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            image_size=16,
+            patch_size=4,
+        ),
+        text_config=transformers.LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            pad_token_id=tokenizer.pad_token_id,
+        ),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+        image_seq_length=16,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+    )
+    model = transformers.LlavaForConditionalGeneration(config)
+    model.model.vision_tower.requires_grad_(False)
+    return model
+
+
+def _dataset():
+    pictures = images([(20 + 4 * (i % 3), 24) for i in range(8)], seed=0)
+    return datasets.Dataset.from_list(
+        [
+            {"images": [picture], "prompt": "<image>\n", "completion": COMPLETIONS[i % 4]}
+            for i, picture in enumerate(pictures)
+        ]
+    )
+
+
+def _trainer(output_dir: str):
+    args = trl.SFTConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=2,
+        max_steps=2,
+        seed=42,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        max_length=None,
+    )
+    return trl.SFTTrainer(
+        model=_model(), args=args, train_dataset=_dataset(), processing_class=PROCESSOR
+    )
+
+
+def _logged(trainer, *keys):
+    return [tuple(e[k] for k in keys) for e in trainer.state.log_history if "loss" in e]
+
+
+def _train_both(tmp_path):
+    plain = _trainer(str(tmp_path / "plain"))
+    assert batch_by_padded_length(plain) is not None  # the split run's batches
+    plain.train()
+    trainer = _trainer(str(tmp_path / "split"))
+    parts = split_trainer(trainer, str(tmp_path / "cache"))
+    trainer.train()
+    return plain, trainer, parts
+
+
+# -- tests ---------------------------------------------------------------------------------------
+def test_sft_compute_loss_caches_the_vision_tower_and_verifies(tmp_path):
+    trainer = _trainer(str(tmp_path / "out"))
+    trainer.model.train()
+    loss = TrainerLoss(trainer)
+    rows, collate = _dataset(), trainer.data_collator
+    example = collate([rows[0], rows[4]])
+    split = graphsplit.split(loss, (example,))
+    for batch in (example, collate([rows[1], rows[5]]), collate([rows[2], rows[6], rows[3]])):
+        comparisons = graphsplit.verify(loss, split, (batch,))
+        assert comparisons and all(c.ok for c in comparisons)
+    assert_stage1_holds_no_trainable(split)
+    tower = {f"model.{n}" for n in param_names(trainer.model.model.vision_tower, trainer.model)}
+    assert not param_names(split.stage2, split._model) & tower
+    assert "model" in stage2_top_modules(split)
+    cached = [key for key in split.boundary if "vision_tower" in key]
+    assert cached and split.boundary[cached[0]].shape[1:] == (17, 32), cached
+    assert "pixel_values" not in split.boundary
+    loader = [collate([rows[1], rows[3]]), collate([rows[0], rows[4]]), collate([rows[2]])]
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    assert_cache_round_trip(split, loss, loader, tmp_path / "cache", params)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "split_trainer's run logs 3.2981694 against the plain SFTTrainer's 3.2986596 at step 1 "
+        "(same samples and cached rows; stage 2 equals the unsplit compute_loss outside the "
+        "loop): the plain trainer's model computes otherwise once train() has "
+        "prepared it (an instance forward, checkpointing, input-require-grads hooks), while "
+        "split_trainer planned and cached before that and stage 2 traced into model; not "
+        "root-caused further (see the module docstring)"
+    ),
+)
+def test_split_trainer_trains_as_the_plain_sft_trainer(tmp_path):
+    plain, trainer, parts = _train_both(tmp_path)
+    assert [key for key in parts.split.boundary if "vision_tower" in key]
+    assert len(_logged(trainer, "loss")) == 2
+    assert _logged(trainer, "loss", "grad_norm") == _logged(plain, "loss", "grad_norm")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "graphsplit/integrations/transformers.py:_split_and_cache runs the trainer's own "
+        "compute_loss in split()'s probes and in cache(): TRL's bookkeeping in it "
+        "(self._total_train_tokens += ..., self._metrics['train'][...].append) runs every "
+        "time, so the split run logs num_tokens 126 against 36 and an entropy averaged with "
+        "the probes'. Fix: snapshot the trainer's non-module state (vars(trainer), or at "
+        "least _metrics / _total_train_tokens) before planning and restore it after caching"
+    ),
+)
+def test_split_trainer_leaves_the_trainers_metrics_as_plain(tmp_path):
+    plain, trainer, _parts = _train_both(tmp_path)
+    assert _logged(trainer, "num_tokens") == _logged(plain, "num_tokens")
