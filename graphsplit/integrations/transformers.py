@@ -69,6 +69,7 @@ from graphsplit.caching.format.fingerprint import fingerprint
 from graphsplit.caching.live import LiveCache
 from graphsplit.errors import CacheError, Fix, SplitError, user_error
 from graphsplit.integrations.trainer_accumulation import refuse_item_counted_accumulation
+from graphsplit.integrations.trainer_bookkeeping import bookkeeping_kept
 from graphsplit.integrations.trainer_checks import (
     caching_loader,
     check_live,
@@ -206,9 +207,12 @@ def split_trainer(
     states = generator_states()
     try:
         groups = trainer_padding_groups(trainer)
-        parts, cached, info = _split_and_cache(
-            trainer, groups, cache_dir, storage_dtype, overwrite, progress
-        )
+        # The probes and stage 1 run the trainer's compute_loss: its counts and logged
+        # metrics (TRL's) must not include them.
+        with bookkeeping_kept(trainer):
+            parts, cached, info = _split_and_cache(
+                trainer, groups, cache_dir, storage_dtype, overwrite, progress
+            )
     finally:
         set_generator_states(states)
     path = str(cache_dir)
