@@ -230,18 +230,6 @@ def test_the_post_trainer_as_written_is_refused_naming_the_teacher_call(tmp_path
     assert line_of(DistillationTrainer.compute_loss, "self.teacher(**inputs)") in message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "graphsplit/planning/rules/grad_modes.py:check_grad_modes answers a no_grad call of a "
-        "module whose parameters keep requires_grad=True (the post's teacher: only eval(), "
-        "in no optimizer, no gradient can reach it) with NO_GRAD_FIX, 'use .detach() on the "
-        "result instead of torch.no_grad()': followed, the step traces but the teacher still "
-        "counts as trainable, so nothing of it is cached and its activations are kept for a "
-        "backward that never reaches them. Where every trainable parameter the no_grad work "
-        "reads is read under no_grad only, the fix should say '<module>.requires_grad_(False)'"
-    ),
-)
 def test_the_refusal_of_the_post_trainer_names_the_fix_that_caches_the_teacher(tmp_path):
     trainer = _trainer(str(tmp_path / "out"), freeze_teacher=False)
     with pytest.raises(TraceError) as info:

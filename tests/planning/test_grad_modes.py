@@ -349,3 +349,37 @@ def test_inference_mode_in_the_step_is_refused(frozen_work):
     assert "enters torch.inference_mode()" in message
     assert line_of(InferenceMode.forward, "h = self.encoder(x)") in message
     assert INFERENCE_MODE_FIX.words in message
+
+
+def test_a_module_run_under_no_grad_only_is_told_to_be_frozen():
+    """A teacher put in eval() but never frozen (the philschmid distillation post's): its
+    parameters require grad, yet only no_grad work reads them. .detach() would trace, but the
+    teacher would still count as trained and nothing of it be cached: the fix says freeze it."""
+    teacher, student = nn.Linear(4, 4).eval(), nn.Linear(4, 4)
+
+    def step(x):
+        with torch.no_grad():
+            target = teacher(x)
+        return (student(x) - target).pow(2).mean()
+
+    with pytest.raises(graphsplit.TraceError) as info:
+        graphsplit.split(step, (torch.randn(2, 4),), path="trace")
+    fix = str(info.value).split("fix:", 1)[1]
+    assert fix.strip().startswith("if teacher is not trained, freeze it before splitting")
+    assert "teacher.requires_grad_(False)" in fix and ".detach()" in fix
+
+
+def test_a_module_also_run_with_gradients_is_told_to_detach():
+    """The student's own prediction as a no_grad target (self-distillation): it is trained, so
+    the fix is .detach() alone."""
+    student = nn.Linear(4, 4)
+
+    def step(x):
+        with torch.no_grad():
+            target = student(x) * 0.5
+        return (student(x) - target).pow(2).mean()
+
+    with pytest.raises(graphsplit.TraceError) as info:
+        graphsplit.split(step, (torch.randn(2, 4),), path="trace")
+    fix = str(info.value).split("fix:", 1)[1]
+    assert "requires_grad_(False)" not in fix and ".detach()" in fix

@@ -180,8 +180,45 @@ def check_grad_modes(
             f"parameters ({', '.join(depends[node])}). torch.fx records ops, not `with` "
             f"blocks: the stages would run this work with gradients {effect}.",
             node=node,
-            fix=NO_GRAD_FIX if disabled else ENABLE_GRAD_FIX,
+            fix=_no_grad_fix(graph, trainable, depends[node]) if disabled else ENABLE_GRAD_FIX,
         )
+
+
+def _no_grad_fix(graph: fx.Graph, trainable: frozenset[str], names: tuple) -> Fix:
+    """:data:`NO_GRAD_FIX`, or, where every op reading the modules whose ``names`` these are
+    runs under ``no_grad`` (a teacher put in ``eval()`` but never frozen: no gradient can reach
+    it), freezing them first: ``.detach()`` would trace, but the module would still count as
+    trained and nothing of it be cached."""
+    owners = sorted({name.rsplit(".", 1)[0] for name in names if "." in name})
+    if not owners:
+        return NO_GRAD_FIX
+    held = frozenset(
+        name for name in trainable if any(name.startswith(owner + ".") for owner in owners)
+    )
+    for node in graph.nodes:
+        facts = node.meta.get("facts")
+        if facts is None or not facts.params & held:
+            continue
+        switched = node.meta.get(MODES)
+        if switched is None or switched.inside.grad_enabled:
+            return NO_GRAD_FIX  # read with gradients somewhere: it may be trained
+    module = _common_owner(owners)
+    return Fix(
+        f"if {module} is not trained, freeze it before splitting "
+        f"({module}.requires_grad_(False)): it is only ever run under no_grad, so no gradient "
+        "reaches it, and frozen its work can be cached; if it is trained, " + NO_GRAD_FIX.words
+    )
+
+
+def _common_owner(owners: list[str]) -> str:
+    """The deepest module path holding every one of ``owners`` (the first's top otherwise)."""
+    parts = [owner.split(".") for owner in owners]
+    common = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common) or parts[0][0]
 
 
 def _trainable_dependent(
