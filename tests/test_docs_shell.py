@@ -69,6 +69,9 @@ NOT_RUN: dict[str, str] = {
     "python -m benchmarks.bench_plan_scale --cases sdxl flux flux_diffusers_ids --rounds 3 "
     "--baseline ba75bc5 --out benchmarks/results": _measurement("minutes (SDXL and Flux sizes)"),
     "python -m benchmarks.bench_dpo_reference --out benchmarks/results": _measurement("90 s"),
+    "python -m benchmarks.bench_stage1_state --rounds 15 --out benchmarks/results": _measurement(
+        "40 s (full-size SDXL and FLUX built on meta)"
+    ),
     "python -m benchmarks.bench_split_scale --sizes 10000 --rounds 3 --baseline HEAD --out "
     "benchmarks/results": _measurement("70 s, twice with its baseline worktree"),
     "python -m benchmarks.bench_plan_scale --cases sdxl flux --rounds 3 --baseline 7461967 --out "
