@@ -94,6 +94,8 @@ def value_key(value: Any, depth: int, *, tensors: bool = True) -> Any:
     if python_isinstance(value, dict):
         return (kind, *[value_key(item, depth - 1, tensors=tensors) for item in value.items()])
     if python_isinstance(value, (set, frozenset)):
+        if not value:  # a module's _non_persistent_buffers_set: no Counter to build
+            return (kind, frozenset())
         # A multiset of the items' keys: two equal helpers in a set are not one.
         counts = Counter(value_key(item, depth - 1, tensors=tensors) for item in value)
         return (kind, frozenset(counts.items()))
@@ -258,18 +260,16 @@ def module_key(module: nn.Module) -> tuple:
     """The state of ``module`` and every module under it (see the glossary).
 
     Asked for every call of a module whose arguments were seen before, for it and every
-    module under it, so each attribute name's role is looked up once (:func:`_role`) and
-    numbers, strings and flags are keyed in the loop.
+    module under it, so the names left out are one set per class (:func:`_skipped_names`)
+    and numbers, strings and flags are keyed in the loop.
     """
-    parts: list[Any] = [type(module)]
-    unread = _unread_attributes(type(module))
+    kind_of_module = type(module)
+    parts: list[Any] = [kind_of_module]
+    skipped = _SKIPPED_OF.get(kind_of_module) or _skipped_names(kind_of_module)
     for name, value in vars(module).items():
-        role = _ROLES.get(name)
-        if role is None:
-            role = _role(name)
-        if role is _SKIPPED or (unread and name in unread):
+        if name in skipped:
             continue
-        if role is _CALL_HOOK:
+        if name in _CALL_HOOKS:
             if value:
                 raise TypeError("a module with call hooks")
             continue
@@ -287,23 +287,15 @@ def module_key(module: nn.Module) -> tuple:
     return tuple(parts)
 
 
-def _role(name: str) -> object:
-    """What an attribute name is to the key: a table or state-dict hook table (skipped: the
-    tables are keyed below, those hooks play no part in a call), a call hook table, or state."""
-    if name in _TABLES:
-        role = _SKIPPED
-    elif name in _CALL_HOOKS:
-        role = _CALL_HOOK
-    elif name in _STATE_DICT_HOOKS:
-        role = _SKIPPED
-    else:
-        role = _STATE
-    _ROLES[name] = role
-    return role
+def _skipped_names(kind: type) -> frozenset[str]:
+    """The attributes of a ``kind`` module its key leaves out: the tables (keyed after the
+    loop), torch's hook tables that no call runs, and what the class's library reads in no
+    call (:func:`_unread_attributes`). Any other name is state, ``skip_hooks`` too."""
+    skipped = _SKIPPED_OF[kind] = _TABLES | _STATE_DICT_HOOKS | _unread_attributes(kind)
+    return skipped
 
 
-_SKIPPED, _CALL_HOOK, _STATE = object(), object(), object()
-# torch's own hook tables that no call runs (any other name is state, ``skip_hooks`` too).
+_SKIPPED_OF: dict[type, frozenset[str]] = {}
 _STATE_DICT_HOOKS = frozenset(
     {
         "_state_dict_hooks",
@@ -312,7 +304,6 @@ _STATE_DICT_HOOKS = frozenset(
         "_load_state_dict_post_hooks",
     }
 )
-_ROLES: dict[str, object] = {}
 
 
 def _unread_attributes(kind: type) -> frozenset[str]:
