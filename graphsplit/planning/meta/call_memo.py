@@ -49,10 +49,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from graphsplit.planning.meta.call_signature import (
     DEPTH,
+    arguments_key,
     collect_tensors,
     global_state,
     module_key,
-    sameness,
     value_key,
 )
 from graphsplit.planning.meta.shared_memos import SharedMemos
@@ -182,7 +182,7 @@ def _node_signature(
 ) -> Any:
     """A node's signature; None: run it plainly (the arguments' first meeting, or no key)."""
     try:
-        described = (head, record, sameness(arguments, module), value_key(arguments, DEPTH))
+        described = (head, record, *arguments_key(arguments, module))
     except TypeError:
         return None
     if described not in memo.seen:
@@ -200,11 +200,8 @@ def _call_signature(
 ) -> tuple[Any, Any]:
     """``(call signature, the node's op recorder)``; signature None: run the call plainly."""
     try:
-        arguments = (
-            type(module),
-            sameness((args, kwargs), module),
-            value_key((args, kwargs), DEPTH),  # last: the watch compares it again after the run
-        )
+        # The value key last: the watch compares it again after the run.
+        arguments = (type(module), *arguments_key((args, kwargs), module))
     except TypeError:
         return None, None
     if arguments not in memo.seen:

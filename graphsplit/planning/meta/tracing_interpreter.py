@@ -70,18 +70,25 @@ class TracingInterpreter(MetaInterpreter):
         value, op_record = self.run_on_meta(node, record=record)
         if op_record is not None:
             node.meta[OP_RECORD] = op_record
-        written = tuple(arg for arg, version in versions if _version(arg) != version)
-        if written:
-            node.meta[WRITES] = written
+        if versions:
+            written = _written(versions)
+            if written:
+                node.meta[WRITES] = written
         return value
+
+
+def _written(versions: list[tuple[fx.Node, int]]) -> tuple[fx.Node, ...]:
+    """The inputs whose version counter moved since :func:`_versions` read them (each read
+    afresh from its node), with torch functions disabled once for all of them."""
+    with torch._C.DisableTorchFunction():
+        return tuple([arg for arg, version in versions if _version(arg) != version])
 
 
 def _version(node: fx.Node) -> int | None:
     value = node.meta.get("val")
     if not python_isinstance(value, torch.Tensor):
         return None
-    with torch._C.DisableTorchFunction():
-        return None if value.is_inference() else value._version  # inference: no counter
+    return None if value.is_inference() else value._version  # inference: no counter
 
 
 def _versions(node: fx.Node) -> list[tuple[fx.Node, int]]:

@@ -65,12 +65,18 @@ class _WriteKind(enum.Enum):
 
 
 def functionalize_inplace(graph: fx.Graph) -> None:
-    """Replace every observable write in ``graph`` by its functional form (or refuse it)."""
-    aliases = _AliasMap(graph)
+    """Replace every observable write in ``graph`` by its functional form (or refuse it).
+
+    The alias map is read at the first write, before any rewrite, as it would be up front: a
+    graph with no write (most) skips its walk of every node's storages.
+    """
+    aliases: _AliasMap | None = None
     for node in list(graph.nodes):
         kind = _write_kind(node)
         if kind is None:
             continue
+        if aliases is None:
+            aliases = _AliasMap(graph)
         order = {n: index for index, n in enumerate(graph.nodes)}
         target = node.args[0] if kind is not _WriteKind.OTHER else node.meta[WRITES][0]
         chain = aliases.indexing_chain(target)

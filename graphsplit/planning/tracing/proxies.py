@@ -18,6 +18,7 @@ proxy types the tracer creates, and those the patched builtins recognise; the re
 traced size used as a Python dict key; the size texts a node's arguments hold:
 
     TracedValue(node, tracer): fx.Proxy
+    PLAIN_ARGUMENTS: {type: handler}                    # the tracer's create_arg by exact type
     TracedAttribute(root, attr): TracedValue
     dict_view_items(obj) -> list | None                 # iterating a traced dict's view
     refuse_a_size_as_key(error: KeyError) -> None      # raises SplitError for a traced key
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.immutable_collections import immutable_dict, immutable_list
 
 from graphsplit.artifacts import Guard
 from graphsplit.errors import Fix, SplitError, TraceError, user_error
@@ -40,7 +42,13 @@ from graphsplit.planning.patching.originals import python_len
 from graphsplit.planning.rules.size_guards import Formatted
 from graphsplit.planning.rules.user_lines import describe, frame_location_of, is_internal
 
-__all__ = ["TracedAttribute", "TracedValue", "refuse_a_size_as_key", "texts_reaching"]
+__all__ = [
+    "PLAIN_ARGUMENTS",
+    "TracedAttribute",
+    "TracedValue",
+    "refuse_a_size_as_key",
+    "texts_reaching",
+]
 
 _STATIC_TENSOR_ATTRIBUTES = frozenset({"dtype", "is_floating_point", "is_complex"})
 _OWN_ATTRIBUTES = frozenset({"node", "_node", "root", "attr", "tracer"})
@@ -175,6 +183,28 @@ class TracedAttribute(TracedValue):
             return self._node.meta.get("val")
         return getattr(self.root.eager_value(), self.attr, None)
 
+
+def _proxy_node(tracer: fx.Tracer, proxy: TracedValue) -> fx.Node:
+    return proxy.node
+
+
+# ``StepTracer.create_arg``'s handler by exact type: the tracer's proxies give their node, and
+# a value of a plain type goes straight to torch.fx's own handler of that type (its
+# ``_create_arg_bypass``, what ``TracerBase.create_arg`` calls first). fx's ``Tracer.create_arg``
+# asks seven questions of every argument before it gets there (a parameter, tensor or module
+# of the root? a named tuple? a tensor constant? an opaque type? a proxyable class?), each a
+# call of the trace's ``isinstance``; for these exact types every answer is no: they are not
+# tensors, modules or named tuples, and torch refuses to register a builtin type or a pytree
+# node type (fx's immutable containers) as opaque. About 20,000 arguments on a 10k-node chain.
+PLAIN_ARGUMENTS: dict[type, Callable[[fx.Tracer, Any], Any]] = {
+    TracedValue: _proxy_node,
+    TracedAttribute: _proxy_node,
+    **{
+        kind: fx.proxy._create_arg_bypass[kind]
+        for kind in (tuple, list, dict, immutable_list, immutable_dict, int, float, bool, str)
+    },
+    type(None): fx.proxy._create_arg_bypass[type(None)],
+}
 
 _DICT_VIEWS = {"items", "values", "keys"}
 

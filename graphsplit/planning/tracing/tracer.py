@@ -17,9 +17,8 @@ Glossary:
         also listed in ``node.meta["guards"]``, where stage 2 finds the sizes to recheck
         (:mod:`graphsplit.planning.rules.size_guards`).
     traced value: a proxy that answers ``isinstance``, ``callable`` and ``len`` as its meta
-        value would, so library code runs the branch eager runs
-        (:mod:`graphsplit.planning.tracing.proxies`,
-        :mod:`graphsplit.planning.patching.traced_builtins`).
+        value would, so library code runs the branch eager runs (:mod:`.proxies`,
+        :mod:`..patching.traced_builtins`).
     patcher: every change the trace makes to the process (Python's builtins, torch's
         functions, the leaves' methods) is registered with one
         :class:`~graphsplit.planning.patching.patcher.Patcher` and undone by it, however the
@@ -87,6 +86,7 @@ from graphsplit.planning.rules.user_lines import (
 )
 from graphsplit.planning.tracing.inplace import functionalize_inplace
 from graphsplit.planning.tracing.proxies import (
+    PLAIN_ARGUMENTS,
     TracedAttribute,
     TracedValue,
     dict_view_items,
@@ -137,11 +137,11 @@ class StepTracer(fx.Tracer):
         return TracedValue(node, self)
 
     def create_arg(self, a: Any) -> Any:
-        # A proxy first: it claims to be a torch.Tensor (see python_builtins), and fx would
-        # otherwise store it away as a tensor constant.
-        if isinstance(a, fx.Proxy):
-            return a.node
-        return super().create_arg(a)
+        # Proxies first (a traced tensor claims to be a torch.Tensor, see python_builtins: fx
+        # would store it away as a constant), plain types to fx's own handler (proxies.py).
+        if (plain := PLAIN_ARGUMENTS.get(type(a))) is not None:
+            return plain(self, a)
+        return a.node if isinstance(a, fx.Proxy) else super().create_arg(a)
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
         if qualified_name in self.through:  # handed an object no node can hold: traced through
