@@ -69,6 +69,12 @@ NOT_RUN: dict[str, str] = {
     "python -m benchmarks.bench_plan_scale --cases sdxl flux flux_diffusers_ids --rounds 3 "
     "--baseline ba75bc5 --out benchmarks/results": _measurement("minutes (SDXL and Flux sizes)"),
     "python -m benchmarks.bench_dpo_reference --out benchmarks/results": _measurement("90 s"),
+    "python -m benchmarks.bench_split_scale --sizes 10000 --rounds 5 --baseline ../wt-perf-base "
+    "--out /tmp/perf9": _measurement("minutes, with a baseline worktree"),
+    "python -m benchmarks.bench_split_scale --sizes 10000 --rounds 8 --baseline ../wt-perf-base "
+    "--out /tmp/perf9": _measurement("minutes, with a baseline worktree"),
+    "python -m benchmarks.bench_plan_scale --cases sdxl flux --rounds 3 --baseline ../wt-perf-base "
+    "--out /tmp/perf9p": _measurement("minutes (SDXL and Flux sizes, with a baseline worktree)"),
     "python -m benchmarks.bench_stage1_state --rounds 15 --out benchmarks/results": _measurement(
         "40 s (full-size SDXL and FLUX built on meta)"
     ),
