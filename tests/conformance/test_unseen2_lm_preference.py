@@ -279,15 +279,18 @@ def test_orpo_of_one_pair_per_batch_is_exact_and_trains_from_its_cache():
 
 
 @pytest.mark.parametrize("pairs", [2, 3])
-def test_orpo_of_several_pairs_is_refused_at_trls_loop_over_the_rows(pairs):
+def test_orpo_of_several_pairs_caches_the_frozen_work_a_pair_an_entry(pairs):
     """``selective_log_softmax`` (trl/trainer/utils.py) loops in Python over the logits' rows
     (``torch.stack([torch.logsumexp(lg, dim=-1) for lg in logits])``): the traced step would
-    hold one row count. Refused, naming TRL's line; the module-level path finds no frozen
-    call fed the sample alone (the concatenation mixes chosen and rejected rows)."""
+    hold one row count, so the trace refuses, naming TRL's line. The module-level path takes
+    the step: the trainer concatenates chosen then rejected rows (``torch.cat``'s order, two
+    rows a pair), and the frozen base's calls on them (the embedding, layer 0's projections)
+    are cached a pair an entry (graphsplit/calls/row_folds); it used to refuse them as
+    "not per sample"."""
     torch.manual_seed(0)
     step = OddsRatioPreferenceOptimisation()
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(step, _orpo_batch(pairs))
+        graphsplit.split(step, _orpo_batch(pairs), path="trace")
     message = str(caught.value)
     assert "Python control flow depends on the batch size" in message
     line = inspect.getsourcelines(trl_utils.selective_log_softmax)
@@ -295,3 +298,11 @@ def test_orpo_of_several_pairs_is_refused_at_trls_loop_over_the_rows(pairs):
         line[1] + offset for offset, text in enumerate(line[0]) if "for lg in logits" in text
     )
     assert f"trl/trainer/utils.py:{loop}" in message
+    split = graphsplit.split(step, _orpo_batch(pairs))
+    assert split.path == "calls"
+    embedding = next(v for v in split.plan.verdicts if v.path.endswith("model.embed_tokens"))
+    assert embedding.cached and "2 rows a sample, strided" in embedding.line()
+    for size, seed in ((pairs, 1), (1, 2), (pairs + 1, 3)):
+        checks = graphsplit.verify(step, split, _orpo_batch(size, seed=seed), seed=seed)
+        assert checks and all(check.ok for check in checks)
+    assert_trains_from_its_cache(step, split, [_orpo_batch(pairs, seed=4), _orpo_batch(2, seed=5)])
