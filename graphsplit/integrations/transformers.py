@@ -199,12 +199,16 @@ def split_trainer(
         >>> parts = split_trainer(trainer, "cache/")   # doctest: +SKIP
         >>> trainer.train()                            # doctest: +SKIP
     """
-    check_trainer(trainer)
+    # The trainer seeded the generators in __init__; its sampler (group_by_length draws from
+    # the global generator) must find them as the unsplit run does. Taken before the checks:
+    # their first import of TRL imports rich, which draws from Python's generator.
+    states = generator_states()
+    try:
+        check_trainer(trainer)
+    finally:
+        set_generator_states(states)
     if cache_while_training:
         return _split_live(trainer, cache_dir, storage_dtype, overwrite)
-    # The trainer seeded the generators in __init__; its sampler (group_by_length draws from
-    # the global generator) must find them as the unsplit run does.
-    states = generator_states()
     try:
         groups = trainer_padding_groups(trainer)
         # The probes and stage 1 run the trainer's compute_loss: its counts and logged

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import pytest
 from torch import nn
 
 from graphsplit.integrations.trainer_bookkeeping import bookkeeping_kept
@@ -35,3 +36,23 @@ def test_counts_and_metrics_come_back_and_the_rest_is_left_alone():
     assert isinstance(trainer._metrics["train"], defaultdict)
     assert not hasattr(trainer, "_signature_columns")
     assert trainer.model is not model and trainer.name == "sft"
+
+
+def test_split_trainer_leaves_the_generators_as_it_found_them_even_through_its_checks(
+    monkeypatch,
+):
+    """Its checks' first import of TRL imports rich, which draws from Python's generator: the
+    states are taken before the checks and put back after them."""
+    import random
+
+    from graphsplit.integrations import transformers as integration
+
+    def drawing_check(trainer):
+        random.random()
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(integration, "check_trainer", drawing_check)
+    before = random.getstate()
+    with pytest.raises(RuntimeError, match="stop here"):
+        integration.split_trainer(object(), "unused")
+    assert random.getstate() == before
