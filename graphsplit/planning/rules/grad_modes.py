@@ -169,6 +169,7 @@ def check_grad_modes(
         if _is_metadata(node.meta.get("val")):
             continue  # a shape, device or number carries no gradient
         disabled = not switched.inside.grad_enabled
+        unfrozen = _run_under_no_grad_only(graph, trainable, depends[node]) if disabled else None
         effect = (
             "enabled, so they would compute gradients that eager does not"
             if disabled
@@ -180,18 +181,20 @@ def check_grad_modes(
             f"parameters ({', '.join(depends[node])}). torch.fx records ops, not `with` "
             f"blocks: the stages would run this work with gradients {effect}.",
             node=node,
-            fix=_no_grad_fix(graph, trainable, depends[node]) if disabled else ENABLE_GRAD_FIX,
+            fix=Fix(_freeze_words(unfrozen))
+            if unfrozen
+            else (NO_GRAD_FIX if disabled else ENABLE_GRAD_FIX),
         )
 
 
-def _no_grad_fix(graph: fx.Graph, trainable: frozenset[str], names: tuple) -> Fix:
-    """:data:`NO_GRAD_FIX`, or, where every op reading the modules whose ``names`` these are
-    runs under ``no_grad`` (a teacher put in ``eval()`` but never frozen: no gradient can reach
-    it), freezing them first: ``.detach()`` would trace, but the module would still count as
-    trained and nothing of it be cached."""
+def _run_under_no_grad_only(graph: fx.Graph, trainable: frozenset[str], names: tuple) -> str | None:
+    """The module holding ``names`` where every op reading its trainable parameters runs
+    under ``no_grad`` (a teacher put in ``eval()`` but never frozen: no gradient can reach
+    it), else None. ``.detach()`` would trace, but the module would still count as trained
+    and nothing of it be cached: it should be frozen."""
     owners = sorted({name.rsplit(".", 1)[0] for name in names if "." in name})
     if not owners:
-        return NO_GRAD_FIX
+        return None
     held = frozenset(
         name for name in trainable if any(name.startswith(owner + ".") for owner in owners)
     )
@@ -201,9 +204,12 @@ def _no_grad_fix(graph: fx.Graph, trainable: frozenset[str], names: tuple) -> Fi
             continue
         switched = node.meta.get(MODES)
         if switched is None or switched.inside.grad_enabled:
-            return NO_GRAD_FIX  # read with gradients somewhere: it may be trained
-    module = _common_owner(owners)
-    return Fix(
+            return None  # read with gradients somewhere: it may be trained
+    return _common_owner(owners)
+
+
+def _freeze_words(module: str) -> str:
+    return (
         f"if {module} is not trained, freeze it before splitting "
         f"({module}.requires_grad_(False)): it is only ever run under no_grad, so no gradient "
         "reaches it, and frozen its work can be cached; if it is trained, " + NO_GRAD_FIX.words
