@@ -75,6 +75,8 @@ NOT_RUN: dict[str, str] = {
     "--out /tmp/perf9": _measurement("minutes, with a baseline worktree"),
     "python -m benchmarks.bench_plan_scale --cases sdxl flux --rounds 3 --baseline ../wt-perf-base "
     "--out /tmp/perf9p": _measurement("minutes (SDXL and Flux sizes, with a baseline worktree)"),
+    "python -m benchmarks.bench_split_scale --sizes 10000 --rounds 5 --baseline bea881c --out "
+    "/tmp/bench-chain9": _measurement("2 minutes, twice with its baseline"),
     "python -m benchmarks.bench_stage1_state --rounds 15 --out benchmarks/results": _measurement(
         "40 s (full-size SDXL and FLUX built on meta)"
     ),

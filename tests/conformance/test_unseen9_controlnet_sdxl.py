@@ -321,14 +321,13 @@ def test_controlnet_sdxl_cache_round_trip(tmp_path):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="the whole-step trace refuses the script's step with a misleading error: "
-    "planning/step/example_inputs.py:_example_values resizes only top-level batch tensors to "
-    "the probe batch sizes; the tensors of the nested dict batch['unet_added_conditions'] keep "
-    "the example's batch (2) in the second probe (batch 4), so ControlNetModel.forward's "
-    "`emb + aug_emb` fails on meta ([4, 8] + [2, 8]) and the TraceError's fix reads 'make the "
-    "step device-agnostic'. With the dict resized, the cut then refuses the dict placeholder "
-    "('a builtins.dict ... register a codec'), though it is a batch field of tensors that "
-    "could be spread as the top-level batch dict is (planning/step/callables.py:_spread_dicts)",
+    reason="the whole-step trace refuses the script's step: the trainable ControlNet takes "
+    "the batch's nested dict batch['unet_added_conditions'] whole, so the dict placeholder "
+    "itself would cross the cut, which choose_boundary refuses ('a builtins.dict ... register "
+    "a codec'), though it is a batch field of tensors that could be spread as the top-level "
+    "batch dict is (planning/step/callables.py:_spread_dicts). (The probes used to leave the "
+    "dict's tensors at the example's size, which failed first with a device fix line; fixed.) "
+    "The default path takes the module-level path, exactly",
 )
 def test_the_trace_follows_the_nested_added_conditions_dict():
     parts, _split = _built()
