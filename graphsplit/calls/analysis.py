@@ -25,6 +25,7 @@ from graphsplit.calls.module_calls import CallId, CallRouter
 from graphsplit.calls.outputs import NotATensor, Structure, flatten
 from graphsplit.calls.provenance import CallInputs, carries_grad
 from graphsplit.calls.reordered import Reordered
+from graphsplit.calls.row_folds import rows_not_following
 from graphsplit.calls.usage import Usage
 from graphsplit.calls.verdicts import CallVerdict, Verdict
 
@@ -280,26 +281,11 @@ def moved_by_training(seen: ProbedCall, moved: Probe | None) -> bool:
     return other is None or seen.inputs.difference(other.inputs) is not None
 
 
-# A row of a batched kernel and the same row computed alone may differ in the last bits
-# (another blocking of the same sums); a call that mixes samples differs at the values' scale.
-ALONE_RTOL = 1e-4
-ALONE_ATOL = 1e-5
-
-
 def _mixed_fields(seen: ProbedCall, alone: ProbedCall | None) -> str | None:
     """Which output fields' last row differs from the last sample run alone (None: none)."""
     if alone is None:
         return "the call is not made when the last sample runs alone"
-    differing = []
-    for name, tensor in seen.tensors.items():
-        other = alone.tensors.get(name)
-        row = tensor[-1:]
-        same_kind = other is not None and other.shape == row.shape and other.dtype == row.dtype
-        if not same_kind or not torch.allclose(
-            row.detach().double(), other.detach().double(), rtol=ALONE_RTOL, atol=ALONE_ATOL
-        ):
-            differing.append(name)
-    return ", ".join(differing) if differing else None
+    return rows_not_following(seen.tensors, alone.tensors, (-1,), exact=False) or None
 
 
 def _whole_cacheable(seen: ProbedCall, batch_size: int) -> bool:

@@ -44,6 +44,7 @@ import torch.utils._pytree as pytree
 
 from graphsplit.calls.module_calls import CallId
 from graphsplit.calls.provenance import same_value
+from graphsplit.calls.row_folds import rows_not_following
 from graphsplit.calls.verdicts import CallVerdict, Verdict
 
 Rows = slice | tuple[int, ...]
@@ -143,7 +144,7 @@ class Reordered:
                     path, index, kind, f"the call is not made when the batch is {variant.name}"
                 )
             if batched:
-                differing = _rows_not_following(seen.tensors, other.tensors, variant.rows)
+                differing = rows_not_following(seen.tensors, other.tensors, variant.rows)
                 if differing:
                     return CallVerdict(
                         path,
@@ -161,24 +162,6 @@ class Reordered:
                     f"differs when the batch is {variant.name}",
                 )
         return None
-
-
-def _rows_not_following(
-    example: dict[str, torch.Tensor], variant: dict[str, torch.Tensor], rows: tuple[int, ...]
-) -> str:
-    """The output fields whose rows in a variant's run are not the example's ``rows``."""
-    differing = []
-    for name, tensor in example.items():
-        other = variant.get(name)
-        expected = tensor.detach()[list(rows)]
-        if (
-            other is None
-            or other.shape != expected.shape
-            or other.dtype != expected.dtype
-            or not torch.equal(other.detach(), expected)
-        ):
-            differing.append(name)
-    return ", ".join(differing)
 
 
 def probe_reordered(

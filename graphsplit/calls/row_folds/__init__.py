@@ -30,12 +30,13 @@ cache's format is the same) and unfolded to the call's ``[k*B, ...]`` in stage 2
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["RowFold", "candidates", "shown"]
+__all__ = ["RowFold", "candidates", "rows_not_following", "shown"]
 
 
 @dataclass(frozen=True)
@@ -96,12 +97,6 @@ def candidates(
     return [RowFold(k, strided=False), RowFold(k, strided=True)]
 
 
-# As analysis.ALONE_RTOL / ALONE_ATOL: a row computed in a batch and alone may differ in the
-# last bits (another blocking of the same sums).
-_RTOL = 1e-4
-_ATOL = 1e-5
-
-
 def shown(
     folds: list[RowFold],
     seen: Any,
@@ -144,30 +139,50 @@ def shown(
 
 def _follows_alone(fold: RowFold, seen: Any, alone: Any, batch_size: int) -> bool:
     rows = fold.rows((batch_size - 1,), batch_size)
-    for name, tensor in seen.tensors.items():
-        other = alone.tensors.get(name)
-        mine = tensor.detach()[rows]
-        if other is None or other.shape != mine.shape or other.dtype != mine.dtype:
-            return False
-        if not torch.allclose(mine.double(), other.detach().double(), rtol=_RTOL, atol=_ATOL):
-            return False
-    return True
+    return not rows_not_following(seen.tensors, alone.tensors, rows, exact=False)
 
 
 def _follows_reordered(fold: RowFold, seen: Any, reordered: Any, batch_size: int) -> bool:
-    for variant, run in reordered.runs:
-        other = run.calls.get(seen.call)
-        if other is None:
-            return False
-        rows = fold.rows(variant.rows, batch_size)
-        for name, tensor in seen.tensors.items():
-            theirs = other.tensors.get(name)
-            expected = tensor.detach()[rows]
-            if (
-                theirs is None
-                or theirs.shape != expected.shape
-                or theirs.dtype != expected.dtype
-                or not torch.equal(theirs.detach(), expected)
-            ):
-                return False
-    return True
+    return all(
+        seen.call in run.calls
+        and not rows_not_following(
+            seen.tensors, run.calls[seen.call].tensors, fold.rows(variant.rows, batch_size)
+        )
+        for variant, run in reordered.runs
+    )
+
+
+# A row of a batched kernel and the same row computed alone may differ in the last bits
+# (another blocking of the same sums); a call that mixes samples differs at the values' scale.
+ALONE_RTOL = 1e-4
+ALONE_ATOL = 1e-5
+
+
+def rows_not_following(
+    example: dict[str, torch.Tensor],
+    other: dict[str, torch.Tensor],
+    rows: Sequence[int],
+    *,
+    exact: bool = True,
+) -> str:
+    """The output fields whose ``other`` run's rows are not the example's ``rows``: bit for
+    bit where the shapes are the example's (a reordered batch), within the alone tolerances
+    (``exact=False``) for another run's batch size (the last sample alone)."""
+    differing = []
+    for name, tensor in example.items():
+        theirs = other.get(name)
+        expected = tensor.detach()[list(rows)]
+        if (
+            theirs is None
+            or theirs.shape != expected.shape
+            or theirs.dtype != expected.dtype
+            or not _alike(theirs.detach(), expected, exact)
+        ):
+            differing.append(name)
+    return ", ".join(differing)
+
+
+def _alike(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
+    if exact:
+        return torch.equal(a, b)
+    return torch.allclose(a.double(), b.double(), rtol=ALONE_RTOL, atol=ALONE_ATOL)

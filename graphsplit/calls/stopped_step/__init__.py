@@ -21,8 +21,8 @@ probes refuse a cached call that mutates its inputs or its module's buffers.
 Cost: the module class's attribute writes go through one more Python function (once
 installed, for the process: a look-up of this thread's record, nothing recorded outside
 stage 1), a record per attribute the step writes, and one pass over the parameters' flags a
-stage-1 call (``benchmarks/bench_stage1_state.py``). An earlier version copied every module's
-dicts on every call: 7.7 ms a call for the tiny SD step's 691 modules on the loaded machine.
+stage-1 call (``benchmarks/bench_stage1_state.py``), where a copy of every module's dicts
+on every call would cost in proportion to the model's module count.
 
     state = ModuleState.of(parameters)      # follows this thread's module writes from here
     ... run the step, stopped early ...
