@@ -61,6 +61,8 @@ class Probe:
     result: Any
     nested: set[tuple[str, str]] = field(default_factory=set)
     """``(outer, inner)``: ``inner`` was called inside an outermost call of ``outer``."""
+    written: list[torch.Tensor] = field(default_factory=list)
+    """The step's input tensors it wrote in place (put back after the run)."""
 
 
 def probe(
@@ -136,14 +138,14 @@ def probe(
     finally:
         for output, original in watched:
             unwatch(output, original)
-        _put_back_inputs(kept)
+        written = _put_back_inputs(kept)
     for seen in calls.values():
         seen.mutated_later = [
             name
             for (name, tensor), before in zip(seen.tensors.items(), seen.versions)
             if version(tensor) != before
         ]
-    return Probe(calls, result, router.nested)
+    return Probe(calls, result, router.nested, written)
 
 
 def _inputs_kept(args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, int | None, torch.Tensor]]:
@@ -160,13 +162,17 @@ def _inputs_kept(args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, int | No
     ]
 
 
-def _put_back_inputs(kept: list[tuple[torch.Tensor, int | None, torch.Tensor]]) -> None:
+def _put_back_inputs(
+    kept: list[tuple[torch.Tensor, int | None, torch.Tensor]],
+) -> list[torch.Tensor]:
     """The written inputs' values as :func:`_inputs_kept` found them (their identity kept: the
-    probes follow the inputs by identity)."""
+    probes follow the inputs by identity); returns the inputs that were written."""
+    written = [tensor for tensor, before, _ in kept if tensor._version != before]
     for tensor, before, copy in kept:
         if tensor._version != before:
             with torch.no_grad():
                 tensor.copy_(copy)
+    return written
 
 
 def version(tensor: torch.Tensor) -> int | None:

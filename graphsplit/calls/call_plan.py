@@ -384,6 +384,10 @@ class CallPlan:
     """Modules not held whose weights' ``.device`` the step reads in stage 2 (diffusers'
     ``pipeline.device`` to place the captions' ids): built on meta, they would place the data
     there, so they must be built on the training device."""
+    written_inputs: frozenset[str] = frozenset()
+    """The crossing inputs' boundary keys the step writes in place before its last cached
+    call (Whisper's SpecAugment masks ``input_features``): stage 1 stores a copy taken before
+    the run, as the batch was given, or stage 2 would write its own draw over the stored one."""
 
     @property
     def shape_keys(self) -> list[str]:

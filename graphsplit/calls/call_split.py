@@ -19,7 +19,7 @@ from torch import nn
 from graphsplit.artifacts import BoundarySpec
 from graphsplit.calls import forced_draws, generators
 from graphsplit.calls.analysis import Probe, any_input_differs, batch_dim, judge, probe
-from graphsplit.calls.call_plan import CallPlan, Placeholder, input_spec
+from graphsplit.calls.call_plan import CallPlan, InputSpec, Placeholder, input_spec
 from graphsplit.calls.call_report import CallSplit
 from graphsplit.calls.field_reads import VALUE
 from graphsplit.calls.module_calls import CallId, frozen_modules, needed_routes
@@ -221,6 +221,7 @@ def split_calls(
     # called, to refuse a sample that calls one (stages.unseen_frozen_call).
     watched = frozenset(p for p in routed if _inside(p, unused) and not _inside(p, dropped))
     stage1_routes = needed_routes(module, routed, {c[0] for c in candidates} | watched, nested)
+    written = _written_inputs(inputs, values, [first, second])
     plan = CallPlan(
         signature=signature,
         inputs=inputs,
@@ -232,6 +233,7 @@ def split_calls(
         placeholders=placeholders,
         unused=unused,
         not_stored=not_stored,
+        written_inputs=written,
     )
     return CallSplit(
         stage1=CallStage1(module, plan, stage1_routes, watched),
@@ -357,6 +359,25 @@ def _redone_verdict(verdict: CallVerdict, redone: Redone) -> CallVerdict:
         f"sample not stored, for a price of {trade.price} byte-equivalents"
     )
     return dataclasses.replace(verdict, verdict=Verdict.RECOMPUTED, detail=detail, copied=())
+
+
+def _written_inputs(
+    inputs: tuple[InputSpec, ...], values: dict[str, Any], probes: list[Probe]
+) -> frozenset[str]:
+    """The crossing boundary keys whose tensors share memory with an input the probes saw the
+    step write in place (:attr:`CallPlan.written_inputs`)."""
+    written = {
+        tensor.untyped_storage().data_ptr() for run in probes for tensor in run.written
+    }
+    if not written:
+        return frozenset()
+    return frozenset(
+        key
+        for spec in inputs
+        if spec.name in values and spec.kind != "unstored"
+        for key, value in spec.crossing(values[spec.name]).items()
+        if isinstance(value, torch.Tensor) and value.untyped_storage().data_ptr() in written
+    )
 
 
 def _forced_probe(

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from graphsplit.calls import generators
+from graphsplit.calls.analysis import version
 from graphsplit.calls.call_plan import CallPlan
 from graphsplit.calls.holders import StageRoutes, answers
 from graphsplit.calls.module_calls import CallId, CallRouter
@@ -162,6 +163,15 @@ class CallStage1(nn.Module):
             if spec.name in values
             for key, value in spec.crossing(values[spec.name]).items()
         }
+        # The stored inputs as the batch was given: a copy of those the step writes in place,
+        # and the others' versions, to refuse a write the example's step did not make.
+        unwritten = {}
+        for key, value in crossing.items():
+            if isinstance(value, torch.Tensor):
+                if key in plan.written_inputs:
+                    crossing[key] = value.detach().clone()
+                else:
+                    unwritten[key] = (value, version(value))
         outputs: dict[str, Any] = {}
         last = plan.last
         watched: frozenset[str] = self._watched
@@ -208,6 +218,7 @@ class CallStage1(nn.Module):
                     self._step(*args, **kwargs)
             finally:
                 state.put_back()
+            _refuse_new_writes(unwritten)
         missing = [key for key in plan.boundary if key not in outputs and key not in crossing]
         if missing:
             raise user_error(
@@ -217,6 +228,24 @@ class CallStage1(nn.Module):
                 fix=Fix("split with an example batch whose step makes the same frozen calls"),
             )
         return {key: crossing[key] if key in crossing else outputs[key] for key in plan.boundary}
+
+
+def _refuse_new_writes(unwritten: dict[str, tuple[torch.Tensor, int | None]]) -> None:
+    """Refuse a batch whose step wrote a stored input in place where, on the example batch,
+    it wrote none: the value stage 1 would store is no longer the batch's."""
+    written = [key for key, (tensor, before) in unwritten.items() if version(tensor) != before]
+    if written:
+        raise user_error(
+            SplitError,
+            f"the step wrote the stored input(s) {written} in place on this batch, and did not "
+            "on the example batch; stage 1 stores the inputs as the batch gives them, and "
+            "these are no longer what the batch gave.",
+            fix=Fix(
+                "split with an example batch on which the step writes its inputs as it does "
+                "while training (the same train()/eval() mode and options), or copy the input "
+                "before writing it (x = x.clone())"
+            ),
+        )
 
 
 def _check_echoes(call: CallId, planned: Any, output: Any, values: dict[str, Any]) -> None:
