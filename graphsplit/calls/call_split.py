@@ -366,9 +366,7 @@ def _written_inputs(
 ) -> frozenset[str]:
     """The crossing boundary keys whose tensors share memory with an input the probes saw the
     step write in place (:attr:`CallPlan.written_inputs`)."""
-    written = {
-        tensor.untyped_storage().data_ptr() for run in probes for tensor in run.written
-    }
+    written = {tensor.untyped_storage().data_ptr() for run in probes for tensor in run.written}
     if not written:
         return frozenset()
     return frozenset(
