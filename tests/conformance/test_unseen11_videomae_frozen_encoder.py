@@ -173,16 +173,12 @@ def test_plain_caches_the_encoder():
     _assert_caches_the_encoder(split, model)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Trainer's num_items_in_batch makes the tracer open the frozen encoder, and "
-    "VideoMAEEmbeddings' `self.position_embeddings.detach().type_as(embeddings)` is then "
-    "taken as data of the batch with no batch dimension (mixing): "
-    "planning/analyse/node_facts.py:_data_dependence counts type_as's `other` as a data "
-    "input (only new_zeros/..._like are metadata reads), so everything after the patch "
-    "embedding stays in stage 2 with the encoder's weights",
-)
 def test_trainer_caches_the_encoder():
+    """The item count makes the tracer open the frozen encoder, where VideoMAEEmbeddings adds
+    ``self.position_embeddings.detach().type_as(embeddings)``: ``type_as`` reads only the
+    embeddings' dtype, so the sum is the batch's data with its batch dimension and the encoder
+    is cached (``type_as``'s other argument was taken as data, a constant with no batch
+    dimension, and kept every layer after the patch embedding in stage 2)."""
     model, _step, split = _built("trainer")
     _assert_caches_the_encoder(split, model)
 

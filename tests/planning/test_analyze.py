@@ -235,3 +235,28 @@ def test_new_zeros_and_zeros_like_of_data_do_not_mix_samples():
     split = split_and_verify(NewZerosFromData(), (torch.randn(3, 4),))
     assert not any(facts(node).mixing for node in split.graph.nodes if node.op != "output")
     assert "self.encoder" not in split.stage2.code
+
+
+class ConstantTypedAsData(nn.Module):
+    """VideoMAE's embeddings: a constant cast with ``type_as`` (and ``.to``, ``expand_as``)
+    the batch's tensor, then added to it, then a second frozen layer: the cast reads only the dtype, so the
+    constant stays a constant and both frozen layers are cached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches = nn.Linear(4, 4).requires_grad_(False)
+        self.register_buffer("positions", torch.randn(4))
+        self.encoder = nn.Linear(4, 4).requires_grad_(False)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        embeddings = self.patches(x)
+        embeddings = embeddings + self.positions.detach().type_as(embeddings)
+        embeddings = embeddings * self.positions.to(embeddings).expand_as(embeddings)
+        return self.head(self.encoder(embeddings)).mean()
+
+
+def test_type_as_and_to_of_data_read_only_its_dtype():
+    split = split_and_verify(ConstantTypedAsData(), (torch.randn(3, 4),))
+    assert not any(facts(node).mixing for node in split.graph.nodes if node.op != "output")
+    assert boundary_summary(split) == {"encoder": ((3, 4), 0, 16)}

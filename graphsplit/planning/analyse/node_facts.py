@@ -239,6 +239,9 @@ def _data_dependence(
             read = node.all_input_nodes
             if _reads_only_metadata_of_first(node):  # x.new_zeros(()), torch.zeros_like(x)
                 read = [arg for arg in read if arg is not node.args[0]]
+            elif _reads_only_metadata_of_others(node):  # pe.type_as(h), x.to(h)
+                others = [*node.args[1:], *node.kwargs.values()]
+                read = [arg for arg in read if arg is node.args[0] or arg not in others]
             depends[node] = any(depends[arg] and not _is_metadata(values[arg]) for arg in read)
     return depends
 
@@ -248,6 +251,17 @@ _METADATA_METHODS = frozenset({"new_zeros", "new_ones", "new_empty", "new_full"}
 _METADATA_FUNCTIONS = frozenset(
     {torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like}
 )
+
+
+# Methods that read only the dtype, device or shape of their other tensor arguments: VideoMAE
+# adds ``self.position_embeddings.detach().type_as(embeddings)``, a constant, to the batch's
+# embeddings; taken as data of the batch, the constant had no batch dimension and kept the
+# frozen encoder after it in stage 2.
+_METADATA_OF_OTHERS = frozenset({"type_as", "view_as", "expand_as", "reshape_as", "to"})
+
+
+def _reads_only_metadata_of_others(node: fx.Node) -> bool:
+    return node.op == "call_method" and node.target in _METADATA_OF_OTHERS
 
 
 def _reads_only_metadata_of_first(node: fx.Node) -> bool:
