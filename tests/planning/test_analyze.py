@@ -239,8 +239,8 @@ def test_new_zeros_and_zeros_like_of_data_do_not_mix_samples():
 
 class ConstantTypedAsData(nn.Module):
     """VideoMAE's embeddings: a constant cast with ``type_as`` (and ``.to``, ``expand_as``)
-    the batch's tensor, then added to it, then a second frozen layer: the cast reads only the dtype, so the
-    constant stays a constant and both frozen layers are cached."""
+    the batch's tensor, then added to it, then a second frozen layer: the cast reads only the
+    dtype, so the constant stays a constant and both frozen layers are cached."""
 
     def __init__(self) -> None:
         super().__init__()
