@@ -324,6 +324,10 @@ class CachedCall:
     fold: RowFold | None = None
     """A call taking ``k`` rows a sample (:mod:`.row_folds`): stage 1 stores its fields
     ``[B, k, ...]``, stage 2 unfolds them to the call's ``[k * B, ...]``."""
+    shared: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Output fields that are another stored field's very tensor (SegFormer returns
+    ``last_hidden_state is hidden_states[-1]``), by that field: stored once under its key, so
+    stage 2 hands out one tensor for both, as the call did; stage 1 checks every call."""
 
     @functools.cached_property
     def numbers(self) -> bool:
@@ -338,7 +342,7 @@ class CachedCall:
         found = {
             key: tensors[field].clone() if field in self.copied else tensors[field]
             for field, key in self.keys.items()
-            if field not in self.echoed
+            if field not in self.echoed and field not in self.shared
         }
         if self.fold is not None:
             found = {key: self.fold.fold(tensor) for key, tensor in found.items()}

@@ -146,7 +146,7 @@ class CallStage1(nn.Module):
         lines += [f"input {spec.name}: {spec.kind}" for spec in plan.inputs]
         for cached in plan.cached.values():
             module = self._routed[cached.call[0]]
-            stored = [*cached.keys.values()]
+            stored = [*dict.fromkeys(cached.keys.values())]  # a shared field's key once
             stored += [u.shape_key for u in cached.unread.values() if u.shape_key is not None]
             folded = f" ({cached.fold.describe()})" if cached.fold is not None else ""
             lines.append(f"call {cached.call} {type(module).__qualname__} -> {stored}{folded}")
@@ -197,6 +197,8 @@ class CallStage1(nn.Module):
                     )
                 if planned.echoed:
                     _check_echoes(call, planned, output, values)
+                if planned.shared:
+                    _check_shared(call, planned, output)
                 # A field the step goes on to write in place is kept as the call returned it.
                 outputs.update(planned.crossing(output))
                 if call == last:
@@ -246,6 +248,24 @@ def _refuse_new_writes(unwritten: dict[str, tuple[torch.Tensor, int | None]]) ->
                 "before writing it (x = x.clone())"
             ),
         )
+
+
+def _check_shared(call: CallId, planned: Any, output: Any) -> None:
+    """Refuse a call whose fields that were one tensor on the example batch are two on this
+    one: the plan stores that tensor once and answers both fields with it in stage 2."""
+    tensors = tensors_of(output, planned.structure)
+    for field, other in planned.shared.items():
+        if tensors[field] is not tensors[other]:
+            raise user_error(
+                SplitError,
+                f"{call[0]} call {call[1]} returned its {field} as the very tensor of its "
+                f"{other} on the example batch, and a tensor of its own on this one; the "
+                "module-level plan stores that tensor once and answers both fields with it.",
+                fix=Fix(
+                    "split with an example batch whose frozen calls return what they do "
+                    "on every batch"
+                ),
+            )
 
 
 def _check_echoes(call: CallId, planned: Any, output: Any, values: dict[str, Any]) -> None:

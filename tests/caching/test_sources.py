@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
+import graphsplit
 from graphsplit.caching.read.collation import collate
 from graphsplit.caching.read.dataset import CachedDataset
 from graphsplit.caching.write.cache_run import cache
@@ -55,8 +57,23 @@ def test_batches_lacking_an_input_are_refused(split, tmp_path):
 
 
 def test_batches_of_the_wrong_type_are_refused(split, tmp_path):
-    with pytest.raises(CacheError, match="a batch is a Tensor"):
+    with pytest.raises(CacheError, match="a batch is a Tensor"):  # the step takes two inputs
         cache(split, [torch.zeros(2, 3)], tmp_path, progress=False)
+
+
+def test_a_one_input_step_takes_each_batch_tensor_as_its_input(tmp_path):
+    """``DataLoader(images)`` gives bare tensors: a step of one input takes each whole."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4).requires_grad_(False), nn.Linear(4, 1))
+    images = torch.randn(6, 3)
+    split = graphsplit.split(lambda x: model(x).mean(), (images[:2],))
+    loader = torch.utils.data.DataLoader(images, batch_size=2)
+    info = cache(split, loader, tmp_path, progress=False)
+    cached = CachedDataset(tmp_path, split)
+    assert info.num_samples == len(cached) == 6
+    for row in range(6):
+        (value,) = (v for k, v in cached[row].items() if k != "key")
+        assert torch.equal(value, model[0](images[row : row + 1])[0])
 
 
 def test_keys_of_the_wrong_length_are_refused(split, tmp_path):

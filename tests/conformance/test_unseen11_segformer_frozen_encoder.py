@@ -147,8 +147,9 @@ def test_encoder_eval_caches_the_encoder_features_and_stage2_holds_only_the_head
     per_sample = {key: (spec.shape[1:], spec.dtype) for key, spec in split.boundary.items()}
     assert per_sample["labels"] == ((IMAGE, IMAGE), torch.int64)
     # the decode head's four inputs: the encoder's feature maps at 1/4 .. 1/32 resolution
+    keys = split.plan.cached[("model.segformer", 0)].keys
     for index, (width, side) in enumerate([(8, 8), (16, 4), (24, 2), (32, 1)]):
-        key = f"model_segformer__0__hidden_states__{index}"
+        key = keys[f"hidden_states__{index}"]
         assert per_sample[key] == ((width, side, side), torch.float32)
     assert not any(
         spec.dtype.is_floating_point and spec.shape[1:] == (3, IMAGE, IMAGE)
@@ -156,16 +157,18 @@ def test_encoder_eval_caches_the_encoder_features_and_stage2_holds_only_the_head
     ), "the images themselves are not needed once the encoder is cached"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="calls path caches an aliased output tensor twice: SegformerModel returns "
-    "last_hidden_state is hidden_states[-1] (one tensor), calls/outputs.py:flatten names each "
-    "path and never dedupes by identity, and calls/analysis.py:_narrow drops the unread "
-    "last_hidden_state field only when the output cannot be cached whole",
-)
 def test_encoder_eval_caches_each_distinct_tensor_once():
+    """SegformerModel returns ``last_hidden_state is hidden_states[-1]``: one tensor, stored
+    once (it was stored under both fields' keys, 1/5 of the cache twice)."""
     _model, _step, split = _built("encoder_eval")
-    assert "model_segformer__0__last_hidden_state" not in split.boundary
+    planned = split.plan.cached[("model.segformer", 0)]
+    assert planned.shared == {"hidden_states__3": "last_hidden_state"}
+    assert planned.keys["hidden_states__3"] == planned.keys["last_hidden_state"]
+    encoder = [key for key in split.boundary if key.startswith("model_segformer__0__")]
+    assert len(encoder) == 4, encoder  # the four feature maps, each once
+    assert "the same tensor as another field: hidden_states__3 (is last_hidden_state)" in (
+        split.report()
+    )
 
 
 @pytest.mark.parametrize("form", FORMS)

@@ -215,7 +215,8 @@ def unsharded_workers(source: BatchSource) -> int:
 
 
 def as_mapping(batch: Any, names: Sequence[str]) -> dict[str, Any]:
-    """A batch's stage-1 inputs by name, from a dict batch or a tuple in ``names`` order."""
+    """A batch's stage-1 inputs by name, from a dict batch, a tuple in ``names`` order, or the
+    one input itself of a one-input step."""
     if isinstance(batch, Mapping):
         missing = [name for name in names if name not in batch]
         if missing:
@@ -231,6 +232,8 @@ def as_mapping(batch: Any, names: Sequence[str]) -> dict[str, Any]:
     if isinstance(batch, (list, tuple)) and len(names) == 1:
         # A step taking the loader's tuple whole (a webdataset's ``image, text = batch``).
         return {names[0]: batch}
+    if isinstance(batch, torch.Tensor) and len(names) == 1:
+        return {names[0]: batch}  # ``DataLoader(images)``: each batch the step's one input
     raise user_error(
         CacheError,
         f"a batch is a {type(batch).__name__}; graphsplit.cache needs a dict holding {list(names)} "

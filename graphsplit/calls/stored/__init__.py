@@ -56,12 +56,15 @@ def storage(
         planned = None
         if call not in inner:
             size = batch_size if per_sample else None
-            planned = stored[call] = _echoing(
-                cached_call_of(seen, uses[call], verdict.copied, size, fold), seen, crossing
+            planned = stored[call] = _sharing(
+                _echoing(
+                    cached_call_of(seen, uses[call], verdict.copied, size, fold), seen, crossing
+                ),
+                seen,
             )
         for field, tensor in seen.tensors.items():
-            if planned is not None and field in planned.echoed:
-                continue  # the input's own key is in the boundary already
+            if planned is not None and (field in planned.echoed or field in planned.shared):
+                continue  # the input's own key, or the other field's, is in the boundary
             dim = batch_dim(tensor, batch_size) if per_sample else None
             if fold is not None:
                 tensor, dim = fold.fold(tensor), 0  # stored a sample's k rows an entry
@@ -121,11 +124,28 @@ def _echoing(planned: CachedCall, seen: Any, crossing: dict[str, torch.Tensor]) 
     return dataclasses.replace(planned, keys=keys, echoed=echoed)
 
 
+def _sharing(planned: CachedCall, seen: Any) -> CachedCall:
+    """``planned`` with each stored field that is an earlier stored field's very tensor keyed
+    by that field's key (:attr:`CachedCall.shared`)."""
+    first_of: dict[int, str] = {}
+    shared = {}
+    for field in planned.keys:
+        if field in planned.echoed or field in planned.copied:
+            continue
+        earlier = first_of.setdefault(id(seen.tensors[field]), field)
+        if earlier != field:
+            shared[field] = earlier
+    if not shared:
+        return planned
+    keys = {field: planned.keys[shared.get(field, field)] for field in planned.keys}
+    return dataclasses.replace(planned, keys=keys, shared=shared)
+
+
 def stored_verdict(
     verdict: CallVerdict, inner: dict[CallId, CallId | None], stored: dict[CallId, CachedCall]
 ) -> Any:
     call = (verdict.path, verdict.index)
-    if call in stored and (stored[call].unread or stored[call].echoed):
+    if call in stored and (stored[call].unread or stored[call].echoed or stored[call].shared):
         planned = stored[call]
         total = len(planned.keys) + len(planned.unread)
         parts = []
@@ -140,6 +160,9 @@ def stored_verdict(
                 f"{field} (the input {name})" for field, name in planned.echoed.items()
             )
             parts.append(f"not stored again, the step's own inputs it returns: {echoes}")
+        if planned.shared:
+            shares = ", ".join(f"{field} (is {other})" for field, other in planned.shared.items())
+            parts.append(f"stored once, the same tensor as another field: {shares}")
         detail = "; ".join(parts)
         detail = f"{verdict.detail}; {detail}" if verdict.detail else detail
         return dataclasses.replace(verdict, detail=detail)
