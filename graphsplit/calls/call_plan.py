@@ -34,7 +34,7 @@ from graphsplit.calls.module_calls import CallId, key_of
 from graphsplit.calls.outputs import Structure, holds_constant, tensors_of
 from graphsplit.calls.provenance import same_value
 from graphsplit.calls.row_folds import RowFold
-from graphsplit.calls.unstored_inputs.stand_in import stand_in
+from graphsplit.calls.unstored_inputs.stand_in import batch_device, stand_in
 from graphsplit.calls.verdicts import CallVerdict
 from graphsplit.errors import Fix, SplitError, user_error
 from graphsplit.planning.step.raw_samples import (
@@ -131,6 +131,8 @@ class InputSpec:
             return {key: batch[f"{self.name}__{key}"] for key in self.value}
         if self.kind == "items":
             return self.container(spec.gather(batch) for spec in self.value)  # type: ignore[misc]
+        if self.kind == "unstored":  # its .device: where the batch's other tensors are
+            return self._stand_in(batch[self.field], batch_device(batch, self.field))
         return self.decode(batch.get(self.field))
 
     def present(self, batch: dict[str, Any]) -> bool:
@@ -179,9 +181,9 @@ class InputSpec:
             )
         return shape_rows(value)
 
-    def _stand_in(self, rows: torch.Tensor) -> Any:
-        """The stand-in of the batch's shape: every sample's row must be the same (samples of
-        one batch were stacked, so they were)."""
+    def _stand_in(self, rows: torch.Tensor, device: torch.device | None = None) -> Any:
+        """The stand-in of the batch's shape, on ``device`` as far as ``.device`` reads go:
+        every sample's row must be the same (samples of one batch were stacked, so they were)."""
         if rows.dim() != 2 or rows.shape[0] == 0 or not bool((rows == rows[:1]).all()):
             raise user_error(
                 SplitError,
@@ -191,7 +193,7 @@ class InputSpec:
                 fix=Fix("batch samples of one shape together (a bucketing sampler)"),
             )
         shape = (int(rows.shape[0]), *(int(size) for size in rows[0, 1:].tolist()))
-        return stand_in(self.name, shape, self.value)
+        return stand_in(self.name, shape, self.value, device)
 
     def _text(self, value: Any) -> str:
         if not isinstance(value, str):

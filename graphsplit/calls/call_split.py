@@ -28,7 +28,11 @@ from graphsplit.calls.recomputed import Redone, redone_calls
 from graphsplit.calls.reordered import probe_reordered, take
 from graphsplit.calls.stages import CallStage1, CallStage2
 from graphsplit.calls.stored import spec_of, storage, stored_verdict
-from graphsplit.calls.unstored_inputs.derivation import Derivation, unstored_inputs
+from graphsplit.calls.unstored_inputs.derivation import (
+    Derivation,
+    lone_inputs,
+    unstored_inputs,
+)
 from graphsplit.calls.usage import (
     device_read_tensors,
     field_uses,
@@ -195,7 +199,9 @@ def split_calls(
     # Stage 2 holds what it computes with, the cache what stage 2 reads (see .usage).
     uses = field_uses([first, second], usages, candidates)
     inner = inner_calls([first, second], usages, uses)
-    unstored, stored_inputs = unstored_inputs(usages, [first.result, second.result], candidates)
+    lone = lone_inputs(inputs, uses, inner)
+    results = [first.result, second.result]
+    unstored, stored_inputs = unstored_inputs(usages, results, candidates, lone)
     inputs = tuple(
         dataclasses.replace(spec, kind="unstored", value=values[spec.name].dtype)
         if spec.name in unstored

@@ -90,8 +90,10 @@ def test_moving_the_input_to_a_device_keeps_it_unstored():
     assert "x__shape" in split.boundary and "x" not in split.boundary
 
 
-def _reads_device(x):
-    return x.to(x.device)
+def _reads_device_after_type(x):
+    """``.type()`` may move (``"torch.cuda.FloatTensor"``): the device is unknown after it."""
+    y = x.type(torch.float32)
+    return y.to(y.device)
 
 
 def _branches_on_values(x):
@@ -113,7 +115,7 @@ def _masks(x):
 @pytest.mark.parametrize(
     ("prepare", "why"),
     [
-        (_reads_device, "reads its .device"),
+        (_reads_device_after_type, "reads its .device, which stage 2 cannot answer"),
         (_branches_on_values, "hands its values to Python (__bool__)"),
         (_writes_in_place, "writes into a tensor in place (add_)"),
         (_masks, "cannot run without the values"),
@@ -265,11 +267,12 @@ ALLOWED = {
     "slice and cat": lambda x: torch.cat([x[:, 2:], x[:, :2]], dim=1),
     "clamp": lambda x: x.clamp(-1, 1),
     "shape read": lambda x: x + x.shape[1],
+    "device read": lambda x: x.to(x.device),
 }
 REFUSED = {
     # Each keeps every row a function of its own sample (else nothing is cached at all).
     "item": lambda x: x + 0.0 * x[:1].abs().sum().item(),
-    "device": lambda x: x.to(x.device),
+    "device after type()": lambda x: x.to(x.type(torch.float32).device),
     "in place": lambda x: x.clone().mul_(2),
     "bool branch": lambda x: x if bool((x.abs() >= 0).all()) else -x,
     "tolist": lambda x: x + 0 * len(x.tolist()),

@@ -33,7 +33,9 @@ Two forms:
 - ``padded``: the fix that message gives: the collator pads ``class_labels`` / ``boxes`` to the
   batch's most boxes with a ``boxes_mask``, and the step turns them back into DETR's list of
   dicts before ``model(**inputs)``. Split, verified (example batch and another size), the
-  backbone cached and not held by stage 2, and a cache round trip through the disk.
+  backbone cached and not held by stage 2, the images not stored (stage 2 reads only their
+  shape, dtype and ``.device``, which the stand-in answers with the device of stage 2's
+  batch), and a cache round trip through the disk.
 
 DETR's loss needs scipy (not a graphsplit dependency): the ``padded`` tests are skipped without
 it. Tiny config: ResNet basic blocks (8, 16), d_model 16, one encoder and one decoder layer,
@@ -223,17 +225,15 @@ def test_padded_caches_the_backbone_and_stage2_does_not_hold_it():
     assert ((4, 4), torch.bool) in per_sample.values()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pixel_values is stored whole (12 KiB a sample here, 12x the cached feature map; "
-    "7.7 MB at DETR's 800 px) although stage 2 reads only its .shape/.dtype/.device: "
-    "DetrModel.forward's `device = pixel_values.device` builds the pixel mask and position "
-    "embeddings in stage 2, and calls/unstored_inputs' stand-in lives on meta, so a .device "
-    "read off it (calls/unstored_inputs/ops.py) makes call_split store the input",
-)
 def test_padded_does_not_store_the_images():
+    """Stage 2 reads only the images' shape, dtype and device (``DetrModel.forward``'s
+    ``device = pixel_values.device`` builds the pixel mask and position embeddings there):
+    their shape is stored (12 KiB a sample here, 12x the cached feature map, 7.7 MB at DETR's
+    800 px), and the stand-in answers ``.device`` with the device of stage 2's batch."""
     _model, _step, split = _padded()
     assert "pixel_values" not in split.boundary
+    assert split.boundary["pixel_values__shape"].bytes_per_sample == 4 * 8
+    assert "input 'pixel_values' not stored" in split.report()
 
 
 def test_padded_cache_round_trip(tmp_path):

@@ -15,6 +15,11 @@ cached is known only after the verdicts, and :func:`unstored_inputs` reads the r
 stand-in, so the input is stored). A cached call's outputs are not derived: stage 2 is
 answered with the real ones.
 
+A ``.device`` read of a derived tensor (DETR's ``device = pixel_values.device``) is allowed
+where the device it carries (:func:`~.ops.result_device`, from the input's own) is the real
+one: stage 2 answers it with the device of its batch's other tensors, so an input whose batch
+may hold no other tensor (:func:`lone_inputs`) and whose device is read is stored.
+
 Ids of tensors are reused once a tensor is freed: a derived tensor's id is forgotten when the
 tensor dies (a weak reference), so a later tensor with that id is never taken for a derived one.
 """
@@ -29,8 +34,15 @@ import torch
 import torch.utils._pytree as pytree
 
 from graphsplit.calls import generators
+from graphsplit.calls.field_reads import VALUE
 from graphsplit.calls.module_calls import CallId
-from graphsplit.calls.unstored_inputs.ops import on_meta, python_valued, refusal
+from graphsplit.calls.unstored_inputs.ops import (
+    on_meta,
+    python_valued,
+    reads_device,
+    refusal,
+    result_device,
+)
 from graphsplit.calls.usage import Usage
 from graphsplit.planning.rules.user_lines import frame_location, user_frame
 
@@ -41,38 +53,59 @@ class Derivation(Usage):
 
     def __init__(self, roots: dict[str, torch.Tensor]) -> None:
         super().__init__()
-        self._names_of: dict[int, frozenset[str]] = {}
+        self._derived: dict[int, tuple[frozenset[str], torch.device | None]] = {}
         self._refs: list[weakref.ref[torch.Tensor]] = []
         self.roots = frozenset(roots)
         self.refused: dict[str, str] = {}
         """Input name -> why stage 2 cannot run the step on its stand-in (the first reason)."""
         self.entered: list[tuple[CallId, frozenset[str]]] = []
         """``(call, names)``: a frozen call's code took tensors derived from these inputs."""
+        self.device_read: set[str] = set()
+        """The inputs the step's own code read the ``.device`` of (or of a value derived)."""
         for name, tensor in roots.items():
-            self._derive(tensor, self.names_of(tensor) | {name})
+            self._derive(tensor, self.names_of(tensor) | {name}, tensor.device)
 
     def names_of(self, value: Any) -> frozenset[str]:
         """The inputs ``value`` is derived from (empty: none, or not a tensor)."""
         if not isinstance(value, torch.Tensor):
             return frozenset()
-        return self._names_of.get(id(value), frozenset())
+        return self._derived.get(id(value), (frozenset(), None))[0]
 
-    def _derive(self, tensor: torch.Tensor, names: frozenset[str]) -> None:
+    def device_of(self, tensor: torch.Tensor) -> torch.device | None:
+        """The device stage 2 would carry for ``tensor`` (None: unknown): a derived tensor's
+        own record, any other tensor's real device."""
+        known = self._derived.get(id(tensor))
+        if known is not None:
+            return known[1]
+        with torch._C.DisableTorchFunctionSubclass():
+            return tensor.device
+
+    def _derive(
+        self, tensor: torch.Tensor, names: frozenset[str], device: torch.device | None
+    ) -> None:
+        # The device as the call gave it, even for a tensor it gave back (x.type(its dtype)):
+        # stage 2's stand-in, on meta, cannot tell a tensor given back from a move.
         key = id(tensor)
-        self._names_of[key] = names
+        entry = (names, device)
+        self._derived[key] = entry
 
-        def forget(_: Any, key: int = key, names: frozenset[str] = names) -> None:
-            if self._names_of.get(key) is names:
-                del self._names_of[key]
+        def forget(_: Any, key: int = key, entry: tuple[Any, ...] = entry) -> None:
+            if self._derived.get(key) is entry:
+                del self._derived[key]
 
         self._refs.append(weakref.ref(tensor, forget))
+
+    def _refuse(self, names: frozenset[str], why: str) -> None:
+        where, code = frame_location(user_frame())
+        for name in names:
+            self.refused.setdefault(name, f"{why} ({where}  {code})" if code else why)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         names: frozenset[str] = frozenset()
-        if self._names_of:
+        if self._derived:
             for leaf in _tensors((args, kwargs)):
-                names |= self._names_of.get(id(leaf), frozenset())
+                names |= self.names_of(leaf)
         context = self.context
         if names and context is not None:  # a frozen call computes with it (unstored_inputs)
             self.entered.append((context, names))
@@ -82,7 +115,18 @@ class Derivation(Usage):
         if all(name in self.refused for name in names):  # stored: followed for the report only
             result = super().__torch_function__(func, types, args, kwargs)
             for leaf in _tensors(result):
-                self._derive(leaf, names | self.names_of(leaf))
+                self._derive(leaf, names | self.names_of(leaf), None)
+            return result
+        if reads_device(func):  # stage 2 answers with the device it carries: is it this one?
+            result = super().__torch_function__(func, types, args, kwargs)
+            if self.device_of(args[0]) == result:
+                self.device_read |= names
+            else:
+                self._refuse(
+                    names,
+                    "reads its .device, which stage 2 cannot answer for certain (a move to a "
+                    "device not named exactly, or tensors on several devices)",
+                )
             return result
         why = refusal(func, kwargs)
         state = generators.snapshot() if why is None else None
@@ -94,11 +138,10 @@ class Derivation(Usage):
         if why is None:
             why = _differs_on_meta(func, args, kwargs, result)
         if why is not None:
-            where, code = frame_location(user_frame())
-            for name in names:
-                self.refused.setdefault(name, f"{why} ({where}  {code})" if code else why)
+            self._refuse(names, why)
+        device = result_device(func, args, kwargs, self.device_of)
         for leaf in _tensors(result):
-            self._derive(leaf, names | self.names_of(leaf))
+            self._derive(leaf, names | self.names_of(leaf), device)
         return result
 
 
@@ -121,10 +164,29 @@ def _differs_on_meta(func: Any, args: Any, kwargs: dict[str, Any], result: Any) 
     return None
 
 
+def lone_inputs(
+    inputs: Iterable[Any], uses: dict[CallId, dict[str, str]], inner: Iterable[CallId]
+) -> frozenset[str]:
+    """The inputs (specs with ``name`` and ``kind``) beside which stage 2's batch may hold no
+    other tensor to answer their ``.device`` with: the one input that crosses (a constant
+    does not), where no stored call's field is stored for its values. Shape rows are not
+    counted: a step reading only shapes of the cached outputs keeps such an input stored."""
+    inner = set(inner)
+    stored = [fields for call, fields in uses.items() if call not in inner]
+    if any(use == VALUE for fields in stored for use in fields.values()):
+        return frozenset()
+    crossing = [spec.name for spec in inputs if spec.kind != "constant"]
+    return frozenset(crossing) if len(crossing) == 1 else frozenset()
+
+
 def unstored_inputs(
-    derivations: Iterable[Derivation], results: Iterable[Any], cached: set[CallId]
+    derivations: Iterable[Derivation],
+    results: Iterable[Any],
+    cached: set[CallId],
+    lone: frozenset[str] = frozenset(),
 ) -> tuple[set[str], dict[str, str]]:
-    """``(unstored, kept)``: the inputs only cached calls compute with in every probe, and,
+    """``(unstored, kept)``: the inputs only cached calls compute with in every probe (and,
+    of the ``lone`` ones, :func:`lone_inputs`, that the step reads no ``.device`` of), and,
     for each other input some cached call took, why it is stored (for the report)."""
     kept: dict[str, str] = {}
     taken: set[str] = set()
@@ -133,6 +195,12 @@ def unstored_inputs(
         roots |= derivation.roots
         for name, why in derivation.refused.items():
             kept.setdefault(name, f"a value computed from it reaches a call that {why}")
+        for name in derivation.device_read & lone:
+            kept.setdefault(
+                name,
+                "the step reads its .device, and stage 2's batch holds no other tensor to "
+                "answer that with",
+            )
         for call, names in derivation.entered:
             if call in cached:
                 taken |= names

@@ -4,10 +4,19 @@ the probe classes the same operation on the real input (:mod:`.derivation`).
 An operation on a tensor computed from the input runs, in stage 2, on ``meta`` (:func:`on_meta`)
 and gives a stand-in: that is exact as long as nothing of the input's values leaves the
 stand-ins. :func:`refusal` names the operations through which they would (or which cannot run
-on ``meta``): a read giving a Python value (``.item()``, ``bool()``, ``.device``, ``==`` of two
-tensors), a write into a tensor in place (the real one would change, the stand-in does not), a
-random draw (on ``meta`` it draws nothing, so the generator would move differently) and
-autograd run through it.
+on ``meta``): a read giving a Python value (``.item()``, ``bool()``, ``==`` of two tensors), a
+write into a tensor in place (the real one would change, the stand-in does not), a random draw
+(on ``meta`` it draws nothing, so the generator would move differently) and autograd run
+through it.
+
+``.device`` is no value but where the batch is (DETR's ``device = pixel_values.device`` builds
+its pixel mask and position embeddings there), and a stand-in lives on ``meta``: stage 2
+answers it with the device the batch's other tensors are on, the training device the user moved
+the cached batch to, as the unsplit step's batch was moved. :func:`result_device` carries that
+device through the calls on a stand-in (the probe carries the real one the same way): a call
+gives the device its tensor arguments share, a move the device it names (``.to(x.device)``,
+``.cpu()``); where neither is certain (a ``.to("cuda")`` without an index, ``.type()``,
+arguments on several devices) the device is unknown, and a read of it refuses.
 """
 
 from __future__ import annotations
@@ -101,6 +110,56 @@ def refusal(func: Callable[..., Any], kwargs: dict[str, Any] | None) -> str | No
     if writes_in_place(name, kwargs):
         return f"writes into a tensor in place ({name})"
     return None
+
+
+def reads_device(func: Callable[..., Any]) -> bool:
+    """``tensor.device`` (its descriptor's ``__get__``)."""
+    return getattr(func, "__name__", "") == "__get__" and (
+        getattr(getattr(func, "__self__", None), "__name__", "") == "device"
+    )
+
+
+def result_device(
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+    device_of: Callable[[torch.Tensor], torch.device | None],
+) -> torch.device | None:
+    """The device ``func``'s tensors come out on, where its tensor arguments are on the
+    devices ``device_of`` gives (None: unknown): the device a move names exactly, else the one
+    device its tensor arguments share."""
+    name = getattr(func, "__name__", "")
+    target = (kwargs or {}).get("device")
+    if target is None and name == "to" and len(args) > 1:
+        named = args[1]  # x.to(device, ...) or x.to(other, ...); not x.to(dtype)
+        if isinstance(named, str | torch.device | torch.Tensor) or (
+            isinstance(named, int) and not isinstance(named, bool)
+        ):
+            target = named
+    if isinstance(target, torch.Tensor):
+        return device_of(target)
+    if target is not None:
+        return _exact_device(target)
+    if name == "cpu":
+        return torch.device("cpu")
+    if name in _MOVES or name == "type":  # .cuda(), .type("torch.cuda..."): somewhere unnamed
+        return None
+    devices = {
+        device_of(leaf)
+        for leaf in pytree.tree_leaves((args, kwargs or {}))
+        if isinstance(leaf, torch.Tensor)
+    }
+    return devices.pop() if len(devices) == 1 else None
+
+
+def _exact_device(target: Any) -> torch.device | None:
+    """``target`` as the device a tensor moved there reports, where that is certain: a device
+    named without its index (``"cuda"``) reports the current one (``cuda:0``), so is unknown."""
+    try:
+        device = torch.device(target)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return device if device.index is not None or device.type in ("cpu", "meta") else None
 
 
 def writes_in_place(name: str, kwargs: dict[str, Any] | None) -> bool:
