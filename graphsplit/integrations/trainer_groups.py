@@ -32,8 +32,8 @@ In and out::
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,6 +52,7 @@ __all__ = [
     "batch_shape",
     "padding_groups",
     "refuse_packing",
+    "regroup",
     "training_batches",
 ]
 
@@ -66,10 +67,38 @@ UNGROUPABLE_FIX = Fix(
 
 @dataclass(frozen=True)
 class PaddingGroups:
-    """Each dataset index's padded shape, and the indices of each shape."""
+    """Each dataset index's padded shape, and the indices of each group (keyed by the padded
+    shape without the shape-only fields)."""
 
     shapes: tuple[Shape, ...]
     groups: dict[Shape, list[int]]
+    shape_only: dict[str, str] = field(default_factory=dict)
+    """Shape-only field -> the boundary key holding its shape (``prompts`` ->
+    ``prompts__shape``); empty: every field is grouped on."""
+
+    def padded_shape(self, indices: Sequence[int]) -> Shape:
+        """The shape the collator gives these samples (of one group) together: each field's
+        shape alone, a shape-only field's the longest of theirs in every dimension."""
+        first = self.shapes[indices[0]]
+        if not self.shape_only:
+            return first
+        alone = [dict(self.shapes[index]) for index in indices]
+        return tuple(
+            (name, tuple(max(sizes) for sizes in zip(*(shapes[name] for shapes in alone))))
+            if name in self.shape_only
+            else (name, shape)
+            for name, shape in first
+        )
+
+    def shape_rows(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        """The shape-only fields' boundary rows for a training batch of these samples: what
+        stage 1 stores for the batch the collator makes of them (``[1, *shape[1:]]`` a sample),
+        in place of the rows each sample's caching batch stored."""
+        padded = dict(self.padded_shape(indices))
+        return {
+            key: torch.tensor([1, *padded[name]], dtype=torch.int64).repeat(len(indices), 1)
+            for name, key in self.shape_only.items()
+        }
 
 
 def batch_shape(batch: Any) -> Shape:
@@ -101,6 +130,40 @@ def padding_groups(dataset: Any, collator: Any, batch_size: int) -> PaddingGroup
         first = indices[:batch_size]
         check_batch(batch_shape(collator([dataset[index] for index in first])), shape, first)
     return PaddingGroups(shapes=shapes, groups=groups)
+
+
+def regroup(
+    groups: PaddingGroups,
+    shape_only: dict[str, str],
+    dataset: Any,
+    collator: Any,
+    batch_size: int,
+) -> PaddingGroups:
+    """``groups`` keyed without the shape-only fields (``shape_only``: field -> the boundary
+    key of its shape; :mod:`.trainer_regroup` finds them in the plan): samples of one padded
+    length but different prompt lengths share a group. A field some sample lacks, or holds
+    with another number of dimensions, stays grouped on. Each group's first batch is checked
+    to pad its shape-only fields to the longest of the samples' own, as every caching batch
+    is; a collator that does otherwise is refused."""
+    shape_only = {name: key for name, key in shape_only.items() if _one_rank(groups.shapes, name)}
+    if not shape_only:
+        return groups
+    keyed: dict[Shape, list[int]] = {}
+    for index, shape in enumerate(groups.shapes):
+        key = tuple((name, size) for name, size in shape if name not in shape_only)
+        keyed.setdefault(key, []).append(index)
+    regrouped = PaddingGroups(shapes=groups.shapes, groups=keyed, shape_only=shape_only)
+    for indices in keyed.values():
+        first = indices[:batch_size]
+        got = batch_shape(collator([dataset[index] for index in first]))
+        check_batch(got, regrouped.padded_shape(first), first, shape_only)
+    return regrouped
+
+
+def _one_rank(shapes: Sequence[Shape], name: str) -> bool:
+    """Whether every sample holds the field ``name`` with one number of dimensions."""
+    ranks = {len(dict(shape)[name]) if name in dict(shape) else None for shape in shapes}
+    return len(ranks) == 1 and None not in ranks
 
 
 def refuse_packing(dataset: Any, collator: Any) -> None:
@@ -135,15 +198,22 @@ def _batched(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
-def check_batch(got: Shape, expected: Shape, indices: Sequence[int]) -> None:
+def check_batch(
+    got: Shape, expected: Shape, indices: Sequence[int], shape_only: Iterable[str] = ()
+) -> None:
     if got == expected:
         return
+    longest = sorted(shape_only)
+    shape_only_rule = (
+        f"; {longest}, whose values the loss never reads, the longest of theirs" if longest else ""
+    )
     raise user_error(
         CacheError,
         f"The trainer's collator pads samples {list(indices)[:8]} to {dict(got)} together, but "
-        f"each of them alone to {dict(expected)}: its padding depends on more than the samples "
-        "themselves, so graphsplit cannot group the samples into batches that pad each to the "
-        "length it was cached at.",
+        f"their padding alone gives {dict(expected)} (each field as each sample "
+        f"alone{shape_only_rule}): its padding depends on more than the samples themselves, "
+        "so graphsplit cannot group the samples into batches that pad each as when it was "
+        "cached.",
         fix=UNGROUPABLE_FIX,
     )
 
@@ -206,7 +276,8 @@ class CheckedCollate:
     def __call__(self, items: list[IndexedItem]) -> dict[str, Any]:
         batch = dict(self.collator([item.item for item in items]))
         indices = [item.index for item in items]
-        check_batch(batch_shape(batch), self.groups.shapes[indices[0]], indices)
+        groups = self.groups
+        check_batch(batch_shape(batch), groups.padded_shape(indices), indices, groups.shape_only)
         batch["key"] = [
             str(item.index) if not item.repeat else f"{item.index}~{item.repeat}" for item in items
         ]

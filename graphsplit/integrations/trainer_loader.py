@@ -14,6 +14,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
+from graphsplit.integrations.trainer_bookkeeping import bookkeeping_kept
 from graphsplit.integrations.trainer_checks import check_trainer, dataset_and_collator
 from graphsplit.integrations.trainer_groups import (
     GroupEpochs,
@@ -22,6 +23,7 @@ from graphsplit.integrations.trainer_groups import (
     training_batches,
 )
 from graphsplit.integrations.trainer_live import LiveRows
+from graphsplit.integrations.trainer_regroup import plan_groups
 from graphsplit.planning.rules.random_draws import generator_states, set_generator_states
 
 __all__ = ["batch_by_padded_length", "epoch_callback", "train_dataloader", "trainer_padding_groups"]
@@ -34,12 +36,17 @@ def batch_by_padded_length(trainer: Any) -> PaddingGroups | None:
     batches of samples padded to one length (see :mod:`~graphsplit.integrations.trainer_groups`);
     this gives an unsplit trainer the same batches (same seed, same order), e.g. to compare its
     losses with the split run's. Returns the groups, or ``None`` (the collator gives every sample
-    one shape: the trainer's own sampler stays).
+    one shape: the trainer's own sampler stays). Where the collator pads several lengths, the
+    trainer's loss is split on one batch (as ``split_trainer`` splits it) to find the fields
+    it reads only the shape of (:mod:`~graphsplit.integrations.trainer_regroup`).
     """
     check_trainer(trainer)
     states = generator_states()
     try:
         groups = trainer_padding_groups(trainer)
+        if groups is not None:  # split_trainer's groups are known once the loss is split
+            with bookkeeping_kept(trainer):
+                groups = plan_groups(trainer, groups).groups
     finally:
         set_generator_states(states)
     if groups is not None:

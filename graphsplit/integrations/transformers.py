@@ -61,9 +61,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from graphsplit.api import Split, split
+from graphsplit.api import Split
 from graphsplit.caching import CachedDataset, CacheInfo, cache, collate
 from graphsplit.caching.format.fingerprint import fingerprint
 from graphsplit.caching.live import LiveCache
@@ -85,6 +85,8 @@ from graphsplit.integrations.trainer_loader import (
     train_dataloader,
     trainer_padding_groups,
 )
+from graphsplit.integrations.trainer_loss import TrainerLoss, originals
+from graphsplit.integrations.trainer_regroup import plan_groups
 from graphsplit.planning.rules.random_draws import generator_states, set_generator_states
 
 __all__ = [
@@ -96,30 +98,6 @@ __all__ = [
 ]
 
 RECORD_NAME = "graphsplit.json"
-
-
-class TrainerLoss(nn.Module):
-    """A trainer's ``compute_loss(model, inputs)`` as a module that takes the collated batch.
-
-    Children: the student as ``model``, then every other module the trainer holds as an
-    attribute (a teacher, a reference model) under that attribute's name, each object once
-    (``model_wrapped`` is the student before training). The trainer itself is kept as a plain
-    attribute: it holds the student again in its callback handler, which must not name it.
-    """
-
-    def __init__(self, trainer: Any) -> None:
-        super().__init__()
-        self.model = trainer.model
-        for name, value in vars(trainer).items():
-            if not isinstance(value, nn.Module) or not name.isidentifier():
-                continue
-            if name.startswith("_") or any(value is child for child in self.children()):
-                continue
-            self.add_module(name, value)
-        object.__setattr__(self, "_compute_loss", _originals(trainer)["compute_loss"])
-
-    def forward(self, inputs: dict[str, Any]) -> torch.Tensor:
-        return self._compute_loss(self.model, inputs)
 
 
 class CachedBatch(dict):
@@ -214,7 +192,7 @@ def split_trainer(
         # The probes and stage 1 run the trainer's compute_loss: its counts and logged
         # metrics (TRL's) must not include them.
         with bookkeeping_kept(trainer):
-            parts, cached, info = _split_and_cache(
+            parts, cached, info, groups = _split_and_cache(
                 trainer, groups, cache_dir, storage_dtype, overwrite, progress
             )
     finally:
@@ -232,16 +210,17 @@ def _split_and_cache(
     storage_dtype: torch.dtype | None,
     overwrite: bool,
     progress: bool | None,
-) -> tuple[Split, CachedDataset, CacheInfo | None]:
-    loss = TrainerLoss(trainer)
-    loader = caching_loader(trainer, groups)
-    example = _example(loader)
-    parts = split(loss, (example,))
-    refuse_item_counted_accumulation(trainer, example, parts.boundary, loss._compute_loss)
+) -> tuple[Split, CachedDataset, CacheInfo | None, PaddingGroups | None]:
+    """Split on the first caching batch, key the groups without the shape-only fields
+    (:mod:`.trainer_regroup`), and cache stage 1 in the final groups' batches."""
+    planned = plan_groups(trainer, groups)
+    parts, groups = planned.split, planned.groups
+    compute_loss = planned.loss._compute_loss
+    refuse_item_counted_accumulation(trainer, planned.example, parts.boundary, compute_loss)
     accelerator = trainer.accelerator
     info = cache(
         parts,
-        loader,
+        caching_loader(trainer, groups),
         cache_dir,
         accelerator=accelerator if accelerator.num_processes > 1 else None,
         storage_dtype=storage_dtype,
@@ -252,13 +231,7 @@ def _split_and_cache(
     cached = CachedDataset(cache_dir, parts)
     if groups is None:
         refuse_several_shapes(cached)
-    return parts, cached, info
-
-
-def _example(loader: DataLoader) -> dict[str, Any]:
-    """The first caching batch without its sample keys: the step's ``inputs``."""
-    batch = next(iter(loader))
-    return {name: value for name, value in batch.items() if name != "key"}
+    return parts, cached, info, groups
 
 
 def _split_live(
@@ -271,10 +244,10 @@ def _split_live(
     check_live(trainer)
     states = generator_states()
     try:
-        groups = trainer_padding_groups(trainer)
-        loss, example = TrainerLoss(trainer), _example(caching_loader(trainer, groups))
-        parts = split(loss, (example,))
-        refuse_item_counted_accumulation(trainer, example, parts.boundary, loss._compute_loss)
+        planned = plan_groups(trainer, trainer_padding_groups(trainer))
+        parts, groups = planned.split, planned.groups
+        compute_loss = planned.loss._compute_loss
+        refuse_item_counted_accumulation(trainer, planned.example, parts.boundary, compute_loss)
     finally:
         set_generator_states(states)
     accelerator = trainer.accelerator
@@ -319,12 +292,18 @@ class _Collate:
         self.groups = groups
 
     def __call__(self, items: list[Any]) -> dict[str, Any]:
+        groups = self.groups
         if not items or not isinstance(items[0], RawItem):
-            return CachedBatch(collate(items))
+            cached = CachedBatch(collate(items))
+            if groups is not None and groups.shape_only:  # as the collator pads this batch
+                cached.update(groups.shape_rows([int(item["key"]) for item in items]))
+            return cached
         batch = LiveBatch(self.collator([item.item for item in items]))
         indices = [item.index for item in items]
-        if self.groups is not None:
-            check_batch(batch_shape(batch), self.groups.shapes[indices[0]], indices)
+        if groups is not None:
+            check_batch(
+                batch_shape(batch), groups.padded_shape(indices), indices, groups.shape_only
+            )
         batch["key"] = [str(index) for index in indices]
         return batch
 
@@ -351,8 +330,8 @@ def _train_from_cache(
         ),
         trainer,
     )
-    originals = _originals(trainer)  # a second split_trainer wraps the trainer's own methods
-    unsplit = originals["compute_loss"]
+    own = originals(trainer)  # a second split_trainer wraps the trainer's own methods
+    unsplit = own["compute_loss"]
 
     def compute_loss(
         model: nn.Module,
@@ -384,7 +363,7 @@ def _train_from_cache(
     if live is not None:
         assert isinstance(rows, LiveRows)
         trainer.add_callback(LiveCacheSteps(rows))
-    train = originals["train"]
+    train = own["train"]
 
     def train_checked(resume_from_checkpoint: Any = None, **kwargs: Any) -> Any:
         if resume_from_checkpoint:
@@ -392,13 +371,6 @@ def _train_from_cache(
         return train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     trainer.train = train_checked
-
-
-def _originals(trainer: Any) -> dict[str, Any]:
-    """The trainer's own ``compute_loss`` and ``train``, as they were before any split."""
-    return trainer.__dict__.setdefault(
-        "_graphsplit_originals", {"compute_loss": trainer.compute_loss, "train": trainer.train}
-    )
 
 
 @contextlib.contextmanager

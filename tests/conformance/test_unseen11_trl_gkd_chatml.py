@@ -15,7 +15,10 @@ What differs from ``tests/integrations/test_trl_gkd.py`` (pre-padded ids,
 applies the tokenizer's chat template, **left**-pads ``input_ids`` / ``labels`` to the batch's
 longest sequence and, separately, ``prompts`` / ``prompt_attention_mask`` to the batch's longest
 prompt, and adds a ``byte_offsets`` tensor. The conversations are chosen so that samples of one
-total length have prompts of different lengths.
+total length have prompts of different lengths. GKD's loss reads only ``prompts.shape[1]`` (the
+plan keeps ``prompts__shape``), so ``split_trainer`` groups samples by sequence length alone
+(:mod:`graphsplit.integrations.trainer_regroup`): a batch mixes prompt lengths, padded to the
+longest as the plain collator pads them, and trains as the plain trainer bit for bit.
 
 The teacher is frozen as graphsplit's refusal asks (``requires_grad_(False)``,
 ``config.use_cache = False``). Student and teacher: ``Qwen2ForCausalLM``, 2 layers, hidden 32
@@ -119,7 +122,7 @@ def make_trainer(output_dir: str, **arguments) -> GKDTrainer:
     training_args = GKDConfig(
         output_dir=output_dir,
         per_device_train_batch_size=2,
-        max_steps=3,
+        max_steps=arguments.pop("max_steps", 3),
         logging_steps=1,
         seed=11,
         lmbda=0.0,
@@ -195,26 +198,43 @@ def test_off_policy_gkd_trains_from_the_cache_as_plain(tmp_path):
     assert split.report().startswith("graphsplit plan for forward (module-level path)")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "graphsplit/integrations/trainer_groups.py:padding_groups keys the padding groups on the "
-        "padded shape of every tensor the collator returns (batch_shape), before the split is "
-        "known. DataCollatorForChatML also pads `prompts`/`prompt_attention_mask` to the batch's "
-        "longest prompt and returns `byte_offsets`; off-policy GKD's compute_loss never reads "
-        "them (the plan stores only `prompts__shape`), yet samples of one sequence length but "
-        "different prompt lengths land in different groups. Here every group holds one sample: "
-        "per_device_train_batch_size=2 trains batches of 1 (10 steps an epoch, not 5), and the "
-        "cache holds 20 rows (each group's batch filled with a copy). Fix: group on the fields "
-        "whose values the plan reads (not those kept only as `<name>__shape`), and rebuild the "
-        "shape-only fields at the batch's size in stage 2."
-    ),
-)
 def test_padding_groups_follow_the_sequence_length_the_loss_reads(tmp_path):
     trainer = make_trainer(str(tmp_path / "split"))
     parts = split_trainer(trainer, str(tmp_path / "cache"))
-    lengths = [len(parts.groups.groups[shape]) for shape in parts.groups.groups]
-    assert lengths == [2] * (len(SHAPES) // 2)  # one group per sequence length, two samples each
+    by_length = {}
+    for index in range(len(SHAPES)):
+        length = _collated(trainer, [index])["input_ids"].shape[1]
+        by_length.setdefault(length, []).append(index)
+    # one group per sequence length (prompts of several lengths in each), no fillers cached
+    assert sorted(parts.groups.groups.values()) == sorted(by_length.values())
+    assert set(parts.groups.shape_only) == {"prompts", "prompt_attention_mask", "byte_offsets"}
+    assert len(parts.cached) == len(SHAPES)
+
+
+def test_batches_mixing_prompt_lengths_train_as_plain_over_two_epochs(tmp_path):
+    plain = make_trainer(str(tmp_path / "plain"), max_steps=10)
+    batch_by_padded_length(plain)
+    prompts = []
+    plain.compute_loss = _recording(plain.compute_loss, prompts)
+    plain.train()
+    trainer = make_trainer(str(tmp_path / "split"), max_steps=10)
+    split_trainer(trainer, str(tmp_path / "cache"))
+    trainer.train()
+
+    assert len(_logged(trainer)) == 10  # five batches of two an epoch
+    assert _logged(trainer) == _logged(plain)
+    assert _same_weights(trainer, plain)
+    # the plain batches pad prompts to the longer of two different prompt lengths
+    assert any(len(set(lengths)) > 1 for lengths in prompts)
+
+
+def _recording(compute_loss, prompts: list):
+    def recorded(model, inputs, *args, **kwargs):
+        mask = inputs["prompt_attention_mask"]
+        prompts.append(tuple(mask.sum(dim=1).tolist()))
+        return compute_loss(model, inputs, *args, **kwargs)
+
+    return recorded
 
 
 def test_compute_loss_split_verifies_on_two_batch_sizes_and_round_trips(tmp_path):
