@@ -213,9 +213,10 @@ def split(
             )
         except Exception as calls_refusal:  # the step may not even run eagerly (meta weights)
             why = getattr(calls_refusal, "reason", None) or str(calls_refusal)
+            fix = getattr(calls_refusal, "fix", None)
             refusal.add_note(
                 'graphsplit also tried the module-level path (path="calls"), which refused '
-                f"too: {why}"
+                f"too: {why}" + (f"\n  it suggests: {fix.words}" if isinstance(fix, Fix) else "")
             )
             raise refusal from calls_refusal
     return prefer_calls_over_kept_whole(

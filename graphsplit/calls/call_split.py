@@ -28,6 +28,7 @@ from graphsplit.calls.recomputed import Redone, redone_calls
 from graphsplit.calls.reordered import probe_reordered, take
 from graphsplit.calls.stages import CallStage1, CallStage2
 from graphsplit.calls.stored import spec_of, storage, stored_verdict
+from graphsplit.calls.unfrozen import no_frozen_call, under_no_grad_only
 from graphsplit.calls.unstored_inputs.derivation import (
     Derivation,
     lone_inputs,
@@ -173,16 +174,12 @@ def split_calls(
     candidates = {(v.path, v.index) for v in verdicts if v.cached}
     if not candidates:
         listed = "\n".join(v.line() for v in verdicts) or "  (the step calls no frozen module)"
-        raise user_error(
-            SplitError,
-            "the module-level path found no frozen module call whose inputs are a function "
-            f"of the sample alone:\n{listed}",
-            fix=Fix(
-                "freeze the modules whose work should be cached (requires_grad_(False) or "
-                "frozen=...), call them in eval mode on inputs computed from the batch alone, "
-                "and draw random numbers after those calls"
-            ),
+        unfrozen = under_no_grad_only(
+            module,
+            trainable,
+            lambda: probe(module, step.args, step.kwargs, routed, SEEDS[0], batch_size),
         )
+        raise no_frozen_call(listed, unfrozen)
     # A frozen layer computing from what stage 2 reads anyway may be cheaper to redo there.
     redone = redone_calls(
         candidates,

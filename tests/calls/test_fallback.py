@@ -9,6 +9,7 @@ from torch import nn
 import graphsplit
 import graphsplit.api
 from graphsplit.errors import Fix, user_error
+from tests.helpers import line_of
 
 
 class PerSampleLoop(nn.Module):
@@ -114,3 +115,45 @@ def test_an_unknown_path_is_refused_with_the_paths_there_are():
         graphsplit.split(PerSampleLoop(), example(), path="module")
     assert "path='module' is not a path graphsplit.split knows" in str(caught.value)
     assert 'pass path="auto" (default), "trace" or "calls"' in str(caught.value)
+
+
+class UnfrozenTeacher(nn.Module):
+    """A teacher put in ``eval()`` and called under ``no_grad`` but never frozen (TRL's KTO
+    reference as the trainer leaves it), beside a Python loop over the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.teacher = nn.Sequential(nn.Linear(4, 4), nn.Tanh()).eval()
+        self.student = nn.Linear(4, 4)
+
+    def forward(self, x, keep):
+        with torch.no_grad():
+            target = self.teacher(x)
+        rows = [row if k else torch.zeros_like(row) for row, k in zip(self.student(x), keep)]
+        return (torch.stack(rows) - target).square().mean()
+
+
+def test_a_module_run_only_under_no_grad_but_not_frozen_is_named_with_the_fix():
+    step = UnfrozenTeacher()
+    with pytest.raises(graphsplit.SplitError) as caught:
+        graphsplit.split(step, example(), path="calls")
+    message = str(caught.value)
+    assert "(the step calls no frozen module)" in message
+    (line,) = [line for line in message.splitlines() if "teacher: every call" in line]
+    assert "teacher: every call ran under no_grad (first at " in line
+    assert line_of(UnfrozenTeacher.forward, "target = self.teacher(x)") in line
+    assert "target = self.teacher(x)" in line
+    assert "fix:    if teacher is not trained, freeze it before splitting" in message
+    assert "(teacher.requires_grad_(False))" in message
+    assert "student" not in message  # run with gradients: it may be trained
+
+    with pytest.raises(graphsplit.TraceError) as caught:  # path="auto": the note carries it
+        graphsplit.split(step, example())
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "it suggests: if teacher is not trained, freeze it before splitting" in notes
+
+    step.teacher.requires_grad_(False)  # the fix: the teacher's call is cached
+    split = graphsplit.split(step, example())
+    assert split.path == "calls" and "teacher call 0: cached" in split.report()
+    assert all(c.ok for c in graphsplit.verify(step, split, example()))

@@ -189,24 +189,13 @@ def test_a_trainable_reference_is_refused_naming_trls_line(tmp_path):
     assert "the step calls no frozen module" in _whole(error)  # the module-level path's note
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "With the reference as TRL leaves it (requires_grad=True, only ever called under "
-        "torch.no_grad()), graphsplit/api.py:split (path='auto') re-raises the whole-step "
-        "trace's TrainableSideError, whose fix line asks to rewrite TRL's own code "
-        "('replace .item()/.tolist()/nonzero-style code ...', at kto_trainer.py's "
-        "torch.nonzero), and adds the module-level path's refusal only as a note carrying its "
-        "reason, not its fix. That reason, from graphsplit/calls/call_split.py:split_calls, is "
-        "'(the step calls no frozen module)': it does not name ref_model, the module called "
-        "wholly under no_grad whose parameters merely require grad. Nothing says the fix that "
-        "works, trainer.ref_model.requires_grad_(False) (then the two reference calls are "
-        "cached, see the tests above). Fix: in split_calls, list the modules every call of which "
-        "ran with grad disabled but that hold parameters with requires_grad, with the line of "
-        "the call and the fix '<name>.requires_grad_(False)'; and let api.split's note carry "
-        "that fix."
-    ),
-)
 def test_the_refusal_of_a_trainable_reference_names_the_fix_that_caches_it(tmp_path):
+    """With the reference as TRL leaves it (``requires_grad=True``, only ever called under
+    ``torch.no_grad()``), the module-level path's refusal said only "(the step calls no frozen
+    module)", and the trace's fix asked to rewrite TRL's own ``nonzero``. It now names
+    ``ref_model``, the line of its first call, and the fix that caches it (the tests above)."""
     whole = _whole(_refusal_as_written(tmp_path))
-    assert "ref_model" in whole and "requires_grad_(False)" in whole, whole
+    assert "ref_model: every call ran under no_grad (first at " in whole, whole
+    assert "kto_trainer.py:" in whole.split("ref_model: every call", 1)[1]
+    assert "it suggests: if ref_model is not trained, freeze it before splitting" in whole
+    assert "(ref_model.requires_grad_(False))" in whole
