@@ -12,12 +12,15 @@ In and out::
 
 from __future__ import annotations
 
+import contextlib
+import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["TrainerLoss", "originals"]
+__all__ = ["TrainerLoss", "originals", "prepared_forward"]
 
 
 class TrainerLoss(nn.Module):
@@ -39,9 +42,46 @@ class TrainerLoss(nn.Module):
                 continue
             self.add_module(name, value)
         object.__setattr__(self, "_compute_loss", originals(trainer)["compute_loss"])
+        object.__setattr__(self, "_trainer", trainer)
 
     def forward(self, inputs: dict[str, Any]) -> torch.Tensor:
-        return self._compute_loss(self.model, inputs)
+        with prepared_forward(self._trainer, self.model):
+            return self._compute_loss(self.model, inputs)
+
+
+@contextlib.contextmanager
+def prepared_forward(trainer: Any, model: nn.Module) -> Iterator[None]:
+    """``model.forward`` as ``trainer.train()`` will run it, for planning and caching before.
+
+    With mixed precision (``bf16=True``: TRL's ``SFTConfig`` default), ``train()`` has
+    accelerate's ``prepare_model`` wrap the student's ``forward`` in its autocast (and its
+    outputs cast back to float32). ``split_trainer`` plans and caches before ``train()``: a
+    LLaVA's vision tower, inside the student, was cached in float32 where the plain trainer
+    ran it in bfloat16 (the first loss off in the 4th digit). Here the forward is wrapped as
+    accelerate wraps it, with accelerate's own functions, and put back after; a model already
+    prepared (``_original_forward`` set) runs as it is.
+    """
+    accelerator = getattr(trainer, "accelerator", None)
+    if not getattr(accelerator, "native_amp", False) or "_original_forward" in vars(model):
+        yield
+        return
+    from accelerate.utils import convert_outputs_to_fp32, get_mixed_precision_context_manager
+
+    autocast = get_mixed_precision_context_manager(True, accelerator.autocast_handler)
+    own = vars(model).get("forward")
+    forward = model.forward
+    if hasattr(forward, "__func__"):  # prepare_model's branch for a bound method
+        wrapped = types.MethodType(autocast(forward.__func__), model)
+        model.forward = types.MethodType(convert_outputs_to_fp32(wrapped.__func__), model)
+    else:
+        model.forward = convert_outputs_to_fp32(autocast(forward))
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
 
 
 def originals(trainer: Any) -> dict[str, Any]:

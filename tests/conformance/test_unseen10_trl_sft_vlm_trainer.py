@@ -20,23 +20,20 @@ one: TRL's metrics branch on ``num_valid > 0``), caches the tower's selected hid
 (stage 2 holds no tower weight), verifies bit for bit on batches of 2 and 3, and a cache
 through the disk trains stage 2 exactly.
 
-What fails (xfail, strict):
+What was wrong, and is fixed:
 
-- the losses of ``trainer.train()`` after ``split_trainer`` differ from the plain
-  ``SFTTrainer``'s (given the same batches, ``batch_by_padded_length``): 3.2981694 against
-  3.2986596 at step 1 (1.5e-4 relative). Seen while building this test (the same setup with
-  other captions: 3.3397181 against 3.3395135): same samples, same stored rows, and stage 2
-  on them equals the unsplit ``compute_loss`` called outside the loop (3.3397147); it is the
-  plain trainer whose model computes otherwise inside ``train()`` (3.3395135 from the same
-  weights and batch), after ``train()`` prepared it (an instance ``forward`` set on it, gradient
-  checkpointing, ``enable_input_require_grads`` hooks; ``gradient_checkpointing=False`` alone
-  does not remove the gap). Not root-caused to one graphsplit function: ``split_trainer``
-  plans and caches before ``train()`` prepares the model, and stage 2 traced into ``model``
-  instead of calling the prepared ``forward``.
+- the losses of ``trainer.train()`` after ``split_trainer`` differed from the plain
+  ``SFTTrainer``'s (3.2981694 against 3.2986596 at step 1): ``SFTConfig`` defaults to
+  ``bf16=True``, and ``train()`` has accelerate wrap the student's ``forward`` in a bfloat16
+  autocast; ``split_trainer`` planned and cached before that, so the vision tower (inside the
+  student) was cached in float32. It now plans and caches with the forward wrapped as
+  ``train()`` wraps it (``graphsplit/integrations/trainer_loss.py:prepared_forward``), and
+  the losses, gradient norms and final weights are the plain trainer's.
 - the split run logs other metrics: ``split_trainer``'s planning probes and caching pass run
   TRL's ``compute_loss``, whose bookkeeping (``self._total_train_tokens += ...``,
-  ``self._metrics["train"][...].append``) runs each time, so the first logged ``num_tokens``
-  is 126 instead of 36 and ``entropy`` is averaged with the probes' values.
+  ``self._metrics["train"][...].append``) ran each time, so the first logged ``num_tokens``
+  was 126 instead of 36; the trainer's plain-data attributes are now put back after planning
+  and caching (``graphsplit/integrations/trainer_bookkeeping.py``).
 """
 
 from __future__ import annotations
@@ -185,22 +182,18 @@ def test_sft_compute_loss_caches_the_vision_tower_and_verifies(tmp_path):
     assert_cache_round_trip(split, loss, loader, tmp_path / "cache", params)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "split_trainer's run logs 3.2981694 against the plain SFTTrainer's 3.2986596 at step 1 "
-        "(same samples and cached rows; stage 2 equals the unsplit compute_loss outside the "
-        "loop): the plain trainer's model computes otherwise once train() has "
-        "prepared it (an instance forward, checkpointing, input-require-grads hooks), while "
-        "split_trainer planned and cached before that and stage 2 traced into model; not "
-        "root-caused further (see the module docstring)"
-    ),
-)
 def test_split_trainer_trains_as_the_plain_sft_trainer(tmp_path):
+    """``SFTConfig`` turns ``bf16`` on: ``train()`` has accelerate wrap the student's forward in
+    a bfloat16 autocast, the vision tower inside it. ``split_trainer`` cached the tower in
+    float32 before ``train()`` (the first loss off in the 4th digit); it now plans and caches
+    with the forward wrapped as ``train()`` will wrap it (``trainer_loss.prepared_forward``)."""
     plain, trainer, parts = _train_both(tmp_path)
+    assert plain.args.bf16 and plain.accelerator.native_amp  # the trainer's own default
     assert [key for key in parts.split.boundary if "vision_tower" in key]
     assert len(_logged(trainer, "loss")) == 2
     assert _logged(trainer, "loss", "grad_norm") == _logged(plain, "loss", "grad_norm")
+    one, other = plain.model.state_dict(), trainer.model.state_dict()
+    assert one.keys() == other.keys() and all(torch.equal(one[k], other[k]) for k in one)
 
 
 def test_split_trainer_leaves_the_trainers_metrics_as_plain(tmp_path):
