@@ -169,11 +169,15 @@ def test_a_killed_epoch_resumes(tmp_path):
     run = subprocess.run(command, env=worker_environment(), cwd=ROOT, capture_output=True)
     assert run.returncode == -9, run.stderr.decode()[-2000:]
     assert not (path / "manifest.json").exists()
+    # The worker kills itself once 3 commits are done, but commits run on a pool: another
+    # one may finish between the third and the kill. Every recorded one must be kept.
+    survivors = len(list((path / PARTIAL_DIR).glob("shard-*.json")))
+    assert survivors >= 3, run.stderr.decode()[-2000:]
     split = make_split()
     with LiveCache(split, path, shard_bytes=SMALL) as live:
         for batch in shuffled():
             live.step(batch)
-        assert live.written_samples == 6  # 3 shards of 2 samples survived the kill
+        assert live.written_samples == 12 - 2 * survivors  # shards of 2 samples are kept
     full = tmp_path / "uninterrupted"
     cache(split, loader(Pictures(12)), full, shard_bytes=SMALL, progress=False)
     assert_same_rows(rows_by_key(path), rows_by_key(full))
