@@ -27,6 +27,7 @@ from graphsplit.calls import CallSplit, generators, split_calls
 from graphsplit.errors import Fix, SplitError, TraceError, user_error
 from graphsplit.planning.codegen.compiled_calls import compiled_code_notes
 from graphsplit.planning.codegen.stages import build_stage1, build_stage2, standalone_source
+from graphsplit.planning.cut.ambient_dtypes import with_run_dtypes
 from graphsplit.planning.cut.boundary import boundary_specs, choose_boundary
 from graphsplit.planning.cut.recompute import Recompute, check_recompute
 from graphsplit.planning.leaf_rounds import trace_and_analyze
@@ -356,9 +357,11 @@ class _Planner:
         guard_constant_sizes(traced.graph, cut)  # a constant's shape is fixed per plan
         boundary = boundary_specs(cut)
         keys = list(boundary)
-        # 4. Generate the two stages from the cut.
+        # 4. Generate the two stages from the cut; under an ambient autocast, the boundary's
+        #    dtypes are the ones stage 1 really makes (the analysis on meta cannot see it).
         stage1 = build_stage1(traced.graph, cut, keys, model, traced.constants)
         stage2 = build_stage2(traced.graph, cut, keys, model, traced.constants)
+        boundary = with_run_dtypes(boundary, stage1, model, tuple(args), dict(kwargs))
         return Plan(
             stage1=stage1,
             stage2=stage2,

@@ -170,6 +170,29 @@ def test_randomness_drawn_while_tracing(step, generator, text):
     assert line_of(step.forward, text) in message_lines(caught.value).get("source", ""), message
 
 
+class NumpyDrawThenNumpyOnATracedSize(Step):
+    """transformers' ``_compute_mask_indices`` (SpecAugment): a NumPy draw, then NumPy handed
+    a size computed from the traced batch, which NumPy cannot take (its own ValueError)."""
+
+    def forward(self, x):
+        count = int(numpy.random.rand() * 2) + 1
+        spans = numpy.arange(x.shape[0] - count)  # NumPy's ValueError on the traced size
+        return self.head(self.encoder(x)).mean() * float(len(spans) + 1)
+
+
+def test_a_trace_that_fails_after_a_draw_names_the_draw():
+    step = NumpyDrawThenNumpyOnATracedSize()
+    state = numpy.random.get_state()
+    with pytest.raises(TraceError) as caught:
+        graphsplit.split(step, (batch(3, 4),), path="trace")
+    assert "(numpy.random generator)" in str(caught.value)
+    assert line_of(step.forward, "numpy.random.rand()") in message_lines(caught.value)["source"]
+    assert isinstance(caught.value.__cause__, ValueError)  # NumPy's own, kept as the cause
+    assert (numpy.random.get_state()[1] == state[1]).all()  # the draw was given back
+    split = graphsplit.split(step, (batch(3, 4),))  # path="auto": the module-level path
+    assert "(numpy.random generator)" in split.reason
+
+
 # -- Python control flow on the batch size ------------------------------------------------------
 class LoopOverBatchByShape(Step):
     def forward(self, x):

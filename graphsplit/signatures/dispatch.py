@@ -35,6 +35,7 @@ In and out::
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -144,6 +145,33 @@ def _refuse_several_samples(plan: Plan, batch: dict[str, Any]) -> None:
             )
 
 
+OTHER_AUTOCAST_FIX = Fix(
+    "run graphsplit.split, graphsplit.cache and training under the same autocast (all inside "
+    "`with accelerator.autocast():` or `with torch.autocast(...)`), or all without one"
+)
+
+
+def _refuse_other_dtypes(plan: Plan, outputs: Any) -> None:
+    """Stage 1 made a boundary tensor in another dtype than the plan holds: it runs under
+    another autocast than ``split()`` saw (split outside ``accelerator.autocast()``, cached
+    inside it). The cache would store the rows cast to the plan's dtype, and stage 2 would
+    compute in a dtype the unsplit step, run as stage 1 ran, never saw: refused."""
+    if not isinstance(outputs, dict):
+        return
+    for name, spec in plan.boundary.items():
+        value = outputs.get(name)
+        if isinstance(value, torch.Tensor) and value.dtype != spec.dtype:
+            raise user_error(
+                SplitError,
+                f"stage 1 made the boundary tensor {name!r} in {value.dtype}, where "
+                f"graphsplit.split planned {spec.dtype}: stage 1 runs under another autocast "
+                "than split() ran under, and stage 2 would compute in dtypes the step never "
+                "had.",
+                fix=OTHER_AUTOCAST_FIX,
+                source=spec.source,
+            )
+
+
 def _refuse_other_batch_size(plan: Plan, batch: dict[str, Any], size: int) -> None:
     for name, spec in plan.boundary.items():
         value = batch.get(name)
@@ -187,8 +215,8 @@ class PlanSet:
     # -- wiring --------------------------------------------------------------------------------
     def install(self) -> None:
         """Make the first plan's GraphModules dispatch (see the module glossary)."""
-        self.first.stage1.forward = self.run_stage1  # type: ignore[method-assign]
-        self.first.stage2.forward = self.run_stage2  # type: ignore[method-assign]
+        self.first.stage1.forward = _Dispatching(self, "run_stage1")  # type: ignore[method-assign]
+        self.first.stage2.forward = _Dispatching(self, "run_stage2")  # type: ignore[method-assign]
 
     def know(self, key: str, signature: str, example: str | None) -> None:
         """Remember a plan a cache recorded, to build it when a stage-2 batch names it."""
@@ -224,6 +252,7 @@ class PlanSet:
     ) -> dict[str, Any]:
         """The plan's stage 1, then its stage 2's checks of the boundary sizes it made."""
         outputs = _raw_forward(plan.stage1)(*args, **kwargs)
+        _refuse_other_dtypes(plan, outputs)
         if plan.key not in self._size_checks:
             self._size_checks[plan.key] = SizeChecks.of(plan.stage2)
         checks = self._size_checks[plan.key]
@@ -363,3 +392,26 @@ class PlanSet:
     def _used(self, plan: Plan) -> None:
         if self._recent[0] != plan.key:
             self._recent = [plan.key] + [key for key in self._recent if key != plan.key]
+
+
+class _Dispatching:
+    """A :class:`PlanSet` method (``run_stage1`` / ``run_stage2``) as a callable object, to
+    stand as a stage's ``forward``. Not a bound method: accelerate's ``prepare_model``, with
+    mixed precision on, wraps ``forward.__func__`` in its autocast and binds it to the module
+    again (``MethodType(autocast(func), model)``), so a bound method of the PlanSet ran with
+    the GraphModule as ``self`` (``'Stage2' object has no attribute 'first'``); an object has
+    no ``__func__``, and accelerate wraps it as it is. Not a closure either: a deep copy of the
+    stage (an EMA copy) must copy the PlanSet it dispatches through, as it copies this."""
+
+    __slots__ = ("name", "plans")
+
+    def __init__(self, plans: PlanSet, name: str) -> None:
+        self.plans = plans
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.plans, self.name)(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(getattr(self.plans, self.name))

@@ -185,12 +185,20 @@ def source_for(loader: Any, input_names: Sequence[str]) -> BatchSource:
         )
     if isinstance(loader, DataLoader):
         batch_sampler = loader.batch_sampler
-        samplers = [loader.sampler, getattr(batch_sampler, "sampler", None)]
-        if any(isinstance(sampler, (RandomSampler, DistributedSampler)) for sampler in samplers):
+        samplers = {"sampler": loader.sampler}
+        if batch_sampler is not None and hasattr(batch_sampler, "sampler"):
+            samplers["batch sampler's sampler"] = batch_sampler.sampler  # batch_sampler=...
+        unordered = {
+            where: sampler
+            for where, sampler in samplers.items()
+            if isinstance(sampler, (RandomSampler, DistributedSampler))
+        }
+        if unordered:
+            where, sampler = next(iter(unordered.items()))
             raise user_error(
                 CacheError,
-                "the loader shuffles or splits its dataset (its sampler is a "
-                f"{type(loader.sampler).__name__}); caching needs the same order on every run and "
+                f"the loader shuffles or splits its dataset (its {where} is a "
+                f"{type(sampler).__name__}); caching needs the same order on every run and "
                 "in every process.",
                 fix=Fix(
                     "build the loader with shuffle=False and no sampler (shuffle the cached "

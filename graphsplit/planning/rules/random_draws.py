@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from graphsplit.errors import Fix, TraceError, user_error
+from graphsplit.errors import Fix, GraphsplitError, TraceError, user_error
 from graphsplit.planning.rules.user_lines import describe, frame_location, is_internal
 
 
@@ -258,3 +258,24 @@ def _kind(generator: Any) -> str:
 
 def _moved_names(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     return [name for name in before if not _same(before[name], after[name])]
+
+
+def random_draw_refusal(states: dict[str, Any], rerun: Callable[[], Any]) -> GraphsplitError:
+    """The refusal of a trace that moved a process-wide generator (from ``states``), naming
+    the user's line that drew: ``rerun`` traces again, line by line (the error path alone pays
+    for it). The generators are put back to ``states`` before and after."""
+    changed = changed_generators(states, generator_states())
+    set_generator_states(states)  # the user's generators must not move because we traced
+    location = locate_random_draw(rerun)
+    set_generator_states(states)
+    return user_error(
+        TraceError,
+        f"Random numbers were drawn while tracing ({', '.join(changed)} generator); the "
+        "draw would be frozen into the plan instead of happening every step. graphsplit "
+        "replays torch's random functions in stage 2, not Python's or NumPy's.",
+        source=location,
+        fix=Fix(
+            "draw with torch (torch.rand, torch.randint, torch.randn_like, ...), or move "
+            "the Python/NumPy draw into the data pipeline and pass the result as an input"
+        ),
+    )

@@ -48,7 +48,7 @@ import torch.fx as fx
 from torch import nn
 
 from graphsplit.artifacts import Guard, Traced
-from graphsplit.errors import Fix, TensorValueError, TraceError, user_error
+from graphsplit.errors import Fix, GraphsplitError, TensorValueError, TraceError, user_error
 from graphsplit.planning.meta.analysis_view import module_called
 from graphsplit.planning.meta.tracing_interpreter import TracingInterpreter
 from graphsplit.planning.opaque.value_reads import NOT_ANSWERED, Read, answer
@@ -73,7 +73,7 @@ from graphsplit.planning.rules.grad_modes import check_autocast, current_modes, 
 from graphsplit.planning.rules.random_draws import (
     changed_generators,
     generator_states,
-    locate_random_draw,
+    random_draw_refusal,
     set_generator_states,
 )
 from graphsplit.planning.rules.size_guards import GUARDS
@@ -411,26 +411,17 @@ def trace_step(
                 for name in set(vars(model)) - before
                 if isinstance(vars(model)[name], (torch.Tensor, torch.Generator))
             }
-    except BaseException:
+    except BaseException as failure:
+        # Library code that drew from NumPy or Python and then fed the traced value to NumPy
+        # (transformers' _compute_mask_indices) fails inside the trace: the draw is the cause.
+        cause = isinstance(failure, Exception) and not isinstance(failure, GraphsplitError)
+        if cause and changed_generators(states, generator_states()):
+            retrace = lambda: _retrace(model, example_values, leaf_names)  # noqa: E731
+            raise random_draw_refusal(states, retrace) from failure
         set_generator_states(states)  # a failed trace must not move the user's generators
         raise
-    changed = changed_generators(states, generator_states())
-    if changed:
-        set_generator_states(states)  # the user's generators must not move because we traced
-        with module_state_restored(model):
-            location = locate_random_draw(lambda: _trace_graph(model, example_values, leaf_names))
-        set_generator_states(states)
-        raise user_error(
-            TraceError,
-            f"Random numbers were drawn while tracing ({', '.join(changed)} generator); the "
-            "draw would be frozen into the plan instead of happening every step. graphsplit "
-            "replays torch's random functions in stage 2, not Python's or NumPy's.",
-            source=location,
-            fix=Fix(
-                "draw with torch (torch.rand, torch.randint, torch.randn_like, ...), or move "
-                "the Python/NumPy draw into the data pipeline and pass the result as an input"
-            ),
-        )
+    if changed_generators(states, generator_states()):
+        raise random_draw_refusal(states, lambda: _retrace(model, example_values, leaf_names))
     check_autocast(graph)
     restore_input_names(graph, model)
     functionalize_inplace(graph)
@@ -438,6 +429,11 @@ def trace_step(
         guard.node.meta.setdefault(GUARDS, []).append(guard)
     input_names = tuple(n.target for n in graph.nodes if n.op == "placeholder")
     return Traced(graph, constants, tuple(tracer.guards), input_names)
+
+
+def _retrace(model: nn.Module, example_values: dict[str, Any], leaf_names: frozenset) -> None:
+    with module_state_restored(model):
+        _trace_graph(model, example_values, leaf_names)
 
 
 def _trace_graph(

@@ -1,0 +1,68 @@
+"""The boundary's dtypes under an ambient autocast, read from one real run of stage 1.
+
+The analysis runs every op on fake tensors backed by ``meta``, and ``torch.autocast`` acts only
+on tensors of its own device type (the AutocastCPU / AutocastCUDA dispatch keys). Under an
+autocast around ``graphsplit.split`` (the caller's ``with accelerator.autocast():``, as
+docs/howto.md asks for a frozen module inside a model the script prepares), the analysis
+records a frozen Linear's output as float32 where the real run makes bfloat16. The boundary's
+dtypes become the cache header's: a float32 header would store the bfloat16 rows upcast, and
+stage 2, fed float32 where the unsplit step had bfloat16, would run its ops that autocast
+leaves alone (an add, a residual, a layer norm's input) in float32: another loss. So where an
+autocast is on, stage 1 runs once on the example batch (no autograd, the model's buffers put
+back after) and each boundary tensor takes the dtype that run gave it. Without an ambient
+autocast nothing runs: the analysis's dtypes are the real ones.
+
+In and out::
+
+    with_run_dtypes(boundary, stage1, model, args, kwargs)  # api.py, once a plan is generated
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from graphsplit.artifacts import BoundarySpec
+from graphsplit.planning.rules.grad_modes import current_modes
+
+__all__ = ["with_run_dtypes"]
+
+
+def with_run_dtypes(
+    boundary: dict[str, BoundarySpec],
+    stage1: nn.Module,
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> dict[str, BoundarySpec]:
+    """``boundary`` with the dtypes stage 1 gives its tensors under the ambient autocast
+    (``boundary`` itself where no autocast is on, or where the example or the weights are on
+    ``meta`` and nothing can run: that split cannot cache, and its dtypes are the analysis's)."""
+    if not current_modes().autocast or _on_meta(model, (args, kwargs)):
+        return boundary
+    buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    try:
+        with torch.no_grad():
+            outputs = stage1(*args, **kwargs)
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                if not torch.equal(buffer, saved):
+                    buffer.copy_(saved)
+    specs = dict(boundary)
+    for name, spec in boundary.items():
+        value = outputs.get(name) if isinstance(outputs, dict) else None
+        if isinstance(value, torch.Tensor) and value.dtype != spec.dtype:
+            per_sample = spec.bytes_per_sample * value.element_size() // spec.dtype.itemsize
+            specs[name] = dataclasses.replace(spec, dtype=value.dtype, bytes_per_sample=per_sample)
+    return specs
+
+
+def _on_meta(model: nn.Module, example: Any) -> bool:
+    leaves = [leaf for leaf in tree_leaves(example) if isinstance(leaf, torch.Tensor)]
+    tensors = [*leaves, *model.parameters(), *model.buffers()]
+    return any(tensor.device.type == "meta" for tensor in tensors)
