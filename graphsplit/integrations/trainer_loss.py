@@ -13,6 +13,7 @@ In and out::
 from __future__ import annotations
 
 import contextlib
+import inspect
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TrainerLoss", "originals", "prepared_forward"]
+__all__ = ["TrainerLoss", "checkpointing_as_train", "originals", "prepared_forward"]
 
 
 class TrainerLoss(nn.Module):
@@ -82,6 +83,45 @@ def prepared_forward(trainer: Any, model: nn.Module) -> Iterator[None]:
             del model.forward
         else:
             model.forward = own
+
+
+def checkpointing_as_train(trainer: Any) -> None:
+    """Switch activation checkpointing on now, as ``trainer.train()`` will, with its options.
+
+    ``train()`` enables it (``args.activation_checkpointing``, formerly
+    ``gradient_checkpointing``) on ``trainer.model`` only as training starts, after
+    ``split_trainer`` planned. A plan made without it caches frozen calls inside what becomes
+    a checkpointed layer; at ``train()`` the layer's recomputation in backward reruns them
+    outside stage 2's answers from the cache, and torch refuses the recomputed values
+    (``CheckpointError``). Planned with it on, calls inside checkpoint regions stay in stage 2.
+    ``train()`` enabling it again changes nothing.
+    """
+    args = trainer.args
+    enabled = getattr(args, "activation_checkpointing", None)
+    if enabled is None:  # transformers before the rename
+        enabled = getattr(args, "gradient_checkpointing", False)
+    if not enabled:
+        return
+    options = getattr(args, "activation_checkpointing_kwargs", None)
+    if options is None:
+        options = getattr(args, "gradient_checkpointing_kwargs", None)
+    options = dict(options or {})
+    every_n_layers, offload = options.pop("every_n_layers", 1), options.pop("offload", False)
+    model = trainer.model
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(
+            activation_checkpointing_kwargs=options or None,
+            every_n_layers=every_n_layers,
+            offload=offload,
+        )
+        return
+    enable = model.gradient_checkpointing_enable
+    accepted = inspect.signature(enable).parameters
+    extra = {"every_n_layers": every_n_layers, "offload": offload}
+    enable(
+        gradient_checkpointing_kwargs=options or None,
+        **{name: value for name, value in extra.items() if name in accepted},
+    )
 
 
 def originals(trainer: Any) -> dict[str, Any]:

@@ -85,7 +85,7 @@ from graphsplit.integrations.trainer_loader import (
     train_dataloader,
     trainer_padding_groups,
 )
-from graphsplit.integrations.trainer_loss import TrainerLoss, originals
+from graphsplit.integrations.trainer_loss import TrainerLoss, checkpointing_as_train, originals
 from graphsplit.integrations.trainer_regroup import plan_groups
 from graphsplit.planning.rules.random_draws import generator_states, set_generator_states
 
@@ -185,6 +185,7 @@ def split_trainer(
         check_trainer(trainer)
     finally:
         set_generator_states(states)
+    checkpointing_as_train(trainer)  # the plan must see the layers train() checkpoints
     if cache_while_training:
         return _split_live(trainer, cache_dir, storage_dtype, overwrite)
     try:

@@ -17,7 +17,10 @@ the first LoRA (the token embedding, layer 0's norm and frozen ``k_proj``, and t
 projections' frozen base layers) is cached in the dtype the plain run computes it in
 (bfloat16 for the linears under the autocast); stage 2 holds no ``embed_tokens`` weight;
 ``compute_loss`` (``TrainerLoss``) under the trainer's forward wrapping verifies on batches of
-two sizes; the cache read back from disk holds one row per block.
+two sizes; the cache read back from disk holds one row per block. (``split_trainer`` used to
+plan before ``train()`` switched checkpointing on: layer 0's cached calls were recomputed in
+backward outside stage 2's answers, a ``CheckpointError``. It now enables checkpointing as
+``train()`` will first: graphsplit/integrations/trainer_loss.py ``checkpointing_as_train``.)
 
 Tiny config: Llama 32 wide, 2 layers, 2 heads (1 KV head), a 40-word word-level tokenizer,
 blocks of 8 tokens.
@@ -38,7 +41,6 @@ pytest.importorskip("peft")
 from accelerate.state import AcceleratorState
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
-from torch.utils.checkpoint import CheckpointError
 from transformers import (
     LlamaForCausalLM,
     Trainer,
@@ -173,26 +175,12 @@ def _assert_trains_as_plain(plain, trainer, parts):
     assert parts.cached is not None and len(parts.cached) == len(trainer.train_dataset)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=CheckpointError,
-    reason="split_trainer plans before train(), and Trainer.train() enables activation "
-    "checkpointing only then (transformers/trainer.py train(): args.activation_checkpointing "
-    "-> model.gradient_checkpointing_enable). The bf16 forward wrapping "
-    "(trainer_loss.prepared_forward) sends the plan to the module-level path, which caches "
-    "layer 0's frozen calls (input_layernorm, k_proj, q_proj/v_proj base_layer); at train() "
-    "that layer becomes a non-reentrant checkpoint region, and its recomputation in backward "
-    "runs outside stage 2's call routing (graphsplit/calls/holders.py answers), recomputes the "
-    "frozen calls and saves other tensors: torch.utils.checkpoint.CheckpointError 'Recomputed "
-    "values ... have different metadata'. With checkpointing on at split time the plan "
-    "leaves calls inside checkpoint regions uncached and it trains (test below)",
-)
 def test_split_trainer_trains_as_the_plain_run_clm_trainer(tmp_path):
     _assert_trains_as_plain(*_train_both(tmp_path))
 
 
 def test_checkpointing_enabled_before_split_trainer_trains_as_plain(tmp_path):
-    """The workaround: what train() will do, done first (PEFT's recipes call it too)."""
+    """What train() will do, done by the user first (PEFT's recipes call it too)."""
 
     def enable(trainer):
         trainer.model.gradient_checkpointing_enable(
