@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import graphsplit
+from graphsplit.planning.meta.meta_failures import AUTOCAST_INSIDE_FIX
 from tests.helpers import assert_stage1_holds_no_trainable
 
 diffusers = pytest.importorskip("diffusers")
@@ -228,8 +229,8 @@ TRACE_MISSES_THE_AUTOCAST = (
     "gives a float32 result where eager gives bfloat16). Repro: with FakeTensorMode(), "
     "torch.autocast('cpu', dtype=torch.bfloat16): nn.Conv2d(4, 8, 3).to('meta')("
     "torch.randn(1, 4, 8, 8, dtype=torch.bfloat16, device='meta')) raises; the same with "
-    "mode.from_tensor(cpu tensors) gives bfloat16. The trace refuses (a TraceError whose fix "
-    "line, 'make the step device-agnostic', is misleading) and path='auto' falls back to "
+    "mode.from_tensor(cpu tensors) gives bfloat16. The trace refuses (a TraceError that now "
+    "names the autocast and the fix: the test below) and path='auto' falls back to "
     "path='calls'. Fix: make the analysis's stand-ins FakeTensors whose fake device is the "
     "weights' device (FakeTensor(mode, meta_elem, device=cpu)), or mirror the ambient "
     "autocast state onto the ops run on meta"
@@ -242,6 +243,18 @@ def test_the_trace_runs_the_prepared_unet_under_its_autocast(built):
     split = graphsplit.split(parts.step, (_batch(2),), path="trace")
     checks = graphsplit.verify(parts.step, split, (_batch(2),))
     assert checks and all(c.ok for c in checks)
+
+
+def test_the_trace_refusal_names_the_autocast_and_the_fix(built):
+    """What the trace's refusal says (its message used to tell the user to make the step
+    device-agnostic)."""
+    parts, _ = built
+    with pytest.raises(graphsplit.TraceError) as refusal:
+        graphsplit.split(parts.step, (_batch(2),), path="trace")
+    message = str(refusal.value)
+    assert "under an autocast (cpu: bfloat16) the step's code entered" in message
+    assert "device-agnostic" not in message
+    assert AUTOCAST_INSIDE_FIX.words in message
 
 
 @pytest.mark.xfail(

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphsplit
+from graphsplit.planning.meta.meta_failures import AUTOCAST_INSIDE_FIX
 from graphsplit.planning.rules.grad_modes import (
     AUTOCAST_FIX,
     ENABLE_GRAD_FIX,
@@ -383,3 +384,43 @@ def test_a_module_also_run_with_gradients_is_told_to_detach():
         graphsplit.split(step, (torch.randn(2, 4),), path="trace")
     fix = str(info.value).split("fix:", 1)[1]
     assert "requires_grad_(False)" not in fix and ".detach()" in fix
+
+
+# -- refused: an autocast entered inside a leaf, on meta ------------------------------------
+class PreparedUnet(nn.Module):
+    """A trainable module whose ``forward`` accelerate's ``prepare`` wrapped in its autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.forward = torch.autocast("cpu", dtype=torch.bfloat16)(self.forward)
+
+    def forward(self, latents):
+        return self.conv(latents)
+
+
+class Bfloat16VaeThenPreparedUnet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.vae = nn.Conv2d(3, 4, 3, padding=1).to(torch.bfloat16).requires_grad_(False)
+        self.unet = PreparedUnet()
+
+    def forward(self, pixels, target):
+        latents = self.vae(pixels.to(torch.bfloat16))
+        return F.mse_loss(self.unet(latents).float(), target)
+
+
+def test_a_meta_failure_under_an_autocast_the_step_entered_names_it_and_the_fix():
+    step = Bfloat16VaeThenPreparedUnet()
+    args = (torch.randn(2, 3, 8, 8), torch.randn(2, 4, 8, 8))
+    with pytest.raises(graphsplit.TraceError) as refusal:
+        graphsplit.split(step, args, path="trace")
+    message = str(refusal.value)
+    assert "failed under an autocast (cpu: bfloat16) the step's code entered" in message
+    assert "Input type (c10::BFloat16)" in message  # torch's own words, kept
+    assert AUTOCAST_INSIDE_FIX.words in message
+    assert line_of(Bfloat16VaeThenPreparedUnet.forward, "self.unet(latents)") in message
+    split = graphsplit.split(step, args)  # path="auto": the module-level path, exact
+    assert "failed under an autocast" in split.reason
+    checks = graphsplit.verify(step, split, args)
+    assert checks and all(check.ok for check in checks)

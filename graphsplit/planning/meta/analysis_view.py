@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from graphsplit.planning.meta import call_memo, shared_memos
 from graphsplit.planning.meta.call_memo import CallMemo
+from graphsplit.planning.meta.meta_failures import note_autocast
 from graphsplit.planning.meta.module_moves import moves_stay_on_meta
 from graphsplit.planning.meta.op_memo import OpMemo
 from graphsplit.planning.patching.module_state import is_helper_object, restore_attributes
@@ -75,7 +76,11 @@ class _StrayTensorsToMeta(TorchFunctionMode):
             return torch.tensor(True, device="cpu")  # a fake constant: .item() is True
         if _meta_meets_other_device((args, kwargs)):
             args, kwargs = to_meta((args, kwargs))
-        return func(*args, **kwargs)
+        try:  # free until raised (Python 3.11's zero-cost try)
+            return func(*args, **kwargs)
+        except Exception as exc:
+            note_autocast(exc)  # a composite op's checks raise above the dispatch modes
+            raise
 
 
 _IS_ALL_TRUE = torch.Tensor._is_all_true

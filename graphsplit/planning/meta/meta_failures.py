@@ -22,11 +22,13 @@ In: the op memo's value-reading ops; the exception of every node whose meta run 
     reads_values(func) -> bool
     run_value_reading_op(func, args, kwargs) -> Any   # a failure: one of VALUE_READ_FAILURES
     meta_failure(node, exc) -> TraceError   # a TensorValueError for a value read, naming its line
+    note_autocast(exc)                      # as an op fails (analysis_view): the autocasts on
     ArgumentWritten                         # a module wrote into a dict / list argument
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -39,6 +41,13 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from graphsplit.errors import Fix, TensorValueError, TraceError, user_error
 from graphsplit.planning.rules.user_lines import describe, frame_location_of, is_internal
+
+AUTOCAST_INSIDE_FIX = Fix(
+    'split with path="auto" (the default) or path="calls": the module-level path runs the '
+    "step's own code under its autocast; or split before accelerator.prepare wraps the "
+    "model's forward in its autocast, with the autocast around graphsplit.split, "
+    "graphsplit.cache and training"
+)
 
 # What torch raises at an op that needs a tensor's value: the fake mode for an op whose result
 # is a value, or whose output shape depends on values; a shape environment (none in the
@@ -143,6 +152,29 @@ def copies_tensor_items(node: fx.Node) -> bool:
     return bool(found)
 
 
+# The device types whose autocast a failing op is checked for (grad_modes compares the same).
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def note_autocast(exc: Exception) -> None:
+    """Record on ``exc`` the autocasts that were on when an op of a meta run failed.
+
+    ``torch.autocast`` casts only tensors of its own device type, never the analysis's meta
+    stand-ins. Code that enters an autocast itself (accelerate's ``prepare`` wraps a model's
+    ``forward`` in one) feeds a bfloat16 tensor to a float32 layer, which the real run casts
+    first and a meta kernel refuses ("Input type (c10::BFloat16) and bias type (float)").
+    Told by :func:`meta_failure` once the node's run has ended, when the autocast is off again.
+    """
+    if not hasattr(exc, "graphsplit_autocast"):
+        on = tuple(
+            (device, torch.get_autocast_dtype(device))
+            for device in _AUTOCAST_DEVICES
+            if torch.is_autocast_enabled(device)
+        )
+        with contextlib.suppress(AttributeError):  # an exception type without a __dict__
+            exc.graphsplit_autocast = on  # type: ignore[attr-defined]
+
+
 def meta_failure(node: fx.Node, exc: Exception) -> TraceError:
     """The error for ``node``, whose meta run raised ``exc``: a :class:`TensorValueError` when
     ``exc`` is a value read (:data:`VALUE_READ_FAILURES`, or a tensor built from tensor items:
@@ -190,6 +222,20 @@ def meta_failure(node: fx.Node, exc: Exception) -> TraceError:
                 'split with path="auto" (the default) or path="calls": the module-level path '
                 "runs the step's own code, and caches the module's output"
             ),
+        )
+    autocast = getattr(exc, "graphsplit_autocast", ())
+    if autocast:
+        modes = ", ".join(
+            f"{device}: {str(dtype).removeprefix('torch.')}" for device, dtype in autocast
+        )
+        return user_error(
+            TraceError,
+            f"Running this operation on meta tensors failed under an autocast ({modes}) the "
+            f"step's code entered: {type(exc).__name__}: {message}. graphsplit's analysis runs "
+            "ops on meta tensors, which autocast does not cast, so dtypes meet here that the "
+            "real run casts first.",
+            node=node,
+            fix=AUTOCAST_INSIDE_FIX,
         )
     return user_error(
         TraceError,
