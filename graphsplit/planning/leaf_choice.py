@@ -8,6 +8,10 @@ would hide something the plan needs to see:
   UNet), or it is frozen and judged to mix the batch's samples while returning several values,
   and its inputs are cacheable (but for one number for the batch, the Trainer's
   ``num_items_in_batch``): traced into, the cut can separate the halves;
+- a **wrapper of the step's own code**: a frozen module whose class the user wrote (not an
+  installed library's) holding a module with parameters, fed cacheable values beside
+  trainable ones (DeiT's ``DistillationLoss(samples, outputs, labels)`` running its teacher
+  on ``samples``): traced into, its frozen call on the cacheable values alone is cacheable;
 - a **call under changed state**: the step's own Python changed an attribute of the leaf or of
   a module under it before the call (Diffusion-DPO's ``unet.disable_adapters()`` before the
   reference prediction, a teacher's ``eval()`` in the step), which the tracer marks
@@ -33,6 +37,7 @@ In: the model; the traced graph and the trainable parameter names; the leaf name
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,6 +49,7 @@ from graphsplit.artifacts import TaintKind, Traced
 from graphsplit.errors import Fix, TraceError, user_error
 from graphsplit.planning.cut.boundary import facts, module_owner
 from graphsplit.planning.patching.module_writes import STATE_AT_CALL
+from graphsplit.planning.rules.user_lines import is_user_code
 
 CHANGED_STATE_FIX = Fix(
     'split with path="auto" (the default) or path="calls": the module-level path runs the '
@@ -107,6 +113,9 @@ def calls_worth_tracing(
         numbers_only = all(_one_number(arg) for arg in tainted)
         if (mixed or mixing_frozen) and inputs and numbers_only:
             mixed_calls.add(owner.target)
+        partly_tainted = frozen and tainted and len(tainted) < len(inputs)
+        if partly_tainted and not numbers_only and _users_wrapper(model, str(owner.target)):
+            mixed_calls.add(owner.target)
         if frozen and tainted and len(tainted) < len(inputs) and numbers_only:
             counted.update(_library_modules_under(model, str(owner.target)))
     return frozenset(mixed_calls), frozenset(counted)
@@ -125,8 +134,24 @@ def why_traced_into(
         )
     return (
         "its inputs are cacheable and, as one call, it mixes frozen and trainable parameters "
-        "or the batch's samples"
+        "or the batch's samples; or it is the step's own module holding a frozen one, fed "
+        "cacheable values beside trainable ones"
     )
+
+
+def _users_wrapper(model: nn.Module, path: str) -> bool:
+    """Whether the leaf at ``path`` is a module class of the user's own code holding a module
+    with parameters: DeiT's ``DistillationLoss(inputs, outputs, labels)``, which runs its
+    frozen teacher on the batch's ``inputs`` beside the student's ``outputs``. As one call it
+    is tainted by ``outputs``; traced into, the teacher's call on ``inputs`` alone is
+    cacheable. A library's frozen model fed trainable values beside cacheable ones (a frozen
+    UNet given a ControlNet's residuals) stays one call: tracing into it costs the planning
+    time of the whole model for little."""
+    module = model.get_submodule(path)
+    source = getattr(sys.modules.get(type(module).__module__), "__file__", None)
+    if source is None or not is_user_code(source):
+        return False
+    return any(next(child.parameters(), None) is not None for child in module.children())
 
 
 def _library_modules_under(model: nn.Module, path: str) -> list[str]:

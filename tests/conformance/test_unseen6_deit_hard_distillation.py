@@ -23,8 +23,13 @@ example and on a batch of another size), the teacher's work is cached (its logit
 argmax in the boundary, its weights not held by stage 2), and a cache written through the
 disk trains stage 2 exactly.
 
+The default path traces into the criterion (the script's own module holding the frozen
+teacher, fed the raw ``samples`` beside the student's ``outputs``) and caches the teacher's
+argmax; it used to keep the criterion whole and cache nothing (the module-level path, which
+opens it too, cached the teacher's logits: still tested).
+
 A control (not DeiT's code): the same loss with the teacher called in the step body instead of
-inside the criterion module, to show which of the two the tracer handles.
+inside the criterion module.
 
 Tiny configs: DeiT 32 wide, 2 layers, 16 px in 4 px patches, 10 classes; ResNet basic blocks
 (8, 16) channels.
@@ -191,10 +196,7 @@ _BUILT: dict[str, tuple] = {}
 def _built(form: str):
     if form not in _BUILT:
         teacher_model, model, step, params = build(form)
-        # DeiT's own form on the module-level path: the trace keeps the criterion whole and
-        # caches nothing (see the test below), and path="auto" takes it as it stands.
-        path = "calls" if form == "deit" else "auto"
-        split = graphsplit.split(step, _batch(2), path=path)
+        split = graphsplit.split(step, _batch(2))
         _BUILT[form] = (teacher_model, model, step, params, split)
     return _BUILT[form]
 
@@ -230,8 +232,11 @@ def test_deit_caches_the_teacher_called_inside_the_criterion():
     """The module-level path opens ``criterion`` (a module holding only the frozen teacher,
     every call of it fed the student's outputs) and caches the teacher's call inside it: its
     logits cross, the teacher's weights are not held."""
-    _teacher, model, _step, _params, split = _built("deit")
-    assert split.path == "calls"
+    _teacher, model, step, _params, _split = _built("deit")
+    split = graphsplit.split(step, _batch(2), path="calls")
+    for seed, batch in enumerate([_batch(2), _batch(3, seed=1)]):
+        checks = graphsplit.verify(step, split, batch, seed=seed)
+        assert checks and all(c.ok for c in checks), [c for c in checks if not c.ok]
     held = {name for name, _ in split.stage2.named_parameters()}
     assert not any("teacher_model" in name for name in held), sorted(held)
     trainable = {n for n, p in split.stage2.named_parameters() if p.requires_grad}
@@ -275,14 +280,12 @@ def test_deit_cache_round_trip(form, tmp_path):
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="path='auto' keeps the whole-step trace's split, which caches nothing (it keeps "
-    "`criterion` whole: boundary samples, targets), though path='calls' caches the teacher; "
-    "auto does not compare what the two paths cache (a trace plan of the inputs alone is "
-    "often the min-cut's own choice, so 'caches nothing' is no signal by itself)",
-)
-def test_auto_caches_the_teacher_called_inside_the_criterion():
-    _teacher, _model, step, _params, _split = _built("deit")
-    split = graphsplit.split(step, _batch(2))
-    assert split.path == "calls"
+def test_auto_traces_into_the_criterion_and_caches_the_teacher():
+    """The criterion is the script's own module holding the frozen teacher, fed the batch's
+    ``samples`` beside the student's ``outputs``: the trace goes into it (it used to keep it
+    whole, tainted by ``outputs``, and cache nothing), and the teacher's call on ``samples``
+    alone is cached."""
+    _teacher, model, _step, _params, split = _built("deit")
+    assert split.path == "trace"
+    assert any(note.startswith("traced into criterion") for note in split.notes), split.notes
+    _assert_caches_the_teacher(split, model)

@@ -130,3 +130,63 @@ def test_inference_mode_inside_a_frozen_leaf_splits_exactly(path):
     split_and_verify(model, (batch(5, 4),), path=path)
     with torch.inference_mode():  # the step's own inference mode still works after a split
         assert model.encoder(batch(2, 4)).is_inference()
+
+
+# -- the step's own module holding a frozen one, fed trainable and cacheable values ----------
+class TeacherLoss(nn.Module):
+    """DeiT's ``DistillationLoss`` in small: the frozen teacher runs on the raw ``inputs``,
+    the student's ``outputs`` meet its answer in the loss."""
+
+    def __init__(self, teacher: nn.Module) -> None:
+        super().__init__()
+        self.teacher = teacher
+
+    def forward(self, inputs, outputs, labels):
+        with torch.no_grad():
+            hard = self.teacher(inputs).argmax(dim=1)
+        return nn.functional.cross_entropy(outputs, hard) + nn.functional.cross_entropy(
+            outputs, labels
+        )
+
+
+class StudentWithTeacherLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.student = nn.Linear(8, 5)
+        self.criterion = TeacherLoss(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 5)))
+        self.criterion.requires_grad_(False)
+
+    def forward(self, samples, labels):
+        return self.criterion(samples, self.student(samples), labels)
+
+
+class FrozenAttentionOverCacheable(nn.Module):
+    """torch's own frozen ``MultiheadAttention`` fed a trainable query beside cacheable keys:
+    a library's module, kept one call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.query = nn.Linear(8, 8)
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True).requires_grad_(False)
+
+    def forward(self, x):
+        return self.attention(self.query(x), x, x)[0].pow(2).mean()
+
+
+def test_the_steps_own_module_holding_a_frozen_one_is_traced_into():
+    step = StudentWithTeacherLoss()
+    labels = torch.tensor([0, 3, 1, 4])
+    split = split_and_verify(step, (batch(4, 8), labels))
+    assert "traced into criterion" in " ".join(split.notes)
+    assert not [name for name, _ in split.stage2.named_parameters() if "teacher" in name]
+    assert [spec.dtype for name, spec in split.boundary.items() if name.startswith("argmax")] == [
+        torch.int64
+    ]
+
+
+def test_a_library_module_fed_trainable_and_cacheable_values_stays_one_call():
+    split = split_and_verify(FrozenAttentionOverCacheable(), (batch(3, 4, 8),))
+    assert not any("traced into attention" in note for note in split.notes)
+    assert [name for name, _ in split.stage2.named_parameters() if name.startswith("attention")]

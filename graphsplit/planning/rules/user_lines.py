@@ -60,6 +60,12 @@ def is_internal(filename: str) -> bool:
 _INTERNAL: dict[str, bool] = {}
 
 
+def is_user_code(filename: str) -> bool:
+    """True for the user's own files: neither internal (:func:`is_internal`) nor an installed
+    package's (site-packages)."""
+    return not is_internal(filename) and not filename.startswith(_PACKAGE_DIRS)
+
+
 def user_frame() -> FrameType | None:
     """The innermost frame on the current stack that is not torch's or graphsplit's."""
     frame = sys._getframe(1)
