@@ -415,3 +415,13 @@ class _Dispatching:
     @property
     def __signature__(self) -> inspect.Signature:
         return inspect.signature(getattr(self.plans, self.name))
+
+    @property
+    def __code__(self) -> types.CodeType:
+        # torch.compile(stage) files the GraphModule under ``forward.__code__`` (a bound
+        # method answers its function's): the dispatcher method's code, as before.
+        return getattr(type(self.plans), self.name).__code__
+
+    @property
+    def __name__(self) -> str:
+        return self.name
