@@ -25,15 +25,32 @@ Handler = Callable[[CallId, nn.Module, Callable[..., Any], tuple[Any, ...], dict
 
 
 def frozen_modules(model: nn.Module, trainable: frozenset[str]) -> dict[str, nn.Module]:
-    """Every module below ``model`` whose parameters (at least one) are all frozen, by path."""
+    """Every module below ``model`` whose parameters (at least one) are all frozen, by path.
+
+    Told by identity, not by name: ``trainable`` names each parameter once, under its first
+    path (``named_parameters`` drops the aliases), and a tied one has others. T5's and BART's
+    ``encoder.embed_tokens`` and ``decoder.embed_tokens`` hold the trainable ``shared.weight``:
+    judged by their own paths they looked frozen, their lookups were cached, and the shared
+    embedding lost that part of its gradient."""
+    moving = trainable_parameter_ids(model, trainable)
     found: dict[str, nn.Module] = {}
     for path, module in model.named_modules():
         if not path:
             continue
-        names = [f"{path}.{name}" for name, _ in module.named_parameters()]
-        if names and not any(name in trainable for name in names):
+        params = list(module.parameters())
+        if params and not any(id(param) in moving for param in params):
             found[path] = module
     return found
+
+
+def trainable_parameter_ids(model: nn.Module, trainable: frozenset[str]) -> frozenset[int]:
+    """The ``id`` of every parameter of ``model`` that ``trainable`` names (under any of its
+    tied paths)."""
+    return frozenset(
+        id(param)
+        for name, param in model.named_parameters(remove_duplicate=False)
+        if name in trainable
+    )
 
 
 def key_of(call: CallId, field: str) -> str:

@@ -29,13 +29,14 @@ splits). Checked: ``verify`` bit for bit on a batch of 4 and the short batch of 
 cached and no teacher weights in stage 2, and a cache of the whole loader (batches of two
 padded lengths and two sizes) round-tripped through disk with the step's loss and gradients.
 
-With the whole student trained (the script's default) this fails: T5 ties
+With the whole student trained (the script's default) this used to fail: T5 ties
 ``encoder.embed_tokens`` / ``decoder.embed_tokens`` to ``shared``, and the module-level path
-takes the two embedding modules for frozen ones and caches their lookups, so stage 2 loses
-that part of ``shared.weight``'s gradient (``verify`` reports it). Those tests, and the
-mechanism on a toy module, are strict xfails (``TIED_EMBEDDINGS`` gives the diagnosis). With
-the script's ``--freeze_embeds`` (``freeze_embeds(self.model)``) caching the lookups is right,
-and the same checks pass.
+took the two embedding modules for frozen ones (judged by their own parameter paths, which the
+root's deduplicated names do not list) and cached their lookups, so stage 2 lost that part of
+``shared.weight``'s gradient (``verify`` reported it). graphsplit/calls/module_calls.py
+``frozen_modules`` now tells trainable parameters by identity; the toy module below pins it.
+With the script's ``--freeze_embeds`` (``freeze_embeds(self.model)``) caching the lookups is
+right, and the same checks pass.
 
 Models: T5, vocab of the word-level tokenizer (built locally), teacher 2+2 layers of width 32,
 student 1+1 layers of width 24, random weights.
@@ -364,18 +365,6 @@ def test_the_collator_gives_batches_of_two_sizes_and_two_padded_lengths():
     assert "decoder_input_ids" in batches[0]  # the collator's; the step shifts labels itself
 
 
-TIED_EMBEDDINGS = (
-    "graphsplit/calls/module_calls.py:frozen_modules judges a module frozen when none of "
-    "f'{path}.{name}' for its parameters is in `trainable`, the names of the root's "
-    "deduplicated named_parameters(). T5 ties encoder.embed_tokens and decoder.embed_tokens to "
-    "`shared` (listed once, as model.shared.weight), so the two embedding modules of the "
-    "trainable student look frozen: the module-level path caches their outputs and stage 2 "
-    "loses the embedding's gradient from the lookups (grad of shared.weight differs; loss "
-    "equal). Fix: compare parameter identity (id(p) of the trainable parameters) instead of "
-    "qualified names."
-)
-
-
 def _check_split(distiller, loader):
     step = training_step_of(distiller)
     first, _, last = list(loader)
@@ -393,7 +382,6 @@ def _check_split(distiller, loader):
     assert_stage1_holds_no_trainable(split)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=TIED_EMBEDDINGS)
 def test_a_tied_alias_of_a_trainable_embedding_is_not_a_frozen_module():
     """The mechanism alone, on the module-level path: a trainable ``shared`` embedding tied to
     an ``embed_tokens`` module, a frozen teacher; only the teacher may be cached."""
@@ -417,12 +405,10 @@ def test_a_tied_alias_of_a_trainable_embedding_is_not_a_frozen_module():
     assert not any(key.startswith("embed_tokens") for key in split.boundary), list(split.boundary)
 
 
-@pytest.mark.xfail(strict=True, raises=graphsplit.VerifyError, reason=TIED_EMBEDDINGS)
 def test_split_caches_the_teacher_and_verifies_on_full_and_short_batches():
     _check_split(*build())
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=TIED_EMBEDDINGS)
 def test_the_loader_round_trips_through_disk_with_the_steps_losses_and_gradients(tmp_path):
     distiller, loader = build()
     step = training_step_of(distiller)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from graphsplit.calls.module_calls import trainable_parameter_ids
 from graphsplit.errors import Fix, SplitError, user_error
 from graphsplit.planning.rules.user_lines import describe, frame_location, user_frame
 
@@ -29,10 +30,11 @@ def under_no_grad_only(
 ) -> dict[str, str]:
     """The outermost modules of ``step`` holding only trainable parameters that ``run()``
     called, every time with gradients disabled, by path: the line of their first call."""
+    moving = trainable_parameter_ids(step, trainable)
     watched = {
         path: module
         for path, module in step.named_modules()
-        if path and _only_trainable(path, module, trainable)
+        if path and _only_trainable(module, moving)
     }
     outermost = {
         path: module
@@ -61,9 +63,9 @@ def under_no_grad_only(
     return {path: line for path, (line, only) in seen.items() if only}
 
 
-def _only_trainable(path: str, module: nn.Module, trainable: frozenset[str]) -> bool:
-    names = [f"{path}.{name}" for name, _ in module.named_parameters()]
-    return bool(names) and all(name in trainable for name in names)
+def _only_trainable(module: nn.Module, moving: frozenset[int]) -> bool:
+    params = list(module.parameters())
+    return bool(params) and all(id(param) in moving for param in params)
 
 
 def no_frozen_call(listed: str, unfrozen: dict[str, str]) -> SplitError:
