@@ -87,7 +87,7 @@ def verify(
     try:
         out_model, grads_model = _run(lambda: model(*args, **kwargs), params, seed)
         out_split, grads_split = _run(
-            lambda: split.stage2(**split.stage1(*args, **kwargs)), params, seed
+            lambda: split.stage2(**_as_cached(split.stage1(*args, **kwargs))), params, seed
         )
     finally:
         for (_, param), grad in zip(params, saved):
@@ -107,6 +107,18 @@ def verify(
             fix=MISMATCH_FIX,
         )
     return comparisons
+
+
+def _as_cached(boundary: Any) -> Any:
+    """Stage 1's outputs as the cache hands them to stage 2: detached. A gradient that reached
+    a trainable parameter only through stage 1's own autograd graph would be lost from a cache
+    (a value cached that should not be), and verify must see that too."""
+    if not isinstance(boundary, dict):
+        return boundary
+    return {
+        key: value.detach() if isinstance(value, torch.Tensor) else value
+        for key, value in boundary.items()
+    }
 
 
 def _run(

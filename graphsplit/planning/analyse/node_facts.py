@@ -42,6 +42,7 @@ from graphsplit.artifacts import (
     Traced,
 )
 from graphsplit.errors import Fix, GraphsplitError, TraceError, user_error
+from graphsplit.planning.analyse.constant_grads import params_behind
 from graphsplit.planning.meta.op_recorder import OP_RECORD
 from graphsplit.planning.meta.probe_interpreter import NodeMode, ProbeInterpreter
 from graphsplit.planning.rules.baked_sizes import fixed_number
@@ -121,7 +122,10 @@ def resolve_params(traced: Traced, model: nn.Module, param_names: dict[int, str]
         facts = node.meta.get("facts")
         if facts is None or node.op not in ("get_attr", "call_module"):
             continue
-        node.meta["facts"] = replace(facts, params=_params_read(node, model, param_names))
+        read = _params_read(node, model, param_names)
+        if not read and node.op == "get_attr":
+            read = params_behind(node, traced.constants.get(str(node.target)), param_names)
+        node.meta["facts"] = replace(facts, params=read)
 
 
 def batch_layout_of(
