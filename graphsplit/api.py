@@ -24,6 +24,7 @@ from torch import nn
 
 from graphsplit.artifacts import BoundarySpec, Cut
 from graphsplit.calls import CallSplit, generators, split_calls
+from graphsplit.calls.unfrozen import NOTHING_FROZEN_FIX
 from graphsplit.errors import Fix, SplitError, TraceError, user_error
 from graphsplit.planning.codegen.compiled_calls import compiled_code_notes
 from graphsplit.planning.codegen.stages import build_stage1, build_stage2, standalone_source
@@ -213,6 +214,12 @@ def split(
                 recompute=recompute,
             )
         except Exception as calls_refusal:  # the step may not even run eagerly (meta weights)
+            if getattr(calls_refusal, "fix", None) is NOTHING_FROZEN_FIX:
+                # Nothing to cache by any path: that, not the trace's complaint, comes first.
+                calls_refusal.add_note(
+                    f"(the whole-step trace refused it too: {_whole_message(refusal)})"
+                )
+                raise calls_refusal from refusal
             why = getattr(calls_refusal, "reason", None) or str(calls_refusal)
             fix = getattr(calls_refusal, "fix", None)
             refusal.add_note(

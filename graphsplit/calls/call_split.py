@@ -179,7 +179,7 @@ def split_calls(
             trainable,
             lambda: probe(module, step.args, step.kwargs, routed, SEEDS[0], batch_size),
         )
-        raise no_frozen_call(listed, unfrozen)
+        raise no_frozen_call(listed, unfrozen, called=bool(verdicts))
     # A frozen layer computing from what stage 2 reads anyway may be cheaper to redo there.
     redone = redone_calls(
         candidates,

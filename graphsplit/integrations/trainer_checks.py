@@ -26,7 +26,7 @@ from graphsplit.integrations.trainer_groups import (
     Indexed,
     PaddingGroups,
 )
-from graphsplit.integrations.trl_checks import refuse_preference_trainers
+from graphsplit.integrations.trl_checks import is_a, refuse_preference_trainers
 
 __all__ = [
     "BATCH_BUILDING_METHODS",
@@ -105,6 +105,19 @@ def check_trainer(trainer: Any) -> None:
             fix=Fix("pass train_dataset=... to the Trainer (a datasets.Dataset or a list)"),
         )
     own = batch_building_methods(type(trainer))
+    if own and any(is_a(trainer, name) for name in ON_POLICY_RL_TRAINERS):
+        raise user_error(
+            SplitError,
+            f"{type(trainer).__name__} builds its training batches itself ({', '.join(own)} "
+            "overridden): every step the policy generates completions there, and its reward "
+            "and its ref_model score them. What the frozen reference sees is made by the "
+            "policy during training, so nothing of it can be cached before.",
+            fix=Fix(
+                "train it as it is; for an offline objective over fixed completions, "
+                "trl.DPOTrainer with graphsplit.integrations.trl.cache_reference_log_probs "
+                "caches the reference"
+            ),
+        )
     if own:
         raise user_error(
             SplitError,
@@ -172,6 +185,9 @@ def refuse_a_teacher_it_cannot_cache(trainer: Any) -> None:
         fix=TEACHER_FIX,
     )
 
+
+# TRL's trainers whose policy generates the completions its reference and rewards score.
+ON_POLICY_RL_TRAINERS = ("GRPOTrainer", "RLOOTrainer", "PPOTrainer", "OnlineDPOTrainer")
 
 # The Trainer methods through which a trainer makes its own training batches.
 BATCH_BUILDING_METHODS = ("_prepare_inputs", "get_train_dataloader", "_get_train_sampler")

@@ -10,11 +10,10 @@ every parameter of the step trains, so there is nothing a cache could hold.
 
 What graphsplit must do: refuse clearly, write nothing. Checked:
 
-- ``split_trainer`` refuses, writes no cache, and its module-level note says the step calls no
-  frozen module (passes);
-- the refusal's headline is the whole-step trace's ``TrainableSideError``, whose fix asks to
-  rewrite TRL's own metrics line with tensor ops (following it would cache nothing): strict
-  xfail, with the diagnosis.
+- ``split_trainer`` refuses, writes no cache, and says the step calls no frozen module;
+- that leads the refusal: nothing of this step can be cached, train it as it is (the whole-step
+  trace's ``TrainableSideError``, whose fix asked to rewrite TRL's own metrics line with tensor
+  ops for nothing, used to be the headline; it is a note now).
 
 Model: ``Qwen2ForCausalLM``, 1 layer, hidden 16, vocab 64, random weights; a word-level
 tokenizer built locally (``tests/integrations/dpo.py``).
@@ -25,6 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from graphsplit.calls.unfrozen import NOTHING_FROZEN_FIX
 from graphsplit.errors import GraphsplitError
 
 pytest.importorskip("trl")
@@ -73,27 +73,14 @@ def _refusal(tmp_path) -> GraphsplitError:
 def test_split_trainer_refuses_a_trainer_with_nothing_frozen_and_writes_nothing(tmp_path):
     error = _refusal(tmp_path)
     whole = "\n".join([str(error), *getattr(error, "__notes__", [])])
-    assert "cpo_trainer.py:" in whole
-    assert "(the step calls no frozen module)" in whole, whole
+    assert "cpo_trainer.py:" in whole  # the trace's refusal, kept as a note
+    assert "it calls no frozen module" in whole, whole
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "split_trainer -> graphsplit/api.py:split (path='auto') raises the whole-step trace's "
-        "TrainableSideError ('CPOTrainer.get_batch_loss_metrics reads tensor values and reads "
-        "the trainable parameter ...', fix: 'replace .item()/.tolist()/nonzero-style code with "
-        "tensor ops') pointing at TRL's metrics line (cpo_trainer.py: "
-        "metrics[...] = ...mean().item()); the module-level path's finding, that the step calls "
-        "no frozen module at all, is only a note. Nothing of a CPO step can be cached, so the "
-        "headline fix sends the user to rewrite TRL for nothing. Proposed: split_trainer (or "
-        "api.split) checks first whether the trainer's modules hold any frozen parameter and "
-        "refuses with 'nothing to cache: every parameter trains (CPOTrainer has no reference "
-        "model); train it as it is', or api.split leads with the module-level refusal when it "
-        "found no frozen module called at all."
-    ),
-)
 def test_the_refusal_leads_with_nothing_to_cache(tmp_path):
+    """It used to lead with the trace's TrainableSideError, whose fix sent the user to rewrite
+    TRL's metrics line for nothing: a CPO step holds nothing frozen to cache."""
     headline = str(_refusal(tmp_path))
     assert "replace .item()" not in headline, headline
-    assert "frozen" in headline.split("fix:", 1)[0], headline
+    assert headline.startswith("nothing of this step can be cached"), headline
+    assert NOTHING_FROZEN_FIX.words in headline

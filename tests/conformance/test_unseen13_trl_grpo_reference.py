@@ -17,14 +17,12 @@ during training (on-policy), so nothing of the step can be cached before trainin
 
 - ``split_trainer`` refuses before anything runs or is written, naming ``GRPOTrainer`` and the
   batch-building methods it overrides (passes);
-- the refusal's reason and fix speak of distillation (a "frozen teacher", "distil on fixed
-  completions") where a GRPO user has a reference model and a reward: strict xfail, with the
-  diagnosis;
+- the refusal speaks of GRPO's generation and its ref_model, not of distillation (it used to
+  give the on-policy distillation trainers' reason and fix: "distil on fixed completions");
 - ``graphsplit.split`` on the trainer's ``compute_loss`` (``TrainerLoss``) over a batch TRL
-  prepared itself refuses, its module-level note saying the step calls no frozen module: the
-  reference ran in ``_prepare_inputs``, outside ``compute_loss`` (passes); but that refusal's
-  headline is the whole-step trace's, whose fix asks to rewrite TRL's metrics line with tensor
-  ops, which would cache nothing: strict xfail, with the diagnosis.
+  prepared itself refuses: the reference ran in ``_prepare_inputs``, outside ``compute_loss``,
+  so the step calls no frozen module, and that leads the refusal (the whole-step trace's
+  refusal, whose fix asked to rewrite TRL's metrics line, is a note).
 
 Model: ``Qwen2ForCausalLM``, 1 layer, hidden 16, vocab 64, random weights; a word-level
 tokenizer built locally (``tests/integrations/dpo.py``).
@@ -125,29 +123,13 @@ def test_split_trainer_refuses_grpo_naming_the_trainer_and_writes_nothing(tmp_pa
     assert not (tmp_path / "cache").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "graphsplit/integrations/trainer_checks.py:check_trainer refuses every trainer that "
-        "overrides _prepare_inputs / get_train_dataloader / _get_train_sampler with one message "
-        "written for on-policy distillation: its reason cites 'TRL's on-policy "
-        "DistillationTrainer / GKDTrainer' and 'the frozen model', and its fix says 'distil on "
-        "fixed completions instead: subclass Trainer or trl.SFTTrainer with a compute_loss that "
-        "calls the frozen teacher'. A GRPOTrainer has no teacher and is not distilling: its "
-        "ref_model scores completions the policy generates every step (_prepare_inputs -> "
-        "_generate_and_score_completions), so nothing is cacheable and the fix to give is to "
-        "train it as it is (or, for an offline objective with a cacheable reference, "
-        "trl.DPOTrainer with graphsplit.integrations.trl.cache_reference_log_probs). Proposed: "
-        "word the refusal by trainer family (is_a(trainer, 'GRPOTrainer') / 'RLOOTrainer': "
-        "on-policy RL; DistillationTrainer / GKDTrainer: on-policy distillation)."
-    ),
-)
 def test_the_refusal_speaks_of_grpos_generation_not_of_distillation(tmp_path):
     trainer = make_trainer(tmp_path)
     message = str(_refusal(trainer, tmp_path / "cache"))
     reason, fix = message.split("fix:", 1)
     assert "generat" in reason and "ref_model" in reason, reason
     assert "distil" not in fix and "teacher" not in fix, fix
+    assert "train it as it is" in fix
 
 
 def test_compute_loss_on_trls_prepared_batch_has_no_frozen_call_to_cache(tmp_path):
@@ -161,24 +143,10 @@ def test_compute_loss_on_trls_prepared_batch_has_no_frozen_call_to_cache(tmp_pat
     with pytest.raises(GraphsplitError) as caught:
         graphsplit.split(loss, (prepared,))
     whole = "\n".join([str(caught.value), *getattr(caught.value, "__notes__", [])])
-    assert "grpo_trainer.py:" in whole
-    assert "(the step calls no frozen module)" in whole, whole
+    assert "grpo_trainer.py:" in whole  # the trace's refusal, as a note
+    assert "it calls no frozen module" in whole, whole
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "graphsplit/api.py:split (path='auto') raises the whole-step trace's refusal and adds the "
-        "module-level path's as a note. Here the trace's headline is a TrainableSideError whose "
-        "fix is to rewrite TRL's own metrics line (grpo_trainer.py: "
-        "self._metrics[mode]['kl'].append(global_masked_mean(per_token_kl))) with tensor ops, "
-        "while the module-level path found the real answer: the step calls no frozen module at "
-        "all (GRPO's reference ran in _prepare_inputs), so following that fix caches nothing. "
-        "Proposed: when split_calls refuses with no frozen module called at all "
-        "(calls/call_split.py: no_frozen_call with an empty verdict list), lead with that "
-        "(nothing of this step can be cached) and keep the trace's refusal as the note."
-    ),
-)
 def test_that_refusal_leads_with_nothing_frozen_not_with_rewriting_trls_code(tmp_path):
     trainer = make_trainer(tmp_path)
     trainer.model.train()

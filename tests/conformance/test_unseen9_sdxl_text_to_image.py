@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 import graphsplit
+from graphsplit.calls.unfrozen import NOTHING_FROZEN_FIX
 from tests.helpers import assert_stage1_holds_no_trainable, line_of
 
 diffusers = pytest.importorskip("diffusers")
@@ -377,16 +378,17 @@ def test_raw_form_caches_the_vae_and_both_text_encoders():
 
 def test_upstream_form_is_refused_naming_the_loop_and_that_nothing_is_frozen():
     """The loop body on the precomputed batch calls no frozen module: there is nothing to
-    cache. The trace refuses the per-sample ``compute_time_ids`` loop (naming the line and the
-    fix), and the note says the module-level path found no frozen call."""
+    cache, and that leads the refusal; the trace's refusal of the per-sample
+    ``compute_time_ids`` loop (naming the line and the fix) follows as a note."""
     parts = build("upstream")
-    with pytest.raises(graphsplit.TraceError) as caught:
+    with pytest.raises(graphsplit.SplitError) as caught:
         graphsplit.split(parts.step, (_precomputed_batch(parts, [0, 1]),))
-    message = str(caught.value) + "\n".join(getattr(caught.value, "__notes__", []))
-    assert "depends on the batch size" in message
-    assert line_of(parts.step, "for s, c in zip(") in message
-    assert "fix:" in message
-    assert "(the step calls no frozen module)" in message
+    headline = str(caught.value)
+    assert headline.startswith("nothing of this step can be cached: it calls no frozen module")
+    assert NOTHING_FROZEN_FIX.words in headline
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert "depends on the batch size" in notes
+    assert line_of(parts.step, "for s, c in zip(") in notes
 
 
 @pytest.mark.parametrize("form", FORMS)

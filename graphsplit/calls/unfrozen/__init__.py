@@ -68,14 +68,22 @@ def _only_trainable(module: nn.Module, moving: frozenset[int]) -> bool:
     return bool(params) and all(id(param) in moving for param in params)
 
 
-def no_frozen_call(listed: str, unfrozen: dict[str, str]) -> SplitError:
+NOTHING_FROZEN_FIX = Fix(
+    "train the step as it is; or freeze the modules whose work should be cached "
+    "(requires_grad_(False) or frozen=...) and split again"
+)
+
+
+def no_frozen_call(listed: str, unfrozen: dict[str, str], *, called: bool) -> SplitError:
     """The module-level path's refusal when no call is cacheable; where ``unfrozen`` names
-    modules only ever run under ``no_grad``, the fix is to freeze them."""
+    modules only ever run under ``no_grad``, the fix is to freeze them. Where the step
+    ``called`` no frozen module at all, nothing can be cached by any path: its fix is
+    :data:`NOTHING_FROZEN_FIX`, which ``split(path="auto")`` puts first."""
     reason = (
         "the module-level path found no frozen module call whose inputs are a function "
         f"of the sample alone:\n{listed}"
     )
-    if not unfrozen:
+    if not unfrozen and called:
         return user_error(
             SplitError,
             reason,
@@ -84,6 +92,13 @@ def no_frozen_call(listed: str, unfrozen: dict[str, str]) -> SplitError:
                 "frozen=...), call them in eval mode on inputs computed from the batch alone, "
                 "and draw random numbers after those calls"
             ),
+        )
+    if not unfrozen:
+        return user_error(
+            SplitError,
+            "nothing of this step can be cached: it calls no frozen module (every module it "
+            "runs has parameters that train), so any split would leave all its work in stage 2.",
+            fix=NOTHING_FROZEN_FIX,
         )
     runs = "\n".join(
         f"  {path}: every call ran under no_grad (first at {line}), yet its parameters "
