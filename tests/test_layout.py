@@ -31,7 +31,13 @@ MAX_MODULES_PER_FOLDER = 15
 
 # The rooms from the bottom up. A module belongs to the longest prefix that names it.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("graphsplit.version", "graphsplit.units", "graphsplit.errors", "graphsplit.artifacts"),
+    (
+        "graphsplit.version",
+        "graphsplit.units",
+        "graphsplit.errors",
+        "graphsplit.artifacts",
+        "graphsplit.batch_invariance",
+    ),
     ("graphsplit.runtime",),
     ("graphsplit.planning.rules",),
     ("graphsplit.planning.patching",),

@@ -5,7 +5,7 @@ gives that sample's row of the batch. A CPU conv computes a row alone with anoth
 the same sums than in a batch: in float32 that moves the last bits (rtol 1e-4 holds); in
 bfloat16 (a diffusers script's ``vae.to(dtype=weight_dtype)``) it moves a value by one step of
 the dtype, which a fixed 1e-4 called "mixes samples" and left the VAE in stage 2. The
-tolerance of a half-precision output is two steps of its dtype (graphsplit/calls/row_folds
+tolerance of a half-precision output is two steps of its dtype (graphsplit/batch_invariance.py
 ``alone_tolerances``); a call that mixes samples still differs far beyond it.
 """
 
@@ -17,8 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphsplit
+from graphsplit.batch_invariance import ALONE_ATOL, ALONE_RTOL, alone_tolerances
 from graphsplit.calls import Verdict
-from graphsplit.calls.row_folds import ALONE_ATOL, ALONE_RTOL, alone_tolerances, rows_not_following
+from graphsplit.calls.row_folds import rows_not_following
 
 
 def test_the_tolerances_follow_the_dtype():

@@ -466,10 +466,11 @@ def test_a_frozen_leaf_module_whose_forward_reads_values_runs_as_one_opaque_call
 
 
 def test_a_frozen_leaf_module_that_mixes_samples_is_refused_at_batch_three():
+    # The batch's sum is positive, the last sample's negative: alone, it is scaled by 1, in
+    # the batch by 2 (a difference at the values' scale, not in the last bits).
+    x = torch.tensor([[2.0, 1.0, 1.0, 1.0], [1.0, 0.5, 0.5, 0.0], [-1.0, -0.5, 0.0, 0.0]])
     with pytest.raises(TensorValueError) as caught:
-        graphsplit.split(
-            CallsAModuleThatReads(ScalesTheBatch()), (torch.randn(3, 4),), path="trace"
-        )
+        graphsplit.split(CallsAModuleThatReads(ScalesTheBatch()), (x,), path="trace")
     message = str(caught.value)
     assert "ScalesTheBatch.forward reads tensor values and mixes the samples" in message
     assert line_of(ScalesTheBatch.forward, "x.sum() > 0") in message
@@ -479,7 +480,7 @@ def test_a_frozen_leaf_module_that_mixes_samples_is_refused_at_batch_three():
 def test_a_trainable_leaf_module_reading_values_stays_an_error_at_its_call():
     step = CallsAModuleThatReads(ScalesTheBatch(), frozen_encoder=False)
     with pytest.raises(TensorValueError) as caught:
-        graphsplit.split(step, (torch.randn(3, 4),))
+        graphsplit.split(step, (torch.randn(3, 4),), path="trace")
     message = str(caught.value)
     assert "reads the value of a tensor" in message
     assert "node:   encoder" in message

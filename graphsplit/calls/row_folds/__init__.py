@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from graphsplit.batch_invariance import rows_alike
+
 __all__ = ["RowFold", "candidates", "rows_not_following", "shown"]
 
 
@@ -152,12 +154,6 @@ def _follows_reordered(fold: RowFold, seen: Any, reordered: Any, batch_size: int
     )
 
 
-# A row of a batched kernel and the same row computed alone may differ in the last bits
-# (another blocking of the same sums); a call that mixes samples differs at the values' scale.
-ALONE_RTOL = 1e-4
-ALONE_ATOL = 1e-5
-
-
 def rows_not_following(
     example: dict[str, torch.Tensor],
     other: dict[str, torch.Tensor],
@@ -182,26 +178,5 @@ def rows_not_following(
     return ", ".join(differing)
 
 
-# In a half-precision output (bfloat16: 8 bits of mantissa) another blocking of the same sums
-# moves the last bit of the output's largest values: ALONE_RTOL is below one step there. Two
-# steps of the dtype, relative to each value and to the field's largest, stay far below what
-# mixing samples does (a change at the values' scale).
-HALF_STEPS = 2
-
-
-def alone_tolerances(expected: torch.Tensor) -> tuple[float, float]:
-    """``(rtol, atol)`` for a row computed alone against its row of the batch."""
-    if not expected.is_floating_point():
-        return ALONE_RTOL, ALONE_ATOL
-    step = torch.finfo(expected.dtype).eps
-    if step * HALF_STEPS <= ALONE_RTOL:  # float32, float64
-        return ALONE_RTOL, ALONE_ATOL
-    scale = float(expected.detach().abs().max()) if expected.numel() else 0.0
-    return step * HALF_STEPS, max(ALONE_ATOL, step * HALF_STEPS * scale)
-
-
 def _alike(a: torch.Tensor, b: torch.Tensor, exact: bool) -> bool:
-    if exact:
-        return torch.equal(a, b)
-    rtol, atol = alone_tolerances(b)
-    return torch.allclose(a.double(), b.double(), rtol=rtol, atol=atol)
+    return bool(torch.equal(a, b)) if exact else rows_alike(a, b)

@@ -13,8 +13,9 @@ Glossary (see :mod:`graphsplit.planning.opaque.sites` for how the calls are foun
         or into the model's own tensors (a BatchNorm in train mode: undone, then refused);
         outputs that are not tensors (a ``TensorValueError``: the caller is tried).
     per-sample check: with a batch of several samples, the call also runs on each sample
-        alone; each output must equal the samples' outputs stacked along one dim, bit for bit
-        (its batch dim), or be the same for every sample; otherwise it mixes samples (a
+        alone; each output must equal the samples' outputs stacked along one dim (its batch
+        dim; integers bit for bit, floats up to the last bits a batched kernel moves, as the
+        module-level path allows), or be the same for every sample; otherwise it mixes samples (a
         ``TensorValueError``: the caller is tried, and the last one tried is refused with the
         advice to plan at batch 1).
 
@@ -42,6 +43,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop
 
 from graphsplit.artifacts import ExampleInputs, OpRecord
+from graphsplit.batch_invariance import rows_alike
 from graphsplit.errors import (
     Fix,
     GraphsplitError,
@@ -397,23 +399,20 @@ _MIXES = object()
 
 
 def _stacking_dim(whole: torch.Tensor, samples: list[torch.Tensor]) -> Any:
-    """The dim along which ``samples`` stack into ``whole`` bit for bit; None when every
-    sample's output is ``whole`` itself; ``_MIXES`` otherwise."""
+    """The dim along which ``samples`` stack into ``whole`` (floating values up to the last
+    bits a batched kernel moves: :mod:`graphsplit.batch_invariance`); None when every sample's
+    output is ``whole`` itself; ``_MIXES`` otherwise."""
     batch = len(samples)
     for dim in range(whole.dim()):
         row = (*whole.shape[:dim], 1, *whole.shape[dim + 1 :])
         if whole.shape[dim] != batch or any(tuple(sample.shape) != row for sample in samples):
             continue
         stacked = torch.cat(samples, dim=dim)
-        if stacked.shape == whole.shape and _equal(stacked, whole):
+        if rows_alike(stacked, whole):
             return dim
-    if all(sample.shape == whole.shape and _equal(sample, whole) for sample in samples):
+    if all(rows_alike(sample, whole) for sample in samples):
         return None
     return _MIXES
-
-
-def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and bool(torch.equal(a, b))
 
 
 def _is_batched(value: Any, batch: int) -> bool:
