@@ -71,7 +71,8 @@ def collate_fn(examples):  # run_image_classification.py's
     return {"pixel_values": pixel_values, "labels": labels}
 
 
-image_processor = transformers.ViTImageProcessor(size={"height": IMAGE, "width": IMAGE})
+# The PIL backend, named: torchvision may be a stand-in (examples/diffsynth/diffsynth_import.py).
+image_processor = transformers.ViTImageProcessorPil(size={"height": IMAGE, "width": IMAGE})
 size = (image_processor.size["height"], image_processor.size["width"])
 
 

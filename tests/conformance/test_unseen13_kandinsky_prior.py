@@ -60,7 +60,7 @@ from accelerate.state import AcceleratorState  # noqa: E402
 from diffusers import DDPMScheduler, PriorTransformer  # noqa: E402
 from diffusers.training_utils import compute_snr  # noqa: E402
 from transformers import (  # noqa: E402
-    CLIPImageProcessor,
+    CLIPImageProcessorPil,
     CLIPTextConfig,
     CLIPTextModelWithProjection,
     CLIPVisionConfig,
@@ -103,7 +103,8 @@ class PriorDataset(Dataset):
         captions = [self.items.caption_of(i) for i in range(length)]
         self.tokenizer = word_tokenizer(" ".join(captions).split())
         self.tokenizer.model_max_length = MAX_LENGTH
-        self.image_processor = CLIPImageProcessor(
+        # The PIL backend, named: torchvision may be a stand-in (examples/diffsynth).
+        self.image_processor = CLIPImageProcessorPil(
             crop_size=28,
             do_center_crop=True,
             do_normalize=True,

@@ -53,7 +53,8 @@ def _one_thread():
 
 
 tokenizer = word_tokenizer(WORDS)
-image_processor = transformers.ViTImageProcessor(size={"height": IMAGE, "width": IMAGE})
+# The PIL backend, named: torchvision may be a stand-in (examples/diffsynth/diffsynth_import.py).
+image_processor = transformers.ViTImageProcessorPil(size={"height": IMAGE, "width": IMAGE})
 
 
 def _model():

@@ -80,7 +80,8 @@ def collate_fn(examples):
     return {"pixel_values": pixel_values}
 
 
-image_processor = transformers.ViTImageProcessor(size={"height": IMAGE, "width": IMAGE})
+# The PIL backend, named: torchvision may be a stand-in (examples/diffsynth/diffsynth_import.py).
+image_processor = transformers.ViTImageProcessorPil(size={"height": IMAGE, "width": IMAGE})
 size = (image_processor.size["height"], image_processor.size["width"])
 
 
