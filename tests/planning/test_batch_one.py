@@ -121,7 +121,7 @@ class ReadsAValue(nn.Module):
 
 def test_a_step_that_fails_at_batch_one_too_raises_the_batch_one_error():
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(ReadsAValue(), (torch.randn(1, 8),))
+        graphsplit.split(ReadsAValue(), (torch.randn(1, 8),), path="trace")
     assert line_of(ReadsAValue.forward, "if x.sum() > 0") in str(caught.value)
 
 

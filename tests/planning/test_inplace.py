@@ -72,7 +72,7 @@ class WritesIntoInput(nn.Module):
 
 def test_a_write_into_a_step_input_is_refused_with_the_line():
     with pytest.raises(graphsplit.TraceError) as caught:
-        graphsplit.split(WritesIntoInput(), (torch.randn(3, 4),))
+        graphsplit.split(WritesIntoInput(), (torch.randn(3, 4),), path="trace")
     message = str(caught.value)
     assert "writes in place into one of its inputs" in message
     assert line_of(WritesIntoInput, "x.mul_(2)") in message and "fix:" in message
@@ -223,3 +223,14 @@ def test_random_in_place_programs_split_exactly_or_are_refused(program):
         return
     comparisons = graphsplit.verify(model, split, (x, mask), seed=0)
     assert all(comparison.ok for comparison in comparisons)
+
+
+def test_with_nothing_frozen_the_default_path_says_nothing_can_be_cached_first():
+    """The step holds no frozen module: path="auto" leads with that, the trace's refusal of
+    the write into the input kept as a note (following its fix would cache nothing)."""
+    with pytest.raises(graphsplit.SplitError) as caught:
+        graphsplit.split(WritesIntoInput(), (torch.randn(3, 4),))
+    assert str(caught.value).startswith("nothing of this step can be cached")
+    notes = "\n".join(caught.value.__notes__)
+    assert "writes in place into one of its inputs" in notes
+    assert line_of(WritesIntoInput, "x.mul_(2)") in notes

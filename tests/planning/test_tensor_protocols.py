@@ -175,7 +175,7 @@ class IndexesWithTheBatchSize(nn.Module):
 
 def test_index_with_the_batch_size_is_refused_naming_the_line_and_the_fix():
     with pytest.raises(TraceError) as caught:
-        graphsplit.split(IndexesWithTheBatchSize(), (batch(3, 4),))
+        graphsplit.split(IndexesWithTheBatchSize(), (batch(3, 4),), path="trace")
     message = str(caught.value)
     assert "depends on the batch size" in message
     assert line_of(IndexesWithTheBatchSize.forward, "weights =") in message
