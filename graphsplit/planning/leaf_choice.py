@@ -145,8 +145,8 @@ def _users_wrapper(model: nn.Module, path: str) -> bool:
     frozen teacher on the batch's ``inputs`` beside the student's ``outputs``. As one call it
     is tainted by ``outputs``; traced into, the teacher's call on ``inputs`` alone is
     cacheable. A library's frozen model fed trainable values beside cacheable ones (a frozen
-    UNet given a ControlNet's residuals) stays one call: tracing into it costs the planning
-    time of the whole model for little."""
+    UNet given a ControlNet's residuals) stays one call: tracing into it would trace and
+    analyse the whole library model again, and the module-level path covers what it hides."""
     module = model.get_submodule(path)
     source = getattr(sys.modules.get(type(module).__module__), "__file__", None)
     if source is None or not is_user_code(source):

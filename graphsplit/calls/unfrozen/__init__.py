@@ -83,7 +83,14 @@ def no_frozen_call(listed: str, unfrozen: dict[str, str], *, called: bool) -> Sp
         "the module-level path found no frozen module call whose inputs are a function "
         f"of the sample alone:\n{listed}"
     )
-    if not unfrozen and called:
+    if not unfrozen and not called:
+        return user_error(
+            SplitError,
+            "nothing of this step can be cached: it calls no frozen module (every module it "
+            "runs has parameters that train), so any split would leave all its work in stage 2.",
+            fix=NOTHING_FROZEN_FIX,
+        )
+    if not unfrozen:
         return user_error(
             SplitError,
             reason,
@@ -92,13 +99,6 @@ def no_frozen_call(listed: str, unfrozen: dict[str, str], *, called: bool) -> Sp
                 "frozen=...), call them in eval mode on inputs computed from the batch alone, "
                 "and draw random numbers after those calls"
             ),
-        )
-    if not unfrozen:
-        return user_error(
-            SplitError,
-            "nothing of this step can be cached: it calls no frozen module (every module it "
-            "runs has parameters that train), so any split would leave all its work in stage 2.",
-            fix=NOTHING_FROZEN_FIX,
         )
     runs = "\n".join(
         f"  {path}: every call ran under no_grad (first at {line}), yet its parameters "

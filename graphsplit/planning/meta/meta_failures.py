@@ -40,6 +40,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from graphsplit.errors import Fix, TensorValueError, TraceError, user_error
+from graphsplit.planning.rules.grad_modes import current_modes
 from graphsplit.planning.rules.user_lines import describe, frame_location_of, is_internal
 
 AUTOCAST_INSIDE_FIX = Fix(
@@ -152,10 +153,6 @@ def copies_tensor_items(node: fx.Node) -> bool:
     return bool(found)
 
 
-# The device types whose autocast a failing op is checked for (grad_modes compares the same).
-_AUTOCAST_DEVICES = ("cpu", "cuda")
-
-
 def note_autocast(exc: Exception) -> None:
     """Record on ``exc`` the autocasts that were on when an op of a meta run failed.
 
@@ -166,13 +163,8 @@ def note_autocast(exc: Exception) -> None:
     Told by :func:`meta_failure` once the node's run has ended, when the autocast is off again.
     """
     if not hasattr(exc, "graphsplit_autocast"):
-        on = tuple(
-            (device, torch.get_autocast_dtype(device))
-            for device in _AUTOCAST_DEVICES
-            if torch.is_autocast_enabled(device)
-        )
         with contextlib.suppress(AttributeError):  # an exception type without a __dict__
-            exc.graphsplit_autocast = on  # type: ignore[attr-defined]
+            exc.graphsplit_autocast = current_modes().autocast  # type: ignore[attr-defined]
 
 
 def meta_failure(node: fx.Node, exc: Exception) -> TraceError:

@@ -36,6 +36,7 @@ Out: :class:`~graphsplit.artifacts.Traced` — the graph, the constants it refer
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import operator
@@ -403,6 +404,7 @@ def trace_step(
     """
     states = generator_states()
     before = set(vars(model))
+    retrace = functools.partial(_retrace, model, example_values, leaf_names)  # error path only
     try:
         with module_state_restored(model):
             tracer, graph = _trace_graph(model, example_values, leaf_names, record)
@@ -416,12 +418,11 @@ def trace_step(
         # (transformers' _compute_mask_indices) fails inside the trace: the draw is the cause.
         cause = isinstance(failure, Exception) and not isinstance(failure, GraphsplitError)
         if cause and changed_generators(states, generator_states()):
-            retrace = lambda: _retrace(model, example_values, leaf_names)  # noqa: E731
             raise random_draw_refusal(states, retrace) from failure
         set_generator_states(states)  # a failed trace must not move the user's generators
         raise
     if changed_generators(states, generator_states()):
-        raise random_draw_refusal(states, lambda: _retrace(model, example_values, leaf_names))
+        raise random_draw_refusal(states, retrace)
     check_autocast(graph)
     restore_input_names(graph, model)
     functionalize_inplace(graph)
