@@ -21,7 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["TrainerLoss", "checkpointing_as_train", "originals", "prepared_forward"]
+__all__ = [
+    "TrainerLoss",
+    "checkpointing_as_train",
+    "neftune_as_train",
+    "originals",
+    "prepared_forward",
+]
 
 
 class TrainerLoss(nn.Module):
@@ -122,6 +128,33 @@ def checkpointing_as_train(trainer: Any) -> None:
         gradient_checkpointing_kwargs=options or None,
         **{name: value for name, value in extra.items() if name in accepted},
     )
+
+
+@contextlib.contextmanager
+def neftune_as_train(trainer: Any) -> Iterator[None]:
+    """NEFTune's embedding hook attached while graphsplit plans and caches, as ``train()`` will.
+
+    ``TrainingArguments(neftune_noise_alpha=...)`` (TRL's SFT configs set it) makes ``train()``
+    register ``neftune_post_forward_hook`` on the input embeddings, a frozen module under LoRA,
+    only as training starts: after ``split_trainer`` planned. A plan made without the hook
+    cached the clean embeddings (and the frozen work after them) and stage 2 never called the
+    embedding module, so the hook ``train()`` registers never ran: training silently went
+    without NEFTune's noise. Planned with the hook on, the module-level path caches the
+    embedding's own output and stage 2 runs the hook on it, drawing new noise every step.
+    The hook is removed again before ``train()`` attaches its own, so it never runs twice.
+    """
+    alpha = getattr(trainer, "neftune_noise_alpha", None)
+    if alpha is None:
+        yield
+        return
+    from transformers.integrations.neftune import activate_neftune, deactivate_neftune
+
+    accelerator = getattr(trainer, "accelerator", None)
+    handle = activate_neftune(trainer.model, alpha, accelerator)
+    try:
+        yield
+    finally:
+        deactivate_neftune(trainer.model, handle, accelerator)
 
 
 def originals(trainer: Any) -> dict[str, Any]:

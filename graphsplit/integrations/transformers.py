@@ -85,7 +85,12 @@ from graphsplit.integrations.trainer_loader import (
     train_dataloader,
     trainer_padding_groups,
 )
-from graphsplit.integrations.trainer_loss import TrainerLoss, checkpointing_as_train, originals
+from graphsplit.integrations.trainer_loss import (
+    TrainerLoss,
+    checkpointing_as_train,
+    neftune_as_train,
+    originals,
+)
 from graphsplit.integrations.trainer_regroup import plan_groups
 from graphsplit.planning.rules.random_draws import generator_states, set_generator_states
 
@@ -192,7 +197,7 @@ def split_trainer(
         groups = trainer_padding_groups(trainer)
         # The probes and stage 1 run the trainer's compute_loss: its counts and logged
         # metrics (TRL's) must not include them.
-        with bookkeeping_kept(trainer):
+        with bookkeeping_kept(trainer), neftune_as_train(trainer):
             parts, cached, info, groups = _split_and_cache(
                 trainer, groups, cache_dir, storage_dtype, overwrite, progress
             )
@@ -245,7 +250,8 @@ def _split_live(
     check_live(trainer)
     states = generator_states()
     try:
-        planned = plan_groups(trainer, trainer_padding_groups(trainer))
+        with neftune_as_train(trainer):  # train() attaches it again before the first step
+            planned = plan_groups(trainer, trainer_padding_groups(trainer))
         parts, groups = planned.split, planned.groups
         compute_loss = planned.loss._compute_loss
         refuse_item_counted_accumulation(trainer, planned.example, parts.boundary, compute_loss)
