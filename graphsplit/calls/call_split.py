@@ -41,7 +41,7 @@ from graphsplit.calls.usage import (
     needed_tensors,
     unused_modules,
 )
-from graphsplit.calls.verdicts import CallVerdict, Verdict, every_call_cached
+from graphsplit.calls.verdicts import CallVerdict, Verdict, every_call_cached, unhooked
 from graphsplit.errors import Fix, GraphsplitError, SplitError, user_error
 from graphsplit.planning.rules.random_draws import own_generators
 from graphsplit.planning.step.callables import as_step_module
@@ -150,6 +150,7 @@ def split_calls(
         else v
         for v in verdicts
     ]
+    verdicts = unhooked(verdicts, routed)  # hooks inside a cached call would not run
     # Only where nothing else is cached: opening renumbers the calls inside, and a plan that
     # caches other calls already is kept as it is (its fingerprint, its boundary).
     more = _to_open(verdicts, first.nested | second.nested) - opened
@@ -260,8 +261,8 @@ def split_calls(
             *(
                 [
                     f"opened: {', '.join(sorted(opened))}: every call takes an input that "
-                    "depends on a trainable parameter or a random draw, so the frozen modules "
-                    "called inside were judged on their own"
+                    "depends on a trainable parameter or a random draw, or holds hooks that "
+                    "must run, so the frozen modules called inside were judged on their own"
                 ]
                 if opened
                 else []
@@ -271,8 +272,9 @@ def split_calls(
     )
 
 
-_INPUT_REFUSALS = frozenset(
+_INPUT_REFUSALS = frozenset(  # and hooks inside: the hooked module's own calls may be cached
     {Verdict.TRAINABLE_INPUT, Verdict.TRAINABLE_VALUE, Verdict.RANDOM_INPUT, Verdict.RARE_BRANCH}
+    | {Verdict.HOOKED}
 )
 
 

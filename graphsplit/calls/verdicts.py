@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from torch import nn
+from torch.nn.modules import module as torch_module
 
 from graphsplit.calls.row_folds import RowFold
 
@@ -23,6 +27,7 @@ class Verdict(enum.Enum):
     NOT_PER_SAMPLE = "not-per-sample"
     MIXES_SAMPLES = "mixes-samples"
     RECOMPUTED = "recomputed"
+    HOOKED = "hooked"
 
     @property
     def why(self) -> str:
@@ -59,6 +64,11 @@ _WHY = {
     Verdict.MIXES_SAMPLES: (
         "a sample's output differs when the sample runs alone (the call mixes the samples "
         "of a batch, as batch statistics do), so a cached row would depend on its batch"
+    ),
+    Verdict.HOOKED: (
+        "a module inside it has forward hooks of the user's: stage 2 answers the call whole, "
+        "so they would not run there (a hook that keeps a feature for the loss would hand it "
+        "a stale one)"
     ),
     Verdict.RECOMPUTED: (
         "redone in stage 2 (recompute='auto'): one frozen layer computing from what stage 2 "
@@ -102,3 +112,58 @@ def every_call_cached(verdicts: Iterable[CallVerdict]) -> frozenset[str]:
         for path, cached in by_module.items()
         if cached and not any(other.startswith(path + ".") for other in running)
     )
+
+
+# Hooks libraries install that act only on the call they run in: transformers' output
+# capturing (its hidden states are part of the call's cached output), and torch's weight
+# reparametrisations, computed from the module's own frozen parameters.
+_PURE_HOOK_MODULES = ("transformers.utils.output_capturing",)
+_PURE_HOOK_TYPES = ("WeightNorm", "SpectralNorm", "BasePruningMethod")
+
+
+def unhooked(verdicts: list[CallVerdict], modules: Mapping[str, nn.Module]) -> list[CallVerdict]:
+    """``verdicts`` with each cached call of a module that holds hooked submodules turned
+    :attr:`Verdict.HOOKED`.
+
+    Stage 2 answers a cached call by replacing its module's ``forward``: the module's own hooks
+    still run around the answer (NEFTune's noise on a cached embedding), but nothing inside it
+    runs, so neither do the hooks on its submodules. A FitNets-style hint loss keeps a frozen
+    teacher layer's output through such a hook and reads it after the call: cached, it read
+    whatever an earlier run left there. Such a call stays in stage 2 (calls inside it, the
+    hooked layer's own included, may still be cached when the module is opened).
+    """
+    result = []
+    for verdict in verdicts:
+        module = modules.get(verdict.path)
+        names = _hooked_inside(module) if verdict.cached and module is not None else []
+        if names:
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            verdict = dataclasses.replace(
+                verdict, verdict=Verdict.HOOKED, detail=f"hooks on {shown}", copied=(), fold=None
+            )
+        result.append(verdict)
+    return result
+
+
+def _hooked_inside(module: nn.Module) -> list[str]:
+    """The submodules of ``module`` (itself left out) that carry a forward or forward pre-hook
+    other than a pure library one; ``"every module (a global hook)"`` for torch's global ones."""
+    everywhere = [*torch_module._global_forward_hooks.values()]
+    everywhere += torch_module._global_forward_pre_hooks.values()
+    if any(not _pure(hook) for hook in everywhere) and next(module.children(), None) is not None:
+        return ["every module (a global hook)"]
+    return [
+        name
+        for name, inner in module.named_modules()
+        if name
+        and any(
+            not _pure(hook)
+            for hook in [*inner._forward_hooks.values(), *inner._forward_pre_hooks.values()]
+        )
+    ]
+
+
+def _pure(hook: object) -> bool:
+    if getattr(hook, "__module__", "") in _PURE_HOOK_MODULES:
+        return True
+    return any(kind.__name__ in _PURE_HOOK_TYPES for kind in type(hook).__mro__)
