@@ -244,3 +244,4 @@ def test_the_report_names_the_hooked_layer(tmp_path_factory):
     assert "opened: teacher: every call takes an input that" in report
     assert "or holds hooks that must run" in report
     assert "teacher.lm_head call 0: cached" in report
+    assert "a value a forward hook stored inside a module call" in split.reason

@@ -409,6 +409,7 @@ def test_the_trace_refusal_as_it_stands():
         "The step computes a tensor from the model's weights where the trace cannot see them"
     )
     assert line_of(encode_prompt, "prompt_embeds = text_encoder(") in split.reason
+    assert "moved to a module's device (ids.to(text_encoder.device)" in split.reason
 
 
 @pytest.mark.parametrize("config", CONFIGS)

@@ -8,6 +8,11 @@ happens eagerly while tracing; fx then stores the result as a tensor constant of
 peft's ``AdaLoraModel.forward`` adds its orthogonal regularisation this way
 (``for n, p in self.model.named_parameters(): ... p @ p.T``).
 
+The same constant comes from a tensor made before the step and moved to a module's device
+(``ids.to(text_encoder.device)``, diffusers' ``encode_prompt`` on pretokenized ids: the device
+is ``meta`` while planning), and from a value a forward hook stored inside a module call
+(a FitNets hint dict); the message names all three.
+
 Such a constant is wrong twice: it is a value of the weights at planning time (trainable
 weights move every step, and the constant would carry no gradient to them), and it is a
 ``meta`` tensor that no stage can run with. Without this check stage 2 failed only when run,
@@ -53,17 +58,25 @@ def refuse_weight_constants(graph: fx.Graph, constants: dict[str, Any]) -> None:
         raise user_error(
             TraceError,
             "The step computes a tensor from the model's weights where the trace cannot see "
-            "them (the weights reached by a loop over named_parameters() or parameters(), not "
-            "read as module attributes), so the value would be frozen into the plan as a "
-            f"constant, computed once from the weights at planning time.{trained}",
+            "them, so the value would be frozen into the plan as a constant, computed once "
+            "while graphsplit planned with every weight on the meta device. Three ways in: "
+            "weights reached by a loop over named_parameters() or parameters() (not read as "
+            "module attributes); a tensor made before the step moved to a module's device "
+            "(ids.to(text_encoder.device): that device is meta while graphsplit plans); a "
+            "value a forward hook stored inside a module call and the step reads after it."
+            f"{trained}",
             node=user,
-            fix=Fix(
-                "read each weight as a module attribute in the step (self.layer.weight), or "
-                'split with path="calls", whose stage 2 runs that code live (path="auto" tries '
-                "it after this refusal); for peft's AdaLoRA regulariser, "
-                "AdaLoraConfig(orth_reg_weight=0.0) drops the term"
-            ),
+            fix=WEIGHT_CONSTANT_FIX,
         )
+
+
+WEIGHT_CONSTANT_FIX = Fix(
+    "read each weight as a module attribute in the step (self.layer.weight); move tensors to "
+    "a batch tensor's device (ids.to(pixel_values.device)) instead of a module's; return the "
+    "feature from the module instead of keeping it from a hook; or split with "
+    'path="calls", whose stage 2 runs that code live (path="auto" tries it after this '
+    "refusal); for peft's AdaLoRA regulariser, AdaLoraConfig(orth_reg_weight=0.0) drops the term"
+)
 
 
 def _live_nodes(graph: fx.Graph) -> set[fx.Node]:
