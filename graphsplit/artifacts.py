@@ -42,6 +42,12 @@ class BoundarySpec:
 
     ``shape`` is the shape seen at trace time (the example batch); ``shape[batch_dim]`` varies
     with the batch size, the other dims may vary between samples (aspect-ratio buckets).
+
+    ``pad_dim``: the dim along which the tensor's values end in zeros that carry nothing, so
+    that rows of different sizes there batch together padded with zeros: a batch of strings as
+    code points (each plus one, zero past a string's end: the module-level path's captions),
+    whose width is the longest string of the batch stage 1 saw, not a property of a sample.
+    None for every other tensor, where a zero is a value.
     """
 
     name: str
@@ -50,6 +56,7 @@ class BoundarySpec:
     batch_dim: int | None
     bytes_per_sample: int
     source: str
+    pad_dim: int | None = None
 
     @property
     def is_constant(self) -> bool:
@@ -57,7 +64,8 @@ class BoundarySpec:
         return self.batch_dim is None
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict; ``dtype`` as its name without the ``torch.`` prefix."""
+        """A JSON-ready dict; ``dtype`` as its name without the ``torch.`` prefix; ``pad_dim``
+        only where set (the dict of every other tensor is as it was before the field)."""
         return {
             "name": self.name,
             "shape": list(self.shape),
@@ -65,6 +73,7 @@ class BoundarySpec:
             "batch_dim": self.batch_dim,
             "bytes_per_sample": self.bytes_per_sample,
             "source": self.source,
+            **({} if self.pad_dim is None else {"pad_dim": self.pad_dim}),
         }
 
     @classmethod
@@ -81,6 +90,7 @@ class BoundarySpec:
             batch_dim=None if batch_dim is None else int(batch_dim),
             bytes_per_sample=int(data["bytes_per_sample"]),
             source=str(data["source"]),
+            pad_dim=None if data.get("pad_dim") is None else int(data["pad_dim"]),
         )
 
 

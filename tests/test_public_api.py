@@ -93,7 +93,15 @@ SPLIT_METHODS = {
     "to_json": "(self) -> 'dict[str, Any]'",
 }
 
-BOUNDARY_SPEC_FIELDS = ["name", "shape", "dtype", "batch_dim", "bytes_per_sample", "source"]
+BOUNDARY_SPEC_FIELDS = [
+    "name",
+    "shape",
+    "dtype",
+    "batch_dim",
+    "bytes_per_sample",
+    "source",
+    "pad_dim",
+]
 
 
 def test_all_is_pinned():
@@ -122,7 +130,7 @@ CACHED_DATASET_METHODS = {
         "drop_last: 'bool' = False, num_replicas: 'int | None' = None, "
         "rank: 'int | None' = None, **loader_options: 'Any') -> 'BucketLoader'"
     ),
-    "buckets": "(self) -> 'dict[tuple[tuple[int, ...], ...], list[int]]'",
+    "buckets": "(self) -> 'dict[tuple[tuple[int | None, ...], ...], list[int]]'",
 }
 
 BUCKET_SAMPLER_METHODS = {

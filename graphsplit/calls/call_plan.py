@@ -8,10 +8,11 @@ Inputs: a tensor crosses as it is; a list or tuple of Python numbers (IP-Adapter
 a list of equal-length tuples (or lists) of numbers, one a sample (SDXL's
 ``batch["original_sizes"]``, ``(height, width)`` per image), crosses as a ``[B, width]`` tensor and
 comes back as the same tuples; a list of strings, one a sample (captions the step tokenizes),
-crosses as their code points
-(each plus one, zero-padded to the batch's longest: ``[B, longest]`` int32) and comes back as
-the same strings (a list named ``key``, the batch's sample keys, crosses as ``key__text``: a
-cached item's own ``"key"`` is its sample key); a tuple or list of such batched items (a
+crosses as their code points (each plus one, zero-padded to the batch's longest: ``[B,
+longest]`` int32; its boundary spec's ``pad_dim`` says so, and a cache batches rows of other
+lengths padded with more zeros) and comes back as the same strings (a list named ``key``, the
+batch's sample keys, crosses as ``key__text``: a cached item's own ``"key"`` is its sample
+key); a tuple or list of such batched items (a
 webdataset's ``(image, text)``) crosses item by item (``batch__0``, ``batch__1``); in a raw
 sample (:mod:`graphsplit.planning.step.raw_samples`: DiffSynth's ``{"video": [PIL.Image, ...],
 "prompt": str}``, one sample a batch) its images cross as their pixels (``images``) and a lone
@@ -46,6 +47,9 @@ from graphsplit.planning.step.raw_samples import (
 )
 
 NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64}
+# The dim of a code-point table (``[B, longest]``) along which each string ends in zeros: its
+# boundary spec's ``pad_dim`` (graphsplit.artifacts.BoundarySpec).
+CODE_POINT_DIM = 1
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,17 @@ class InputSpec:
         if self.kind == "unstored":
             return f"{self.name}__shape"
         return f"{self.name}__text" if self.kind == "strings" and self.name == "key" else self.name
+
+    def pad_dims(self) -> dict[str, int]:
+        """This input's boundary keys that hold strings as code points (``[B, longest]``,
+        zero past each string's end), each with the dim zeros pad it along
+        (:attr:`BoundarySpec.pad_dim`): stage 2 decodes the zeros to nothing, so rows of
+        different lengths batch together."""
+        if self.kind in ("strings", "text"):
+            return {self.field: CODE_POINT_DIM}
+        if self.kind == "items":
+            return {key: dim for spec in self.value for key, dim in spec.pad_dims().items()}
+        return {}
 
     def gather(self, batch: dict[str, Any]) -> Any:
         """The value stage 2 passes the step, from its batch (a constant is not in it)."""

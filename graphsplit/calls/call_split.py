@@ -468,8 +468,11 @@ def _input_boundary(
     for spec in inputs:
         if spec.kind == "constant":
             continue
+        pads = spec.pad_dims()  # strings as code points: zeros past their ends pad them
         for key, tensor in spec.crossing(values[spec.name]).items():
-            boundary[key] = spec_of(key, tensor, batch_dim(tensor, batch_size), "input")
+            found = spec_of(key, tensor, batch_dim(tensor, batch_size), "input")
+            pad = pads.get(key) if found.batch_dim == 0 else None
+            boundary[key] = dataclasses.replace(found, pad_dim=pad)
     return boundary
 
 

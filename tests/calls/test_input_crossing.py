@@ -63,6 +63,15 @@ def test_an_image_text_tuple_crosses_item_by_item_and_another_batch_trains_exact
     assert torch.equal(split.stage2(**crossed), step(other))
 
 
+def test_the_captions_item_of_a_tuple_is_padded_text_and_the_image_is_not():
+    """Its boundary spec's ``pad_dim`` marks the code points (zeros past each string's end),
+    so a cache batches rows of other caption widths; the image's rows are batched as they are."""
+    split = graphsplit.split(CaptionStep(), (_batch(0, ["a", "bcd"]),), path="calls")
+    assert split.boundary["batch__1"].pad_dim == 1
+    assert split.boundary["batch__0"].pad_dim is None
+    assert split.boundary["encoder__0__out"].pad_dim is None
+
+
 def test_a_batch_in_another_structure_than_the_example_is_named():
     split = graphsplit.split(CaptionStep(), (_batch(0, ["a", "b"]),), path="calls")
     image, text = _batch(1, ["c", "d"])

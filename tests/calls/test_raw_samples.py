@@ -114,6 +114,23 @@ def test_the_default_path_caches_every_samples_frozen_calls_under_one_plan(tmp_p
         )
 
 
+def test_prompts_of_other_lengths_share_a_bucket_and_decode_exactly(tmp_path):
+    """The prompt crosses as code points ``[1, len(prompt)]``, its width the prompt's own: the
+    cache's buckets ignore it (a bucket per image shape, not per prompt length)."""
+    step = RawSampleStep()
+    prompts = ["a cat sits", "cat a a", "dog runs sits"]  # three words (ids), 10, 7, 13 characters
+    data = [{"image": picture(seed), "prompt": prompt} for seed, prompt in enumerate(prompts)]
+    split = graphsplit.split(step, (data[0],))
+    assert split.boundary["prompt"].pad_dim == 1 and split.boundary["image"].pad_dim is None
+    graphsplit.cache(split, DataLoader(data, collate_fn=lambda items: items[0]), tmp_path / "c")
+    cached = graphsplit.CachedDataset(tmp_path / "c", split)
+    assert len({cached.shapes(index)["prompt"] for index in range(3)}) == 3
+    assert list(cached.buckets().values()) == [[0, 1, 2]]
+    (spec,) = [spec for spec in split.plan.inputs if spec.name == "prompt"]
+    for sample, batch in zip(data, cached.loader(batch_size=1, shuffle=False), strict=True):
+        assert spec.decode(batch["prompt"]) == sample["prompt"]
+
+
 def test_a_list_of_frames_crosses_as_one_sample():
     step = RawSampleStep()
     data = {"video": [picture(0), picture(1), picture(2)], "prompt": "a dog runs"}

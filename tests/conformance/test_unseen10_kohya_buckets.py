@@ -26,10 +26,11 @@ What the user meets: the script's own loader (``shuffle=True``) is refused namin
 with ``shuffle=False`` the loader's items are batches of two rows for one dataset index, refused
 naming the fix (pass the batches as an iterable); the iterable is cached exactly (loss and
 gradients bit for bit for every batch; the default path is the module-level one: the trace
-refuses the step), and ``CachedDataset.loader`` covers every sample once per epoch. Expected
-failure: the unread ``captions`` list is stored per row padded to its raw batch's longest
-caption, so the cache's buckets split one resolution by caption length and rows of one
-resolution do not collate.
+refuses the step), and ``CachedDataset.loader`` covers every sample once per epoch. Stage 2
+batches by resolution alone: the unread ``captions`` list is stored per row as code points
+padded to its raw batch's longest caption (its boundary spec's ``pad_dim``), so the cache's
+buckets ignore that width and ``graphsplit.collate`` pads the rows of one resolution with zeros
+to the batch's longest caption; stage 2 decodes them to the very captions.
 """
 
 # ruff: noqa: SIM108, SIM201, RUF019, RUF046, RUF059 (kohya's code, as written)
@@ -663,18 +664,6 @@ def test_the_batches_as_an_iterable_cache_exactly(split, dataset, tmp_path):
         assert_epoch_covers_each_sample_once(cached, stage2, epoch)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "the batch's 'captions' (a list of str the step never reads) is stored per row as code "
-        "points zero-padded to its raw batch's longest caption (graphsplit/calls/call_plan.py "
-        "InputSpec.encode -> _code_points), so CachedDataset.buckets() keys rows by caption "
-        "length as well as resolution (a bucket per resolution and caption length) and "
-        "graphsplit.collate refuses two "
-        "rows of one resolution whose captions differ in length ('the samples have different "
-        "shapes ... does not pad cached rows'), though the zeros carry nothing"
-    ),
-)
 def test_stage2_batches_by_resolution_only(split, dataset, tmp_path):
     graphsplit.cache(split, Again(dataset), tmp_path / "cache", progress=False)
     cached = graphsplit.CachedDataset(tmp_path / "cache", split)
@@ -683,7 +672,12 @@ def test_stage2_batches_by_resolution_only(split, dataset, tmp_path):
         size = tuple(cached.shapes(index)["vae_quant_conv__0__out"])
         by_resolution.setdefault(size, []).append(index)
     assert len(by_resolution) == 2
+    captions = [caption for batch in Again(dataset) for caption in batch["captions"]]
+    (spec,) = [spec for spec in split.plan.inputs if spec.name == "captions"]
+    widths = {tuple(cached.shapes(index)["captions"]) for index in range(len(cached))}
+    assert len(widths) > 1  # rows of raw batches whose longest captions differ
     for indices in by_resolution.values():
         rows = graphsplit.collate([cached[index] for index in indices])
         assert rows["loss_weights"].shape == (4,)
+        assert spec.decode(rows["captions"]) == [captions[index] for index in indices]
     assert len(cached.buckets()) == 2

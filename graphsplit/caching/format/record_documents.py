@@ -22,6 +22,7 @@ In and out::
     progress_bytes(progress) -> bytes             progress_file_name(progress) -> str
     manifest_from(reader, document) -> Manifest
     resume_header_from(reader, document) -> CacheHeader
+    header_rules(reader, header)      # the rules across a header's fields (ManifestError)
     shard_progress_from(reader, document, index, header) -> ShardProgress    # ManifestError
     constants_progress_from(reader, document, header) -> ConstantsProgress   # ManifestError
 """
@@ -65,6 +66,7 @@ _PLAN_KEY_MEANING = "a signature key (16 lowercase hex digits)"
 
 __all__ = [
     "constants_progress_from",
+    "header_rules",
     "manifest_bytes",
     "manifest_from",
     "progress_bytes",
@@ -136,7 +138,7 @@ def manifest_from(reader: JsonReader, document: dict[str, Any]) -> Manifest:
     """
     manifest: Manifest = _read_stamped(reader, document, Manifest)
     header = manifest.header
-    _header_rules(reader, header)
+    header_rules(reader, header)
     if manifest.constants is None and header.constant_specs:
         reader.fail("constants", "is null but the boundary has per-dataset constants")
     if manifest.constants is not None:
@@ -155,7 +157,7 @@ def manifest_from(reader: JsonReader, document: dict[str, Any]) -> Manifest:
 def resume_header_from(reader: JsonReader, document: dict[str, Any]) -> CacheHeader:
     """A resume header's document as a :class:`CacheHeader`, strictly (ManifestError)."""
     header: CacheHeader = _read_stamped(reader, document, CacheHeader)
-    _header_rules(reader, header)
+    header_rules(reader, header)
     return header
 
 
@@ -218,7 +220,9 @@ def _upgrade_file_record(record: Any) -> None:
 # ---------------------------------------------------- rules that span fields (after the types)
 
 
-def _header_rules(reader: JsonReader, header: CacheHeader) -> None:
+def header_rules(reader: JsonReader, header: CacheHeader) -> None:
+    """The rules across a header's fields (a manifest's, a resume header's, an export
+    record's): identifier names, and batch and pad dims that are dims of their shapes."""
     for index, spec in enumerate(header.boundary):
         where = f"boundary[{index}]"
         if not spec.name.isidentifier():
@@ -227,6 +231,13 @@ def _header_rules(reader: JsonReader, header: CacheHeader) -> None:
             reader.fail(
                 f"{where}.batch_dim",
                 f"is {spec.batch_dim!r}; expected null or a dim of {spec.shape}",
+            )
+        pad = spec.pad_dim
+        if pad is not None and (spec.batch_dim in (None, pad) or pad >= len(spec.shape)):
+            reader.fail(
+                f"{where}.pad_dim",
+                f"is {pad!r}; expected null, or a dim of {spec.shape} other than the batch dim "
+                "of a per-sample tensor",
             )
     names = [spec.name for spec in header.boundary]
     if len(set(names)) != len(names):

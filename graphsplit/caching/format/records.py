@@ -10,7 +10,8 @@ Glossary:
         a set of choices, ``inline``, ``optional`` or ``stored=False``; a rule on a list or
         mapping field applies to its items.
     optional: a field left out of its JSON object when it is None (and read as None when
-        absent), so that a field added to a record changes no file written without it.
+        absent), so that a field added to a record changes no file written without it; a
+        field without a rule that defaults to None is optional too.
     inline: a field whose dataclass's fields sit in the enclosing JSON object instead of under
         a key of their own (the manifest holds the header's fields at its top level).
     where: a value's path in its document as error messages name it, e.g. ``shards[3].keys[0]``
@@ -118,7 +119,10 @@ def _fields(cls: type) -> tuple[tuple[str, Any, Rule], ...]:
     hints = typing.get_type_hints(cls)
     found = []
     for field in dataclasses.fields(cls):
-        rule = field.metadata.get(_RULE, Rule())
+        # A field without a rule is optional where it defaults to None: a record defined below
+        # this package (BoundarySpec's ``pad_dim``) cannot attach a rule, and a field added so
+        # must still read from the files written before it.
+        rule = field.metadata.get(_RULE, Rule(optional=field.default is None))
         if rule.stored:
             found.append((field.name, hints[field.name], rule))
     return tuple(found)

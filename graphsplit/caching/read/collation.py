@@ -9,23 +9,31 @@ Glossary:
     memory order: the order of dims in memory of the batch a row was computed in (None: plain
         contiguous); rows of one batch share theirs, and the batch is rebuilt with stage 1's
         strides (:mod:`graphsplit.caching.format.memory_order`).
+    padded row: a row whose trailing zeros along one dim carry nothing (its boundary spec's
+        ``pad_dim``: captions as code points, as wide as the longest caption of the batch
+        stage 1 saw, which stage 2 decodes back to the very strings, zeros to nothing). Rows
+        of different sizes there share a bucket, and :func:`collate` pads them with zeros to
+        the batch's widest. Every other row is batched only with rows of its own shape.
 
 In and out::
 
     collate(items) -> dict[str, Tensor]     # the keyword arguments of split.stage2
     CachedSample(key=..., **rows)           .collation  .dim_orders
-    Collation(path, rows, constants, order)
+    Collation(path, rows, constants, order, plan_constants={}, padded={})
+    padded_dims(specs) -> {name: row dim}   # the padded rows of a header's sample specs
+    bucket_key(shapes, pads) -> shapes, a padded row's padded size None
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from graphsplit.artifacts import BoundarySpec
 from graphsplit.caching.format.layout import Manifest
 from graphsplit.caching.format.memory_order import Order, inverse, row_order
 from graphsplit.caching.store.remote import RemotePath
@@ -33,7 +41,15 @@ from graphsplit.errors import CacheError, Fix, user_error
 from graphsplit.signatures.signature import SIGNATURE_KEY
 from graphsplit.units import some_keys
 
-__all__ = ["MIXED_SHAPES_FIX", "CachedSample", "Collation", "collate", "sample_signatures"]
+__all__ = [
+    "MIXED_SHAPES_FIX",
+    "CachedSample",
+    "Collation",
+    "bucket_key",
+    "collate",
+    "padded_dims",
+    "sample_signatures",
+]
 
 
 MIXED_SHAPES_FIX = Fix(
@@ -55,6 +71,8 @@ class Collation:
     # A plan's own constants (by signature key) where they are not ``constants``: a cache of
     # several plans whose constants differ (see caching.write.plan_constants).
     plan_constants: Mapping[str, Mapping[str, torch.Tensor]] = field(default_factory=dict)
+    # The padded rows (see the glossary): by name, the row's dim that zeros pad.
+    padded: Mapping[str, int] = field(default_factory=dict)
 
     def constants_of(self, signature: str | None) -> Mapping[str, torch.Tensor]:
         """The constants of the plan ``signature`` (None: a cache of one plan)."""
@@ -76,6 +94,27 @@ class CachedSample(dict):
     signature: str | None = None
 
 
+def padded_dims(specs: Iterable[BoundarySpec]) -> dict[str, int]:
+    """The padded rows among per-sample ``specs``: by name, the dim of the row (the batch
+    dim removed) that zeros pad, from each spec's ``pad_dim``."""
+    return {
+        spec.name: spec.pad_dim - (spec.batch_dim < spec.pad_dim)
+        for spec in specs
+        if spec.pad_dim is not None and spec.batch_dim is not None
+    }
+
+
+def bucket_key(
+    shapes: Sequence[tuple[int, ...]], pads: Sequence[int | None]
+) -> tuple[tuple[int | None, ...], ...]:
+    """A sample's rows' ``shapes`` as its bucket knows them: a padded row's size along its
+    ``pads`` dim is None (any size batches), every other size as it is."""
+    return tuple(
+        shape if pad is None else (*shape[:pad], None, *shape[pad + 1 :])
+        for shape, pad in zip(shapes, pads)
+    )
+
+
 def sample_signatures(manifest: Manifest) -> list[str | None]:
     """Each sample's plan in a cache of several plans (rows of a shard that records none are
     the first plan's); ``None`` for every sample of a cache of one plan."""
@@ -94,7 +133,8 @@ def collate(items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
     into the batch in the dtype stage 2 takes (a lower ``storage_dtype`` is undone in the same
     copy); the constants of the samples' plan are added. Samples in
     one batch must have rows of the same shapes: a cache of several shapes is batched by
-    :meth:`CachedDataset.loader` (or a :class:`~graphsplit.BucketBatchSampler`).
+    :meth:`CachedDataset.loader` (or a :class:`~graphsplit.BucketBatchSampler`). Padded rows
+    (captions as code points, see the glossary) are padded with zeros to the batch's widest.
 
     Example:
         >>> loader = DataLoader(cached, batch_size=8, collate_fn=graphsplit.collate)
@@ -121,6 +161,8 @@ def collate(items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
     batch: dict[str, torch.Tensor] = {}
     for column, (name, batch_dim, dtype) in enumerate(collation.rows):
         rows = [item[name] for item in items]
+        if name in collation.padded:
+            rows = _zero_padded(rows, collation.padded[name])
         if len({tuple(row.shape) for row in rows}) > 1:
             raise user_error(
                 CacheError,
@@ -149,6 +191,22 @@ def collate(items: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
     if signature is not None:  # names the batch's plan for split.stage2's dispatch
         ordered[SIGNATURE_KEY] = signature
     return ordered
+
+
+def _zero_padded(rows: list[torch.Tensor], dim: int) -> list[torch.Tensor]:
+    """``rows`` padded with zeros at the end of ``dim`` to the widest of them (a row already
+    that wide as it is). Only padded rows come here: their trailing zeros carry nothing."""
+    if any(row.dim() <= dim for row in rows):
+        return rows  # not rows of the recorded rank: the shape check names them
+    widest = max(int(row.shape[dim]) for row in rows)
+    padded = []
+    for row in rows:
+        missing = widest - int(row.shape[dim])
+        if missing:
+            shape = (*row.shape[:dim], missing, *row.shape[dim + 1 :])
+            row = torch.cat([row, row.new_zeros(shape)], dim=dim)
+        padded.append(row)
+    return padded
 
 
 def _stack(rows: Sequence[torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Tensor:

@@ -61,7 +61,9 @@ from graphsplit.caching.read.bucket_sampler import BucketBatchSampler, BucketLoa
 from graphsplit.caching.read.collation import (
     CachedSample,
     Collation,
+    bucket_key,
     collate,
+    padded_dims,
     sample_signatures,
 )
 from graphsplit.caching.store.durability import restart_cause, restarted_since
@@ -193,6 +195,7 @@ class CachedDataset(torch.utils.data.Dataset):
                 for key, plan in (self.manifest.plans or {}).items()
                 if plan.constants is not None
             },
+            padded=padded_dims(header.sample_specs),
         )
         if dataset is not None:
             verify_inputs(self, dataset)
@@ -248,17 +251,20 @@ class CachedDataset(torch.utils.data.Dataset):
             for shapes in shard.shapes
         ]
 
-    def buckets(self) -> dict[tuple[tuple[int, ...], ...], list[int]]:
+    def buckets(self) -> dict[tuple[tuple[int | None, ...], ...], list[int]]:
         """Sample indices grouped by their rows' shapes: each group collates into batches
-        (:meth:`loader` and :class:`~graphsplit.BucketBatchSampler` batch by them)."""
+        (:meth:`loader` and :class:`~graphsplit.BucketBatchSampler` batch by them). A padded
+        row's padded size is None in the key (captions as code points, whose width is the
+        longest caption of their stage-1 batch): any widths batch, padded with zeros."""
+        pads = [self.collation.padded.get(name) for name, _, _ in self.collation.rows]
         groups: dict[Any, list[int]] = {}
         index = 0
         for shard in self.manifest.shards:
             for shapes in shard.shapes:
                 # A cache of several plans: one plan a batch too (stage 2 runs one plan).
-                signature = self.signatures[index]
-                groups.setdefault(shapes if signature is None else (signature, shapes), [])
-                groups[shapes if signature is None else (signature, shapes)].append(index)
+                signature, key = self.signatures[index], bucket_key(shapes, pads)
+                groups.setdefault(key if signature is None else (signature, key), [])
+                groups[key if signature is None else (signature, key)].append(index)
                 index += 1
         return groups
 

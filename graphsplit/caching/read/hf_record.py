@@ -34,6 +34,7 @@ from safetensors.torch import save as save_safetensors
 
 from graphsplit.caching.format.layout import CacheHeader
 from graphsplit.caching.format.memory_order import inverse
+from graphsplit.caching.format.record_documents import header_rules
 from graphsplit.caching.format.records import JsonReader, to_json
 from graphsplit.caching.format.tensor_places import tensors_from_bytes
 from graphsplit.errors import CacheError, Fix, ManifestError, user_error
@@ -184,6 +185,7 @@ def export_record(dataset: Any) -> ExportRecord:
             fix=Fix("read it with the graphsplit version that exported it, or export again"),
         )
     header = reader.read(CacheHeader, document.get("header"), "header")
+    header_rules(reader, header)  # names, batch and pad dims, as a manifest's
     errors = _errors(reader.mapping(document.get("max_abs_error", {}), "max_abs_error"))
     orders = reader.mapping(document.get("constant_orders", {}), "constant_orders")
     for spec in header.sample_specs:

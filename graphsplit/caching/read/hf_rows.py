@@ -29,7 +29,7 @@ import torch
 
 from graphsplit.caching.format.fingerprint import fingerprint, in_terms_of
 from graphsplit.caching.format.layout import CacheHeader
-from graphsplit.caching.read.collation import CachedSample, Collation
+from graphsplit.caching.read.collation import CachedSample, Collation, padded_dims
 from graphsplit.caching.read.dataset import refuse_other_split
 from graphsplit.caching.read.hf_record import (
     KEY_COLUMN,
@@ -97,6 +97,7 @@ class _Rows:
             rows=tuple((spec.name, spec.batch_dim, spec.dtype) for spec in header.sample_specs),
             constants=self.record.constants,
             order=tuple(spec.name for spec in header.boundary),
+            padded=padded_dims(header.sample_specs),
         )
 
     def item(self, row: Mapping[str, Any]) -> CachedSample:
