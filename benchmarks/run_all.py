@@ -33,6 +33,7 @@ bench_cache_overlap = "benchmarks.bench_cache_overlap"
 bench_dispatch = "benchmarks.bench_dispatch"
 bench_field_bytes = "benchmarks.bench_field_bytes"
 bench_stage1_state = "benchmarks.bench_stage1_state"
+bench_lm_lengths = "benchmarks.bench_lm_lengths"
 
 
 def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
@@ -60,6 +61,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
             ("stage-2 dispatch", bench_dispatch, ["--rounds", "15", *target]),
             ("module-level cached fields", bench_field_bytes, [*target]),
             ("stage 1, state put back", bench_stage1_state, ["--rounds", "15", *target]),
+            ("LoRA LM over many lengths", bench_lm_lengths, ["--rounds", "3", *target]),
         ]  # fmt: skip
     return [
         ("step time", bench_step_time, ["--quick", *target]),
@@ -80,6 +82,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
         ("stage-2 dispatch", bench_dispatch, ["--quick", *target]),
         ("module-level cached fields", bench_field_bytes, ["--quick", *target]),
         ("stage 1, state put back", bench_stage1_state, ["--quick", *target]),
+        ("LoRA LM over many lengths", bench_lm_lengths, ["--quick", *target]),
     ]
 
 
