@@ -59,6 +59,8 @@ def recomputable_constants(graph: fx.Graph, cut: Cut) -> tuple[fx.Node, ...]:
 
 
 def _recomputable(constant: fx.Node, available: set[fx.Node], cut: Cut) -> bool:
+    if not _cheap_to_redo(constant, cut):  # a frozen module's output (CLIP's positions) stays
+        return False
     seen: set[fx.Node] = set()
     pending = list(constant.all_input_nodes)
     while pending:
