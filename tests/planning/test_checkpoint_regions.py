@@ -117,7 +117,10 @@ def assert_checkpointed_as_eager(model, plain, args, *, regions: int, exact_save
     plain.load_state_dict(model.state_dict())
     stage2_saved = activations_saved(lambda: split.stage2(**boundary), boundary.values())
     eager_saved = activations_saved(lambda: model(*args), args)
-    assert stage2_saved <= eager_saved < activations_saved(lambda: plain(*args), args)
+    # Counted, not weighed, stage 2 may save more: a constant it computes itself (a LoRA Llama's
+    # rotary cos / sin, recomputed rather than cached) is saved where the cached one, an input,
+    # was left out of the count. The bytes below are the memory checkpointing must cut.
+    assert eager_saved < activations_saved(lambda: plain(*args), args)
     stage2_bytes = activation_bytes(lambda: split.stage2(**boundary), boundary.values())
     eager_bytes = activation_bytes(lambda: model(*args), args)
     assert stage2_bytes <= eager_bytes < activation_bytes(lambda: plain(*args), args)

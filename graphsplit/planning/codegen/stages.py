@@ -202,7 +202,10 @@ def _follow_model_order(stage: nn.Module, model: nn.Module) -> None:
     fx registers a stage's attributes in graph order; an optimizer's state dict addresses
     parameters by position, so one made on the model's parameters would map onto the wrong
     stage parameters after a reload unless both iterate in the same order. Entries the model
-    has no counterpart for keep their order, after the others.
+    has no counterpart for keep their order, after the others. fx registers every tensor it
+    copies as a persistent buffer: one the model keeps out of its state dict (Llama's rotary
+    ``inv_freq``, which stage 2 reads to recompute ``cos`` / ``sin``) stays out of the stage's,
+    so the stage's keys are the model's own (checkpoints load both ways, strict).
     """
     _order_like(stage, model)
 
@@ -218,6 +221,9 @@ def _order_like(module: nn.Module, counterpart: nn.Module | None) -> None:
     if module is counterpart:
         return
     if counterpart is not None:
+        module._non_persistent_buffers_set |= counterpart._non_persistent_buffers_set & set(
+            module._buffers
+        )
         # Parameters, then buffers, then submodules: the order of the model's registration.
         tensors = {name: index for index, name in enumerate(counterpart._parameters)}
         for name in counterpart._buffers:

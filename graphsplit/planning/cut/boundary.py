@@ -41,6 +41,9 @@ Out: :class:`~graphsplit.artifacts.Cut`, and the boundary's public description:
 
     choose_boundary(graph, trainable, recompute=, model=) -> Cut
     stages_for(graph, boundary, taint, baked=) -> Cut   # any boundary: tests hand-write them
+
+A boundary constant made from a size of the batch leaves the boundary when stage 2 can compute
+it cheaply (:mod:`graphsplit.planning.cut.sized_constants`): one plan serves every length.
     boundary_specs(cut) -> dict[str, BoundarySpec]
 """
 
@@ -65,6 +68,7 @@ from graphsplit.planning.cut.recompute import (
     traced_batch_size,
     weights_read,
 )
+from graphsplit.planning.cut.sized_constants import recomputable_constants
 from graphsplit.planning.opaque.value_reads import value_checks
 from graphsplit.planning.patching.patcher import cyclic_gc_paused
 from graphsplit.planning.rules.baked_sizes import is_fixed_number
@@ -159,8 +163,23 @@ def choose_boundary(
     check_recompute(recompute)
     anchor_metadata_reads(graph, trainable)  # frozen work a device read would make per step
     cut = _choose(graph, trainable, recompute, model, costs)
+    cut = _recompute_sized_constants(graph, cut)
     name_constants(cut)
     return cut
+
+
+def _recompute_sized_constants(graph: fx.Graph, cut: Cut) -> Cut:
+    """``cut`` less the constants made from a batch size that stage 2 computes itself
+    (:mod:`graphsplit.planning.cut.sized_constants`): stored, each would make every padded
+    length a plan of its own."""
+    moved = set(recomputable_constants(graph, cut))
+    if not moved:
+        return cut
+    boundary = tuple(node for node in cut.boundary if node not in moved)
+    recomputed = stages_for(graph, boundary, cut.taint, baked=tuple(cut.baked))
+    if recomputed.reanchored and recomputed.anchor is None:
+        return cut  # a batch size stage 2 would need has nothing per-sample to be read off
+    return dataclasses.replace(recomputed, recomputation=cut.recomputation)
 
 
 def _choose(

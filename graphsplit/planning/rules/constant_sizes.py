@@ -21,7 +21,10 @@ output is only written *into* keeps its own size: a vision-language model scatte
 features (an opaque ``get_image_features``) into the text embeddings with ``masked_scatter``,
 whose output has the shape of the embeddings, so a size read off the merged embeddings (Llama's
 ``position_ids`` from ``inputs_embeds.shape[1]``) is the prompt length, read from the batch,
-and is guarded (:data:`SHAPE_OF_FIRST`).
+and is guarded (:data:`SHAPE_OF_FIRST`). A device or dtype read is no size: transformers'
+``DynamicLayer`` makes its empty key cache with ``torch.tensor([], device=key_states.device)``,
+a constant of shape ``(0,)`` at every length, and guarding the sizes ``key_states`` was made
+from gave every padded length a plan of its own.
 
 Glossary:
     boundary constant: a boundary node whose facts say it is a per-dataset constant.
@@ -32,6 +35,8 @@ In: the traced graph and the cut. Out: size guards added to ``node.meta["guards"
 values the boundary constants read:
 
     guard_constant_sizes(graph, cut) -> None
+    computed_from_inputs(graph) -> (data, opaque)         # also read by the cut's
+    size_values_read(constant, data, opaque) -> [size]    # sized_constants
 """
 
 from __future__ import annotations
@@ -41,10 +46,11 @@ import operator
 import torch.fx as fx
 
 from graphsplit.artifacts import Cut, Guard
+from graphsplit.planning.rules.metadata_reads import is_metadata_read
 from graphsplit.planning.rules.opaque_call import is_opaque
 from graphsplit.planning.rules.size_guards import GUARDS, is_size_guard
 
-__all__ = ["guard_constant_sizes"]
+__all__ = ["computed_from_inputs", "guard_constant_sizes", "size_values_read"]
 
 # Ops whose output has the shape of their first argument, whatever the others hold: values
 # written into a tensor (``masked_scatter``) do not give it their size.
@@ -53,18 +59,18 @@ SHAPE_OF_FIRST = frozenset({"masked_scatter", "masked_fill", "index_put", "scatt
 
 def guard_constant_sizes(graph: fx.Graph, cut: Cut) -> None:
     """Add a size guard to every size value a boundary constant is computed from."""
-    data, opaque = _computed_from_inputs(graph)
+    data, opaque = computed_from_inputs(graph)
     for constant in cut.boundary:
         constant_facts = constant.meta.get("facts")
         if constant_facts is None or not constant_facts.is_constant:
             continue
-        for size in _size_values_read(constant, data, opaque):
+        for size in size_values_read(constant, data, opaque):
             guards = size.meta.setdefault(GUARDS, [])
             if not any(is_size_guard(guard) for guard in guards):
                 guards.append(Guard(size, operator.index, size.meta["val"], _source(constant)))
 
 
-def _size_values_read(constant: fx.Node, data: set[fx.Node], opaque: set[fx.Node]) -> list[fx.Node]:
+def size_values_read(constant: fx.Node, data: set[fx.Node], opaque: set[fx.Node]) -> list[fx.Node]:
     """The size values among ``constant``'s ancestors, the first read of each size only; none
     read from an opaque call's output or upstream of it."""
     found, seen, todo = [], set(), list(constant.all_input_nodes)
@@ -76,6 +82,8 @@ def _size_values_read(constant: fx.Node, data: set[fx.Node], opaque: set[fx.Node
         if _is_size_value(node, data):
             found.append(node)
             continue  # its own inputs are the tensor whose size it reads
+        if is_metadata_read(node):
+            continue  # a device or dtype is the same at every length
         todo.extend(node.all_input_nodes)
     return sorted(found, key=_position(constant.graph))
 
@@ -90,7 +98,7 @@ def _is_size_value(node: fx.Node, data: set[fx.Node]) -> bool:
     return node.op in ("call_function", "call_method")
 
 
-def _computed_from_inputs(graph: fx.Graph) -> tuple[set[fx.Node], set[fx.Node]]:
+def computed_from_inputs(graph: fx.Graph) -> tuple[set[fx.Node], set[fx.Node]]:
     """The nodes computed from the step's inputs; apart, those whose size may come from an
     opaque call (computed from one, except through the values of a :data:`SHAPE_OF_FIRST`)."""
     data: set[fx.Node] = set()

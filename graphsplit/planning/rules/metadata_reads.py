@@ -34,6 +34,7 @@ In: a graph whose nodes carry ``meta["facts"]``, the trainable parameter names. 
 with a new read per anchored metadata read:
 
     anchor_metadata_reads(graph, trainable) -> tuple[fx.Node, ...]   # the new reads
+    is_metadata_read(node) -> bool                                   # x.device, x.dtype
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import torch.fx as fx
 from graphsplit.artifacts import Taint
 from graphsplit.planning.rules.taint import compute_taint, facts, is_banned
 
-__all__ = ["anchor_metadata_reads"]
+__all__ = ["anchor_metadata_reads", "is_metadata_read"]
 
 _METADATA_ATTRIBUTES = ("device", "dtype")
 # Methods whose output may live on another device (or in another dtype) than their input.
@@ -56,7 +57,7 @@ def anchor_metadata_reads(graph: fx.Graph, trainable: frozenset[str]) -> tuple[f
     """Re-read each tainted device / dtype read that frozen work needs off an anchor (see the
     module docstring); returns the reads added, in graph order."""
     taint = compute_taint(graph, trainable)
-    reads = [node for node in graph.nodes if _is_metadata_read(node) and node in taint]
+    reads = [node for node in graph.nodes if is_metadata_read(node) and node in taint]
     if not reads:
         return ()
     clean = compute_taint(graph, trainable, clean=frozenset(reads))
@@ -80,7 +81,8 @@ def anchor_metadata_reads(graph: fx.Graph, trainable: frozenset[str]) -> tuple[f
     return tuple(added)
 
 
-def _is_metadata_read(node: fx.Node) -> bool:
+def is_metadata_read(node: fx.Node) -> bool:
+    """``x.device`` or ``x.dtype``: a value that says nothing of ``x``'s values or sizes."""
     return (
         node.op == "call_function"
         and node.target is getattr

@@ -1,0 +1,91 @@
+"""A per-dataset constant made from the batch's length is recomputed in stage 2, not stored.
+
+The min-cut puts a per-dataset constant on the boundary: it reads no value of the batch, so the
+cache stores it once per plan and it costs nothing per sample. Some of them still read a *size*
+of the batch. A PEFT LoRA Llama traced whole builds ``position_ids = torch.arange(seq_len)``,
+the rotary ``cos`` / ``sin`` (from the buffer ``inv_freq``) and the causal mask from
+``inputs_embeds.shape[1]``, the padded length. Stored, such a constant fixes that length for its
+plan (:mod:`graphsplit.planning.rules.constant_sizes` guards it): with dynamic padding every new
+length was a new plan, and a dataset with more lengths than ``max_plans`` was refused.
+
+Stage 2 can often compute the constant itself: its inputs are tensors stage 2 has anyway (the
+cached embeddings whose ``.shape[1]`` and ``.device`` it reads), buffers, and cheap torch ops
+on them. Then the constant leaves the boundary and stage 2 runs the step's own code on the
+batch's own sizes, as the eager step does: one plan serves every length, exactly.
+
+Glossary:
+    sized constant: a boundary constant whose ancestors hold a size value of the batch
+        (:func:`~graphsplit.planning.rules.constant_sizes.size_values_read`).
+    recomputable: every ancestor of the constant, walking back until a node stage 2 already
+        has (the boundary, a baked number, ``cut.stage2``), is a ``call_function`` /
+        ``call_method`` that is not frozen work (:func:`~graphsplit.planning.rules.taint.
+        is_banned`: no FLOPs, no frozen module), not an opaque call, draws nothing, and yields
+        a per-dataset constant tensor or a non-tensor (a size, a device, a dtype); or a
+        ``get_attr`` of a tensor that is no parameter and is computed from none (a buffer,
+        a tensor the trace holds). A placeholder, a module call or a parameter on the way keeps
+        the constant stored (and its sizes guarded), as before.
+
+In: the traced graph and the min-cut's cut. Out: the boundary constants stage 2 should
+recompute, in boundary order (:func:`~graphsplit.planning.cut.boundary.choose_boundary` takes
+them off the boundary):
+
+    recomputable_constants(graph, cut) -> tuple[fx.Node, ...]
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from graphsplit.artifacts import Cut
+from graphsplit.planning.rules.constant_sizes import computed_from_inputs, size_values_read
+from graphsplit.planning.rules.opaque_call import is_opaque
+from graphsplit.planning.rules.taint import facts, is_banned
+
+__all__ = ["recomputable_constants"]
+
+
+def recomputable_constants(graph: fx.Graph, cut: Cut) -> tuple[fx.Node, ...]:
+    """The boundary constants made from a size of the batch that stage 2 can compute cheaply."""
+    data, opaque = computed_from_inputs(graph)
+    available = set(cut.boundary) | set(cut.baked) | set(cut.stage2)
+    return tuple(
+        node
+        for node in cut.boundary
+        if facts(node).is_constant
+        and size_values_read(node, data, opaque)
+        and _recomputable(node, available, cut)
+    )
+
+
+def _recomputable(constant: fx.Node, available: set[fx.Node], cut: Cut) -> bool:
+    if not _cheap_to_redo(constant, cut):  # a frozen module's output (CLIP's positions) stays
+        return False
+    seen: set[fx.Node] = set()
+    pending = list(constant.all_input_nodes)
+    while pending:
+        node = pending.pop()
+        if node in seen or node in available:
+            continue
+        seen.add(node)
+        if not _cheap_to_redo(node, cut):
+            return False
+        pending.extend(node.all_input_nodes)
+    return True
+
+
+def _cheap_to_redo(node: fx.Node, cut: Cut) -> bool:
+    """Whether stage 2 may run ``node`` to rebuild a constant: it reads nothing stage 1 alone
+    has (an input, a module, a parameter) and costs next to nothing."""
+    if "facts" not in node.meta or node in cut.taint:
+        return False
+    node_facts = facts(node)
+    if node_facts.random_ops or node_facts.params:
+        return False
+    if node.op == "get_attr":
+        return isinstance(node.meta.get("val"), torch.Tensor)
+    if node.op not in ("call_function", "call_method"):
+        return False  # a placeholder not on the boundary, a module call
+    if is_opaque(node) or is_banned(node, cut.taint):
+        return False
+    return node_facts.is_constant or not node_facts.is_tensor
