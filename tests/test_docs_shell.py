@@ -158,6 +158,11 @@ NOT_RUN: dict[str, str] = {
     "benchmarks/results/big": _measurement("minutes"),
     "python -m benchmarks.bench_trainer_live --samples 128 --student 128 --teacher 1024 "
     "--rounds 8 --out benchmarks/results/xl": _measurement("minutes"),
+    "python -m benchmarks.bench_trainer_live --samples 256 --student 256 --teacher 2048 "
+    "--rounds 12 --out /tmp/live_big12": _measurement("3 minutes"),
+    "python -m benchmarks.bench_lm_lengths --baseline 6e58338 --rounds 3 --out /tmp/lm_lengths": (
+        _measurement("40 s, with a baseline exported from git")
+    ),
     "python -m benchmarks.gpu --out benchmarks/results": "needs a CUDA device (its --dry-run, "
     "on the line below, runs here)",
     "python -m benchmarks.bench_field_bytes --baseline integration-wip --out /tmp/fb_full": (
