@@ -27,6 +27,7 @@ __all__ = [
     "neftune_as_train",
     "originals",
     "prepared_forward",
+    "train_mode_as_train",
 ]
 
 
@@ -155,6 +156,29 @@ def neftune_as_train(trainer: Any) -> Iterator[None]:
         yield
     finally:
         deactivate_neftune(trainer.model, handle, accelerator)
+
+
+@contextlib.contextmanager
+def train_mode_as_train(trainer: Any) -> Iterator[None]:
+    """``trainer.model`` in training mode while graphsplit plans and caches, as ``train()``
+    will run it; every module's own mode put back after.
+
+    ``from_pretrained`` returns a model in eval mode and ``train()`` switches the whole model
+    to training mode as it starts, submodules included: a frozen text encoder held inside the
+    model (MusicGen's T5) then runs with its dropout active every step. Planned in eval mode,
+    its output was cached without dropout and the split run trained on it, silently apart from
+    the plain trainer. Planned in training mode, the encoder's own draws keep it in stage 2.
+    Modules the trainer holds beside the model (a teacher, a reference model) keep their mode,
+    as ``train()`` leaves them.
+    """
+    model = trainer.model
+    modes = [(module, module.training) for module in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def originals(trainer: Any) -> dict[str, Any]:

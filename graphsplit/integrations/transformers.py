@@ -90,6 +90,7 @@ from graphsplit.integrations.trainer_loss import (
     checkpointing_as_train,
     neftune_as_train,
     originals,
+    train_mode_as_train,
 )
 from graphsplit.integrations.trainer_regroup import plan_groups
 from graphsplit.planning.rules.random_draws import generator_states, set_generator_states
@@ -197,7 +198,7 @@ def split_trainer(
         groups = trainer_padding_groups(trainer)
         # The probes and stage 1 run the trainer's compute_loss: its counts and logged
         # metrics (TRL's) must not include them.
-        with bookkeeping_kept(trainer), neftune_as_train(trainer):
+        with bookkeeping_kept(trainer), neftune_as_train(trainer), train_mode_as_train(trainer):
             parts, cached, info, groups = _split_and_cache(
                 trainer, groups, cache_dir, storage_dtype, overwrite, progress
             )
@@ -250,7 +251,8 @@ def _split_live(
     check_live(trainer)
     states = generator_states()
     try:
-        with neftune_as_train(trainer):  # train() attaches it again before the first step
+        # train() attaches the hook again before the first step, and sets training mode
+        with neftune_as_train(trainer), train_mode_as_train(trainer):
             planned = plan_groups(trainer, trainer_padding_groups(trainer))
         parts, groups = planned.split, planned.groups
         compute_loss = planned.loss._compute_loss
