@@ -27,13 +27,10 @@ from graphsplit.calls.provenance import MOVED, moved
 from graphsplit.calls.recomputed import Redone, redone_calls
 from graphsplit.calls.reordered import probe_reordered, take
 from graphsplit.calls.stages import CallStage1, CallStage2
+from graphsplit.calls.stopped_step.written_tensors import tensors_put_back
 from graphsplit.calls.stored import spec_of, storage, stored_verdict
 from graphsplit.calls.unfrozen import no_frozen_call, under_no_grad_only
-from graphsplit.calls.unstored_inputs.derivation import (
-    Derivation,
-    lone_inputs,
-    unstored_inputs,
-)
+from graphsplit.calls.unstored_inputs.derivation import Derivation, lone_inputs, unstored_inputs
 from graphsplit.calls.usage import (
     device_read_tensors,
     field_uses,
@@ -52,6 +49,7 @@ SEEDS = (0, 1)
 """The two seeds the step runs under to find inputs that depend on a draw."""
 
 
+@tensors_put_back  # the runs below write into the model as the step does: put back after
 def split_calls(
     model: nn.Module | Callable[..., Any],
     args: tuple[Any, ...] = (),

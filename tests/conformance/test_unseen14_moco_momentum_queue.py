@@ -21,11 +21,13 @@ pointer, running statistics) exactly as the unsplit step leaves them.
 What is checked: nothing in this step is cacheable (the only frozen module runs on a random
 permutation with weights the step moves), and ``graphsplit.split`` refuses it, rightly: the
 refusal names the step's line and, in its module-level part, the key encoder's call and why
-(its input depends on a random draw or on state that changes from step to step). Two defects
-are pinned as strict xfails: the headline (whole-step trace) fix line blames devices, not the
-``.data =`` momentum update it failed on; and the refused ``split`` leaves the user's model
-changed (queue, BatchNorm statistics, key weights), because the module-level path ran the
-step for real on the example and restored none of the tensors it wrote.
+(its input depends on a random draw or on state that changes from step to step). The refused
+``split`` leaves the user's model as it was: it used to leave it changed (queue, BatchNorm
+statistics, key weights), because the module-level path ran the step for real on the example
+and restored none of the tensors it wrote; its buffers and the parameters whose tensors the
+step replaced are now put back (graphsplit/calls/stopped_step/written_tensors.py). One
+defect is pinned as a strict xfail: the headline (whole-step trace) fix line blames devices,
+not the ``.data =`` momentum update it failed on.
 
 Tiny config: 3x8x8 images, 8 channels, feature dim 16, queue K=8, bn_splits=2, m=0.99.
 """
@@ -324,21 +326,6 @@ def test_moco_refusal_names_the_momentum_update_not_devices():
     assert "param_k.data" in message or "_momentum_update_key_encoder" in message, message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "split() changes the user's model even when it refuses: the module-level path "
-        "(graphsplit/calls/call_split.py:split_calls) runs the step for real on the example "
-        "4+ times (probe at SEEDS[0], again under moved() trainable weights at SEEDS[1] and "
-        "SEEDS[0], then one sample alone) and restores only generators and object identity "
-        "(planning/patching/module_state.py snapshots vars(), not tensor contents). MoCo's "
-        "in-place writes persist: the queue buffer holds the example's keys, encoder_q's "
-        "BatchNorm running statistics moved, and encoder_k's weights took the probes' "
-        "momentum updates (one probe runs under moved() trainable weights). Fix: snapshot "
-        "the model's buffers and parameter data (state_dict clones) around the probes and "
-        "copy them back"
-    ),
-)
 def test_moco_split_attempt_leaves_the_model_as_it_was():
     net, start, _message = _refusal()
     after = _state(net)
