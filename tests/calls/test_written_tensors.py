@@ -121,3 +121,13 @@ def test_the_trace_path_and_the_traced_split_leave_buffers_alone():
     with pytest.raises(graphsplit.GraphsplitError):
         graphsplit.split(step, (torch.randn(3, 6),), path="trace")
     assert _changed(before, step) == []
+
+
+def test_the_sampled_places_of_a_long_tensor_stay_inside_it():
+    """A float ``linspace`` rounds (2**24 + 3) - 1 past the last index: the places are ints."""
+    from graphsplit.calls.stopped_step.written_tensors import _sampled
+
+    flat = torch.arange(2**24 + 3, dtype=torch.int32)
+    samples = _sampled(flat)
+    assert samples[0] == 0 and samples[-1] == 2**24 + 2 and len(samples) == 8
+    assert len(_sampled(torch.ones(1))) == 1 and len(_sampled(torch.ones(0))) == 0

@@ -106,7 +106,9 @@ def _sampled(param: torch.Tensor) -> torch.Tensor:
     flat = param.detach().reshape(-1)
     if flat.numel() == 0:
         return flat.clone()
-    places = torch.linspace(0, flat.numel() - 1, min(_SAMPLES, flat.numel())).long()
+    count = min(_SAMPLES, flat.numel())
+    # Integer steps: a float linspace rounds past the last index of a tensor over 2**24 long.
+    places = torch.arange(count) * (flat.numel() - 1) // max(count - 1, 1)
     return flat[places].clone()
 
 
