@@ -28,7 +28,7 @@ from graphsplit.calls.unfrozen import NOTHING_FROZEN_FIX
 from graphsplit.errors import Fix, SplitError, TraceError, user_error
 from graphsplit.planning.codegen.compiled_calls import compiled_code_notes
 from graphsplit.planning.codegen.stages import build_stage1, build_stage2, standalone_source
-from graphsplit.planning.cut.ambient_dtypes import with_run_dtypes
+from graphsplit.planning.cut.ambient_dtypes import refuse_read_dtypes, with_run_dtypes
 from graphsplit.planning.cut.boundary import boundary_specs, choose_boundary
 from graphsplit.planning.cut.recompute import Recompute, check_recompute
 from graphsplit.planning.leaf_rounds import trace_and_analyze
@@ -369,6 +369,7 @@ class _Planner:
         stage1 = build_stage1(traced.graph, cut, keys, model, traced.constants)
         stage2 = build_stage2(traced.graph, cut, keys, model, traced.constants)
         boundary = with_run_dtypes(boundary, stage1, model, tuple(args), dict(kwargs))
+        refuse_read_dtypes(cut, boundary)  # a dtype the trace held that the run does not make
         return Plan(
             stage1=stage1,
             stage2=stage2,

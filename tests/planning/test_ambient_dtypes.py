@@ -89,3 +89,49 @@ def test_caching_under_another_autocast_than_split_saw_is_refused(tmp_path):
     assert "another autocast than split() ran under" in message
     assert OTHER_AUTOCAST_FIX.words in message
     assert "test_ambient_dtypes.py" in message  # the line that made the tensor
+
+
+class CastsBackToTheFrozenDtype(nn.Module):
+    """peft's LoRA layer, in small: ``result = base(x)``, ``dtype = result.dtype``, the trained
+    delta added, the sum cast back to ``dtype``; two uses of it after (rotary's ``q * cos`` and
+    ``rotate_half(q) * sin``), whose gradients eager rounds to bfloat16 one by one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.base = nn.Linear(WIDTH, WIDTH).requires_grad_(False)
+        self.delta = nn.Linear(WIDTH, WIDTH, bias=False)
+
+    def forward(self, x, y):
+        result = self.base(x)
+        dtype = result.dtype
+        result = (result + self.delta(x)).to(dtype)
+        scale = torch.linspace(0.5, 1.5, WIDTH)
+        out = result * scale + result.flip(-1) * scale.flip(-1)
+        return F.mse_loss(out.float().sum(-1, keepdim=True), y)
+
+
+def test_a_dtype_the_trace_read_that_the_autocast_changes_refuses_the_trace():
+    step, batches = CastsBackToTheFrozenDtype(), _samples()
+    example = (batches[0]["x"], batches[0]["y"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(graphsplit.TraceError) as caught:
+            graphsplit.split(step, example, path="trace")
+        split = graphsplit.split(step, example)  # auto: the module-level path
+        assert split.path == "calls"
+        assert all(check.ok for check in graphsplit.verify(step, split, example))
+    message = str(caught.value)
+    assert "The step reads the dtype of a tensor the autocast around graphsplit.split" in message
+    assert "makes in torch.bfloat16, where graphsplit's analysis" in message
+    assert "result = self.base(x)" in message  # the line that made it
+    assert 'path="calls"' in message
+
+
+def test_a_dtype_read_the_autocast_leaves_alone_keeps_the_trace():
+    """Without an autocast, or where the run's dtype is the analysis's, nothing is refused."""
+    step, batches = CastsBackToTheFrozenDtype(), _samples()
+    example = (batches[0]["x"], batches[0]["y"])
+    split = graphsplit.split(step, example)
+    assert split.path == "trace"
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        assert graphsplit.split(step, example).path == "trace"

@@ -12,9 +12,19 @@ autocast is on, stage 1 runs once on the example batch (no autograd, the model's
 back after) and each boundary tensor takes the dtype that run gave it. Without an ambient
 autocast nothing runs: the analysis's dtypes are the real ones.
 
+The step's Python may also have read such a dtype while it was traced (peft's LoRA layer keeps
+``torch_result_dtype = result.dtype`` of its base layer's output and casts its sum back to it):
+the trace then holds the analysis's dtype as a constant (``.to(torch.float32)`` where the run
+has bfloat16), and stage 2 computes in other dtypes than eager, with gradients a rounding
+apart. Where a boundary tensor whose dtype the step read comes out of the real run in another
+dtype, the trace is refused (``path="auto"`` then takes the module-level path, which runs the
+step's own code under the autocast). A dtype read of a tensor stage 1 does not output is not
+checked: nothing real computes it before training.
+
 In and out::
 
     with_run_dtypes(boundary, stage1, model, args, kwargs)  # api.py, once a plan is generated
+    refuse_read_dtypes(cut, boundary)      # TraceError: a dtype the trace baked is not the run's
 """
 
 from __future__ import annotations
@@ -26,10 +36,19 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from graphsplit.artifacts import BoundarySpec
+from graphsplit.artifacts import BoundarySpec, Cut
+from graphsplit.errors import Fix, TraceError, user_error
 from graphsplit.planning.rules.grad_modes import current_modes
+from graphsplit.planning.rules.taint import facts
+from graphsplit.planning.tracing.proxies import DTYPE_READ
 
-__all__ = ["with_run_dtypes"]
+__all__ = ["READ_DTYPE_FIX", "refuse_read_dtypes", "with_run_dtypes"]
+
+READ_DTYPE_FIX = Fix(
+    'split with path="calls" (path="auto" takes it after this refusal), whose stage 2 runs '
+    "the step's own code under the autocast; or put the autocast inside the step's forward "
+    "(accelerator.prepare(model) does, for the model it wraps)"
+)
 
 
 def with_run_dtypes(
@@ -66,3 +85,22 @@ def _on_meta(model: nn.Module, example: Any) -> bool:
     leaves = [leaf for leaf in tree_leaves(example) if isinstance(leaf, torch.Tensor)]
     tensors = [*leaves, *model.parameters(), *model.buffers()]
     return any(tensor.device.type == "meta" for tensor in tensors)
+
+
+def refuse_read_dtypes(cut: Cut, boundary: dict[str, BoundarySpec]) -> None:
+    """Raise :class:`~graphsplit.TraceError` where the step read the dtype of a boundary tensor
+    that the real run under the ambient autocast makes in another dtype than the analysis."""
+    for node in cut.boundary:
+        if not node.meta.get(DTYPE_READ) or node.name not in boundary:
+            continue
+        planned, run = facts(node).dtype, boundary[node.name].dtype
+        if planned != run:
+            raise user_error(
+                TraceError,
+                f"The step reads the dtype of a tensor the autocast around graphsplit.split "
+                f"makes in {run}, where graphsplit's analysis, which cannot apply an autocast, "
+                f"computed {planned}: the trace holds {planned} as a constant there, and stage "
+                "2 would compute in other dtypes than the step does.",
+                node=node,
+                fix=READ_DTYPE_FIX,
+            )

@@ -43,6 +43,7 @@ from graphsplit.planning.rules.size_guards import Formatted
 from graphsplit.planning.rules.user_lines import describe, frame_location_of, is_internal
 
 __all__ = [
+    "DTYPE_READ",
     "PLAIN_ARGUMENTS",
     "TracedAttribute",
     "TracedValue",
@@ -51,6 +52,7 @@ __all__ = [
 ]
 
 _STATIC_TENSOR_ATTRIBUTES = frozenset({"dtype", "is_floating_point", "is_complex"})
+DTYPE_READ = "dtype_read"  # node.meta key: the step's Python read this node's dtype
 _OWN_ATTRIBUTES = frozenset({"node", "_node", "root", "attr", "tracer"})
 _METHOD_READS = {"tolist": Read.TOLIST, "item": Read.ITEM}
 
@@ -75,7 +77,10 @@ class TracedValue(fx.Proxy):
         if isinstance(value, torch.Tensor):
             if name in _STATIC_TENSOR_ATTRIBUTES:
                 # A traced op's dtype is fixed by the trace; code such as torch.finfo(x.dtype)
-                # needs the real object. (Under autocast, split with the same autocast on.)
+                # needs the real object. The analysis's dtype, which an autocast around the
+                # split may not share: noted, and checked against a real run (ambient_dtypes).
+                if name == "dtype":
+                    self.node.meta[DTYPE_READ] = True
                 return getattr(value, name)
             if name.startswith("_") and not hasattr(value, name):
                 # Probes such as Parameter's isinstance check (getattr(x, "_is_param", False))
