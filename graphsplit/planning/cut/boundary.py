@@ -41,10 +41,10 @@ Out: :class:`~graphsplit.artifacts.Cut`, and the boundary's public description:
 
     choose_boundary(graph, trainable, recompute=, model=) -> Cut
     stages_for(graph, boundary, taint, baked=) -> Cut   # any boundary: tests hand-write them
+    boundary_specs(cut) -> dict[str, BoundarySpec]
 
 A boundary constant made from a size of the batch leaves the boundary when stage 2 can compute
 it cheaply (:mod:`graphsplit.planning.cut.sized_constants`): one plan serves every length.
-    boundary_specs(cut) -> dict[str, BoundarySpec]
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ import torch.fx as fx
 
 from graphsplit.artifacts import Cut
 from graphsplit.planning.rules.constant_sizes import computed_from_inputs, size_values_read
+from graphsplit.planning.rules.node_inputs import reads_through
 from graphsplit.planning.rules.opaque_call import is_opaque
 from graphsplit.planning.rules.taint import facts, is_banned
 
@@ -61,17 +62,10 @@ def recomputable_constants(graph: fx.Graph, cut: Cut) -> tuple[fx.Node, ...]:
 def _recomputable(constant: fx.Node, available: set[fx.Node], cut: Cut) -> bool:
     if not _cheap_to_redo(constant, cut):  # a frozen module's output (CLIP's positions) stays
         return False
-    seen: set[fx.Node] = set()
-    pending = list(constant.all_input_nodes)
-    while pending:
-        node = pending.pop()
-        if node in seen or node in available:
-            continue
-        seen.add(node)
-        if not _cheap_to_redo(node, cut):
-            return False
-        pending.extend(node.all_input_nodes)
-    return True
+    _, ends = reads_through(
+        constant, lambda node: node not in available and _cheap_to_redo(node, cut)
+    )
+    return all(node in available for node in ends)
 
 
 def _cheap_to_redo(node: fx.Node, cut: Cut) -> bool:
