@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 from torch import nn
 from torch.nn.modules import module as torch_module
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from graphsplit.calls.row_folds import RowFold
 
@@ -118,7 +121,7 @@ def every_call_cached(verdicts: Iterable[CallVerdict]) -> frozenset[str]:
 # capturing (its hidden states are part of the call's cached output), and torch's weight
 # reparametrisations, computed from the module's own frozen parameters.
 _PURE_HOOK_MODULES = ("transformers.utils.output_capturing",)
-_PURE_HOOK_TYPES = ("WeightNorm", "SpectralNorm", "BasePruningMethod")
+_PURE_HOOK_TYPES = (WeightNorm, SpectralNorm, BasePruningMethod)
 
 
 def unhooked(verdicts: list[CallVerdict], modules: Mapping[str, nn.Module]) -> list[CallVerdict]:
@@ -133,9 +136,12 @@ def unhooked(verdicts: list[CallVerdict], modules: Mapping[str, nn.Module]) -> l
     hooked layer's own included, may still be cached when the module is opened).
     """
     result = []
+    hooked: dict[str, list[str]] = {}  # by path: a module called many times is walked once
     for verdict in verdicts:
         module = modules.get(verdict.path)
-        names = _hooked_inside(module) if verdict.cached and module is not None else []
+        if verdict.cached and module is not None and verdict.path not in hooked:
+            hooked[verdict.path] = _hooked_inside(module)
+        names = hooked.get(verdict.path, []) if verdict.cached else []
         if names:
             shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
             verdict = dataclasses.replace(
@@ -164,6 +170,6 @@ def _hooked_inside(module: nn.Module) -> list[str]:
 
 
 def _pure(hook: object) -> bool:
-    if getattr(hook, "__module__", "") in _PURE_HOOK_MODULES:
-        return True
-    return any(kind.__name__ in _PURE_HOOK_TYPES for kind in type(hook).__mro__)
+    return getattr(hook, "__module__", "") in _PURE_HOOK_MODULES or isinstance(
+        hook, _PURE_HOOK_TYPES
+    )

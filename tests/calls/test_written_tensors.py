@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphsplit
-from graphsplit.calls.stopped_step.written_tensors import TensorState
+from graphsplit.calls.stopped_step.written_tensors import FrozenParameters
 
 
 def _state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -108,7 +108,7 @@ def test_a_frozen_weight_written_in_place_is_refused_and_named_as_not_put_back()
 
 def test_a_parameter_only_moved_to_another_dtype_is_no_write():
     encoder = nn.Linear(4, 4).requires_grad_(False)
-    state = TensorState(encoder)
+    state = FrozenParameters(encoder)
     encoder.to(torch.float64)
     assert state.put_back() == ([], [])
     assert encoder.weight.dtype == torch.float64  # left where the step moved it

@@ -8,13 +8,14 @@ has written. MoCo's step enqueues its keys into a buffer and moves its key encod
 updates its running statistics. After a split, made or refused, the model was then not the one
 the user handed over, and training it went elsewhere than the unsplit run would have.
 
-So before the runs every buffer is copied (running statistics, queues, tables: small beside the
-weights) and every parameter's tensor is noted: the tensor itself (a reference, not a copy), its
-version counter and a few of its values. After them every buffer gets its values back, and a
-parameter whose tensor the step replaced (``.data = ...``) gets its own tensor back. A
-parameter written in place (``p.data.mul_(m)``, which bypasses the version counter, is seen by
-its sampled values) cannot be put back without a copy of every weight, which planning must not
-make: the error says so.
+So before the runs every buffer is copied
+(:func:`~graphsplit.planning.patching.module_state.buffers_put_back`, as the ambient-autocast
+run of stage 1 does) and every frozen parameter's tensor is noted: the tensor itself (a
+reference, not a copy), its version counter and a few of its values. After them every buffer
+gets its values back, and a parameter whose tensor the step replaced (``.data = ...``) gets its
+own tensor back. A parameter written in place (``p.data.mul_(m)``, which bypasses the version
+counter, is seen by its sampled values) cannot be put back without a copy of every weight,
+which planning must not make: the error says so.
 
 A frozen parameter the step writes is no frozen weight: a module whose outputs are cached holds
 its values at caching time, and the step moves them every step. A split that caches a call of
@@ -37,9 +38,10 @@ import torch
 from torch import nn
 
 from graphsplit.errors import Fix, GraphsplitError, SplitError, user_error
+from graphsplit.planning.patching.module_state import buffers_put_back
 from graphsplit.planning.step.callables import as_step_module
 
-__all__ = ["FROZEN_WRITE_FIX", "TensorState", "tensors_put_back"]
+__all__ = ["FROZEN_WRITE_FIX", "FrozenParameters", "tensors_put_back"]
 
 FROZEN_WRITE_FIX = Fix(
     "update such weights outside the step (after optimizer.step(), as EMA teachers usually "
@@ -59,8 +61,9 @@ class _Parameter:
     samples: torch.Tensor
 
 
-class TensorState:
-    """Copies of a module's buffers and notes of its frozen parameters, to put back after runs.
+class FrozenParameters:
+    """Notes of a module's frozen parameters (their tensors, versions and a few values), to
+    give back a replaced tensor and to name a write after runs.
 
     Trainable parameters are left out: the runs that move them (:func:`~graphsplit.calls.
     provenance.moved`) put them back themselves.
@@ -68,11 +71,6 @@ class TensorState:
 
     def __init__(self, module: nn.Module) -> None:
         with torch.no_grad():
-            self.buffers = [
-                (buffer, buffer.detach().clone())
-                for _, buffer in module.named_buffers()
-                if buffer.device.type != "meta"
-            ]
             self.parameters = [
                 _Parameter(name, param, param.data, param._version, _sampled(param))
                 for name, param in module.named_parameters()
@@ -80,15 +78,12 @@ class TensorState:
             ]
 
     def put_back(self) -> tuple[list[str], list[str]]:
-        """Every buffer's values and every replaced parameter tensor back; returns the names of
-        the frozen parameters the runs wrote (``replaced``, now put back, and ``in_place``,
-        not). A parameter only moved to another device or dtype (its values the same) is no
-        write, and is left where the step moved it."""
+        """Every replaced tensor back; returns the names of the frozen parameters the runs
+        wrote (``replaced``, now put back, and ``in_place``, not). A parameter only moved to
+        another device or dtype (its values the same) is no write, and is left where the step
+        moved it."""
         replaced, in_place = [], []
         with torch.no_grad():
-            for buffer, values in self.buffers:
-                if buffer.shape == values.shape and not torch.equal(buffer, values):
-                    buffer.copy_(values)
             for noted in self.parameters:
                 param, samples = noted.param, noted.samples
                 now = _sampled(param).to(samples.device, samples.dtype)
@@ -123,19 +118,19 @@ def tensors_put_back(split_calls: Callable[..., Any]) -> Callable[..., Any]:
         if getattr(_OUTERMOST, "active", False):  # an opened module's split, inside the first
             return split_calls(model, args, kwargs, **options)
         module = as_step_module(model, args, dict(kwargs or {})).module
-        state = TensorState(module)
+        noted = FrozenParameters(module)
         _OUTERMOST.active = True
         try:
-            split = split_calls(model, args, kwargs, **options)
+            with buffers_put_back(module):
+                split = split_calls(model, args, kwargs, **options)
         except GraphsplitError as refusal:
-            _OUTERMOST.active = False
-            _, in_place = state.put_back()
+            _, in_place = noted.put_back()
             if in_place:
                 refusal.add_note(_not_put_back(in_place))
             raise
         finally:
             _OUTERMOST.active = False
-        replaced, in_place = state.put_back()
+        replaced, in_place = noted.put_back()
         cached = {call[0] for call in split.plan.cached}
         written = [
             name

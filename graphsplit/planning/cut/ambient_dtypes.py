@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from graphsplit.artifacts import BoundarySpec, Cut
 from graphsplit.errors import Fix, TraceError, user_error
+from graphsplit.planning.patching.module_state import buffers_put_back
 from graphsplit.planning.rules.grad_modes import current_modes
 from graphsplit.planning.rules.taint import facts
 from graphsplit.planning.tracing.proxies import DTYPE_READ
@@ -63,15 +64,8 @@ def with_run_dtypes(
     ``meta`` and nothing can run: that split cannot cache, and its dtypes are the analysis's)."""
     if not current_modes().autocast or _on_meta(model, (args, kwargs)):
         return boundary
-    buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
-    try:
-        with torch.no_grad():
-            outputs = stage1(*args, **kwargs)
-    finally:
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                if not torch.equal(buffer, saved):
-                    buffer.copy_(saved)
+    with buffers_put_back(model), torch.no_grad():
+        outputs = stage1(*args, **kwargs)
     specs = dict(boundary)
     for name, spec in boundary.items():
         value = outputs.get(name) if isinstance(outputs, dict) else None

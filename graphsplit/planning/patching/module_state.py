@@ -16,10 +16,16 @@ Glossary:
         install them a second time on the next call, and LLaVA's selected vision layer
         (``output_hidden_states=-2``) would come back as ``None``.
 
-In: the model. Out: a context manager, and the two pieces the analysis view
-(``planning/meta/analysis_view.py``) shares with it:
+A module's *tensors* are another matter: code that runs for real (stage 1 once under an
+ambient autocast, the module-level path's planning runs) writes into buffers as the step does
+(a BatchNorm's running statistics, a queue), and :func:`buffers_put_back` puts their values
+back.
+
+In: the model. Out: context managers, and the two pieces the analysis view
+(``planning/meta/analysis_view.py``) shares with them:
 
     module_state_restored(model) -> ContextManager
+    buffers_put_back(model) -> ContextManager   # every real buffer's values as they were
     is_helper_object(value) -> bool
     restore_attributes(obj, saved_attributes) -> None
 """
@@ -47,6 +53,24 @@ def module_state_restored(model: nn.Module) -> Iterator[None]:
     finally:
         for obj, attributes, contents in saved:
             _restore(obj, attributes, contents)
+
+
+@contextlib.contextmanager
+def buffers_put_back(model: nn.Module) -> Iterator[None]:
+    """Copy every real buffer of ``model`` (running statistics, queues, tables: small beside
+    the weights); on exit, each one whose values changed gets them back (one left as it was
+    keeps its version counter)."""
+    with torch.no_grad():
+        saved = [
+            (buffer, buffer.detach().clone()) for buffer in model.buffers() if not buffer.is_meta
+        ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, values in saved:
+                if buffer.shape == values.shape and not torch.equal(buffer, values):
+                    buffer.copy_(values)
 
 
 def _stateful_objects(model: nn.Module) -> list[Any]:
