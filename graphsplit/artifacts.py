@@ -306,3 +306,7 @@ class Cut:
     # Frozen work stage 2 redoes instead of reading it from the cache (``recompute="auto"``),
     # and the trade that bought it; None when stage 2 redoes no frozen work.
     recomputation: Recomputation | None = None
+    # Reads of a tensor stage 2 does not have (``inputs_embeds.shape``) that stage 2 makes on a
+    # boundary tensor computed from it instead (read -> that tensor), checked in stage 1
+    # (graphsplit.planning.cut.twin_reads).
+    twin_reads: Mapping[fx.Node, fx.Node] = field(default_factory=dict)

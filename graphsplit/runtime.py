@@ -25,6 +25,7 @@ from graphsplit.errors import Fix, SplitError, user_error
 # imported by name and are no part of generated code.
 __all__ = [
     "LEGACY_NAMES",
+    "check_same_read",
     "check_size",
     "check_size_read",
     "check_value",
@@ -133,6 +134,22 @@ def check_size_read(value: Any, read: str, expected: Any, what: str, where: str)
             Difference(what, expected, actual, str(where)),
         )
     return value
+
+
+def check_same_read(on_twin: Any, on_tensor: Any, what: str, twin: str, where: str) -> None:
+    """Stop stage 1 at a batch where stage 2's read of a boundary tensor (``twin``) would give
+    another value than the step's read of the tensor it stands for (``what``: ``x.shape``).
+
+    Stage 2 reads a size or device off a cached tensor instead of a frozen call's output it
+    does not have (:mod:`graphsplit.planning.cut.twin_reads`); the two agreed at the example
+    batch, and must agree at every batch cached under the plan.
+    """
+    if type(on_twin) is not type(on_tensor) or on_twin != on_tensor:
+        raise _mismatch(
+            f"this plan reads {what} off {twin} in stage 2, and for this batch they differ "
+            f"({on_tensor} against {on_twin}); split again for this size.",
+            Difference(what, on_twin, on_tensor, str(where)),
+        )
 
 
 def _size_reading(value: Any, read: str) -> Any:

@@ -54,7 +54,9 @@ class ReferenceLogProbs(nn.Module):
 
     def __init__(self, trainer: Any) -> None:
         super().__init__()
-        self.ref_model = trainer.ref_model
+        # A PEFT policy without a ref_model: TRL's compute_ref_log_probs runs the policy with
+        # its adapter switched off (use_adapter(model, None)), the base is the reference.
+        self.ref_model = trainer.ref_model if trainer.ref_model is not None else trainer.model
         object.__setattr__(self, "_compute", trainer.compute_ref_log_probs)
 
     def forward(
@@ -98,9 +100,9 @@ def cache_reference_log_probs(
     (``StaleCacheError``) unless ``overwrite=True``.
 
     Args:
-        trainer: a ``trl.DPOTrainer`` built with ``precompute_ref_log_probs=False`` and a
-            ``ref_model`` (a PEFT policy without one, whose reference is the adapter-less
-            base, is not supported).
+        trainer: a ``trl.DPOTrainer`` built with ``precompute_ref_log_probs=False``, with a
+            ``ref_model`` or a PEFT policy without one (TRL's LoRA-DPO: the reference is the
+            base with the adapter switched off, which TRL's own code does).
         cache_dir: the folder (or fsspec URL) for the caches.
         overwrite: replace caches made from other weights, code or data.
         progress: show the caching progress bar.
@@ -111,8 +113,8 @@ def cache_reference_log_probs(
     Raises:
         SplitError: the trainer is not a ``DPOTrainer`` (a ``KTOTrainer``'s reference
             log-probs include its KL pairs': ``KTOConfig(precompute_ref_log_probs=True)``),
-            already precomputes, has no ``ref_model``, uses ``ld_alpha`` or a vision dataset,
-            or updates its reference model during training (``sync_ref_model=True``).
+            already precomputes, has neither a ``ref_model`` nor a PEFT policy, has a vision
+            dataset, or updates its reference model during training (``sync_ref_model=True``).
     """
     check_reference_trainer(trainer)
     states = generator_states()  # the trainer's seeded generators, as the unsplit run has them

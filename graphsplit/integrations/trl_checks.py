@@ -83,10 +83,8 @@ def check_reference_trainer(trainer: Any) -> None:
     problem = None
     if getattr(trainer, "precompute_ref_logps", False):
         problem = "already precomputes its reference log-probs (precompute_ref_log_probs=True)"
-    elif trainer.ref_model is None:
-        problem = "has no ref_model (a PEFT policy's adapter-less base is its reference)"
-    elif getattr(trainer, "ld_alpha", None) is not None:
-        problem = "uses ld_alpha, whose reference log-probs depend on the pair's lengths"
+    elif trainer.ref_model is None and not _is_peft(trainer.model):
+        problem = "has no ref_model, and its model is no PEFT model whose base could be it"
     elif getattr(trainer, "_is_vision_dataset", False):
         problem = "has a vision dataset"
     if problem is not None:
@@ -94,10 +92,19 @@ def check_reference_trainer(trainer: Any) -> None:
             SplitError,
             f"cache_reference_log_probs cannot cache this DPOTrainer's reference: it {problem}.",
             fix=Fix(
-                "build the DPOTrainer with precompute_ref_log_probs=False and a ref_model, "
-                "without ld_alpha, on a text dataset"
+                "build the DPOTrainer with precompute_ref_log_probs=False, a ref_model (or "
+                "a peft_config: the base is then the reference), on a text dataset"
             ),
         )
+
+
+def _is_peft(model: Any) -> bool:
+    """A ``peft.PeftModel`` (TRL's ``peft_config`` makes one); False without peft."""
+    try:
+        peft_model = importlib.import_module("peft").PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, peft_model)
 
 
 def refuse_reference_updates(trainer: Any) -> None:

@@ -6,11 +6,12 @@ parameter lies on the way back. GPT-2 adds ``wpe(position_ids)``, a frozen embed
 for ``arange(length)``: a per-dataset constant read through a frozen module, stored and guarded
 per length, as the docstring says (its causal mask is recomputed). OPT's positions come from
 ``cumsum(attention_mask)`` (data, not a constant); its only sized constant is the causal mask,
-built from ``inputs_embeds.shape[1]`` / ``.device``. But OPT's boundary carries ``inputs_embeds
+built from ``inputs_embeds.shape[1]`` / ``.device``. OPT's boundary carries ``inputs_embeds
 + positions`` (``add``), not ``embed_tokens``'s output: the walk back from the mask reaches the
-frozen ``embed_tokens`` module call (read for its size and device only) and stops
-(``sized_constants._cheap_to_redo`` refuses a ``call_module``), so the mask stays stored and
-every padded length is a plan; past ``max_plans`` lengths the dataset is refused.
+frozen ``embed_tokens`` call, read for its size and device only. It used to stop there, the
+mask stayed stored and every padded length was a plan (past ``max_plans`` lengths the dataset
+was refused). Now stage 2 makes those reads on a boundary tensor computed from it, checked in
+stage 1 (graphsplit/planning/cut/twin_reads.py): one plan for every length.
 
 Step: ``model(**inputs).loss``; batches: ``DataCollatorForLanguageModeling(mlm=False)``.
 """
@@ -85,15 +86,6 @@ def test_lora_opt_is_exact_at_every_length(tmp_path):
     assert split.path == "trace"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "OPT's causal mask (a constant of the length) reads inputs_embeds.shape[1]/.device off "
-        "the frozen embed_tokens call, which is not on the boundary (embeds + positions is): "
-        "sized_constants._recomputable stops at that call_module, the mask stays stored and "
-        "size-guarded: a plan per padded length"
-    ),
-)
 def test_lora_opt_one_plan_for_every_padded_length():
     model = _opt()
     collator = _collator()
@@ -127,11 +119,6 @@ class MaskFromTheEmbeddingsSize(nn.Module):
         return scores.masked_fill(~causal, 0.0).mean()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the minimal OPT mask: made from a frozen module output's size, read off no "
-    "boundary node; stays a stored constant, a plan per length",
-)
 def test_minimal_a_mask_from_a_frozen_outputs_size_gets_one_plan():
     torch.manual_seed(0)
     step = MaskFromTheEmbeddingsSize()

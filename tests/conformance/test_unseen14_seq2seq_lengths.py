@@ -6,11 +6,13 @@ learned positions (``arange(length)`` through a frozen embedding) to its scaled 
 Batches pad inputs and labels each to their longest (``DataCollatorForSeq2Seq(tokenizer,
 model=model)``, which also makes ``decoder_input_ids``): six (source, target) length pairs.
 
-T5: one plan; exact at every length and through the cache. BART: exact, but a plan per source
-length: its bidirectional encoder mask piece (a constant of the source length, ``and_`` of shape
-``(1, 1, L, 1)``) reads ``inputs_embeds``'s size/device off the frozen ``encoder.embed_tokens``
-call, which is not on the boundary (the boundary carries ``layernorm_embedding`` of embeds +
-positions): ``sized_constants._recomputable`` stops at that ``call_module``, as with OPT.
+T5: one plan; exact at every length and through the cache. BART: one plan too. Its
+bidirectional encoder mask piece (a constant of the source length, ``and_`` of shape ``(1, 1,
+L, 1)``) reads ``inputs_embeds``'s size/device off the frozen ``encoder.embed_tokens`` call,
+which is not on the boundary (the boundary carries ``layernorm_embedding`` of embeds +
+positions), and ``kv_length = attention_mask.shape[-1]`` off the mask moved to the device: a
+plan per source length until stage 2 made those reads on boundary tensors computed from them,
+checked in stage 1 (graphsplit/planning/cut/twin_reads.py), as with OPT.
 """
 
 from __future__ import annotations
@@ -123,15 +125,6 @@ def test_lora_seq2seq_is_exact_at_every_length_and_through_the_cache(tmp_path, b
         assert len(split.plans) == 1, signatures(split)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "BART's encoder mask piece (a constant of the source length) reads inputs_embeds' "
-        "size/device off the frozen encoder.embed_tokens call, not on the boundary "
-        "(layernorm_embedding is): sized_constants._recomputable stops at the call_module; "
-        "stored and size-guarded, a plan per source length"
-    ),
-)
 def test_lora_bart_one_plan_for_every_padded_length():
     _model, _step, batches, split = _setup(_bart)
     for batch in batches[1:]:

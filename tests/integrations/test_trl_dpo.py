@@ -81,7 +81,20 @@ def test_a_trainer_that_already_precomputes_is_refused_with_the_fix(tmp_path):
     trainer = make_dpo_trainer(str(tmp_path), preference_pairs(4), precompute_ref_log_probs=True)
     with pytest.raises(SplitError, match="already precomputes") as error:
         cache_reference_log_probs(trainer, str(tmp_path / "ref"))
-    assert "precompute_ref_log_probs=False and a ref_model" in str(error.value)
+    assert "precompute_ref_log_probs=False, a ref_model (or a peft_config" in str(error.value)
+
+
+def test_a_trainer_with_neither_a_ref_model_nor_a_peft_model_is_refused(tmp_path):
+    """TRL always has one of the two; a trainer whose ref_model was taken away by hand has no
+    reference to cache (a LoRA policy's base is one: test_unseen15_trl_dpo_lora_null_reference)."""
+    trainer = make_dpo_trainer(str(tmp_path), preference_pairs(4))
+    trainer.ref_model = None
+    with pytest.raises(SplitError) as error:
+        cache_reference_log_probs(trainer, str(tmp_path / "ref"))
+    message = str(error.value)
+    assert "has no ref_model, and its model is no PEFT model whose base could be it" in message
+    assert "a ref_model (or a peft_config" in message
+    assert not (tmp_path / "ref").exists()
 
 
 @pytest.mark.slow  # about 21 s: two processes each build and train two trainers

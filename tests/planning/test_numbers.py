@@ -141,9 +141,22 @@ def test_a_size_stage_2_can_read_itself_is_not_baked():
     assert "Numbers baked" not in split.report()
 
 
+class SizedNoiseAtHalfResolution(nn.Module):
+    """Noise of the pixels' size, the encoder halving it: no cached tensor has that size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = frozen(nn.Conv2d(3, 4, 3, padding=1, stride=2))
+        self.head = nn.Conv2d(4, 4, 1)
+
+    def forward(self, pixels):
+        latents = self.encoder(pixels)
+        noise = torch.randn(*(latents.shape[:2] + pixels.shape[2:]))
+        return F.mse_loss(self.head(latents), noise[:, :, ::2, ::2])
+
+
 def test_a_torch_size_is_baked_as_a_torch_size():
-    model = SizedNoise(lambda pixels, latents: latents.shape[:2] + pixels.shape[2:])
-    split = split_and_verify(model, (batch(2, 3, 8, 8),))
+    split = split_and_verify(SizedNoiseAtHalfResolution(), (batch(2, 3, 8, 8),))
     split.plan_set.max_plans = 1  # refuse another size, make no plan for it
     assert list(split.boundary) == ["encoder"]
     assert [(node.name, value) for node, value in split.cut.baked.items()] == [
@@ -152,6 +165,20 @@ def test_a_torch_size_is_baked_as_a_torch_size():
     assert "torch.Size([8, 8])" in split.stage2.code
     with pytest.raises(SplitError, match=r"made for pixels.shape\[2:\] = \(8, 8\), got \(8, 6\)"):
         split.stage1(batch(2, 3, 8, 6))
+
+
+def test_a_size_of_the_input_a_cached_tensor_shares_is_read_off_it():
+    """``pixels.shape[2:]`` is the latents' size too (a padded 3x3 convolution): stage 2 reads
+    it off the cached latents, stage 1 checks the two agree, and one plan serves 8x6 as well
+    (planning/cut/twin_reads.py)."""
+    model = SizedNoise(lambda pixels, latents: latents.shape[:2] + pixels.shape[2:])
+    split = split_and_verify(model, (batch(2, 3, 8, 8),))
+    split.plan_set.max_plans = 1
+    assert list(split.boundary) == ["encoder"] and not split.cut.baked
+    assert "encoder.shape" in split.stage2.code and "check_same_read" in split.stage1.code
+    checks = graphsplit.verify(model, split, (batch(2, 3, 8, 6),), seed=1)
+    assert checks and all(c.ok for c in checks)
+    assert len(split.plans) == 1
 
 
 def test_an_int_the_trace_read_from_a_raw_input_is_rechecked_in_stage_1():

@@ -18,6 +18,7 @@ In and out::
 from __future__ import annotations
 
 import torch
+from torch._prims_common import suggest_memory_format
 
 __all__ = ["Order", "inverse", "memory_order", "row_order"]
 
@@ -32,15 +33,19 @@ def memory_order(tensor: torch.Tensor) -> Order | None:
     its strides: torch lays out what it derives from it in that order (elementwise results of a
     channels-last chunk are channels-last), so the cache stores it densely in that order. None
     for an expanded tensor (a stride 0): torch lays out what it derives from it contiguously.
-    Size-1 dims, whose strides mean nothing, go before the first larger dim that follows them,
-    so a batch of one has the order of a full batch.
+    Size-1 dims go before the first larger dim that follows them, so a batch of one has the
+    order of a full batch; their strides still count where torch reads a contiguous 4-d or
+    5-d tensor as channels-last by them (``suggest_memory_format``), which is then its order.
 
     Example:
         >>> memory_order(torch.zeros(2, 3, 4, 5).contiguous(memory_format=torch.channels_last))
         (0, 2, 3, 1)
     """
     if tensor.is_contiguous():
-        return None
+        # Contiguous, yet with size-1 dims whose strides make torch read it as channels-last
+        # (Swin's NHWC features permuted to (B, C, 1, 1)): a convolution then computes in
+        # that layout, and rows stacked plainly would make it compute in another.
+        return _channels_last_order(tensor)
     sized = sorted(
         (d for d in range(tensor.dim()) if tensor.shape[d] != 1),
         key=lambda d: (-tensor.stride(d), d),
@@ -54,6 +59,14 @@ def memory_order(tensor: torch.Tensor) -> Order | None:
         order.append(d)
     order += [one for one in ones if one not in order]
     return None if order == sorted(order) else tuple(order)
+
+
+def _channels_last_order(tensor: torch.Tensor) -> Order | None:
+    """The channels-last order of a 4-d / 5-d tensor torch's kernels treat as channels-last,
+    else None (``suggest_memory_format``: what a convolution picks its layout by)."""
+    if tensor.dim() not in (4, 5) or suggest_memory_format(tensor) is torch.contiguous_format:
+        return None
+    return (0, *range(2, tensor.dim()), 1)
 
 
 def row_order(order: Order, batch_dim: int) -> Order:

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
+import reprlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,10 +74,12 @@ class IndexedSource(BatchSource):
     """A DataLoader over a map-style dataset: every batch's dataset indices are known upfront,
     so a process loads only the batches it computes, through a loader built like the user's."""
 
-    def __init__(self, loader: Any, input_names: Sequence[str]) -> None:
+    def __init__(
+        self, loader: Any, input_names: Sequence[str], index_lists: list[list[int]]
+    ) -> None:
         self.loader = loader
         self.input_names = tuple(input_names)
-        self.index_lists = [list(indices) for indices in loader.batch_sampler]
+        self.index_lists = index_lists  # the batch sampler's, read once
         self.num_batches = len(self.index_lists)
         self.num_samples = sum(len(indices) for indices in self.index_lists)
 
@@ -206,8 +210,21 @@ def source_for(loader: Any, input_names: Sequence[str]) -> BatchSource:
                 ),
             )
         if not isinstance(loader.dataset, IterableDataset) and batch_sampler is not None:
-            return IndexedSource(loader, input_names)
+            index_lists = [list(indices) for indices in batch_sampler]
+            if all(_is_index(i) for indices in index_lists for i in indices):
+                return IndexedSource(loader, input_names, index_lists)
+            # A sampler that yields the items themselves, not dataset indices (finetrainers'
+            # BucketSampler, whose dataset passes them through): no index names a row, so the
+            # batches are read as they come, as any iterable's are.
     return StreamSource(loader, input_names)
+
+
+def _is_index(value: Any) -> bool:
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def unsharded_workers(source: BatchSource) -> int:
@@ -329,7 +346,7 @@ def _refuse_rows_per_item(batch: Any, names: Sequence[str], indices: Sequence[in
     raise user_error(
         CacheError,
         f"a batch holds {rows} rows but its sampler gave {len(indices)} dataset indices "
-        f"({list(indices)[:8]}): the collate function {how}, and a DataLoader's "
+        f"({reprlib.repr(list(indices))}): the collate function {how}, and a DataLoader's "
         "cached rows are named by their dataset index.",
         fix=Fix(
             "pass the batches as an iterable, graphsplit.cache(split, (batch for batch in "

@@ -29,6 +29,7 @@ from graphsplit.planning.codegen.stage_passes import (
     finish_stage2,
     finish_stage2_module,
 )
+from graphsplit.planning.cut.twin_reads import read_on
 from graphsplit.planning.meta.meta_interpreter import fetch
 from graphsplit.planning.rules.baked_sizes import bake_numbers
 from graphsplit.planning.rules.opaque_call import OPAQUE, OpaqueCall, is_opaque, recheck_shapes
@@ -306,6 +307,9 @@ def build_stage2(
                 "call_method", "size", (env[cut.anchor], batch_dim), name=node.name
             )
             env[node].meta = dict(node.meta)
+        elif node in cut.twin_reads:
+            # ``x.shape`` of a tensor stage 2 lacks, read off its twin on the boundary.
+            env[node] = read_on(stage, node, env[cut.twin_reads[node]])
         elif node in cut.stage2 or node.op == "output":
             env[node] = stage.node_copy(node, env.__getitem__)
     finish_stage2(stage, graph, cut, env)  # size guards

@@ -40,6 +40,7 @@ In: a graph whose nodes carry ``meta["facts"]``, the trainable parameter names, 
 Out: :class:`~graphsplit.artifacts.Cut`, and the boundary's public description:
 
     choose_boundary(graph, trainable, recompute=, model=) -> Cut
+    cheapest_cut(graph, trainable, recompute=, model=) -> Cut   # the min-cut alone
     stages_for(graph, boundary, taint, baked=) -> Cut   # any boundary: tests hand-write them
     boundary_specs(cut) -> dict[str, BoundarySpec]
 
@@ -68,7 +69,10 @@ from graphsplit.planning.cut.recompute import (
     traced_batch_size,
     weights_read,
 )
-from graphsplit.planning.cut.sized_constants import recomputable_constants
+from graphsplit.planning.cut.sized_constants import (
+    numbers_read_off_twins,
+    recomputable_constants,
+)
 from graphsplit.planning.opaque.value_reads import value_checks
 from graphsplit.planning.patching.patcher import cyclic_gc_paused
 from graphsplit.planning.rules.baked_sizes import is_fixed_number
@@ -86,6 +90,7 @@ from graphsplit.planning.rules.taint import (
 
 __all__ = [
     "boundary_specs",
+    "cheapest_cut",
     "choose_boundary",
     "compute_taint",
     "facts",
@@ -160,23 +165,43 @@ def choose_boundary(
     price in ``costs`` is below the bytes it saves; the cut's ``recomputation`` says what was
     traded against the ``"never"`` plan.
     """
-    check_recompute(recompute)
-    anchor_metadata_reads(graph, trainable)  # frozen work a device read would make per step
-    cut = _choose(graph, trainable, recompute, model, costs)
+    cut = cheapest_cut(graph, trainable, recompute=recompute, model=model, costs=costs)
     cut = _recompute_sized_constants(graph, cut)
     name_constants(cut)
     return cut
+
+
+def cheapest_cut(
+    graph: fx.Graph,
+    trainable: frozenset[str],
+    *,
+    recompute: Recompute = "never",
+    model: nn.Module | None = None,
+    costs: CostModel = AUTO,
+) -> Cut:
+    """The min-cut's own choice, optimal in the cost model (tests/planning/test_cut_property.py
+    checks it by brute force); :func:`choose_boundary` then lets stage 2 compute the sized
+    constants and read the numbers off twins it can (outside the cost model: they trade a
+    stored constant or a baked literal for a plan that serves every length)."""
+    check_recompute(recompute)
+    anchor_metadata_reads(graph, trainable)  # frozen work a device read would make per step
+    return _choose(graph, trainable, recompute, model, costs)
 
 
 def _recompute_sized_constants(graph: fx.Graph, cut: Cut) -> Cut:
     """``cut`` less the constants made from a batch size that stage 2 computes itself
     (:mod:`graphsplit.planning.cut.sized_constants`): stored, each would make every padded
     length a plan of its own."""
-    moved = set(recomputable_constants(graph, cut))
-    if not moved:
+    constants, twin_reads = recomputable_constants(graph, cut)
+    numbers, number_reads = numbers_read_off_twins(cut)
+    if not constants and not numbers:
         return cut
+    moved = set(constants)
     boundary = tuple(node for node in cut.boundary if node not in moved)
-    recomputed = stages_for(graph, boundary, cut.taint, baked=tuple(cut.baked))
+    baked = tuple(node for node in cut.baked if node not in numbers)
+    recomputed = stages_for(
+        graph, boundary, cut.taint, baked=baked, twin_reads={**twin_reads, **number_reads}
+    )
     if recomputed.reanchored and recomputed.anchor is None:
         return cut  # a batch size stage 2 would need has nothing per-sample to be read off
     return dataclasses.replace(recomputed, recomputation=cut.recomputation)
@@ -282,13 +307,16 @@ def stages_for(
     taint: Mapping[fx.Node, Taint] | None = None,
     *,
     baked: tuple[fx.Node, ...] = (),
+    twin_reads: Mapping[fx.Node, fx.Node] | None = None,
 ) -> Cut:
     """The nodes each stage runs for a given boundary (any boundary: tests hand-write them).
 
     ``baked``: fixed numbers stage 2 holds as literals
     (:mod:`graphsplit.planning.rules.baked_sizes`); stage 1 computes them, to check them against the
-    plan.
+    plan. ``twin_reads``: reads stage 2 makes on a boundary tensor instead of the tensor they
+    read (:mod:`graphsplit.planning.cut.twin_reads`); stage 1 checks them.
     """
+    twin_reads = twin_reads or {}
     taint = taint if taint is not None else {}
     assert all(is_fixed_number(node, taint) for node in baked), "only fixed numbers are baked"
     # Stage 1 also runs the checks of values the plan holds (nothing uses them: value_reads).
@@ -307,7 +335,7 @@ def stages_for(
         if node.op == "placeholder":
             raise AssertionError(f"stage 2 would need input {node.name}: boundary is not a cut")
         stage2.add(node)
-        pending.extend(node.all_input_nodes)
+        pending.extend((twin_reads[node],) if node in twin_reads else node.all_input_nodes)
     reanchored = set()
     for node in deferred:
         needed = _size_inputs(node, stage2 | boundary_set)
@@ -334,6 +362,7 @@ def stages_for(
         frozenset(reanchored),
         anchor,
         baked=numbers,
+        twin_reads=dict(twin_reads),
     )
 
 

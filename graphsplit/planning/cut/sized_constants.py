@@ -38,34 +38,72 @@ import torch
 import torch.fx as fx
 
 from graphsplit.artifacts import Cut
+from graphsplit.planning.cut.twin_reads import twins_for
 from graphsplit.planning.rules.constant_sizes import computed_from_inputs, size_values_read
 from graphsplit.planning.rules.node_inputs import reads_through
 from graphsplit.planning.rules.opaque_call import is_opaque
 from graphsplit.planning.rules.taint import facts, is_banned
 
-__all__ = ["recomputable_constants"]
+__all__ = ["numbers_read_off_twins", "recomputable_constants"]
 
 
-def recomputable_constants(graph: fx.Graph, cut: Cut) -> tuple[fx.Node, ...]:
-    """The boundary constants made from a size of the batch that stage 2 can compute cheaply."""
+def recomputable_constants(
+    graph: fx.Graph, cut: Cut
+) -> tuple[tuple[fx.Node, ...], dict[fx.Node, fx.Node]]:
+    """The boundary constants made from a size of the batch that stage 2 can compute cheaply,
+    and the reads stage 2 makes on a twin for them (``{read: twin}``, see
+    :mod:`~graphsplit.planning.cut.twin_reads`)."""
     data, opaque = computed_from_inputs(graph)
     available = set(cut.boundary) | set(cut.baked) | set(cut.stage2)
-    return tuple(
-        node
-        for node in cut.boundary
-        if facts(node).is_constant
-        and size_values_read(node, data, opaque)
-        and _recomputable(node, available, cut)
-    )
+    constants: list[fx.Node] = []
+    twin_reads: dict[fx.Node, fx.Node] = {}
+    for node in cut.boundary:
+        if not facts(node).is_constant or not size_values_read(node, data, opaque):
+            continue
+        twins = _recomputable(node, available, cut)
+        if twins is not None:
+            constants.append(node)
+            twin_reads.update(twins)
+    return tuple(constants), twin_reads
 
 
-def _recomputable(constant: fx.Node, available: set[fx.Node], cut: Cut) -> bool:
+def numbers_read_off_twins(cut: Cut) -> tuple[tuple[fx.Node, ...], dict[fx.Node, fx.Node]]:
+    """The numbers the cut baked that stage 2 can compute from reads of boundary tensors (OPT's
+    ``q_length = inputs_embeds.shape[1]``), and those reads (``{read: twin}``).
+
+    A baked number is a literal in stage 2, checked in stage 1: a plan per value. Read off a
+    twin, it is whatever the batch has, and one plan serves every length."""
+    available = set(cut.boundary) | set(cut.stage2)
+    numbers: list[fx.Node] = []
+    twin_reads: dict[fx.Node, fx.Node] = {}
+    for number in cut.baked:
+        twins = _recomputable(number, available, cut, twins_only=True)
+        if twins:
+            numbers.append(number)
+            twin_reads.update(twins)
+    return tuple(numbers), twin_reads
+
+
+def _recomputable(
+    constant: fx.Node, available: set[fx.Node], cut: Cut, *, twins_only: bool = False
+) -> dict[fx.Node, fx.Node] | None:
+    """None when stage 2 cannot compute ``constant``; else the twin reads it needs.
+    ``twins_only``: every tensor the walk ends at must be read off a twin (a baked number
+    read off a tensor stage 2 has would have been left computed by the cut)."""
     if not _cheap_to_redo(constant, cut):  # a frozen module's output (CLIP's positions) stays
-        return False
-    _, ends = reads_through(
+        return None
+    passed, ends = reads_through(
         constant, lambda node: node not in available and _cheap_to_redo(node, cut)
     )
-    return all(node in available for node in ends)
+    if twins_only and ends & available:
+        return None
+    twin_reads: dict[fx.Node, fx.Node] = {}
+    for end in ends - available:  # a tensor stage 2 lacks: its reads may be made on a twin
+        twins = twins_for(end, passed | {constant}, cut.boundary)
+        if twins is None:
+            return None
+        twin_reads.update(twins)
+    return twin_reads
 
 
 def _cheap_to_redo(node: fx.Node, cut: Cut) -> bool:
