@@ -186,7 +186,8 @@ def random_nodes(split: SplitPlan) -> list[fx.Node]:
 def uncached_roots(split: SplitPlan) -> list[tuple[fx.Node, Taint]]:
     """Values that would have been cacheable but for their own sample mixing, and frozen
     modules that draw random numbers, that stage 2 runs. Plain draws (``randn_like``) are listed
-    as random draws.
+    as random draws. A node fed by a value stage 2 must compute anyway (a trainable head's loss
+    averaged over the batch, then scaled) is no root: it could not be cached either way.
     """
     roots = []
     for node, taint in split.cut.taint.items():
@@ -196,7 +197,7 @@ def uncached_roots(split: SplitPlan) -> list[tuple[fx.Node, Taint]]:
         mixing = taint.kind is TaintKind.MIXING
         if own and (mixing or (taint.kind is TaintKind.RANDOM and is_banned(node, {}))):
             upstream = [split.cut.taint.get(producer) for producer in node.all_input_nodes]
-            if not any(t is not None and t.kind is TaintKind.TRAINABLE for t in upstream):
+            if not any(t is not None for t in upstream):
                 roots.append((node, taint))
     return roots
 

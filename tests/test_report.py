@@ -132,3 +132,30 @@ def test_counted_work_and_an_uncounted_opaque_call_are_reported_side_by_side():
         "FLOPs), plus the work of 1 opaque call not counted"
     )  # 2 * TOKENS * WIDTH * WIDTH
     assert plan_json(split)["moved_flops_per_sample"] == 2 * TOKENS * WIDTH * WIDTH
+
+
+class MaskedLossOfATrainableHead(nn.Module):
+    """A frozen encoder, a trainable head, SimMIM's masked loss: ``(loss * mask).sum() /
+    (mask.sum() + 1e-5) / num_channels``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = frozen(nn.Linear(4, 4))
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        loss = self.head(self.encoder(x)).pow(2)
+        return (loss * mask).sum() / (mask.sum() + 1e-5) / 4
+
+
+def test_not_cached_lists_a_mixing_root_once_not_what_it_feeds():
+    """``mask.sum()`` mixes the batch's samples (its own taint); ``mask.sum() + 1e-5`` has no
+    batch dim either, so it carries its own mixing taint too, but it is fed by a value stage 2
+    computes anyway: only the root is listed (SAM's and SimMIM's loss tails listed every
+    batch-less step after the reduction as frozen work)."""
+    mask = (batch(3, 4, seed=1) > 0).float()
+    split = split_and_verify(MaskedLossOfATrainableHead(), (batch(3, 4), mask))
+    report = split.report()
+    listed = report.split("Not cached (frozen work that stays in stage 2):")[-1].splitlines()
+    names = [line.split()[0] for line in listed if line.startswith("  ") and line.split()]
+    assert names == ["sum_2"], report

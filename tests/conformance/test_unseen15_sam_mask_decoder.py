@@ -395,17 +395,6 @@ def test_sam_does_not_store_the_expanded_dense_prompt_embeddings_per_sample():
         assert value.stride(spec.batch_dim) != 0, (key, value.shape, value.stride())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "report.py:uncached_roots lists the loss's tail (mul_2 = 1.0 * dice mean, the BCE "
-        "call, their sum) as 'Not cached (frozen work that stays in stage 2): mixing', "
-        "though it is computed from the trainable mask decoder's output: rules/taint.py:"
-        "_own_taint gives every batch-less node its own MIXING taint, which replaces the "
-        "TRAINABLE taint it would inherit, and uncached_roots only skips a node whose direct "
-        "inputs are TRAINABLE-tainted (here they are MIXING-tainted too)"
-    ),
-)
 def test_sam_report_lists_no_trainable_work_as_frozen():
     _model, _step, _example, split = _built("shared_frozen")
     assert "Not cached (frozen work" not in split.report(), split.report()

@@ -266,17 +266,6 @@ def test_simmim_caches_the_frozen_patch_projection(model_type):
     }, split.report()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "report.py:uncached_roots lists SimMIM's loss tail (modeling_vit.py:490 "
-        "(reconstruction_loss * mask).sum() / (mask.sum() + 1e-5) / num_channels: truediv, "
-        "truediv_1) as 'Not cached (frozen work that stays in stage 2): mixing', though it "
-        "divides the trainable reconstruction's loss: rules/taint.py:_own_taint gives every "
-        "batch-less node its own MIXING taint in place of the TRAINABLE taint it inherits, and "
-        "uncached_roots skips only nodes with a TRAINABLE-tainted input"
-    ),
-)
 def test_simmim_report_lists_only_frozen_work_as_not_cached():
     _model, _step, _example, split = _built("vit")
     report = split.report()
