@@ -1,6 +1,7 @@
 """Plans and planning time of a LoRA language model over a dataset of many padded lengths.
 
-The step is transformers' Llama with peft's LoRA on ``q_proj`` / ``v_proj``, called as
+The step is transformers' Llama (``--arch``: or OPT, BART) with peft's LoRA on ``q_proj`` /
+``v_proj``, called as
 ``model(input_ids=..., attention_mask=..., labels=...).loss`` (what the Trainer's
 ``compute_loss`` does), split on the whole-step trace path, which goes into the ``LlamaModel``
 to cache the frozen embeddings and layer 0's frozen projections. A batch padded to its longest
@@ -46,24 +47,46 @@ LENGTHS = (12, 7, 9, 14, 11, 8, 13)
 """The other padded lengths of the dataset, in the order caching meets them."""
 
 
-def _step(hidden: int, layers: int) -> tuple[Any, Any]:
+ARCHS = ("llama", "opt", "bart")
+"""``--arch``: Llama (rotary positions, the cached embeddings carry the length), OPT (learned
+positions from the mask's cumsum; the causal mask reads the frozen embeddings' length, off the
+boundary), BART (an encoder-decoder whose encoder mask reads the same)."""
+
+
+def _model(arch: str, hidden: int, layers: int) -> Any:
+    import transformers
+
+    if arch == "opt":
+        return transformers.OPTForCausalLM(
+            transformers.OPTConfig(
+                vocab_size=128, hidden_size=hidden, ffn_dim=2 * hidden, num_hidden_layers=layers,
+                num_attention_heads=2, max_position_embeddings=64, word_embed_proj_dim=hidden,
+            )
+        )  # fmt: skip
+    if arch == "bart":
+        return transformers.BartForConditionalGeneration(
+            transformers.BartConfig(
+                vocab_size=128, d_model=hidden, encoder_layers=layers, decoder_layers=layers,
+                encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=2 * hidden,
+                decoder_ffn_dim=2 * hidden, max_position_embeddings=64, pad_token_id=0,
+            )
+        )  # fmt: skip
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden,
+            num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    )  # fmt: skip
+
+
+def _step(arch: str, hidden: int, layers: int) -> tuple[Any, Any]:
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    model = get_peft_model(
-        LlamaForCausalLM(config), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
-    )
+    targets = ["q_proj", "v_proj"]
+    model = get_peft_model(_model(arch, hidden, layers), LoraConfig(r=4, target_modules=targets))
 
     def step(input_ids: Any, attention_mask: Any, labels: Any) -> Any:
         return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
@@ -78,11 +101,11 @@ def _step(hidden: int, layers: int) -> tuple[Any, Any]:
     return step, batch
 
 
-def measure_once(hidden: int, layers: int) -> dict[str, Any]:
+def measure_once(arch: str, hidden: int, layers: int) -> dict[str, Any]:
     """One child: a split at :data:`FIRST`, stage 1 at every length of :data:`LENGTHS`."""
     import graphsplit
 
-    step, batch = _step(hidden, layers)
+    step, batch = _step(arch, hidden, layers)
     batches = [batch(length) for length in LENGTHS]
     wall, cpu = time.perf_counter(), time.process_time()
     split = graphsplit.split(step, kwargs=batch(FIRST), max_plans=len(LENGTHS) + 1)
@@ -125,7 +148,8 @@ def to_markdown(results: dict[str, Any]) -> str:
             f"{row['wall']['median']:.2f}", f"{row['stage1_cpu']['median']:.3f}",
         ])  # fmt: skip
     return (
-        f"LoRA Llama (hidden {results['hidden']}, {results['layers']} layers), split at length "
+        f"LoRA {results['arch']} (hidden {results['hidden']}, {results['layers']} layers), split "
+        f"at length "
         f"{FIRST}, then stage 1 at lengths {', '.join(map(str, LENGTHS))}; median (IQR) over "
         f"{results['rounds']} child processes per version, alternating\n\n"
         + markdown_table(header, cells, "lrrrr")
@@ -134,6 +158,7 @@ def to_markdown(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     command = timing_options(parser("bench_lm_lengths", __doc__), rounds=3)
+    command.add_argument("--arch", choices=ARCHS, default="llama", help="the model (see ARCHS)")
     command.add_argument("--hidden", type=int, default=64, help="the model's hidden size")
     command.add_argument("--layers", type=int, default=2, help="decoder layers")
     command.add_argument(
@@ -148,10 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         options.hidden, options.layers, options.rounds = 32, 1, 1
     if options.child:
         with torch_threads(options.threads):
-            reply_to_parent(measure_once(options.hidden, options.layers))
+            reply_to_parent(measure_once(options.arch, options.hidden, options.layers))
         return 0
-    argv_child = ["--child", "--hidden", str(options.hidden), "--layers", str(options.layers),
-                  "--threads", str(options.threads)]  # fmt: skip
+    argv_child = ["--child", "--arch", options.arch, "--hidden", str(options.hidden),
+                  "--layers", str(options.layers), "--threads", str(options.threads)]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="graphsplit-baseline-") as folder:
         baseline = baseline_code(options.baseline, Path(folder)) if options.baseline else None
         where = {"current": None, **({"baseline": baseline} if baseline else {})}
@@ -162,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                     run_child("benchmarks.bench_lm_lengths", argv_child, cwd=where[name])
                 )
     results = {
+        "arch": options.arch,
         "hidden": options.hidden,
         "layers": options.layers,
         "rounds": options.rounds,
@@ -169,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         "versions": {name: _rows(rows) for name, rows in children.items()},
     }
     payload = report("lm_lengths", results, environment("torch", "transformers", "peft"))
-    write_results(options.out, "lm_lengths", payload, to_markdown(results))
+    name = "lm_lengths" if options.arch == "llama" else f"lm_lengths_{options.arch}"
+    write_results(options.out, name, payload, to_markdown(results))
     return 0
 
 

@@ -163,6 +163,10 @@ NOT_RUN: dict[str, str] = {
     "python -m benchmarks.bench_lm_lengths --baseline 6e58338 --rounds 3 --out /tmp/lm_lengths": (
         _measurement("40 s, with a baseline exported from git")
     ),
+    "python -m benchmarks.bench_lm_lengths --arch opt --baseline 6c7f3e5 --rounds 3 --out "
+    "/tmp/lm_lengths": (_measurement("45 s, with a baseline exported from git")),
+    "python -m benchmarks.bench_lm_lengths --arch bart --baseline 6c7f3e5 --rounds 3 --out "
+    "/tmp/lm_lengths": (_measurement("40 s, with a baseline exported from git")),
     "python -m benchmarks.gpu --out benchmarks/results": "needs a CUDA device (its --dry-run, "
     "on the line below, runs here)",
     "python -m benchmarks.bench_field_bytes --baseline integration-wip --out /tmp/fb_full": (
