@@ -24,6 +24,7 @@ from graphsplit.caching.format.fingerprint import fingerprint
 
 RUNTIME_NAMES = [
     "LEGACY_NAMES",
+    "check_same_read",
     "check_size",
     "check_size_read",
     "check_value",
@@ -34,7 +35,13 @@ RUNTIME_NAMES = [
     "functional_setitem",
 ]
 # Helpers added after 0.1: no 0.1 cache can have called them, so they have no legacy spelling.
-ADDED_AFTER_0_1 = {"check_size", "check_size_read", "check_value", "functional_inplace"}
+ADDED_AFTER_0_1 = {
+    "check_size",
+    "check_size_read",
+    "check_value",
+    "functional_inplace",
+    "check_same_read",
+}
 
 # fingerprint(split).code as graphsplit 0.1.0 computed it (recorded by running 0.1.0 on the
 # same steps, torch 2.13): the stage code called graphsplit_trace_functional_setitem and
