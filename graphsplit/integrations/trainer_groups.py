@@ -188,8 +188,10 @@ def refuse_packing(dataset: Any, collator: Any) -> None:
         "cached row stands for one sample.",
         fix=Fix(
             "use a collator that gives each sample a row of its own (DataCollatorWithPadding, "
-            "DataCollatorForSeq2Seq; TRL: padding_free=False), or pack the dataset ahead so "
-            "that each dataset item is one packed row"
+            "DataCollatorForSeq2Seq; TRL's SFTConfig: packing_strategy='wrapped' with "
+            "packing=True, whose packed rows are padded dataset items, or padding_free=False "
+            "without packing: TRL turns padding_free on for its default 'bfd' packing), or "
+            "pack the dataset ahead so that each dataset item is one packed row"
         ),
     )
 

@@ -21,8 +21,8 @@ Checked:
 - TRL packs ahead and masks all but the assistant turns (sanity of the setup);
 - with the default ``bfd`` packing, ``split_trainer`` refuses (a legitimate refusal: a row
   holds several dataset items, re-packed every epoch) and writes nothing; the refusal's fix
-  names an option TRL honours for its own packing (xfail: it names ``padding_free=False``,
-  which TRL overrides for ``bfd``);
+  names an option TRL honours for its own packing (``packing_strategy="wrapped"``; it named
+  only ``padding_free=False``, which TRL overrides for ``bfd``);
 - with ``packing_strategy="wrapped"``: ``graphsplit.split`` on ``compute_loss`` verifies bit
   for bit on the trainer's batch of 2 packed rows and on one of 1; a cache of the trainer's
   batches round-trips through disk; ``split_trainer`` then trains as the plain trainer on the
@@ -230,20 +230,6 @@ def test_padding_free_false_is_overridden_by_trl_for_bfd_and_refused_alike(tmp_p
     assert "packs samples 0 and 1" in str(_refusal(alone, tmp_path / "c2"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "graphsplit/integrations/trainer_groups.py:refuse_packing's fix says 'TRL: "
-        "padding_free=False, or pack the dataset ahead so that each dataset item is one "
-        "packed row'. For TRL's packing=True (bfd, the default) neither works: TRL forces "
-        "padding_free (sft_trainer.py: self.padding_free = args.padding_free or (packing and "
-        "packing_strategy in {'bfd', 'bfd_split'})), and TRL already packs ahead (each item "
-        "is one packed row with its seq_lengths); refuse_packing collates samples 0 and 1 "
-        "together whatever the batch size, so even per_device_train_batch_size=1 is refused. "
-        "What does split here (the test below): packing_strategy='wrapped'. Fix: name it in "
-        "the fix line when the collator is TRL's DataCollatorForLanguageModeling"
-    ),
-)
 def test_the_refusals_fix_names_an_option_trl_honours_for_its_packing(tmp_path):
     trainer = make_trainer(str(tmp_path / "out"))
     fix = str(_refusal(trainer, tmp_path / "cache")).split("fix:", 1)[1]
