@@ -349,8 +349,11 @@ def _refuse_rows_per_item(batch: Any, names: Sequence[str], indices: Sequence[in
         f"({reprlib.repr(list(indices))}): the collate function {how}, and a DataLoader's "
         "cached rows are named by their dataset index.",
         fix=Fix(
-            "pass the batches as an iterable, graphsplit.cache(split, (batch for batch in "
-            "loader), path): its rows are then numbered as they come"
+            "if each row is a sample of its own, pass the batches as an iterable, "
+            "graphsplit.cache(split, (batch for batch in loader), path): its rows are then "
+            "numbered as they come and regrouped when read; if the step pairs rows by their "
+            "position (DPO's [chosen; rejected]), make each item one row instead (stack its "
+            "rows along a new dim in the collate function)"
         ),
     )
 
