@@ -190,8 +190,9 @@ def cheapest_cut(
 
 def _recompute_sized_constants(graph: fx.Graph, cut: Cut) -> Cut:
     """``cut`` less the constants made from a batch size that stage 2 computes itself
-    (:mod:`graphsplit.planning.cut.sized_constants`): stored, each would make every padded
-    length a plan of its own."""
+    (:mod:`graphsplit.planning.cut.sized_constants`), and less the baked numbers stage 2 reads
+    off a twin (:mod:`graphsplit.planning.cut.twin_reads`): stored or baked, each would make
+    every padded length a plan of its own."""
     constants, twin_reads = recomputable_constants(graph, cut)
     numbers, number_reads = numbers_read_off_twins(cut)
     if not constants and not numbers:
