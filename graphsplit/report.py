@@ -249,6 +249,7 @@ def render_report(split: SplitPlan, model: nn.Module | None) -> str:
         )
     lines += constant_lines(split.boundary)
     lines += baked_lines(split.cut)
+    lines += twin_read_lines(split.cut)
     lines += signature_lines(split)
     if model is not None:
         stage1 = _qualified(split.stage1, model)
@@ -321,6 +322,19 @@ def baked_lines(cut: Cut) -> list[str]:
         lines.append(
             f"  {node.name:<40} {expression(node) + ' = ' + str(value):<34} "
             f"{node.meta.get('source', '')}"
+        )
+    return lines
+
+
+def twin_read_lines(cut: Cut) -> list[str]:
+    """The sizes and devices stage 2 reads off a cached tensor in place of a frozen output it
+    does not have (:mod:`graphsplit.planning.cut.twin_reads`)."""
+    if not cut.twin_reads:
+        return []
+    lines = ["", "Sizes stage 2 reads off a cached tensor (stage 1 checks on every batch):"]
+    for read, twin in cut.twin_reads.items():
+        lines.append(
+            f"  {expression(read):<40} {'read off ' + twin.name:<34} {read.meta.get('source', '')}"
         )
     return lines
 

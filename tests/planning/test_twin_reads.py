@@ -87,6 +87,9 @@ def test_the_mask_is_made_in_stage2_from_the_boundarys_length_one_plan():
     assert "self.tokens" not in split.stage2.code  # stage 2 never runs the frozen embedding
     assert "add.shape" in split.stage2.code and "add.device" in split.stage2.code
     assert "check_same_read" in split.stage1.code  # stage 1 checks both reads per batch
+    report = split.report()
+    listed = report.split("Sizes stage 2 reads off a cached tensor")[1].split("\n\n")[0]
+    assert "tokens.shape" in listed and "tokens.device" in listed and "read off add" in listed
     for length in (7, 3, 12):
         assert all(c.ok for c in graphsplit.verify(step, split, _batch(length, 3), seed=length))
     assert len(split.plans) == 1
