@@ -26,6 +26,11 @@ and is guarded (:data:`SHAPE_OF_FIRST`). A device or dtype read is no size: tran
 a constant of shape ``(0,)`` at every length, and guarding the sizes ``key_states`` was made
 from gave every padded length a plan of its own.
 
+A ``torch.Size`` read whole and given to a frozen module (Pegasus's and Marian's sinusoidal
+``embed_positions(inputs_embeds.shape[:-1])``, which takes the length inside) holds no int node
+to guard: its entries are made nodes of their own (``shape[i]``) and guarded, the batch size's
+entry left out, so each length gets a plan, as a frozen table sliced to the length does.
+
 Glossary:
     boundary constant: a boundary node whose facts say it is a per-dataset constant.
     size value: a plain int node read from the size of a tensor computed from the batch
@@ -41,14 +46,17 @@ values the boundary constants read:
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 
+import torch
 import torch.fx as fx
 
 from graphsplit.artifacts import Cut, Guard
 from graphsplit.planning.rules.metadata_reads import is_metadata_read
 from graphsplit.planning.rules.opaque_call import is_opaque
 from graphsplit.planning.rules.size_guards import GUARDS, is_size_guard
+from graphsplit.planning.rules.taint import facts
 
 __all__ = ["computed_from_inputs", "guard_constant_sizes", "size_values_read"]
 
@@ -65,9 +73,44 @@ def guard_constant_sizes(graph: fx.Graph, cut: Cut) -> None:
         if constant_facts is None or not constant_facts.is_constant:
             continue
         for size in size_values_read(constant, data, opaque):
-            guards = size.meta.setdefault(GUARDS, [])
-            if not any(is_size_guard(guard) for guard in guards):
-                guards.append(Guard(size, operator.index, size.meta["val"], _source(constant)))
+            for entry in [size] if isinstance(size.meta["val"], int) else _entries(size):
+                guards = entry.meta.setdefault(GUARDS, [])
+                if not any(is_size_guard(guard) for guard in guards):
+                    value = entry.meta["val"]
+                    guards.append(Guard(entry, operator.index, value, _source(constant)))
+
+
+def _entries(shape: fx.Node) -> list[fx.Node]:
+    """The entries of a shape value (``x.shape[:-1]``, a ``torch.Size`` given whole to a frozen
+    module: Pegasus's and Marian's sinusoidal ``embed_positions(inputs_embeds.shape[:-1])``)
+    that are no batch size, each as a node of its own: ``shape[i]``, what a guard can check."""
+    tensor, dims = _shape_dims(shape)
+    batch_dim = facts(tensor).batch_dim if "facts" in tensor.meta else None
+    made = []
+    for index, dim in enumerate(dims):
+        if dim == batch_dim:
+            continue
+        with shape.graph.inserting_after(shape):
+            entry = shape.graph.call_function(operator.getitem, (shape, index))
+        entry.meta.update({k: v for k, v in shape.meta.items() if k in ("source", "source_code")})
+        entry.meta["val"] = shape.meta["val"][index]
+        entry.meta["facts"] = dataclasses.replace(
+            facts(shape), type_name="int", number=entry.meta["val"]
+        )
+        made.append(entry)
+    return made
+
+
+def _shape_dims(shape: fx.Node) -> tuple[fx.Node, list[int]]:
+    """The tensor a shape value reads and, per entry, the tensor's dim it holds."""
+    if shape.target is operator.getitem:
+        read = shape.args[0]
+        assert isinstance(read, fx.Node) and isinstance(shape.args[1], slice)
+        tensor, dims = _shape_dims(read)
+        return tensor, dims[shape.args[1]]
+    tensor = shape.args[0]
+    assert isinstance(tensor, fx.Node)
+    return tensor, list(range(len(shape.meta["val"])))
 
 
 def size_values_read(constant: fx.Node, data: set[fx.Node], opaque: set[fx.Node]) -> list[fx.Node]:
@@ -90,6 +133,8 @@ def size_values_read(constant: fx.Node, data: set[fx.Node], opaque: set[fx.Node]
 
 def _is_size_value(node: fx.Node, data: set[fx.Node]) -> bool:
     value = node.meta.get("val")
+    if _is_shape_read(node):
+        return node in data  # a torch.Size read whole: its entries are guarded
     if isinstance(value, bool) or not isinstance(value, int) or node not in data:
         return False
     node_facts = node.meta.get("facts")
@@ -122,6 +167,19 @@ def _writes_into_first(node: fx.Node) -> bool:
         and bool(node.args)
         and isinstance(node.args[0], fx.Node)
     )
+
+
+def _is_shape_read(node: fx.Node) -> bool:
+    """``x.shape``, ``x.size()`` or a slice of either: a ``torch.Size`` of a tensor's dims."""
+    if not isinstance(node.meta.get("val"), torch.Size) or not node.args:
+        return False
+    if node.op == "call_function" and node.target is operator.getitem:
+        inner = node.args[0]
+        sliced = isinstance(node.args[1], slice)
+        return sliced and isinstance(inner, fx.Node) and _is_shape_read(inner)
+    if node.op == "call_function" and node.target is getattr:
+        return node.args[1] == "shape" and isinstance(node.args[0], fx.Node)
+    return node.op == "call_method" and node.target == "size" and len(node.args) == 1
 
 
 def _position(graph: fx.Graph):
