@@ -43,25 +43,28 @@ import torch
 import torch.fx as fx
 
 from graphsplit.artifacts import Cut
-from graphsplit.planning.rules.size_guards import CheckSources, expression, insert_check, where_read
+from graphsplit.planning.rules.metadata_reads import is_metadata_read
+from graphsplit.planning.rules.node_inputs import reads_through
+from graphsplit.planning.rules.size_guards import (
+    CheckSources,
+    expression,
+    insert_check,
+    is_size_read,
+    where_read,
+)
 from graphsplit.planning.rules.taint import facts
 from graphsplit.runtime import check_same_read
 
 __all__ = ["check_twin_reads", "is_read", "read_on", "read_tensor", "twins_for"]
-
-_ATTRIBUTES = frozenset({"shape", "device", "dtype"})
-_METHODS = frozenset({"size", "dim"})
 
 
 def is_read(node: fx.Node, tensor: fx.Node) -> bool:
     """Whether ``node`` reads only ``tensor``'s metadata (see the glossary)."""
     if not node.args or node.args[0] is not tensor or node.kwargs:
         return False
-    if node.op == "call_function" and node.target is getattr:
-        return len(node.args) == 2 and node.args[1] in _ATTRIBUTES
-    if node.op == "call_method" and node.target in _METHODS:
-        return all(isinstance(arg, int) for arg in node.args[1:])
-    return False
+    if node.op == "call_method":
+        return node.target in ("size", "dim") and all(isinstance(a, int) for a in node.args[1:])
+    return is_size_read(node) or is_metadata_read(node)
 
 
 def _is_entry(node: fx.Node, read: fx.Node) -> bool:
@@ -72,7 +75,7 @@ def _is_entry(node: fx.Node, read: fx.Node) -> bool:
         and node.args[0] is read
         and isinstance(node.args[1], (int, slice))
         and not node.kwargs
-        and ((read.target is getattr and read.args[1] == "shape") or read.target == "size")
+        and is_size_read(read)
     )
 
 
@@ -130,17 +133,8 @@ def _computed_from(node: fx.Node, ancestor: fx.Node, position: dict[fx.Node, int
     """Whether ``ancestor`` is among the nodes ``node`` reads, transitively (nodes before
     ``ancestor`` in the graph cannot lead to it, so the walk stops there)."""
     start = position[ancestor]
-    seen: set[fx.Node] = set()
-    pending = [node]
-    while pending:
-        current = pending.pop()
-        if current is ancestor:
-            return True
-        if current in seen or position[current] < start:
-            continue
-        seen.add(current)
-        pending.extend(current.all_input_nodes)
-    return False
+    _, ends = reads_through(node, lambda read: read is not ancestor and position[read] > start)
+    return ancestor in ends
 
 
 def _same_value(read: fx.Node, twin: fx.Node) -> bool:
@@ -173,8 +167,8 @@ def check_twin_reads(
     the tensor itself and on its twin must agree for the batch (see the module docstring)."""
     for read, twin in cut.twin_reads.items():
         tensor = read_tensor(read)
-        after = max(env[tensor], env[twin], key=_order(stage))
-        with stage.inserting_before(after.next):  # in order, unlike inserting_after
+        # The twin is computed from the tensor, so it comes after it in stage 1.
+        with stage.inserting_before(env[twin].next):  # in order, unlike inserting_after
             on_twin = read_on(stage, read, env[twin])
             on_tensor = read_on(stage, read, env[tensor])
         arguments = (on_twin, on_tensor, expression(read), expression(twin))
@@ -197,8 +191,3 @@ def read_on(stage: fx.Graph, read: fx.Node, tensor: fx.Node) -> fx.Node:
     made = stage.create_node(read.op, read.target, (tensor, *read.args[1:]), name=read.name)
     made.meta = dict(read.meta)
     return made
-
-
-def _order(stage: fx.Graph) -> Any:
-    position = {node: index for index, node in enumerate(stage.nodes)}
-    return position.__getitem__

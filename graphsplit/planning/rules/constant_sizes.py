@@ -55,7 +55,7 @@ import torch.fx as fx
 from graphsplit.artifacts import Cut, Guard
 from graphsplit.planning.rules.metadata_reads import is_metadata_read
 from graphsplit.planning.rules.opaque_call import is_opaque
-from graphsplit.planning.rules.size_guards import GUARDS, is_size_guard
+from graphsplit.planning.rules.size_guards import GUARDS, is_size_guard, is_size_read
 from graphsplit.planning.rules.taint import facts
 
 __all__ = ["computed_from_inputs", "guard_constant_sizes", "size_values_read"]
@@ -171,15 +171,13 @@ def _writes_into_first(node: fx.Node) -> bool:
 
 def _is_shape_read(node: fx.Node) -> bool:
     """``x.shape``, ``x.size()`` or a slice of either: a ``torch.Size`` of a tensor's dims."""
-    if not isinstance(node.meta.get("val"), torch.Size) or not node.args:
+    if not isinstance(node.meta.get("val"), torch.Size):
         return False
     if node.op == "call_function" and node.target is operator.getitem:
         inner = node.args[0]
         sliced = isinstance(node.args[1], slice)
         return sliced and isinstance(inner, fx.Node) and _is_shape_read(inner)
-    if node.op == "call_function" and node.target is getattr:
-        return node.args[1] == "shape" and isinstance(node.args[0], fx.Node)
-    return node.op == "call_method" and node.target == "size" and len(node.args) == 1
+    return is_size_read(node) and isinstance(node.args[0], fx.Node)
 
 
 def _position(graph: fx.Graph):

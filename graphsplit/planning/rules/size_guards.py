@@ -35,6 +35,7 @@ graph, with a check inserted right after each recomputable guard's value:
     recheck_size_guards_in_stage1(stage, graph, cut, env, sources)   # stage 1: every one it can
     refuse_unchecked_size_guards(graph, cut) -> None                 # neither stage can: refused
     hoist_checks(stage) -> None            # stage 1: checks of input sizes before frozen work
+    is_size_read(node) -> bool             # x.shape, x.size(...), x.numel()
 """
 
 from __future__ import annotations
@@ -170,15 +171,16 @@ def _reads_a_size(node: fx.Node, data: Collection[fx.Node]) -> bool:
 
     def is_plain_arithmetic(producer: fx.Node) -> bool:
         is_tensor = isinstance(producer.meta.get("val"), torch.Tensor)
-        return not (_is_size_read(producer) or is_tensor)
+        return not (is_size_read(producer) or is_tensor)
 
     if not is_plain_arithmetic(node):
-        return _is_size_read(node) and node.args[0] in data
+        return is_size_read(node) and node.args[0] in data
     _, ends = reads_through(node, is_plain_arithmetic)
-    return any(_is_size_read(end) and end.args[0] in data for end in ends)
+    return any(is_size_read(end) and end.args[0] in data for end in ends)
 
 
-def _is_size_read(node: fx.Node) -> bool:
+def is_size_read(node: fx.Node) -> bool:
+    """``x.shape``, ``x.size(...)`` or ``x.numel()``: a read of a tensor's sizes."""
     if node.op == "call_function" and node.target is getattr:
         return node.args[1] == "shape"
     return node.op == "call_method" and node.target in ("size", "numel")
