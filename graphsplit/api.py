@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from graphsplit.artifacts import BoundarySpec, Cut
+from graphsplit.artifacts import BoundarySpec, Cut, PairedRows
 from graphsplit.calls import CallSplit, generators, split_calls
 from graphsplit.calls.unfrozen import NOTHING_FROZEN_FIX
 from graphsplit.errors import Fix, SplitError, TraceError, user_error
@@ -70,6 +70,8 @@ class Split:
     path: str = "trace"
     # The plans by signature, and the dispatch between them (graphsplit.signatures.dispatch).
     plan_set: PlanSet | None = field(default=None, repr=False)
+    # Where stage 2 pairs rows of its batch by position: the cache is read in whole batches.
+    paired_rows: PairedRows | None = None
 
     @property
     def plans(self) -> list[Plan]:

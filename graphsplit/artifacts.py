@@ -310,3 +310,32 @@ class Cut:
     # boundary tensor computed from it instead (read -> that tensor), checked in stage 1
     # (graphsplit.planning.cut.twin_reads).
     twin_reads: Mapping[fx.Node, fx.Node] = field(default_factory=dict)
+
+
+# -- split -> cache, loader ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class PairedRows:
+    """Stage 2 combines rows of its batch by their position (a preference step's
+    ``[chosen; rejected]`` rows, ``logps.chunk(2)`` then ``chosen - rejected``): regrouping the
+    cached rows into other batches would pair the wrong rows, so a cache of such a split is read
+    in the batches stage 1 cached, whole (:mod:`graphsplit.row_pairing` finds it).
+
+    ``op`` is the ATen op where rows of different positions first meet, ``source`` the user's
+    ``file:line`` that ran it ("" when unknown), ``groups`` the example batch's rows that meet
+    there (by position, each group sorted), ``rows`` the example batch's row count.
+    """
+
+    op: str
+    source: str
+    groups: tuple[tuple[int, ...], ...]
+    rows: int
+
+    def describe(self) -> str:
+        """One line for messages and reports."""
+        shown = ", ".join("{" + ", ".join(map(str, group)) + "}" for group in self.groups[:4])
+        more = " ..." if len(self.groups) > 4 else ""
+        where = f" at {self.source}" if self.source else ""
+        return (
+            f"stage 2 combines rows of its batch by position (aten.{self.op}{where}: rows "
+            f"{shown}{more} of the example's {self.rows} meet)"
+        )

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from graphsplit.artifacts import BoundarySpec
+from graphsplit.artifacts import BoundarySpec, PairedRows
 from graphsplit.calls.call_plan import CallPlan
 from graphsplit.calls.verdicts import every_call_cached
 from graphsplit.units import human_bytes
@@ -45,6 +45,8 @@ class CallSplit:
     path: str = "calls"
     _model: nn.Module | None = field(default=None, repr=False)
     plan_set: None = field(default=None, repr=False)
+    # Where stage 2 pairs rows of its batch by position: the cache is read in whole batches.
+    paired_rows: PairedRows | None = None
 
     @property
     def plans(self) -> list[Any]:
