@@ -42,6 +42,7 @@ from graphsplit.planning.step.ragged_lists import refuse_ragged_lists
 from graphsplit.planning.tracing.rewrites import restore_devices
 from graphsplit.planning.tracing.weight_constants import refuse_weight_constants
 from graphsplit.report import plan_json, render_report
+from graphsplit.row_pairing import find_paired_rows
 from graphsplit.signatures.defaults import defaults_taken
 from graphsplit.signatures.dispatch import DEFAULT_MAX_PLANS, Plan, PlanSet
 from graphsplit.signatures.signature import Signature, example_record, signature_of
@@ -199,6 +200,26 @@ def split(
             fix=Fix('pass path="auto" (default), "trace" or "calls"'),
         )
     refuse_ragged_lists(model, args, kwargs)  # neither path lines a per-sample list up
+    made = _split_on(model, args, kwargs, frozen, recompute, max_plans, path)
+    # A cache's loader regroups rows: a step that pairs them by position must keep its batches.
+    step = as_step_module(model, args, dict(kwargs or {}))
+    made.paired_rows = find_paired_rows(
+        made.stage1, made.stage2, made.boundary, step.args, step.kwargs, step.module
+    )
+    return made
+
+
+def _split_on(
+    model: nn.Module | Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+    frozen: FrozenSpec,
+    recompute: Recompute,
+    max_plans: int,
+    path: SplitPath,
+) -> Split | CallSplit:
+    """The split of the path asked for; ``"auto"``: the trace's, or the module-level path's
+    where the trace refuses or keeps a frozen module whole."""
     if path == "calls":
         return split_calls(model, args, kwargs, frozen=frozen, recompute=recompute)
     if path == "trace":

@@ -52,6 +52,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("graphsplit.signatures",),
     ("graphsplit.report",),
     ("graphsplit.calls",),
+    ("graphsplit.row_pairing",),
     ("graphsplit.api",),
     ("graphsplit.verify",),
     ("graphsplit.caching.format",),

@@ -1,0 +1,325 @@
+"""Does stage 2 pair rows of its batch by position? Poison one row at a time and watch.
+
+A cache stores stage 1's boundary one row per sample, and its loader regroups and shuffles the
+rows: right for a step that treats its batch as a set of samples, silently wrong for one that
+pairs rows by where they stand. TRL's ``DataCollatorForPreference`` stacks ``[chosen;
+rejected]`` and the DPO loss subtracts ``logps.chunk(2)``: row ``i`` is compared with row
+``i + B``; shuffled, stage 2 compares a sample's chosen answer with another's rejected one.
+
+Glossary:
+    poisoned run: stage 2 on the example's boundary with one row of every per-row float tensor
+        (along its batch dim) set to NaN. NaN spreads through every op that reads it (``0 *
+        NaN`` is NaN), so an op's output row that turns NaN read that input row.
+    meet: rows of the batch meet at an op where one of its output rows (along dim 0) turned
+        NaN in the runs of each of them but not in every row's run. Reached from every row, it
+        is a reduction over the batch (a mean loss, in-batch negatives, BatchNorm): regrouping
+        changes which rows share a batch, as any shuffled loader does, and nothing else.
+    by position: the rows that meet depend on where they stand, not on what they hold. With
+        two rows swapped (one of a group that meets, one outside it) other rows meet. Rows
+        grouped by their values (a mean per label; a loss over the rows that have labels) meet
+        alike in any order: a function of the batch as a set, which regrouping keeps.
+
+Why NaN and not gradients: at a LoRA step's start (``B = 0``) a DPO loss is ``log 2`` and its
+gradients are the same for any pairing of the rows, so no check by values can see the pairing;
+NaN follows what each op reads, whatever the values.
+
+What it cannot see: rows that meet only through integer tensors (ids, labels), which have no
+NaN; an example of fewer than three rows (two rows meet as the whole batch); ops whose choice
+NaN steers (a run that raises under NaN is left out). It runs stage 2 ``rows + 1`` times on the
+example (twice that when rows meet), under ``no_grad``-free autograd as training runs it, with
+every buffer of the step put back after each run and every generator forked.
+
+In and out::
+
+    find_paired_rows(stage1, stage2, boundary, args, kwargs, module) -> PairedRows | None
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from graphsplit.artifacts import BoundarySpec, PairedRows
+from graphsplit.calls.generators import seeded
+from graphsplit.planning.rules.user_lines import describe, frame_location_of, is_internal
+
+__all__ = ["ELEMENTS_APART", "MIN_ROWS", "find_paired_rows"]
+
+# Two rows meet as the whole batch: no pairing can be told from a reduction below three.
+MIN_ROWS = 3
+
+# Up to this many elements an output is watched element by element, above it row by row: a
+# batch dim moved off dim 0 (``scores.view(2, -1)``) is still told apart where losses are made.
+ELEMENTS_APART = 4096
+
+# One run's record: per output tensor of each op, in order, its name and which of its parts hold
+# a NaN (:func:`_nan_rows`; None for an output that is no float tensor).
+Marks = list[tuple[str, torch.Tensor | None]]
+
+
+class _RowMarks(TorchDispatchMode):
+    """Records, for each op's float outputs, which rows along dim 0 hold a NaN; with ``stop``,
+    the user's line of the output at that position instead."""
+
+    def __init__(self, stop: int | None = None) -> None:
+        super().__init__()
+        self.marks: Marks = []
+        self.stop = stop
+        self.source = ""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for leaf in pytree.tree_leaves(out):
+            if self.stop is not None and len(self.marks) == self.stop and not self.source:
+                self.source = _user_source()
+            self.marks.append((func.__name__, _nan_rows(leaf)))
+        return out
+
+
+def _nan_rows(value: Any) -> torch.Tensor | None:
+    """Which parts of ``value`` hold a NaN: each element of a small tensor (a loss's per-row
+    scores, a number, a table whose rows are groups of the batch's), each row along dim 0 of a
+    larger one (activations, whose rows are the batch's)."""
+    if not isinstance(value, torch.Tensor) or value.layout != torch.strided:
+        return None
+    if not (value.is_floating_point() or value.is_complex()) or value.device.type == "meta":
+        return None
+    if value.numel() == 0:
+        return None
+    if value.numel() <= ELEMENTS_APART:
+        return value.isnan().reshape(-1).cpu()
+    return value.isnan().reshape(value.shape[0], -1).any(dim=1).cpu()
+
+
+def _user_source() -> str:
+    """``file:line  code`` of the innermost frame outside torch and graphsplit (an installed
+    library's, like TRL's loss, counts: it is where the rows meet); in a generated stage
+    (torch.fx code), the traced node's own line."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if filename.startswith("<eval_with_key"):
+            source = _node_source(frame.f_locals.get("self"), frame.f_lineno)
+            if source:
+                return source
+        elif not is_internal(filename):
+            return describe(frame_location_of(filename, frame.f_lineno))
+        frame = frame.f_back
+    return ""
+
+
+def _node_source(module: Any, line: int) -> str:
+    """The source graphsplit's trace recorded on the fx node at ``line`` of ``module``'s code."""
+    lines = getattr(module, "_lineno_map", None)
+    graph = getattr(module, "graph", None)
+    if not isinstance(lines, dict) or not isinstance(graph, fx.Graph):
+        return ""
+    index = lines.get(line - getattr(module, "_prologue_start", 0))
+    nodes = list(graph.nodes)
+    if index is None or not 0 <= index < len(nodes):
+        return ""
+    node = nodes[index]
+    place = node.meta.get("source")
+    return describe((place, node.meta.get("source_code", ""))) if place else ""
+
+
+def find_paired_rows(
+    stage1: Callable[..., Any],
+    stage2: Callable[..., Any],
+    boundary: Mapping[str, BoundarySpec],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    module: nn.Module | None,
+) -> PairedRows | None:
+    """Where stage 2 pairs rows of the example batch by position, or None (also when it cannot
+    tell: fewer than :data:`MIN_ROWS` rows, no per-row float tensor, a run that fails)."""
+    try:
+        with seeded(0), torch.no_grad():
+            values = stage1(*args, **dict(kwargs))
+    except Exception:  # the split's own checks (verify, caching) report a stage that fails
+        return None
+    if not isinstance(values, Mapping):
+        return None
+    every_row_at = _row_dims(values, boundary)
+    rows_at = {n: d for n, d in every_row_at.items() if values[n].is_floating_point()}
+    sizes = {values[name].shape[dim] for name, dim in every_row_at.items()}
+    if len(sizes) != 1 or (rows := sizes.pop()) < MIN_ROWS or not rows_at:
+        return None
+    run = _Runner(stage2, module)
+    meets = _meetings(run, values, rows_at, rows, list(range(rows)))
+    if meets is None:
+        return None
+    order = _swap_out_of_a_group(meets, rows)  # position p holds the example's row order[p]
+    reordered = {
+        name: value.index_select(every_row_at[name], torch.tensor(order, device=value.device))
+        if name in every_row_at
+        else value
+        for name, value in values.items()
+    }
+    moved = _meetings(run, reordered, rows_at, rows, order)
+    first = _first_difference(meets, moved)
+    if first is None:
+        return None  # the same rows meet in any order: a function of the batch as a set
+    index, groups = first
+    return PairedRows(
+        op=meets[index][0] if index < len(meets) else "",
+        source=run.source_of(values, index),
+        groups=tuple(sorted(tuple(sorted(group)) for group in groups)),
+        rows=rows,
+    )
+
+
+def _row_dims(values: Mapping[str, Any], boundary: Mapping[str, BoundarySpec]) -> dict[str, int]:
+    """The per-row tensors of stage 1's outputs, by name, and their batch dims."""
+    return {
+        name: spec.batch_dim
+        for name, spec in boundary.items()
+        if spec.batch_dim is not None
+        and isinstance(values.get(name), torch.Tensor)
+        and values[name].device.type != "meta"
+        and values[name].dim() > spec.batch_dim
+    }
+
+
+# Ops whose output holds whatever memory held: a NaN there is no input's.
+_UNSET = ("empty", "new_empty", "_empty")
+
+# Per op output: the groups of example rows (by the example's numbering) that meet there.
+Meetings = list[tuple[str, frozenset[frozenset[int]]]]
+
+
+def _meetings(
+    run: _Runner,
+    values: Mapping[str, Any],
+    rows_at: Mapping[str, int],
+    rows: int,
+    order: list[int],
+) -> Meetings | None:
+    """Stage 2 once as is and once per row poisoned: per op output, the groups of two or more
+    rows (not all) that reach one of its rows; None where no group forms or the runs fail."""
+    # The first run of a step may do work once (a lazily built table): twice, the second kept.
+    base = run(values) and run(values)
+    if base is None:
+        return None
+    names = [name for name, _ in base]
+    poisoned: dict[int, Marks] = {}
+    for position in range(rows):
+        marks = run(_poisoned(values, rows_at, position))
+        # A run that NaN steered elsewhere (another op sequence) does not line up: left out.
+        if marks is not None and [name for name, _ in marks] == names:
+            poisoned[order[position]] = marks
+    if len(poisoned) < MIN_ROWS:
+        return None
+    every = frozenset(poisoned)
+    meetings: Meetings = []
+    found = False
+    for index, (name, seen) in enumerate(base):
+        groups: set[frozenset[int]] = set()
+        if seen is not None and not name.startswith(_UNSET):
+            reached: dict[int, set[int]] = {}
+            for row, marks in poisoned.items():
+                mark = marks[index][1]
+                if mark is None or mark.shape != seen.shape:
+                    continue
+                for output_row in torch.nonzero(mark & ~seen).flatten().tolist():
+                    reached.setdefault(output_row, set()).add(row)
+            groups = {frozenset(g) for g in reached.values() if len(g) >= 2 and g != every}
+        found = found or bool(groups)
+        meetings.append((name, frozenset(groups)))
+    return meetings if found else None
+
+
+def _swap_out_of_a_group(meets: Meetings, rows: int) -> list[int]:
+    """The rows in their order but for two swapped: the first row of the first group that
+    meets, and the first row outside it. Rows grouped by position then form another group
+    there (the group loses one member for another), rows grouped by what they hold the same."""
+    group = next(min(groups, key=min) for _, groups in meets if groups)
+    inside = min(group)
+    outside = min(set(range(rows)) - group)
+    order = list(range(rows))
+    order[inside], order[outside] = outside, inside
+    return order
+
+
+def _first_difference(
+    meets: Meetings, moved: Meetings | None
+) -> tuple[int, frozenset[frozenset[int]]] | None:
+    """The first op output whose meeting rows differ with the rows reordered, and its groups
+    in the example's order; None where every group is the same in both orders."""
+    for index, (_, groups) in enumerate(meets):
+        if not groups:
+            continue
+        if moved is None or index >= len(moved) or moved[index][1] != groups:
+            return index, groups
+    return None
+
+
+def _poisoned(
+    values: Mapping[str, Any], rows_at: Mapping[str, int], position: int
+) -> dict[str, Any]:
+    out = dict(values)
+    for name, dim in rows_at.items():
+        copy = values[name].clone()
+        copy.select(dim, position).fill_(float("nan"))
+        out[name] = copy
+    return out
+
+
+class _Runner:
+    """Runs stage 2 on boundary values under :class:`_RowMarks`, from one seed of every
+    generator, with the inputs copied and every buffer it writes put back after."""
+
+    def __init__(self, stage2: Callable[..., Any], module: nn.Module | None) -> None:
+        self.stage2 = stage2
+        owners = [m for m in (stage2, module) if isinstance(m, nn.Module)]
+        self.buffers = list(
+            {id(b): b for m in owners for b in m.buffers() if not b.is_inference()}.values()
+        )
+
+    def __call__(self, values: Mapping[str, Any], stop: int | None = None) -> Marks | None:
+        watch = _RowMarks(stop)
+        try:
+            with self._buffers_kept(), seeded(0), torch.enable_grad(), watch:
+                self.stage2(**_copied(values))
+        except Exception:  # a step that refuses NaN (an index from a float): not seen
+            return None
+        self.last = watch
+        return watch.marks
+
+    def source_of(self, values: Mapping[str, Any], index: int) -> str:
+        """The user's line of the op output at ``index``, from one more run as is."""
+        watch = _RowMarks(index)
+        try:
+            with self._buffers_kept(), seeded(0), torch.enable_grad(), watch:
+                self.stage2(**_copied(values))
+        except Exception:
+            return ""
+        return watch.source
+
+    @contextlib.contextmanager
+    def _buffers_kept(self) -> Iterator[None]:
+        # Every one, whatever its version says: BatchNorm's kernel writes its running
+        # statistics without counting a version.
+        kept = [(b, b.detach().clone()) for b in self.buffers]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, copy in kept:
+                    buffer.copy_(copy)
+
+
+def _copied(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Stage 2's inputs as the cache hands them: detached copies a run may write."""
+    return {
+        name: value.detach().clone() if isinstance(value, torch.Tensor) else value
+        for name, value in values.items()
+    }
