@@ -339,3 +339,21 @@ class PairedRows:
             f"stage 2 combines rows of its batch by position (aten.{self.op}{where}: rows "
             f"{shown}{more} of the example's {self.rows} meet)"
         )
+
+    def report_lines(self) -> list[str]:
+        """The section ``report()`` shows for it."""
+        return [
+            "",
+            "Rows paired by position: a cache of this split is read in the batches stage 1 "
+            "cached, whole (regrouped rows would pair the wrong ones):",
+            f"  {self.describe()}",
+        ]
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (``plan.json``'s ``paired_rows``)."""
+        return {
+            "op": self.op,
+            "source": self.source,
+            "groups": [list(group) for group in self.groups],
+            "rows": self.rows,
+        }

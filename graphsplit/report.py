@@ -31,7 +31,15 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from graphsplit.artifacts import BoundarySpec, Cut, MixingCause, Recomputation, Taint, TaintKind
+from graphsplit.artifacts import (
+    BoundarySpec,
+    Cut,
+    MixingCause,
+    PairedRows,
+    Recomputation,
+    Taint,
+    TaintKind,
+)
 from graphsplit.planning.cut.boundary import facts, is_banned, module_owner
 from graphsplit.planning.rules.opaque_call import OPAQUE, is_opaque
 from graphsplit.planning.rules.size_guards import expression
@@ -52,6 +60,7 @@ class SplitPlan(Protocol):
     batch_sizes: tuple[int, int]
     model_name: str
     notes: list[str]
+    paired_rows: PairedRows | None
 
 
 def _param_summary(params: list[tuple[str, torch.Tensor]], trainable: frozenset[str]) -> str:
@@ -284,6 +293,8 @@ def render_report(split: SplitPlan, model: nn.Module | None) -> str:
             hint = trap_hint(node, taint, split.trainable)
             if hint:
                 lines.append(f"  {'':<40} hint: {hint}")
+    if split.paired_rows is not None:
+        lines += split.paired_rows.report_lines()
     if split.notes:
         lines += ["", "Notes:"] + [f"  {note}" for note in split.notes]
     return "\n".join(lines)
@@ -356,6 +367,7 @@ def plan_json(split: SplitPlan) -> dict[str, Any]:
         ],
         "recomputed": recomputation_json(split.cut.recomputation),
         "signatures": signature_entries(split),
+        "paired_rows": None if split.paired_rows is None else split.paired_rows.to_json(),
         "baked_numbers": [
             {
                 "node": node.name,

@@ -24,10 +24,12 @@ gradients are the same for any pairing of the rows, so no check by values can se
 NaN follows what each op reads, whatever the values.
 
 What it cannot see: rows that meet only through integer tensors (ids, labels), which have no
-NaN; an example of fewer than three rows (two rows meet as the whole batch); ops whose choice
-NaN steers (a run that raises under NaN is left out). It runs stage 2 ``rows + 1`` times on the
-example (twice that when rows meet), under ``no_grad``-free autograd as training runs it, with
-every buffer of the step put back after each run and every generator forked.
+NaN; an example of fewer than three rows (two rows meet as the whole batch); a batch-wide mix
+before the pairing (BatchNorm in train mode on the trainable side); ops whose choice NaN steers
+(a run that raises under NaN, or takes other ops, is left out); a step whose weights are on
+``meta``. It runs stage 1 once and stage 2 ``rows + 2`` times on the example (``2 * rows + 5``
+when rows meet), with autograd on as training runs it, every buffer of the step put back after
+each run and every generator forked.
 
 In and out::
 
@@ -128,7 +130,8 @@ def _node_source(module: Any, line: int) -> str:
         return ""
     node = nodes[index]
     place = node.meta.get("source")
-    return describe((place, node.meta.get("source_code", ""))) if place else ""
+    known = place and place != "<unknown>"
+    return describe((place, node.meta.get("source_code", ""))) if known else ""
 
 
 def find_paired_rows(
@@ -141,6 +144,10 @@ def find_paired_rows(
 ) -> PairedRows | None:
     """Where stage 2 pairs rows of the example batch by position, or None (also when it cannot
     tell: fewer than :data:`MIN_ROWS` rows, no per-row float tensor, a run that fails)."""
+    if module is not None and any(
+        t.device.type == "meta" for t in (*module.parameters(), *module.buffers())
+    ):
+        return None  # planned on meta (a model too large to load): nothing runs for real
     try:
         with seeded(0), torch.no_grad():
             values = stage1(*args, **dict(kwargs))

@@ -113,6 +113,8 @@ class CallSplit:
                 "computes with or converts their weights outside those calls, e.g. "
                 "module.half() in the step): " + ", ".join(held)
             )
+        if self.paired_rows is not None:
+            lines += self.paired_rows.report_lines()[1:]
         lines += [f"note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -132,6 +134,7 @@ class CallSplit:
             "dropped": sorted(self.plan.dropped),
             "unused": sorted(self.plan.unused),
             "held_though_cached": held_though_cached(self.plan),
+            "paired_rows": None if self.paired_rows is None else self.paired_rows.to_json(),
         }
 
     def save_code(self, folder: str | os.PathLike[str]) -> Path:
