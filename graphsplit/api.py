@@ -204,7 +204,7 @@ def split(
     # A cache's loader regroups rows: a step that pairs them by position must keep its batches.
     step = as_step_module(model, args, dict(kwargs or {}))
     made.paired_rows = find_paired_rows(
-        made.stage1, made.stage2, made.boundary, step.args, step.kwargs, step.module
+        made.stage1, made.stage2, made.boundary, step.args, step.kwargs, step.module, model
     )
     return made
 

@@ -33,7 +33,7 @@ each run and every generator forked.
 
 In and out::
 
-    find_paired_rows(stage1, stage2, boundary, args, kwargs, module) -> PairedRows | None
+    find_paired_rows(stage1, stage2, boundary, args, kwargs, module, step) -> PairedRows | None
 """
 
 from __future__ import annotations
@@ -53,10 +53,14 @@ from graphsplit.artifacts import BoundarySpec, PairedRows
 from graphsplit.calls.generators import seeded
 from graphsplit.planning.rules.user_lines import describe, frame_location_of, is_internal
 
-__all__ = ["ELEMENTS_APART", "MIN_ROWS", "find_paired_rows"]
+__all__ = ["ELEMENTS_APART", "MIN_ROWS", "RUNS_KEPT", "find_paired_rows"]
 
 # Two rows meet as the whole batch: no pairing can be told from a reduction below three.
 MIN_ROWS = 3
+
+# A step module's method whose context manager puts back what the runs change outside the
+# module (a trainer's logged metrics: graphsplit.integrations.trainer_loss.TrainerLoss).
+RUNS_KEPT = "graphsplit_runs_kept"
 
 # Up to this many elements an output is watched element by element, above it row by row: a
 # batch dim moved off dim 0 (``scores.view(2, -1)``) is still told apart where losses are made.
@@ -141,9 +145,13 @@ def find_paired_rows(
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
     module: nn.Module | None,
+    step: Any = None,
 ) -> PairedRows | None:
     """Where stage 2 pairs rows of the example batch by position, or None (also when it cannot
-    tell: fewer than :data:`MIN_ROWS` rows, no per-row float tensor, a run that fails)."""
+    tell: fewer than :data:`MIN_ROWS` rows, no per-row float tensor, a run that fails).
+
+    ``module`` is the step module the stages were made from, ``step`` the step as the user
+    gave it (its :data:`RUNS_KEPT` context, if any, wraps the runs)."""
     if module is not None and any(
         t.device.type == "meta" for t in (*module.parameters(), *module.buffers())
     ):
@@ -160,28 +168,43 @@ def find_paired_rows(
     sizes = {values[name].shape[dim] for name, dim in every_row_at.items()}
     if len(sizes) != 1 or (rows := sizes.pop()) < MIN_ROWS or not rows_at:
         return None
-    run = _Runner(stage2, module)
-    meets = _meetings(run, values, rows_at, rows, list(range(rows)))
-    if meets is None:
-        return None
-    order = _swap_out_of_a_group(meets, rows)  # position p holds the example's row order[p]
-    reordered = {
-        name: value.index_select(every_row_at[name], torch.tensor(order, device=value.device))
-        if name in every_row_at
-        else value
-        for name, value in values.items()
-    }
-    moved = _meetings(run, reordered, rows_at, rows, order)
-    first = _first_difference(meets, moved)
-    if first is None:
-        return None  # the same rows meet in any order: a function of the batch as a set
-    index, groups = first
-    return PairedRows(
-        op=meets[index][0] if index < len(meets) else "",
-        source=run.source_of(values, index),
-        groups=tuple(sorted(tuple(sorted(group)) for group in groups)),
-        rows=rows,
-    )
+    with _runs_kept(step, module):
+        run = _Runner(stage2, module)
+        meets = _meetings(run, values, rows_at, rows, list(range(rows)))
+        if meets is None:
+            return None
+        order = _swap_out_of_a_group(meets, rows)  # position p holds the example's order[p]
+        reordered = {
+            name: value.index_select(every_row_at[name], torch.tensor(order, device=value.device))
+            if name in every_row_at
+            else value
+            for name, value in values.items()
+        }
+        moved = _meetings(run, reordered, rows_at, rows, order)
+        first = _first_difference(meets, moved)
+        if first is None:
+            return None  # the same rows meet in any order: a function of the batch as a set
+        index, groups = first
+        return PairedRows(
+            op=meets[index][0],
+            source=run.source_of(values, index),
+            groups=tuple(sorted(tuple(sorted(group)) for group in groups)),
+            rows=rows,
+        )
+
+
+@contextlib.contextmanager
+def _runs_kept(step: Any, module: nn.Module | None) -> Iterator[None]:
+    """Every :data:`RUNS_KEPT` context of the step as the user gave it (a module, or a bound
+    method: its owner) and of the step module's modules, each once."""
+    owners = [step, getattr(step, "__self__", None)]
+    owners += list(module.modules()) if module is not None else []
+    with contextlib.ExitStack() as stack:
+        for each in {id(o): o for o in owners if o is not None}.values():
+            kept = getattr(type(each), RUNS_KEPT, None)
+            if callable(kept):
+                stack.enter_context(kept(each))
+        yield
 
 
 def _row_dims(values: Mapping[str, Any], boundary: Mapping[str, BoundarySpec]) -> dict[str, int]:

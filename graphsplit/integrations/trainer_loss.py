@@ -56,6 +56,13 @@ class TrainerLoss(nn.Module):
         with prepared_forward(self._trainer, self.model):
             return self._compute_loss(self.model, inputs)
 
+    def graphsplit_runs_kept(self) -> contextlib.AbstractContextManager[None]:
+        """What graphsplit's extra runs of the step put back: the trainer's logged metrics
+        and counters (:mod:`graphsplit.row_pairing` runs it with NaN rows)."""
+        from graphsplit.integrations.trainer_bookkeeping import bookkeeping_kept
+
+        return bookkeeping_kept(self._trainer)
+
 
 @contextlib.contextmanager
 def prepared_forward(trainer: Any, model: nn.Module) -> Iterator[None]:

@@ -239,6 +239,21 @@ def test_the_adapter_off_reference_pass_is_cached_whole(tmp_path):
     assert not [k for k, v in boundary.items() if v.dim() == 3 and v.shape[-1] == hidden]
 
 
+def test_the_split_finds_the_chosen_rejected_pairing_and_its_runs_log_nothing(tmp_path):
+    """graphsplit.row_pairing names TRL's own line where row i meets row i + B, and its runs
+    with NaN rows leave the trainer's logged metrics as the probes left them (no NaN)."""
+    trainer = make_trainer(str(tmp_path / "out"))
+    _, split = _split(trainer)
+    paired = split.paired_rows
+    assert paired is not None and paired.rows == 2 * PER_BATCH
+    assert paired.groups == tuple((i, i + PER_BATCH) for i in range(PER_BATCH))
+    assert "trl/trainer/dpo_trainer.py" in paired.source
+    assert "chosen_scores - rejected_scores" in paired.source
+    assert "Rows paired by position" in split.report()
+    logged = [value for values in trainer._metrics["train"].values() for value in values]
+    assert logged and not any(value != value for value in logged)  # NaN != NaN
+
+
 @pytest.mark.xfail(
     strict=True,
     reason=(
