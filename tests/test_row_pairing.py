@@ -231,3 +231,44 @@ def test_groups_met_by_position_are_found_as_they_are(groups, size, adjacent, pa
     paired = graphsplit.split(Grouped(size, adjacent), (x,), path=path).paired_rows
     assert paired is not None and paired.rows == rows
     assert list(paired.groups) == sorted(_grouped(rows, size, adjacent))
+
+
+# Row-wise ops a step applies to (rows, 8) features: none of them lets one row read another.
+ROW_WISE = {
+    "tanh": lambda h: torch.tanh(h),
+    "noise": lambda h: h + 0.1 * torch.randn_like(h),
+    "dropout": lambda h: F.dropout(h, 0.3, training=True),
+    "in_place": lambda h: h.clone().mul_(2).add_(1),
+    "softmax": lambda h: h.softmax(dim=-1),
+    "norm": lambda h: F.layer_norm(h, (8,)),
+    "mask": lambda h: torch.where(h > 0, h, torch.zeros_like(h)),
+    "sort": lambda h: h.sort(dim=-1).values,
+    "cumsum": lambda h: h.cumsum(dim=-1),
+}
+
+
+class RowWiseProgram(Scored):
+    def __init__(self, ops: list[str], reduce: str) -> None:
+        super().__init__()
+        self.ops, self.reduce = ops, reduce
+
+    def forward(self, x):
+        h = torch.tanh(self.encoder(x)) * self.head.weight
+        for op in self.ops:
+            h = ROW_WISE[op](h)
+        per_row = h.square().sum(dim=-1)
+        return per_row.mean() if self.reduce == "mean" else per_row.logsumexp(0)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    ops=st.lists(st.sampled_from(sorted(ROW_WISE)), max_size=5),
+    reduce=st.sampled_from(["mean", "logsumexp"]),
+    rows=st.integers(MIN_ROWS, 7),
+    path=st.sampled_from(PATHS),
+)
+def test_row_wise_programs_with_draws_and_in_place_ops_are_never_paired(ops, reduce, rows, path):
+    x = torch.randn(rows, 4, generator=torch.Generator().manual_seed(rows))
+    step = RowWiseProgram(ops, reduce)
+    split = graphsplit.split(step, (x,), path=path)
+    assert split.paired_rows is None, split.paired_rows
