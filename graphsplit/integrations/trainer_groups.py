@@ -311,7 +311,7 @@ def refuse_paired_rows(split: Any) -> None:
         raise regrouping_error(
             paired,
             "split_trainer's sampler (the trainer's, or one over padding groups)",
-            Fix(
+            (
                 "cache with graphsplit.cache(split, loader, path) and train stage 2 in your own "
                 "loop on graphsplit.CachedDataset(path, split).loader(batch_size=<the loader's "
                 "batch size>), which reads the cached stage-1 batches whole"

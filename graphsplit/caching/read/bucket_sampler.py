@@ -34,7 +34,7 @@ In and out::
         .epoch_batches(epoch) -> this process's batches of that epoch (no data read)
     BucketLoader(dataset, batch_sampler=sampler, ...)  # a DataLoader that counts the batches
         it delivered into the sampler's position (exact with workers prefetching)
-    regrouping_error(paired, what, fix) -> CacheError  # for a cache whose stage 2 pairs rows
+    regrouping_error(paired, what, fix_words) -> CacheError  # a cache whose stage 2 pairs rows
 
 A cache whose stage 2 pairs its batch's rows by position (``cached.paired_rows``) is refused:
 regrouped rows would pair wrongly (:mod:`graphsplit.caching.read.whole_batches` reads it).
@@ -152,7 +152,7 @@ class BucketBatchSampler(torch.utils.data.Sampler[list[int]]):
             raise regrouping_error(
                 paired,
                 "a BucketBatchSampler",
-                Fix(
+                (
                     f"batch the cache with cached.loader(batch_size={rows}), which reads the "
                     "cached stage-1 batches whole in a shuffled order (or pass "
                     "graphsplit.caching.read.whole_batches.WholeBatchSampler(cached) to your "
@@ -296,15 +296,16 @@ class BucketLoader(torch.utils.data.DataLoader):
 
 
 def regrouping_error(
-    paired: Any, what: str, fix: Fix, error_type: type[GraphsplitError] = CacheError
+    paired: Any, what: str, fix: str, error_type: type[GraphsplitError] = CacheError
 ) -> GraphsplitError:
     """The error for ``what`` regrouping the rows of a cache whose stage 2 pairs them by
-    position (``paired``: its ``PairedRows``; see :mod:`graphsplit.caching.read.whole_batches`)."""
+    position (``paired``: its ``PairedRows``; see :mod:`graphsplit.caching.read.whole_batches`);
+    ``fix`` in words (no option: none of these fixes is one)."""
     return user_error(
         error_type,
         f"{paired.describe()}: {what} regroups the cached rows into batches of its own, so "
         "stage 2 would pair the wrong rows, silently.",
-        fix=fix,
+        fix=Fix(fix),
         source=paired.source or None,
     )
 

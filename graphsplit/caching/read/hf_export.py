@@ -137,7 +137,7 @@ def to_hf_dataset(
         raise regrouping_error(
             cached.paired_rows,
             "an export to datasets (one row per sample, batched anew by whoever reads it)",
-            Fix(
+            (
                 "train from the cache folder: graphsplit.CachedDataset(path, split).loader("
                 f"batch_size={max(map(len, cached.stage1_batches or [()]))}) reads its stage-1 "
                 "batches whole, which an export does not keep"

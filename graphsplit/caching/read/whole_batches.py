@@ -45,7 +45,6 @@ from graphsplit.caching.read.bucket_sampler import (
     _epoch_seed,
     regrouping_error,
 )
-from graphsplit.errors import Fix
 
 __all__ = ["WholeBatchSampler", "paired_sampler", "stage1_batches"]
 
@@ -88,7 +87,7 @@ def paired_sampler(cached: Any, batch_size: int, **options: Any) -> WholeBatchSa
         raise regrouping_error(
             paired,
             f"loader(batch_size={batch_size}) over stage-1 batches of {rows} rows",
-            Fix(
+            (
                 f"pass loader(batch_size={rows}): it reads the cached stage-1 batches whole, "
                 "in a shuffled order (to train on other batch sizes, cache with a loader of "
                 "that batch size)"
