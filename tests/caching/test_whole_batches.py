@@ -439,3 +439,15 @@ def test_a_batch_two_live_processes_both_wrote_in_part_is_refused(paired_cache):
     with pytest.raises(CacheError, match="2 of the 4 rows of a stage-1 batch") as refused:
         drop_repeated_rows(paired_cache, whole.header, records, durable=False)
     assert SOURCE in str(refused.value) and "even_batches=False" in str(refused.value)
+
+
+def test_an_export_read_back_with_a_split_that_pairs_rows_is_refused(tmp_path, step):
+    pytest.importorskip("datasets")
+    from graphsplit.caching.read.hf_export import HFCachedDataset, to_hf_dataset
+
+    data = _data()
+    cache(_split(step, data, paired=False), _loader(data), tmp_path, progress=False)
+    exported = to_hf_dataset(tmp_path)
+    with pytest.raises(StaleCacheError, match="without recording its stage-1 batches"):
+        HFCachedDataset(exported, _split(step, data))
+    assert len(HFCachedDataset(exported, _split(step, data, paired=False))) == SAMPLES

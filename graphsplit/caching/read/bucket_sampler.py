@@ -147,7 +147,7 @@ class BucketBatchSampler(torch.utils.data.Sampler[list[int]]):
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is not in [0, {num_replicas}) processes")
         paired = None if isinstance(source, Mapping) else getattr(source, "paired_rows", None)
-        if paired is not None and type(self) is BucketBatchSampler:
+        if paired is not None:
             rows = max(map(len, source.stage1_batches))
             raise regrouping_error(
                 paired,
@@ -243,7 +243,7 @@ class BucketBatchSampler(torch.utils.data.Sampler[list[int]]):
         if differences:
             raise user_error(
                 CacheError,
-                "this BucketBatchSampler state was saved for another order of batches: "
+                f"this {type(self).__name__} state was saved for another order of batches: "
                 + ", ".join(differences)
                 + "; its position would name other batches.",
                 fix=Fix(
