@@ -37,6 +37,8 @@ module imports only from its own room and the rooms below, see ``tests/test_layo
         dataset           CachedDataset, verify_inputs
         collation         collate and the items it batches (CachedSample)
         bucket_sampler    BucketBatchSampler: batches of one shape, seeded, resumable, sharded
+        whole_batches     WholeBatchSampler: a paired cache's stage-1 batches, whole
+        stale_split       refuse_other_split: is the cache this split's
         audit             check_cache, CacheReport
         hf_export         a cache as a Hugging Face dataset, and back
     live          LiveCache: cache while training (the first epoch writes, later ones read)

@@ -28,6 +28,7 @@ In and out::
     CachingBatches(groups, batch_size)      # index lists (fillers: index + repeat * size)
     CheckedCollate(collator, groups)        # items -> the batch, its "key"s, shapes checked
     training_batches(trainer, groups)       # -> BucketBatchSampler over the groups
+    refuse_paired_rows(split)               # CacheError: stage 2 pairs rows by position
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any
 
 import torch
 
-from graphsplit.caching.read.bucket_sampler import BucketBatchSampler
+from graphsplit.caching.read.bucket_sampler import BucketBatchSampler, regrouping_error
 from graphsplit.errors import CacheError, Fix, user_error
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "batch_shape",
     "padding_groups",
     "refuse_packing",
+    "refuse_paired_rows",
     "regroup",
     "training_batches",
 ]
@@ -299,6 +301,22 @@ def training_batches(trainer: Any, groups: PaddingGroups) -> BucketBatchSampler:
         num_replicas=1,
         rank=0,
     )
+
+
+def refuse_paired_rows(split: Any) -> None:
+    """Refuse a split whose stage 2 pairs its batch's rows by position: the trainer's sampler
+    (or :func:`training_batches`) batches the cached rows anew, which would pair wrong rows."""
+    paired = getattr(split, "paired_rows", None)
+    if paired is not None:
+        raise regrouping_error(
+            paired,
+            "split_trainer's sampler (the trainer's, or one over padding groups)",
+            (
+                "cache with graphsplit.cache(split, loader, path) and train stage 2 in your own "
+                "loop on graphsplit.CachedDataset(path, split).loader(batch_size=<the loader's "
+                "batch size>), which reads the cached stage-1 batches whole"
+            ),
+        )
 
 
 def _callback_base() -> type:

@@ -77,7 +77,12 @@ from graphsplit.integrations.trainer_checks import (
     dataset_and_collator,
     refuse_several_shapes,
 )
-from graphsplit.integrations.trainer_groups import PaddingGroups, batch_shape, check_batch
+from graphsplit.integrations.trainer_groups import (
+    PaddingGroups,
+    batch_shape,
+    check_batch,
+    refuse_paired_rows,
+)
 from graphsplit.integrations.trainer_live import LiveCacheSteps, LiveRows, RawItem
 from graphsplit.integrations.trainer_loader import (
     batch_by_padded_length,
@@ -222,6 +227,7 @@ def _split_and_cache(
     (:mod:`.trainer_regroup`), and cache stage 1 in the final groups' batches."""
     planned = plan_groups(trainer, groups)
     parts, groups = planned.split, planned.groups
+    refuse_paired_rows(parts)
     compute_loss = planned.loss._compute_loss
     refuse_item_counted_accumulation(trainer, planned.example, parts.boundary, compute_loss)
     accelerator = trainer.accelerator
@@ -255,6 +261,7 @@ def _split_live(
         with neftune_as_train(trainer), train_mode_as_train(trainer):
             planned = plan_groups(trainer, trainer_padding_groups(trainer))
         parts, groups = planned.split, planned.groups
+        refuse_paired_rows(parts)
         compute_loss = planned.loss._compute_loss
         refuse_item_counted_accumulation(trainer, planned.example, parts.boundary, compute_loss)
     finally:

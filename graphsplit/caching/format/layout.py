@@ -39,6 +39,13 @@ Glossary:
         :mod:`graphsplit.caching.store.durability`). A durable cache's manifest has no such field,
         so it is byte for byte what graphsplit wrote before the field existed; a graphsplit that
         predates it refuses an unsynced cache (an unexpected field) instead of reading it unchecked.
+    paired rows: a cache of a split whose stage 2 pairs its batch's rows by position
+        (``split.paired_rows``, a :class:`~graphsplit.artifacts.PairedRows`) records it in its
+        header, and each shard records ``batch_rows``, the row count of each stage-1 batch it
+        holds, so the reader can give stage 2 those batches whole
+        (:mod:`graphsplit.caching.read.whole_batches`). An ordinary cache has neither field; a
+        graphsplit that predates them refuses a paired cache (an unexpected field) instead of
+        regrouping its rows.
 
 Each record is a frozen dataclass whose fields, in order, are its JSON fields (see
 :mod:`graphsplit.caching.format.records`): the writers and the readers share that one schema.
@@ -64,7 +71,7 @@ from dataclasses import dataclass
 
 import torch
 
-from graphsplit.artifacts import BoundarySpec
+from graphsplit.artifacts import BoundarySpec, PairedRows
 from graphsplit.caching.format.checksums import CHECKSUM, CHECKSUM_MEANING
 from graphsplit.caching.format.fingerprint import Fingerprint
 from graphsplit.caching.format.memory_order import Order
@@ -162,6 +169,9 @@ class CacheHeader:
     boundary: tuple[BoundarySpec, ...]
     storage_dtype: str | None = json_field(choices=STORAGE_DTYPES)
     layout: ShardLayout
+    # Where stage 2 pairs its batch's rows by position (see the module glossary): absent in an
+    # ordinary cache, which stays byte for byte what graphsplit wrote before the field existed.
+    paired_rows: PairedRows | None = json_field(optional=True, default=None)  # noqa: RUF009
 
     @property
     def sample_specs(self) -> tuple[BoundarySpec, ...]:
@@ -235,6 +245,9 @@ class ShardRecord(FileRecord):
     # Each row's plan (signature key), only in a shard holding a row of a plan other than the
     # first: absent, every row is the first plan's (a cache of one plan stays as it was).
     signatures: tuple[str, ...] | None = json_field(optional=True, default=None)
+    # How many rows each stage-1 batch put in the shard, in order; only in a cache whose
+    # header has ``paired_rows`` (see the module glossary).
+    batch_rows: tuple[int, ...] | None = json_field(optional=True, default=None, minimum=1)
 
 
 @dataclass(frozen=True)

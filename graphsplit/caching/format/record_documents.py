@@ -242,6 +242,11 @@ def header_rules(reader: JsonReader, header: CacheHeader) -> None:
     names = [spec.name for spec in header.boundary]
     if len(set(names)) != len(names):
         reader.fail("boundary", f"repeats a name: {names}")
+    paired = header.paired_rows
+    if paired is not None and not all(
+        0 <= row < paired.rows for group in paired.groups for row in group
+    ):
+        reader.fail("paired_rows.groups", f"names a row outside the example's {paired.rows}")
 
 
 def _plan_constants_rules(
@@ -303,6 +308,27 @@ def _shard_rules(
     if len(counts | {len(record.input_sha256)}) > 1:
         reader.fail(
             where or "shard record", "lists different numbers of keys, shapes, orders and digests"
+        )
+    _batch_rows_rule(reader, record, header, where)
+
+
+def _batch_rows_rule(
+    reader: JsonReader, record: ShardRecord, header: CacheHeader, where: str
+) -> None:
+    """A paired cache's shard lists its stage-1 batches' row counts, adding up to its rows;
+    an ordinary cache's lists none."""
+    counts = record.batch_rows
+    if counts is None and header.paired_rows is not None:
+        reader.fail(
+            where or "shard record",
+            "lacks batch_rows, which a cache whose stage 2 pairs rows by position needs",
+        )
+    if counts is not None and header.paired_rows is None:
+        reader.fail(_join(where, "batch_rows"), "is given in a cache without paired_rows")
+    if counts is not None and sum(counts) != len(record.keys):
+        reader.fail(
+            _join(where, "batch_rows"),
+            f"adds up to {sum(counts)} rows but the shard holds {len(record.keys)}",
         )
 
 

@@ -34,6 +34,10 @@ In and out::
         .epoch_batches(epoch) -> this process's batches of that epoch (no data read)
     BucketLoader(dataset, batch_sampler=sampler, ...)  # a DataLoader that counts the batches
         it delivered into the sampler's position (exact with workers prefetching)
+    regrouping_error(paired, what, fix_words) -> CacheError  # a cache whose stage 2 pairs rows
+
+A cache whose stage 2 pairs its batch's rows by position (``cached.paired_rows``) is refused:
+regrouped rows would pair wrongly (:mod:`graphsplit.caching.read.whole_batches` reads it).
 """
 
 from __future__ import annotations
@@ -44,9 +48,9 @@ from typing import Any, Protocol
 
 import torch
 
-from graphsplit.errors import CacheError, Fix, user_error
+from graphsplit.errors import CacheError, Fix, GraphsplitError, user_error
 
-__all__ = ["BucketBatchSampler", "BucketLoader"]
+__all__ = ["BucketBatchSampler", "BucketLoader", "regrouping_error"]
 
 # What a state_dict holds besides the position, and must match on load: another value means
 # another global batch list, where the saved position would name other batches.
@@ -142,6 +146,19 @@ class BucketBatchSampler(torch.utils.data.Sampler[list[int]]):
             rank = _distributed("get_rank", 0)
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is not in [0, {num_replicas}) processes")
+        paired = None if isinstance(source, Mapping) else getattr(source, "paired_rows", None)
+        if paired is not None:
+            rows = max(map(len, source.stage1_batches))
+            raise regrouping_error(
+                paired,
+                "a BucketBatchSampler",
+                (
+                    f"batch the cache with cached.loader(batch_size={rows}), which reads the "
+                    "cached stage-1 batches whole in a shuffled order (or pass "
+                    "graphsplit.caching.read.whole_batches.WholeBatchSampler(cached) to your "
+                    "DataLoader as its batch_sampler)"
+                ),
+            )
         groups = source if isinstance(source, Mapping) else source.buckets()
         # Buckets in order of their shapes: the list must not depend on which shard came first.
         self.buckets: tuple[tuple[int, ...], ...] = tuple(
@@ -226,7 +243,7 @@ class BucketBatchSampler(torch.utils.data.Sampler[list[int]]):
         if differences:
             raise user_error(
                 CacheError,
-                "this BucketBatchSampler state was saved for another order of batches: "
+                f"this {type(self).__name__} state was saved for another order of batches: "
                 + ", ".join(differences)
                 + "; its position would name other batches.",
                 fix=Fix(
@@ -276,6 +293,21 @@ class BucketLoader(torch.utils.data.DataLoader):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """The sampler's :meth:`BucketBatchSampler.load_state_dict`."""
         self.batch_sampler.load_state_dict(state)
+
+
+def regrouping_error(
+    paired: Any, what: str, fix: str, error_type: type[GraphsplitError] = CacheError
+) -> GraphsplitError:
+    """The error for ``what`` regrouping the rows of a cache whose stage 2 pairs them by
+    position (``paired``: its ``PairedRows``; see :mod:`graphsplit.caching.read.whole_batches`);
+    ``fix`` in words (no option: none of these fixes is one)."""
+    return user_error(
+        error_type,
+        f"{paired.describe()}: {what} regroups the cached rows into batches of its own, so "
+        "stage 2 would pair the wrong rows, silently.",
+        fix=Fix(fix),
+        source=paired.source or None,
+    )
 
 
 def _distributed(getter: str, default: int) -> int:

@@ -15,10 +15,11 @@ In and out::
 
     CachedDataset(path, split=None, *, dataset=None, expected_keys=None, verify=True)
         cached[i] -> CachedSample    cached.shapes(i) -> {name: shape}    cached.buckets()
+        cached.paired_rows -> PairedRows | None    cached.stage1_batches -> ((index, ...), ...)
         cached.loader(batch_size, *, shuffle=True, seed=0, drop_last=False, num_replicas=None,
                       rank=None, **loader_options) -> BucketLoader   # batches of one shape
     verify_inputs(cached, dataset) -> None         # raises StaleCacheError naming changed keys
-    refuse_other_split(manifest, current, path)    # StaleCacheError; other versions only warn
+    refuse_other_split(manifest, current, path, paired=None)   # caching.read.stale_split's
 
 Nothing here unpickles: each shard is opened once, its size, checksum and header checked by
 the one strict reader of the format (:mod:`graphsplit.caching.read.audit`), and read from its
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import bisect
 import os
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -42,15 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from graphsplit.caching.format.fingerprint import (
-    BINDING_PARTS,
-    UNKNOWN_WEIGHTS,
-    Fingerprint,
-    describe_differences,
-    fingerprint,
-    in_terms_of,
-    warn_about_versions,
-)
+from graphsplit.caching.format.fingerprint import fingerprint, in_terms_of
 from graphsplit.caching.format.input_digests import item_input_digest
 from graphsplit.caching.format.layout import ConstantsRecord, FileRecord, Manifest, tensor_name
 from graphsplit.caching.format.memory_order import inverse, row_order
@@ -66,6 +58,8 @@ from graphsplit.caching.read.collation import (
     padded_dims,
     sample_signatures,
 )
+from graphsplit.caching.read.stale_split import refuse_other_split
+from graphsplit.caching.read.whole_batches import paired_sampler, stage1_batches
 from graphsplit.caching.store.durability import restart_cause, restarted_since
 from graphsplit.caching.store.read_through import LocalCopies
 from graphsplit.caching.store.record_files import read_manifest
@@ -182,7 +176,8 @@ class CachedDataset(torch.utils.data.Dataset):
         if split is not None:
             cached = self.manifest.header.fingerprint
             current = in_terms_of(fingerprint(split, allow_meta=True), cached, split)
-            refuse_other_split(self.manifest, current, self.path)
+            paired = getattr(split, "paired_rows", None)
+            refuse_other_split(self.manifest, current, self.path, paired)
         if expected_keys is not None:
             self._refuse_other_keys(expected_keys)
         self.collation = Collation(
@@ -205,6 +200,16 @@ class CachedDataset(torch.utils.data.Dataset):
         """The per-dataset constants, in the dtypes stage 2 takes (in a cache of several plans:
         loader batch 0's plan's; ``collation.constants_of(key)`` gives a plan's own)."""
         return self.collation.constants
+
+    @property
+    def paired_rows(self) -> Any:
+        """Where stage 2 pairs its batch's rows (a ``PairedRows``), or None: rows regroup freely."""
+        return self.manifest.header.paired_rows
+
+    @cached_property
+    def stage1_batches(self) -> tuple[tuple[int, ...], ...] | None:
+        """Each stage-1 batch's sample indices, in a cache of paired rows (else None)."""
+        return stage1_batches(self.manifest)
 
     @property
     def max_abs_error(self) -> Mapping[str, float]:
@@ -285,21 +290,19 @@ class CachedDataset(torch.utils.data.Dataset):
         sharded across ``torch.distributed`` processes; see it for the rules), its collate
         function :func:`~graphsplit.collate`; ``loader_options`` go to ``DataLoader``
         (``num_workers``, ``pin_memory``...). The loader's ``set_epoch``, ``state_dict`` and
-        ``load_state_dict`` are its sampler's, counting the batches the loader delivered.
+        ``load_state_dict`` are its sampler's, counting the batches the loader delivered. A
+        cache whose stage 2 pairs rows by position (:attr:`paired_rows`) is read in its stage-1
+        batches, whole (:class:`~graphsplit.caching.read.whole_batches.WholeBatchSampler`):
+        ``batch_size`` must be their row count, anything else raises :class:`CacheError`.
 
         Example:
             >>> loader = cached.loader(batch_size=3, seed=0)  # doctest: +SKIP
             >>> [tuple(batch["latents"].shape) for batch in loader]  # doctest: +SKIP
         """
-        sampler = BucketBatchSampler(
-            self,
-            batch_size,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-            num_replicas=num_replicas,
-            rank=rank,
-        )
+        options = {"shuffle": shuffle, "seed": seed, "drop_last": drop_last}
+        options.update(num_replicas=num_replicas, rank=rank)
+        sampler = paired_sampler(self, batch_size, **options)
+        sampler = sampler or BucketBatchSampler(self, batch_size, **options)
         loader_options.setdefault("collate_fn", collate)
         return BucketLoader(self, batch_sampler=sampler, **loader_options)
 
@@ -406,26 +409,6 @@ class CachedDataset(torch.utils.data.Dataset):
                 + ".",
                 fix=Fix(REBUILD, Remedy.OVERWRITE),
             )
-
-
-def refuse_other_split(manifest: Manifest, current: Fingerprint, path: Path) -> None:
-    """Refuse a cache made from other weights, code or boundary; warn on other versions."""
-    cached = manifest.header.fingerprint
-    binding = describe_differences(cached, current, parts=BINDING_PARTS)
-    if binding:
-        raise user_error(
-            StaleCacheError,
-            f"the cache at {path} was not made by this split: {binding}.",
-            fix=Fix(REBUILD, Remedy.OVERWRITE),
-        )
-    if current.weights == UNKNOWN_WEIGHTS:
-        warnings.warn(
-            f"the frozen weights of this split are on the meta device, so the cache at {path} is "
-            "checked for code and boundary only; its weights were fingerprinted when it was "
-            "written (graphsplit.cache refuses stale weights then).",
-            stacklevel=3,
-        )
-    warn_about_versions(cached, current, path, stacklevel=3)
 
 
 def verify_inputs(cached: CachedDataset | str | os.PathLike[str], dataset: Any) -> None:

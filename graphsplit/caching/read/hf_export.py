@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from graphsplit.caching.format.records import to_json
+from graphsplit.caching.read.bucket_sampler import regrouping_error
 from graphsplit.caching.read.dataset import CachedDataset
 from graphsplit.caching.read.hf_destination import Destination
 from graphsplit.caching.read.hf_record import (
@@ -125,12 +126,24 @@ def to_hf_dataset(
     :class:`HFCachedDataset` (or :class:`HFCachedIterable` when streamed).
 
     Raises:
-        HFExportError: ``datasets`` is missing, a tensor's dtype has no Arrow type, or the
-            cache holds constants of several plans.
+        HFExportError: ``datasets`` is missing, a tensor's dtype has no Arrow type, the
+            cache holds constants of several plans, or its stage 2 pairs rows by position
+            (rows of an export are batched anew).
         CorruptCacheError, ManifestError, StaleCacheError: as ``CachedDataset`` raises them.
     """
     datasets = _datasets()
     cached = CachedDataset(path, split, verify=verify)
+    if cached.paired_rows is not None:  # a row per sample: whoever reads it batches anew
+        raise regrouping_error(
+            cached.paired_rows,
+            "an export to datasets (one row per sample, batched anew by whoever reads it)",
+            (
+                "train from the cache folder: graphsplit.CachedDataset(path, split).loader("
+                f"batch_size={max(map(len, cached.stage1_batches or [()]))}) reads its stage-1 "
+                "batches whole, which an export does not keep"
+            ),
+            HFExportError,
+        )
     if cached.collation.plan_constants:  # the export record holds one set of constants
         raise user_error(
             HFExportError,

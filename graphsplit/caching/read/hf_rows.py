@@ -30,7 +30,6 @@ import torch
 from graphsplit.caching.format.fingerprint import fingerprint, in_terms_of
 from graphsplit.caching.format.layout import CacheHeader
 from graphsplit.caching.read.collation import CachedSample, Collation, padded_dims
-from graphsplit.caching.read.dataset import refuse_other_split
 from graphsplit.caching.read.hf_record import (
     KEY_COLUMN,
     ORDERS_COLUMN,
@@ -38,6 +37,7 @@ from graphsplit.caching.read.hf_record import (
     export_record,
     valid_order,
 )
+from graphsplit.caching.read.stale_split import refuse_other_split
 from graphsplit.errors import CorruptCacheError, Fix, ManifestError, user_error
 
 if TYPE_CHECKING:
@@ -89,7 +89,8 @@ class _Rows:
                 )
         if split is not None:
             current = in_terms_of(fingerprint(split, allow_meta=True), header.fingerprint, split)
-            refuse_other_split(_HeaderOnly(header), current, Path("<the datasets dataset>"))
+            paired = getattr(split, "paired_rows", None)
+            refuse_other_split(_HeaderOnly(header), current, Path("<the datasets dataset>"), paired)
         self.specs = {spec.name: spec for spec in header.sample_specs}
         self.stored = {spec.name: header.stored_dtype(spec) for spec in header.sample_specs}
         self.collation = Collation(

@@ -150,7 +150,7 @@ def _complete_cache(
     if manifest is None:
         return None
     current = in_terms_of(current, manifest.header.fingerprint, split)
-    reasons = _header_differences(manifest.header, current, storage)
+    reasons = _header_differences(manifest.header, current, storage, _paired(split))
     if reasons and not overwrite:
         raise user_error(
             StaleCacheError,
@@ -227,7 +227,7 @@ def _resumable_header(
     if header is None:
         return None
     current = in_terms_of(current, header.fingerprint, split)
-    reasons = [_header_differences(header, current, storage)]
+    reasons = [_header_differences(header, current, storage, _paired(split))]
     if header.layout.shard_bytes != shard_bytes:
         reasons.append(f"it used shard_bytes={header.layout.shard_bytes}")
     if header.inputs != batch_input_names(split):
@@ -273,22 +273,37 @@ def _new_header(
         boundary=tuple(split.boundary.values()),
         storage_dtype=storage,
         layout=ShardLayout(batches_per_shard=1, batch_size=batch_size, shard_bytes=shard_bytes),
+        paired_rows=getattr(split, "paired_rows", None),
     )
     batch_bytes = max(1, (batch_size or 1) * _stored_bytes_per_sample(header))
     layout = ShardLayout(max(1, shard_bytes // batch_bytes), batch_size, shard_bytes)
-    return CacheHeader(
-        header.fingerprint, header.inputs, header.boundary, header.storage_dtype, layout
-    )
+    return dataclasses.replace(header, layout=layout)
 
 
-def _header_differences(header: CacheHeader, current: Fingerprint, storage: str | None) -> str:
+def _header_differences(
+    header: CacheHeader, current: Fingerprint, storage: str | None, paired: Any = None
+) -> str:
+    """What binds ``header``'s cache to another split than ``current``'s; ``paired``: the
+    split's ``paired_rows``. A cache written before the split was known to pair rows lacks
+    its stage-1 batches (stage 2 would read rows regrouped): it must be rebuilt. A paired cache
+    of a split that no longer pairs rows reads whole batches, which is right either way."""
     reasons = [describe_differences(header.fingerprint, current, parts=BINDING_PARTS)]
+    if paired is not None and header.paired_rows is None:
+        reasons.append(
+            f"{paired.describe()}, but the cache was written without recording its stage-1 "
+            "batches, so stage 2 could not read them whole"
+        )
     if header.storage_dtype != storage:
         reasons.append(
             f"it stores {header.storage_dtype or 'losslessly'}, this call asks for "
             f"{storage or 'lossless storage'}"
         )
     return "; ".join(reason for reason in reasons if reason)
+
+
+def _paired(split: Any) -> Any:
+    """The split's ``paired_rows`` (None: an ordinary split, or a split-like object without it)."""
+    return getattr(split, "paired_rows", None)
 
 
 def _finished_shards(folder: Path, header: CacheHeader) -> dict[int, ShardProgress]:

@@ -10,6 +10,10 @@ processes), and a shard left with no row is removed.
 In and out::
 
     drop_repeated_rows(folder, header, shards, *, durable) -> shards   # [(index, ShardProgress)]
+    part_of_paired_batch(folder, header, known, size) -> CacheError    # a live batch in part known
+
+In a cache whose stage 2 pairs rows by position (``header.paired_rows``) a stage-1 batch is
+kept or dropped whole: a batch repeated in part, or given in part again, is refused.
 """
 
 from __future__ import annotations
@@ -25,14 +29,15 @@ from graphsplit.caching.format.layout import (
     PARTIAL_DIR,
     CacheHeader,
     ShardProgress,
+    ShardRecord,
     shard_progress_name,
     tensor_name,
 )
 from graphsplit.caching.store import file_writes
 from graphsplit.caching.write.shards import _note_progress
-from graphsplit.errors import Fix, Remedy, StaleCacheError, user_error
+from graphsplit.errors import CacheError, Fix, Remedy, StaleCacheError, user_error
 
-__all__ = ["drop_repeated_rows"]
+__all__ = ["drop_repeated_rows", "part_of_paired_batch"]
 
 Shards = list[tuple[int, ShardProgress]]
 
@@ -61,14 +66,46 @@ def drop_repeated_rows(
                         Remedy.OVERWRITE,
                     ),
                 )
+        batch_rows = _whole_batches(folder, header, record, rows)
         if len(rows) == len(record.keys):
             kept.append((index, progress))
         elif not rows:
             file_writes.remove(folder / record.file)
             file_writes.remove(folder / PARTIAL_DIR / shard_progress_name(index))
         else:
-            kept.append((index, _rewritten(folder, header, progress, rows, durable=durable)))
+            rewritten = _rewritten(folder, header, progress, rows, batch_rows, durable=durable)
+            kept.append((index, rewritten))
     return kept
+
+
+def _whole_batches(
+    folder: Path, header: CacheHeader, record: ShardRecord, rows: Sequence[int]
+) -> tuple[int, ...] | None:
+    """The row counts of the stage-1 batches of ``record`` whose ``rows`` are kept, in a paired
+    cache (None in an ordinary one); a batch kept in part is refused: its rows pair by position."""
+    if record.batch_rows is None:
+        return None
+    kept, counts, start = set(rows), [], 0
+    for count in record.batch_rows:
+        left = sum(row in kept for row in range(start, start + count))
+        if left not in (0, count):
+            assert header.paired_rows is not None
+            raise user_error(
+                CacheError,
+                f"{count - left} of the {count} rows of a stage-1 batch in {record.file} of "
+                f"{folder} were also cached by another process, the others not; "
+                f"{header.paired_rows.describe()}, so the cache keeps each batch whole.",
+                fix=Fix(
+                    "give every process whole batches of its own (accelerate's "
+                    "even_batches=False, or a dataset whose length is a multiple of the "
+                    "processes' batch size), then pass {remedy} to write the cache afresh",
+                    Remedy.OVERWRITE,
+                ),
+            )
+        if left:
+            counts.append(count)
+        start += count
+    return tuple(counts)
 
 
 def _rewritten(
@@ -76,6 +113,7 @@ def _rewritten(
     header: CacheHeader,
     progress: ShardProgress,
     rows: Sequence[int],
+    batch_rows: tuple[int, ...] | None,
     *,
     durable: bool,
 ) -> ShardProgress:
@@ -103,8 +141,25 @@ def _rewritten(
         row_orders=tuple(record.row_orders[row] for row in rows),
         input_sha256=tuple(record.input_sha256[row] for row in rows),
         signatures=None if signatures is None else tuple(signatures[row] for row in rows),
+        batch_rows=batch_rows,
     )
     positions = tuple(progress.positions[row] for row in rows)
     rewritten = dataclasses.replace(progress, shard=shard, positions=positions)
     _note_progress(folder, rewritten)
     return rewritten
+
+
+def part_of_paired_batch(folder: Path, header: CacheHeader, known: int, size: int) -> CacheError:
+    """The error for a batch of a paired split holding keys the cache has and new ones."""
+    assert header.paired_rows is not None
+    return user_error(
+        CacheError,
+        f"{known} of the batch's {size} sample keys are already in the live cache at {folder}, "
+        f"the others are new; {header.paired_rows.describe()}, so the cache keeps each "
+        "stage-1 batch whole and cannot store part of one.",
+        fix=Fix(
+            "cache every batch of one pass over the data in one run (an interrupted pass "
+            "resumes with the same batches), or pass {remedy} to start the cache afresh",
+            Remedy.OVERWRITE,
+        ),
+    )

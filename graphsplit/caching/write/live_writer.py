@@ -83,7 +83,7 @@ from graphsplit.caching.write.folder_decision import (
     _remove_cache_files,
     remove_progress,
 )
-from graphsplit.caching.write.live_duplicates import drop_repeated_rows
+from graphsplit.caching.write.live_duplicates import drop_repeated_rows, part_of_paired_batch
 from graphsplit.caching.write.plan_constants import PlanConstants
 from graphsplit.caching.write.plan_rows import note_plan
 from graphsplit.caching.write.processes import Processes
@@ -211,6 +211,8 @@ class LiveWriter:
             )
         if self.complete is not None or not fresh:
             return
+        if len(fresh) < size and self.header.paired_rows is not None:
+            raise part_of_paired_batch(self.folder, self.header, size - len(fresh), size)
         for row in fresh:
             self.known[keys[row]] = (digesting, row)
         # The rows wait for their shard's save on another thread while stage 2 runs on the
@@ -383,7 +385,7 @@ def _decide(
     header = _header(split, current, storage, shard_bytes)
     if regular_files.exists(folder / MANIFEST_FILE):
         manifest = read_manifest(folder)
-        reasons = _header_differences(manifest.header, current, storage)
+        reasons = _header_differences(manifest.header, current, storage, header.paired_rows)
         if not reasons:
             return _Opening(manifest.header, {}, manifest)
         _refuse_or_remove(
@@ -391,7 +393,7 @@ def _decide(
         )
     started = read_resume_header(folder)
     if started is not None:
-        reasons = _header_differences(started, current, storage)
+        reasons = _header_differences(started, current, storage, header.paired_rows)
         if started.layout.shard_bytes != shard_bytes:
             reasons = "; ".join(
                 filter(None, [reasons, f"it used shard_bytes={started.layout.shard_bytes}"])
@@ -437,6 +439,7 @@ def _header(split: Any, current: Any, storage: str | None, shard_bytes: int) -> 
         boundary=tuple(split.boundary.values()),
         storage_dtype=storage,
         layout=ShardLayout(batches_per_shard=1, batch_size=None, shard_bytes=shard_bytes),
+        paired_rows=getattr(split, "paired_rows", None),
     )
 
 

@@ -87,6 +87,8 @@ class PendingShard:
     # Each row's plan (signature key) and the plans used, in a split of several plans.
     signatures: list[str] = field(default_factory=list)
     plans: dict[str, Any] = field(default_factory=dict)  # key -> PlanRecord
+    # Each stage-1 batch's row count, in a cache whose stage 2 pairs rows (else None).
+    batch_rows: list[int] | None = None
 
 
 def write_shards(
@@ -248,6 +250,7 @@ class ShardWriter:
                 row_orders=tuple(shard.orders),
                 input_sha256=tuple(shard.digests),
                 signatures=tuple(shard.signatures) if shard.plans else None,
+                batch_rows=None if shard.batch_rows is None else tuple(shard.batch_rows),
             ),
             positions=tuple(shard.positions),
             max_abs_error=shard.max_abs_error,
@@ -411,6 +414,8 @@ def _add_rows(
             pending.rows[tensor_name(first + offset, name)] = row
         pending.nbytes += values.numel() * values.element_size()
     pending.keys.extend(keys)
+    if header.paired_rows is not None and keys:  # stage 2 reads this batch back whole
+        pending.batch_rows = [*(pending.batch_rows or []), len(keys)]
     pending.shapes.extend([shapes] * len(keys))
     pending.orders.extend([orders] * len(keys))
     pending.positions.extend(int(position) for position in positions)
