@@ -26,7 +26,8 @@ Checked:
 - that split caches the reference pass as a whole (xfail: only its frozen leaves are cached,
   stage 2 re-runs the base's reference forward);
 - the cache read back shuffled keeps each pair's chosen and rejected rows together, in TRL's
-  ``[chosen; rejected]`` order (xfail: rows are shuffled one by one).
+  ``[chosen; rejected]`` order: graphsplit.row_pairing finds the pairing at split time and the
+  cache is read in its stage-1 batches, whole.
 
 Policy: ``Qwen2ForCausalLM``, 1 layer, hidden 16, vocab 64, random weights; a word-level
 tokenizer built locally (``tests/integrations/dpo.py``); ``LoraConfig(r=4, lora_alpha=8,
@@ -39,7 +40,7 @@ import pytest
 import torch
 
 import graphsplit
-from graphsplit.errors import SplitError
+from graphsplit.errors import CacheError, SplitError
 from tests.conformance.unseen2_data_checks import assert_cache_round_trip
 from tests.helpers import assert_stage1_holds_no_trainable
 
@@ -254,23 +255,6 @@ def test_the_split_finds_the_chosen_rejected_pairing_and_its_runs_log_nothing(tm
     assert logged and not any(value != value for value in logged)  # NaN != NaN
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "The module-level plan (graphsplit/calls) takes dim 0 of every input as the sample "
-        "dim and caches one row per sequence; TRL's DataCollatorForPreference stacks a batch "
-        "as [chosen rows; rejected rows] and _compute_loss pairs row i with row i+B "
-        "(logps.chunk(2, dim=0)). The per-sample checks (graphsplit/calls/row_folds, "
-        "batch_invariance.rows_alike) only compare frozen calls' rows alone with their rows "
-        "in the batch, which holds here, so nothing sees the coupling on the trainable side; "
-        "CachedDataset.loader's BucketBatchSampler then shuffles rows one by one and stage 2 "
-        "silently computes DPO on mismatched chosen/rejected rows. Fix: at plan time, run the "
-        "step on the example batch with its rows permuted (a permutation that keeps no "
-        "halves) and compare the loss: where it changes, refuse row-wise regrouping (or key "
-        "the cache by the raw batch / by pair, as cache_reference_log_probs does with a "
-        "leading dim of 1)"
-    ),
-)
 def test_the_cache_read_back_shuffled_keeps_each_pair_together(tmp_path):
     trainer = make_trainer(str(tmp_path / "out"))
     _, split = _split(trainer)
@@ -283,3 +267,30 @@ def test_the_cache_read_back_shuffled_keeps_each_pair_together(tmp_path):
         # key k of raw batch b: chosen rows b*8 + 0..3, their rejected rows b*8 + 4..7
         assert all(c % rows < PER_BATCH for c in chosen), keys
         assert [c + PER_BATCH for c in chosen] == rejected, keys
+
+
+def test_stage2_on_the_shuffled_cache_is_the_trainers_loss_on_its_own_batches(tmp_path):
+    """Read back in whole stage-1 batches (graphsplit.row_pairing found the pairing, the cache
+    recorded it), stage 2 computes TRL's loss on each raw batch bit for bit; a batch size that
+    would regroup rows is refused naming TRL's line."""
+    trainer = make_trainer(str(tmp_path / "out"))
+    loss, split = _split(trainer)
+    raw = _batches(trainer)
+    graphsplit.cache(split, raw, tmp_path / "cache", progress=False)
+    data = graphsplit.CachedDataset(tmp_path / "cache", split)
+    assert data.paired_rows == split.paired_rows
+    rows = 2 * PER_BATCH
+    seen = 0
+    for indices in data.loader(batch_size=rows, seed=1).batch_sampler:
+        items = [data[index] for index in indices]
+        number = int(items[0]["key"]) // rows
+        with torch.no_grad():
+            expected = loss(raw[number])
+            got = split.stage2(**graphsplit.collate(items))
+        assert torch.equal(got, expected), number
+        seen += 1
+    assert seen == len(raw)
+    with pytest.raises(CacheError) as refused:
+        data.loader(batch_size=PER_BATCH)
+    message = str(refused.value)
+    assert "dpo_trainer.py" in message and f"loader(batch_size={rows})" in message
