@@ -156,9 +156,23 @@ def find_paired_rows(
         t.device.type == "meta" for t in (*module.parameters(), *module.buffers())
     ):
         return None  # planned on meta (a model too large to load): nothing runs for real
+    with _attributes_kept(module, stage1, stage2), _runs_kept(step, module):
+        return _paired_rows(stage1, stage2, boundary, args, kwargs, module)
+
+
+def _paired_rows(
+    stage1: Callable[..., Any],
+    stage2: Callable[..., Any],
+    boundary: Mapping[str, BoundarySpec],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    module: nn.Module | None,
+) -> PairedRows | None:
     try:
+        # On copies: a step may write its batch in place (Whisper's SpecAugment masks spans).
+        args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, dict(kwargs)))
         with seeded(0), torch.no_grad():
-            values = stage1(*args, **dict(kwargs))
+            values = stage1(*args, **kwargs)
     except Exception:  # the split's own checks (verify, caching) report a stage that fails
         return None
     if not isinstance(values, Mapping):
@@ -168,29 +182,46 @@ def find_paired_rows(
     sizes = {values[name].shape[dim] for name, dim in every_row_at.items()}
     if len(sizes) != 1 or (rows := sizes.pop()) < MIN_ROWS or not rows_at:
         return None
-    with _runs_kept(step, module):
-        run = _Runner(stage2, module)
-        meets = _meetings(run, values, rows_at, rows, list(range(rows)))
-        if meets is None:
-            return None
-        order = _swap_out_of_a_group(meets, rows)  # position p holds the example's order[p]
-        reordered = {
-            name: value.index_select(every_row_at[name], torch.tensor(order, device=value.device))
-            if name in every_row_at
-            else value
-            for name, value in values.items()
-        }
-        moved = _meetings(run, reordered, rows_at, rows, order)
-        first = _first_difference(meets, moved)
-        if first is None:
-            return None  # the same rows meet in any order: a function of the batch as a set
-        index, groups = first
-        return PairedRows(
-            op=meets[index][0],
-            source=run.source_of(values, index),
-            groups=tuple(sorted(tuple(sorted(group)) for group in groups)),
-            rows=rows,
-        )
+    run = _Runner(stage2, module)
+    meets = _meetings(run, values, rows_at, rows, list(range(rows)))
+    if meets is None:
+        return None
+    order = _swap_out_of_a_group(meets, rows)  # position p holds the example's order[p]
+    reordered = {
+        name: value.index_select(every_row_at[name], torch.tensor(order, device=value.device))
+        if name in every_row_at
+        else value
+        for name, value in values.items()
+    }
+    moved = _meetings(run, reordered, rows_at, rows, order)
+    first = _first_difference(meets, moved)
+    if first is None:
+        return None  # the same rows meet in any order: a function of the batch as a set
+    index, groups = first
+    return PairedRows(
+        op=meets[index][0],
+        source=run.source_of(values, index),
+        groups=tuple(sorted(tuple(sorted(group)) for group in groups)),
+        rows=rows,
+    )
+
+
+@contextlib.contextmanager
+def _attributes_kept(*owners: Any) -> Iterator[None]:
+    """Every module's attributes as they were: the runs may set them (a rotary table cached
+    as a tensor attribute, a counter), and a split must leave the step as it found it."""
+    modules = {
+        id(m): m for owner in owners if isinstance(owner, nn.Module) for m in owner.modules()
+    }
+    saved = [(m, dict(vars(m))) for m in modules.values()]
+    try:
+        yield
+    finally:
+        for m, attributes in saved:
+            current = vars(m)
+            for name in [name for name in current if name not in attributes]:
+                del current[name]
+            current.update(attributes)
 
 
 @contextlib.contextmanager

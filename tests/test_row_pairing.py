@@ -272,3 +272,23 @@ def test_row_wise_programs_with_draws_and_in_place_ops_are_never_paired(ops, red
     step = RowWiseProgram(ops, reduce)
     split = graphsplit.split(step, (x,), path=path)
     assert split.paired_rows is None, split.paired_rows
+
+
+class Remembers(Scored):
+    """A step that keeps what it saw as attributes (a rotary table's length, a last batch)."""
+
+    def forward(self, x):
+        features = torch.tanh(self.encoder(x))
+        self.last_features = features
+        self.saw_nan = bool(torch.isnan(features).any())
+        chosen, rejected = self.head(features).squeeze(-1).chunk(2)
+        return -F.logsigmoid(chosen - rejected).mean()
+
+
+def test_the_runs_leave_the_steps_attributes_and_batch_as_they_found_them():
+    step = Remembers()
+    x = X.clone()
+    split = graphsplit.split(step, (x,), path="calls")  # the trace refuses bool() on a value
+    assert split.paired_rows is not None
+    assert torch.equal(x, X)
+    assert step.saw_nan is False and torch.isfinite(step.last_features).all()
