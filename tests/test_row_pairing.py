@@ -285,10 +285,22 @@ class Remembers(Scored):
         return -F.logsigmoid(chosen - rejected).mean()
 
 
-def test_the_runs_leave_the_steps_attributes_and_batch_as_they_found_them():
+def test_the_runs_leave_the_steps_attributes_and_batch_as_they_found_them(monkeypatch):
     step = Remembers()
     x = X.clone()
+    found = graphsplit.api.find_paired_rows
+    around: list[dict] = []
+
+    def watched(*args, **kwargs):
+        around.append(dict(vars(step)))
+        paired = found(*args, **kwargs)
+        around.append(dict(vars(step)))
+        return paired
+
+    monkeypatch.setattr(graphsplit.api, "find_paired_rows", watched)
     split = graphsplit.split(step, (x,), path="calls")  # the trace refuses bool() on a value
     assert split.paired_rows is not None
     assert torch.equal(x, X)
-    assert step.saw_nan is False and torch.isfinite(step.last_features).all()
+    before, after = around
+    assert before.keys() == after.keys()
+    assert all(after[name] is value for name, value in before.items())
