@@ -34,6 +34,7 @@ bench_dispatch = "benchmarks.bench_dispatch"
 bench_field_bytes = "benchmarks.bench_field_bytes"
 bench_stage1_state = "benchmarks.bench_stage1_state"
 bench_lm_lengths = "benchmarks.bench_lm_lengths"
+bench_row_pairing = "benchmarks.bench_row_pairing"
 
 
 def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
@@ -62,6 +63,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
             ("module-level cached fields", bench_field_bytes, [*target]),
             ("stage 1, state put back", bench_stage1_state, ["--rounds", "15", *target]),
             ("LoRA LM over many lengths", bench_lm_lengths, ["--rounds", "3", *target]),
+            ("rows paired by position", bench_row_pairing, ["--rounds", "9", *target]),
         ]  # fmt: skip
     return [
         ("step time", bench_step_time, ["--quick", *target]),
@@ -83,6 +85,7 @@ def plan(full: bool, out: Path) -> list[tuple[str, str, list[str]]]:
         ("module-level cached fields", bench_field_bytes, ["--quick", *target]),
         ("stage 1, state put back", bench_stage1_state, ["--quick", *target]),
         ("LoRA LM over many lengths", bench_lm_lengths, ["--quick", *target]),
+        ("rows paired by position", bench_row_pairing, ["--quick", *target]),
     ]
 
 

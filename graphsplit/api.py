@@ -10,6 +10,7 @@ Each hands the next a typed artifact from :mod:`graphsplit.artifacts`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -22,7 +23,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from graphsplit.artifacts import BoundarySpec, Cut, PairedRows
+from graphsplit.artifacts import BoundarySpec, Cut, PairedRows, PairedRowsOnDemand
 from graphsplit.calls import CallSplit, generators, split_calls
 from graphsplit.calls.unfrozen import NOTHING_FROZEN_FIX
 from graphsplit.errors import Fix, SplitError, TraceError, user_error
@@ -49,7 +50,7 @@ from graphsplit.signatures.signature import Signature, example_record, signature
 
 
 @dataclass
-class Split:
+class Split(PairedRowsOnDemand):
     """The two stages of a training step, and the plan that produced them.
 
     ``split.stage2(**split.stage1(*args, **kwargs))`` returns what ``model(*args, **kwargs)``
@@ -71,8 +72,12 @@ class Split:
     path: str = "trace"
     # The plans by signature, and the dispatch between them (graphsplit.signatures.dispatch).
     plan_set: PlanSet | None = field(default=None, repr=False)
-    # Where stage 2 pairs rows of its batch by position: the cache is read in whole batches.
-    paired_rows: PairedRows | None = None
+    # Where stage 2 pairs rows of its batch by position (the ``paired_rows`` property, found
+    # on first read): a cache of it is read in whole batches.
+    _paired_rows: PairedRows | None = field(default=None, repr=False)
+    _find_paired_rows: Callable[[], PairedRows | None] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def plans(self) -> list[Plan]:
@@ -201,10 +206,18 @@ def split(
         )
     refuse_ragged_lists(model, args, kwargs)  # neither path lines a per-sample list up
     made = _split_on(model, args, kwargs, frozen, recompute, max_plans, path)
-    # A cache's loader regroups rows: a step that pairs them by position must keep its batches.
+    # A cache's loader regroups rows: a step that pairs them by position must keep its
+    # batches. Found when first asked (by cache(), report()), on this example.
     step = as_step_module(model, args, dict(kwargs or {}))
-    made.paired_rows = find_paired_rows(
-        made.stage1, made.stage2, made.boundary, step.args, step.kwargs, step.module, model
+    made._find_paired_rows = functools.partial(
+        find_paired_rows,
+        made.stage1,
+        made.stage2,
+        made.boundary,
+        step.args,
+        step.kwargs,
+        step.module,
+        model,
     )
     return made
 

@@ -357,3 +357,28 @@ class PairedRows:
             "groups": [list(group) for group in self.groups],
             "rows": self.rows,
         }
+
+
+class PairedRowsOnDemand:
+    """``paired_rows`` found on first read, not by ``split()``: finding it runs stage 2 on the
+    example once per row (:mod:`graphsplit.row_pairing`), which only a cache, ``report()`` or
+    ``to_json()`` needs. The class mixing it in holds ``_paired_rows`` and
+    ``_find_paired_rows`` (the call that finds it, dropped once made); setting
+    ``paired_rows`` replaces both."""
+
+    _paired_rows: PairedRows | None
+    _find_paired_rows: Callable[[], PairedRows | None] | None
+
+    @property
+    def paired_rows(self) -> PairedRows | None:
+        """Where stage 2 pairs rows of its batch by position; None where it does not, or
+        where that cannot be told (:mod:`graphsplit.row_pairing`)."""
+        if self._find_paired_rows is not None:
+            find, self._find_paired_rows = self._find_paired_rows, None
+            self._paired_rows = find()
+        return self._paired_rows
+
+    @paired_rows.setter
+    def paired_rows(self, value: PairedRows | None) -> None:
+        self._find_paired_rows = None
+        self._paired_rows = value

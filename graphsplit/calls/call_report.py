@@ -10,20 +10,21 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from graphsplit.artifacts import BoundarySpec, PairedRows
+from graphsplit.artifacts import BoundarySpec, PairedRows, PairedRowsOnDemand
 from graphsplit.calls.call_plan import CallPlan
 from graphsplit.calls.verdicts import every_call_cached
 from graphsplit.units import human_bytes
 
 
 @dataclass
-class CallSplit:
+class CallSplit(PairedRowsOnDemand):
     """A training step split at frozen module calls (the module-level path).
 
     ``split.stage2(**split.stage1(*args, **kwargs))`` returns what ``model(*args, **kwargs)``
@@ -45,8 +46,12 @@ class CallSplit:
     path: str = "calls"
     _model: nn.Module | None = field(default=None, repr=False)
     plan_set: None = field(default=None, repr=False)
-    # Where stage 2 pairs rows of its batch by position: the cache is read in whole batches.
-    paired_rows: PairedRows | None = None
+    # Where stage 2 pairs rows of its batch by position (the ``paired_rows`` property, found
+    # on first read): a cache of it is read in whole batches.
+    _paired_rows: PairedRows | None = field(default=None, repr=False)
+    _find_paired_rows: Callable[[], PairedRows | None] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def plans(self) -> list[Any]:

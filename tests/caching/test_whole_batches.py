@@ -3,7 +3,8 @@ recorded (``paired_rows`` in the header, ``batch_rows`` per shard) and read back
 
 The step is a tiny preference loss that really pairs rows by position (a frozen encoder, a
 trainable head, ``score.chunk(2)`` then ``chosen - rejected``), so a regrouped batch would give
-another loss; ``split.paired_rows`` is set by hand (the detector is not this module's).
+another loss; ``split.paired_rows`` is set by hand, but for the last test, where the detector
+(:mod:`graphsplit.row_pairing`) finds it.
 """
 
 from __future__ import annotations
@@ -62,10 +63,15 @@ def _loader(data, batch_size: int = BATCH):
 
 
 def _split(step, data, *, paired: bool = True):
+    """A split of the step with ``paired_rows`` set by hand: as found, under a fixed
+    ``source``; or None, as for a step that pairs no rows (the detector would find this
+    step's pairing: tests/test_row_pairing.py checks it, the last test here uses it)."""
     split = graphsplit.split(step, (next(iter(_loader(data)))["features"],))
     if paired:
         groups = ((0, 2), (1, 3))
         split.paired_rows = PairedRows(op="sub.Tensor", source=SOURCE, groups=groups, rows=4)
+    else:
+        split.paired_rows = None
     return split
 
 
@@ -451,3 +457,17 @@ def test_an_export_read_back_with_a_split_that_pairs_rows_is_refused(tmp_path, s
     with pytest.raises(StaleCacheError, match="without recording its stage-1 batches"):
         HFCachedDataset(exported, _split(step, data))
     assert len(HFCachedDataset(exported, _split(step, data, paired=False))) == SAMPLES
+
+
+def test_the_pairing_the_detector_finds_is_recorded_and_read_whole(tmp_path, step):
+    data = _data()
+    split = graphsplit.split(step, (next(iter(_loader(data)))["features"],))
+    assert split.paired_rows is not None and split.paired_rows.groups == ((0, 2), (1, 3))
+    cache(split, _loader(data), tmp_path, progress=False)
+    cached = CachedDataset(tmp_path, split)
+    assert cached.paired_rows == split.paired_rows
+    assert sorted(map(tuple, cached.loader(batch_size=BATCH).batch_sampler)) == [
+        (0, 1, 2, 3),
+        (4, 5, 6, 7),
+        (8, 9),
+    ]
