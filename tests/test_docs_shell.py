@@ -116,6 +116,9 @@ NOT_RUN: dict[str, str] = {
     "python -m benchmarks.bench_plan_scale --cases sdxl --rounds 5 --baseline 72d9ca5 --out "
     "benchmarks/results": _measurement("3 minutes (SDXL size, with a baseline worktree)"),
     "python -m benchmarks.flow_profile --nodes 10000 --repeat 3": _measurement("20 s"),
+    "python -m benchmarks.bench_row_pairing --rounds 9 --out benchmarks/results": _measurement(
+        "40 s"
+    ),
     "python -m benchmarks.fork_profile --cases sd kd --rounds 30": _measurement("1 min"),
     "python -m benchmarks.bench_split_scale --sizes 10000 --rounds 3 --repeated 4 --baseline "
     "../wt-gcchain-base --out benchmarks/results": _measurement(
