@@ -346,24 +346,28 @@ class _Runner:
         )
 
     def __call__(self, values: Mapping[str, Any], stop: int | None = None) -> Marks | None:
-        watch = _RowMarks(stop)
-        try:
-            with self._buffers_kept(), seeded(0), torch.enable_grad(), watch:
-                self.stage2(**_copied(values))
-        except Exception:  # a step that refuses NaN (an index from a float): not seen
-            return None
-        self.last = watch
-        return watch.marks
+        watch = self._run(values, _RowMarks(stop))
+        return None if watch is None else watch.marks
 
     def source_of(self, values: Mapping[str, Any], index: int) -> str:
         """The user's line of the op output at ``index``, from one more run as is."""
-        watch = _RowMarks(index)
+        watch = self._run(values, _RowMarks(index))
+        return "" if watch is None else watch.source
+
+    def _run(self, values: Mapping[str, Any], watch: _RowMarks) -> _RowMarks | None:
         try:
-            with self._buffers_kept(), seeded(0), torch.enable_grad(), watch:
+            with (
+                self._buffers_kept(),
+                seeded(0),
+                torch.enable_grad(),
+                # A compiled module runs its Python (dynamo would trace the recording mode).
+                torch.compiler.set_stance("force_eager"),
+                watch,
+            ):
                 self.stage2(**_copied(values))
-        except Exception:
-            return ""
-        return watch.source
+        except Exception:  # a step that refuses NaN (an index from a float): not seen
+            return None
+        return watch
 
     @contextlib.contextmanager
     def _buffers_kept(self) -> Iterator[None]:

@@ -304,3 +304,21 @@ def test_the_runs_leave_the_steps_attributes_and_batch_as_they_found_them(monkey
     before, after = around
     assert before.keys() == after.keys()
     assert all(after[name] is value for name, value in before.items())
+
+
+class CompiledHead(Scored):
+    """The trainable head compiled (backend "eager": no compiler needed): the runs use its
+    Python, as the module-level path's probes do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.compile(self.head, backend="eager")
+
+    def forward(self, x):
+        chosen, rejected = self.score(x).chunk(2)
+        return -F.logsigmoid(chosen - rejected).mean()
+
+
+def test_a_compiled_module_in_stage2_is_watched_in_its_python():
+    paired = graphsplit.split(CompiledHead(), (X,), path="calls").paired_rows
+    assert paired is not None and paired.groups == ((0, 4), (1, 5), (2, 6), (3, 7))
