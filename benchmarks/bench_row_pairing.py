@@ -2,11 +2,12 @@
 
 ``split.paired_rows`` is found on first read (``cache()``, ``report()``, ``to_json()``), not by
 ``split()``: :func:`graphsplit.row_pairing.find_paired_rows` runs stage 1 once and stage 2
-``rows + 2`` times on the example (``2 * rows + 5`` where rows meet), under a dispatch mode that
-records which parts of each op's output hold a NaN. Each round times ``graphsplit.split(step,
-example)`` alone and followed by reading ``paired_rows``, in alternating order; the figure is
-the median of the same-round ratios "split and paired_rows / split", with its IQR, on the wall
-clock and the CPU clock. A ``split()`` that is never cached nor reported pays nothing.
+``rows + 2`` times on the example (``rows + 2`` more per swap where rows meet, two at most),
+under a dispatch mode that records which parts of each op's output hold a NaN. Each round times
+``graphsplit.split(step, example)`` alone and followed by reading ``paired_rows``, in
+alternating order; the figure is the median of the same-round ratios "split and paired_rows /
+split", with its IQR, on the wall clock and the CPU clock. A ``split()`` that is never cached
+nor reported pays nothing.
 
 Cases: ``sd`` (the zoo's tiny SD-1.5 LoRA step at 4 images: rows never meet), ``kd`` (the Llama
 knowledge-distillation step at 4 rows: rows never meet), ``dpo`` (TRL's LoRA DPO

@@ -374,8 +374,9 @@ class PairedRowsOnDemand:
         """Where stage 2 pairs rows of its batch by position; None where it does not, or
         where that cannot be told (:mod:`graphsplit.row_pairing`)."""
         if self._find_paired_rows is not None:
-            find, self._find_paired_rows = self._find_paired_rows, None
-            self._paired_rows = find()
+            # Dropped only once made: an interrupted first read (Ctrl-C) leaves it to find.
+            self._paired_rows = self._find_paired_rows()
+            self._find_paired_rows = None
         return self._paired_rows
 
     @paired_rows.setter

@@ -15,21 +15,26 @@ Glossary:
         is a reduction over the batch (a mean loss, in-batch negatives, BatchNorm): regrouping
         changes which rows share a batch, as any shuffled loader does, and nothing else.
     by position: the rows that meet depend on where they stand, not on what they hold. With
-        two rows swapped (one of a group that meets, one outside it) other rows meet. Rows
-        grouped by their values (a mean per label; a loss over the rows that have labels) meet
-        alike in any order: a function of the batch as a set, which regrouping keeps.
+        two rows swapped (one of a group that meets and one outside it; else one of the same
+        group) other rows meet. Rows grouped by their values (a mean per label; a loss over the
+        rows that have labels) meet alike in any order: a function of the batch as a set, which
+        regrouping keeps.
 
 Why NaN and not gradients: at a LoRA step's start (``B = 0``) a DPO loss is ``log 2`` and its
 gradients are the same for any pairing of the rows, so no check by values can see the pairing;
 NaN follows what each op reads, whatever the values.
 
-What it cannot see: rows that meet only through integer tensors (ids, labels), which have no
-NaN; an example of fewer than three rows (two rows meet as the whole batch); a batch-wide mix
-before the pairing (BatchNorm in train mode on the trainable side); ops whose choice NaN steers
-(a run that raises under NaN, or takes other ops, is left out); a step whose weights are on
-``meta``. It runs stage 1 once and stage 2 ``rows + 2`` times on the example (``2 * rows + 5``
-when rows meet), with autograd on as training runs it, every buffer of the step put back after
-each run and every generator forked.
+What it cannot see (a pairing it misses is a silent wrong result, so each is in the docs):
+rows that meet only through integer tensors (ids, labels), which have no NaN; an example of
+fewer than three rows (two rows meet as the whole batch); a batch-wide mix before the pairing
+(BatchNorm in train mode in stage 2, frozen or not); a step that guards against NaN
+(``nan_to_num``, a branch that skips a NaN loss: its runs take other ops and are left out);
+a model changed after ``split()`` so that the example no longer runs (``paired_rows`` is found
+on first read). A pairing drawn at random inside the step (``x[torch.randperm(B)]``, mixup's
+``x.flip(0)``) is reported: the runs share one seed, so it looks positional. It runs stage 1
+once and stage 2 ``rows + 2`` times on the example, ``rows + 2`` more per swap where rows meet
+(two swaps at most), on the first :data:`MAX_ROWS` rows, with autograd on as training runs it,
+every buffer and attribute of the step put back and every generator forked.
 
 In and out::
 
@@ -38,7 +43,9 @@ In and out::
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import copy
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -53,10 +60,15 @@ from graphsplit.artifacts import BoundarySpec, PairedRows
 from graphsplit.calls.generators import seeded
 from graphsplit.planning.rules.user_lines import describe, frame_location_of, is_internal
 
-__all__ = ["ELEMENTS_APART", "MIN_ROWS", "RUNS_KEPT", "find_paired_rows"]
+__all__ = ["ELEMENTS_APART", "MAX_ROWS", "MIN_ROWS", "RUNS_KEPT", "find_paired_rows"]
 
 # Two rows meet as the whole batch: no pairing can be told from a reduction below three.
 MIN_ROWS = 3
+
+# At most this many rows of the example are watched (the first ones): the runs grow with the
+# rows, and a step's code pairs rows the same way in a smaller batch (chunk(2) of 12 rows pairs
+# row i with i + 6). Divisible by 2, 3, 4 and 6: halves, thirds and groups of 4 stay whole.
+MAX_ROWS = 12
 
 # A step module's method whose context manager puts back what the runs change outside the
 # module (a trainer's logged metrics: graphsplit.integrations.trainer_loss.TrainerLoss).
@@ -168,10 +180,11 @@ def _paired_rows(
     kwargs: Mapping[str, Any],
     module: nn.Module | None,
 ) -> PairedRows | None:
+    run = _Runner(stage2, module, stage1)
     try:
         # On copies: a step may write its batch in place (Whisper's SpecAugment masks spans).
         args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, dict(kwargs)))
-        with seeded(0), torch.no_grad():
+        with run.buffers_kept(), seeded(0), torch.no_grad():
             values = stage1(*args, **kwargs)
     except Exception:  # the split's own checks (verify, caching) report a stage that fails
         return None
@@ -182,38 +195,50 @@ def _paired_rows(
     sizes = {values[name].shape[dim] for name, dim in every_row_at.items()}
     if len(sizes) != 1 or (rows := sizes.pop()) < MIN_ROWS or not rows_at:
         return None
-    run = _Runner(stage2, module)
+    if rows > MAX_ROWS:  # the step's code pairs rows, not its data: fewer rows show it alike
+        values = {
+            name: value.narrow(every_row_at[name], 0, MAX_ROWS) if name in every_row_at else value
+            for name, value in values.items()
+        }
+        rows = MAX_ROWS
     meets = _meetings(run, values, rows_at, rows, list(range(rows)))
     if meets is None:
         return None
-    order = _swap_out_of_a_group(meets, rows)  # position p holds the example's order[p]
-    reordered = {
-        name: value.index_select(every_row_at[name], torch.tensor(order, device=value.device))
-        if name in every_row_at
-        else value
-        for name, value in values.items()
-    }
-    moved = _meetings(run, reordered, rows_at, rows, order)
-    first = _first_difference(meets, moved)
-    if first is None:
-        return None  # the same rows meet in any order: a function of the batch as a set
-    index, groups = first
-    return PairedRows(
-        op=meets[index][0],
-        source=run.source_of(values, index),
-        groups=tuple(sorted(tuple(sorted(group)) for group in groups)),
-        rows=rows,
-    )
+    for order in _swaps(meets, rows):  # position p holds the example's row order[p]
+        reordered = {
+            name: value.index_select(every_row_at[name], torch.tensor(order, device=value.device))
+            if name in every_row_at
+            else value
+            for name, value in values.items()
+        }
+        first = _first_difference(meets, _meetings(run, reordered, rows_at, rows, order))
+        if first is not None:
+            index, groups = first
+            return PairedRows(
+                op=meets[index][0],
+                source=run.source_of(values, index),
+                groups=tuple(sorted(tuple(sorted(group)) for group in groups)),
+                rows=rows,
+            )
+    return None  # the same rows meet in any order: a function of the batch as a set
 
 
 @contextlib.contextmanager
 def _attributes_kept(*owners: Any) -> Iterator[None]:
     """Every module's attributes as they were: the runs may set them (a rotary table cached
-    as a tensor attribute, a counter), and a split must leave the step as it found it."""
+    as a tensor attribute, a counter) or add to them (a list of past losses, which would hold
+    the runs' NaN), and a split must leave the step as it found it. Lists, dicts and sets are
+    refilled in place and plain tensor attributes copied back, the objects kept."""
     modules = {
         id(m): m for owner in owners if isinstance(owner, nn.Module) for m in owner.modules()
     }
     saved = [(m, dict(vars(m))) for m in modules.values()]
+    contents = [
+        (value, _contents(value))
+        for _, attributes in saved
+        for name, value in attributes.items()
+        if name not in _MODULE_TABLES and _contents(value) is not None
+    ]
     try:
         yield
     finally:
@@ -222,6 +247,35 @@ def _attributes_kept(*owners: Any) -> Iterator[None]:
             for name in [name for name in current if name not in attributes]:
                 del current[name]
             current.update(attributes)
+        for value, content in contents:
+            _refill(value, content)
+
+
+# The module's own tables of parameters, buffers and submodules: put back by their buffers'
+# copies (_Runner) and by identity, never refilled.
+_MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
+
+
+def _contents(value: Any) -> Any:
+    """A copy of what a list, dict, set or plain tensor holds; None for anything else."""
+    if type(value) in (list, dict, set) or isinstance(value, collections.OrderedDict):
+        return copy.copy(value)
+    if type(value) is torch.Tensor and not value.is_inference() and value.device.type != "meta":
+        return value.detach().clone()
+    return None
+
+
+def _refill(value: Any, content: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        with torch.no_grad():
+            if value.shape == content.shape and value.dtype == content.dtype:
+                value.copy_(content)
+        return
+    value.clear()
+    if isinstance(value, list):
+        value.extend(content)
+    else:
+        value.update(content)
 
 
 @contextlib.contextmanager
@@ -298,16 +352,17 @@ def _meetings(
     return meetings if found else None
 
 
-def _swap_out_of_a_group(meets: Meetings, rows: int) -> list[int]:
-    """The rows in their order but for two swapped: the first row of the first group that
-    meets, and the first row outside it. Rows grouped by position then form another group
-    there (the group loses one member for another), rows grouped by what they hold the same."""
+def _swaps(meets: Meetings, rows: int) -> Iterator[list[int]]:
+    """The rows in their order but for two swapped, twice: the first row of the first group
+    that meets with the first row outside the group (the group loses a member for another),
+    then with another row of the group (the other groups it meets in change: every chosen row
+    against every rejected one). Rows grouped by what they hold meet alike under both."""
     group = next(min(groups, key=min) for _, groups in meets if groups)
     inside = min(group)
-    outside = min(set(range(rows)) - group)
-    order = list(range(rows))
-    order[inside], order[outside] = outside, inside
-    return order
+    for other in (min(set(range(rows)) - group), max(group)):
+        order = list(range(rows))
+        order[inside], order[other] = other, inside
+        yield order
 
 
 def _first_difference(
@@ -338,9 +393,11 @@ class _Runner:
     """Runs stage 2 on boundary values under :class:`_RowMarks`, from one seed of every
     generator, with the inputs copied and every buffer it writes put back after."""
 
-    def __init__(self, stage2: Callable[..., Any], module: nn.Module | None) -> None:
+    def __init__(
+        self, stage2: Callable[..., Any], module: nn.Module | None, stage1: Any = None
+    ) -> None:
         self.stage2 = stage2
-        owners = [m for m in (stage2, module) if isinstance(m, nn.Module)]
+        owners = [m for m in (stage2, module, stage1) if isinstance(m, nn.Module)]
         self.buffers = list(
             {id(b): b for m in owners for b in m.buffers() if not b.is_inference()}.values()
         )
@@ -357,7 +414,7 @@ class _Runner:
     def _run(self, values: Mapping[str, Any], watch: _RowMarks) -> _RowMarks | None:
         try:
             with (
-                self._buffers_kept(),
+                self.buffers_kept(),
                 seeded(0),
                 torch.enable_grad(),
                 # A compiled module runs its Python (dynamo would trace the recording mode).
@@ -370,7 +427,7 @@ class _Runner:
         return watch
 
     @contextlib.contextmanager
-    def _buffers_kept(self) -> Iterator[None]:
+    def buffers_kept(self) -> Iterator[None]:
         # Every one, whatever its version says: BatchNorm's kernel writes its running
         # statistics without counting a version.
         kept = [(b, b.detach().clone()) for b in self.buffers]

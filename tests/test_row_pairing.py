@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import graphsplit
-from graphsplit.row_pairing import MIN_ROWS
+from graphsplit.row_pairing import MAX_ROWS, MIN_ROWS
 
 PATHS = ("trace", "calls")
 
@@ -322,3 +322,72 @@ class CompiledHead(Scored):
 def test_a_compiled_module_in_stage2_is_watched_in_its_python():
     paired = graphsplit.split(CompiledHead(), (X,), path="calls").paired_rows
     assert paired is not None and paired.groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+
+
+class AllPairs(Scored):
+    """Every chosen row against every rejected one (a pairwise ranking loss)."""
+
+    def forward(self, x):
+        chosen, rejected = self.score(x).chunk(2)
+        return -F.logsigmoid(chosen[:, None] - rejected[None, :]).mean()
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_chosen_row_against_every_rejected_one_is_found(path):
+    paired = graphsplit.split(AllPairs(), (X,), path=path).paired_rows
+    assert paired is not None
+    assert set(paired.groups) == {(i, 4 + j) for i in range(4) for j in range(4)}
+
+
+def test_a_large_example_is_watched_on_its_first_rows():
+    x = torch.randn(40, 4, generator=torch.Generator().manual_seed(1))
+    paired = graphsplit.split(Preference(), (x,)).paired_rows
+    assert paired is not None and paired.rows == MAX_ROWS
+    assert paired.groups == tuple((i, i + MAX_ROWS // 2) for i in range(MAX_ROWS // 2))
+
+
+class Counted(torch.nn.Module):
+    """A frozen encoder that counts the rows it saw in a buffer, and a step that keeps its
+    losses in a list: both left as the split found them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Linear(4, 8).requires_grad_(False)
+        self.register_buffer("seen", torch.zeros(()))
+        self.head = torch.nn.Linear(8, 1)
+        self.history: list[torch.Tensor] = []
+
+    def forward(self, x):
+        self.seen.add_(len(x))
+        chosen, rejected = self.head(torch.tanh(self.encoder(x))).squeeze(-1).chunk(2)
+        loss = -F.logsigmoid(chosen - rejected).mean()
+        self.history.append(loss.detach())
+        return loss
+
+
+def test_buffers_stage1_writes_and_lists_the_step_fills_are_put_back():
+    step = Counted()
+    split = graphsplit.split(step, (X,))  # the trace refuses the write: the module-level path
+    seen, history = step.seen.clone(), list(step.history)
+    assert split.paired_rows is not None
+    assert torch.equal(step.seen, seen)
+    assert len(step.history) == len(history)
+    assert all(a is b for a, b in zip(step.history, history))
+
+
+def test_an_interrupted_first_read_is_made_again(monkeypatch):
+    split = graphsplit.split(Preference(), (X,))
+    find = split._find_paired_rows
+    calls = []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return find()
+
+    split._find_paired_rows = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        _ = split.paired_rows
+    assert split.paired_rows is not None and len(calls) == 2
+    assert split.paired_rows is split.paired_rows and len(calls) == 2  # made once
