@@ -168,8 +168,11 @@ def find_paired_rows(
         t.device.type == "meta" for t in (*module.parameters(), *module.buffers())
     ):
         return None  # planned on meta (a model too large to load): nothing runs for real
-    with _attributes_kept(module, stage1, stage2), _runs_kept(step, module):
-        return _paired_rows(stage1, stage2, boundary, args, kwargs, module)
+    try:
+        with _attributes_kept(module, stage1, stage2), _runs_kept(step, module):
+            return _paired_rows(stage1, stage2, boundary, args, kwargs, module)
+    except Exception:  # a check must never fail the cache() that reads it: cannot tell
+        return None
 
 
 def _paired_rows(
@@ -248,7 +251,8 @@ def _attributes_kept(*owners: Any) -> Iterator[None]:
                 del current[name]
             current.update(attributes)
         for value, content in contents:
-            _refill(value, content)
+            with contextlib.suppress(Exception):  # never an error of graphsplit's own here
+                _refill(value, content)
 
 
 # The module's own tables of parameters, buffers and submodules: put back by their buffers'
@@ -258,7 +262,7 @@ _MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
 
 def _contents(value: Any) -> Any:
     """A copy of what a list, dict, set or plain tensor holds; None for anything else."""
-    if type(value) in (list, dict, set) or isinstance(value, collections.OrderedDict):
+    if type(value) in (list, dict, set, collections.OrderedDict):  # not a library's subclass
         return copy.copy(value)
     if type(value) is torch.Tensor and not value.is_inference() and value.device.type != "meta":
         return value.detach().clone()
