@@ -8,6 +8,7 @@ preservation loss over ``[instance; class]`` halves) and no step that treats its
 
 from __future__ import annotations
 
+import collections
 import inspect
 
 import pytest
@@ -391,3 +392,21 @@ def test_an_interrupted_first_read_is_made_again(monkeypatch):
         _ = split.paired_rows
     assert split.paired_rows is not None and len(calls) == 2
     assert split.paired_rows is split.paired_rows and len(calls) == 2  # made once
+
+
+class ReadOnlyConfig(collections.OrderedDict):
+    """A library's frozen config (diffusers' ``FrozenDict``): ``update`` raises."""
+
+    def update(self, *args, **kwargs):
+        raise TypeError("frozen")
+
+
+class Configured(Preference):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = ReadOnlyConfig(scale=1.0)
+
+
+def test_an_attribute_that_refuses_to_be_refilled_never_fails_the_check():
+    paired = graphsplit.split(Configured(), (X,)).paired_rows
+    assert paired is not None and paired.groups == ((0, 4), (1, 5), (2, 6), (3, 7))
