@@ -84,8 +84,8 @@ Marks = list[tuple[str, torch.Tensor | None]]
 
 
 class _RowMarks(TorchDispatchMode):
-    """Records, for each op's float outputs, which rows along dim 0 hold a NaN; with ``stop``,
-    the user's line of the output at that position instead."""
+    """Records, for each op's float outputs, which parts hold a NaN (:func:`_nan_rows`); with
+    ``stop``, also the user's line of the output at that position."""
 
     def __init__(self, stop: int | None = None) -> None:
         super().__init__()
