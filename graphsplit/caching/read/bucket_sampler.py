@@ -50,7 +50,7 @@ import torch
 
 from graphsplit.errors import CacheError, Fix, GraphsplitError, user_error
 
-__all__ = ["BucketBatchSampler", "BucketLoader", "regrouping_error"]
+__all__ = ["BucketBatchSampler", "BucketLoader", "regrouping_error", "replicas"]
 
 # What a state_dict holds besides the position, and must match on load: another value means
 # another global batch list, where the saved position would name other batches.
@@ -140,12 +140,7 @@ class BucketBatchSampler(torch.utils.data.Sampler[list[int]]):
     ) -> None:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size should be a positive integer, got {batch_size!r}")
-        if num_replicas is None:
-            num_replicas = _distributed("get_world_size", 1)
-        if rank is None:
-            rank = _distributed("get_rank", 0)
-        if num_replicas < 1 or not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} is not in [0, {num_replicas}) processes")
+        num_replicas, rank = replicas(num_replicas, rank)
         paired = None if isinstance(source, Mapping) else getattr(source, "paired_rows", None)
         if paired is not None:
             rows = max(map(len, source.stage1_batches))
@@ -308,6 +303,18 @@ def regrouping_error(
         fix=Fix(fix),
         source=paired.source or None,
     )
+
+
+def replicas(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
+    """``(num_replicas, rank)``, each from ``torch.distributed`` where not given; refuses a
+    rank outside the processes."""
+    if num_replicas is None:
+        num_replicas = _distributed("get_world_size", 1)
+    if rank is None:
+        rank = _distributed("get_rank", 0)
+    if num_replicas < 1 or not 0 <= rank < num_replicas:
+        raise ValueError(f"rank {rank} is not in [0, {num_replicas}) processes")
+    return num_replicas, rank
 
 
 def _distributed(getter: str, default: int) -> int:

@@ -41,9 +41,9 @@ import torch
 from graphsplit.caching.format.layout import Manifest
 from graphsplit.caching.read.bucket_sampler import (
     BucketBatchSampler,
-    _distributed,
     _epoch_seed,
     regrouping_error,
+    replicas,
 )
 
 __all__ = ["WholeBatchSampler", "paired_sampler", "stage1_batches"]
@@ -134,12 +134,7 @@ class WholeBatchSampler(BucketBatchSampler):
         rank: int | None = None,
     ) -> None:
         batches = _batches_of(source)
-        if num_replicas is None:
-            num_replicas = _distributed("get_world_size", 1)
-        if rank is None:
-            rank = _distributed("get_rank", 0)
-        if num_replicas < 1 or not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} is not in [0, {num_replicas}) processes")
+        num_replicas, rank = replicas(num_replicas, rank)
         # ``buckets`` holds the batches: BucketBatchSampler's state counts samples over them.
         self.buckets = batches
         self.batch_size = max(map(len, batches), default=1)
