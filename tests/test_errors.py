@@ -225,13 +225,21 @@ class BatchSizeAsPythonNumber(Step):
         return self.head(latents).sum() / int(x.shape[0])
 
 
+class LoopOverBatchByInt(Step):
+    def forward(self, x):
+        latents = self.encoder(x)
+        total = 0
+        for index in range(int(x.shape[0])):
+            total = total + self.head(latents[index]).sum()
+        return total
+
+
 @pytest.mark.parametrize(
     ("step", "text"),
     [
         (LoopOverBatchByShape, "range(x.shape[0])"),
         (LoopOverBatchByLen, "range(len(x))"),
-        (BatchSizeAsPythonSize, "int(x.shape[0])"),
-        (BatchSizeAsPythonNumber, "int(x.shape[0])"),
+        (LoopOverBatchByInt, "range(int(x.shape[0]))"),
     ],
 )
 def test_python_control_flow_on_the_batch_size(step, text):
@@ -242,6 +250,16 @@ def test_python_control_flow_on_the_batch_size(step, text):
     parts = message_lines(caught.value)
     assert parts.get("node") and line_of(step.forward, text) in parts.get("source", ""), message
     assert parts.get("fix"), message
+
+
+@pytest.mark.parametrize("step", [BatchSizeAsPythonSize, BatchSizeAsPythonNumber])
+def test_int_of_the_batch_size_that_python_never_reads_follows_the_batch(step):
+    """``int(x.shape[0])`` given to torch, or dividing a loss, is the batch size itself, traced
+    (planning/tracing/int_calls.py): no longer refused, and exact at another batch size."""
+    model = step()
+    split = split_and_verify(model, (batch(3, 4),), path="trace")
+    other = batch(5, 4, seed=1)
+    assert torch.equal(split.stage2(**split.stage1(other)), model(other))
 
 
 # -- values that cannot cross the boundary ------------------------------------------------------

@@ -5,7 +5,8 @@ rechecked at run time (:mod:`graphsplit.runtime`). A batch that breaks such a ch
 typed signal :class:`~graphsplit.runtime.PlanMismatch`; :class:`PlanSet` answers it as
 torch.compile answers a guard failure: it tries the plans it has, and when none fits it calls
 the planner again with that batch as the example (within ``max_plans``). Sizes that merely flow
-through torch ops stay symbolic: they never make a plan.
+through torch ops (``int()`` of them included, planning/tracing/int_calls.py) stay symbolic:
+they never make a plan.
 
 Glossary:
     plan: the stages, boundary, graph and cut one run of the planner produced

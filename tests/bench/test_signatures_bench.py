@@ -1,5 +1,5 @@
 """benchmarks/bench_signatures.py runs (--quick: the size-branch case, one round) and reports
-the new signature's plan time against the first split on both clocks, and the bytes per
+what a new shape costs against the first split on both clocks, and the bytes per
 sample of one mixed cache against a cache per shape."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ def test_quick_run_reports_the_plan_ratio_and_the_bytes_per_sample(tmp_path):
     (row,) = payload["results"]
     assert row["case"] == "branch" and row["shapes"] == [16, 24]
     assert set(row["new_over_first"]) == {"wall", "cpu"}
+    assert row["plans_made_for_the_new_shape"] == 1  # the size branch: a plan of its own
     assert row["new_over_first"]["wall"]["median"] > 0
     assert row["samples"] == 4 and row["bytes_per_sample"]["one_mixed_cache"] > 0
     markdown = (tmp_path / "signatures.md").read_text()

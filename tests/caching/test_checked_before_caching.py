@@ -10,6 +10,7 @@ of it: the folder holds the shards already finished, never samples stage 2 would
 from __future__ import annotations
 
 import json
+import operator
 
 import pytest
 import torch
@@ -37,7 +38,7 @@ class MaskedPositions(nn.Module):
     def forward(self, tokens):
         hidden = self.encoder(tokens) + self.projection(tokens)
         if self.plain_int:  # noqa: SIM108 (one line per reading: errors name it)
-            length = int(tokens.shape[1])
+            length = operator.index(tokens.shape[1])  # int() of it would stay traced
         else:
             length = int(tokens.shape[1] * 1.0)  # size arithmetic, as latent packing does
         hidden = hidden + self.positions[:length]
@@ -84,7 +85,8 @@ def test_a_loader_of_one_size_caches_and_trains_exactly(tmp_path):
 
 
 def test_an_int_stage_2_checks_is_checked_by_stage_1_too(tmp_path):
-    """``int(tokens.shape[1])``: stage 2 always rechecked it; now ``cache()`` does as well."""
+    """``operator.index(tokens.shape[1])``: stage 2 always rechecked it; now ``cache()`` does as
+    well."""
     split = graphsplit.split(MaskedPositions(plain_int=True), kwargs=_batch(6, 0), max_plans=1)
     assert "graphsplit_runtime_check_size(" in split.stage2.code
     assert "graphsplit_runtime_check_size(" in split.stage1.code

@@ -30,18 +30,41 @@ class PositionTable(nn.Module):
         return self.head(tokens).mean()
 
 
+class PositionList(PositionTable):
+    """The same grid read as Python ints by ``range``: the plan holds the number it read."""
+
+    def forward(self, pixels):
+        latents = self.patch(self.vae(pixels))
+        height, width = latents.shape[2], latents.shape[3]
+        tokens = latents.flatten(2).transpose(1, 2)
+        tokens = tokens + self.positions[list(range(height * width))]
+        return self.head(tokens).mean()
+
+
 def test_a_plan_fed_another_resolution_names_the_size_the_line_and_the_fix():
-    model = PositionTable()
+    model = PositionList()
     split = split_and_verify(model, (batch(2, 3, 16, 16),))
     split.plan_set.max_plans = 1  # another resolution is refused, not given a plan of its own
-    assert split.stage2.code.count("graphsplit_runtime_check_size(") == 2
+    assert split.stage2.code.count("graphsplit_runtime_check_size(") == 1
     other = batch(2, 3, 16, 8, seed=1)
     with pytest.raises(SplitError) as caught:
         split.stage2(**split.stage1(other))
     message = str(caught.value)
-    assert "this plan was made for patch.shape[3] = 8, got 4: the batch needs a plan" in message
-    assert line_of(PositionTable.forward, "height, width = int(") in message
+    made_for = "this plan was made for patch.shape[2] * patch.shape[3] = 64, got 32: the batch"
+    assert made_for in message
+    assert line_of(PositionList.forward, "list(range(height * width))") in message
     assert "fix:    pass a larger max_plans to graphsplit.split" in message
+
+
+def test_int_of_the_grid_stays_traced_and_one_plan_serves_every_resolution():
+    """``int()`` of a size is the size, traced (planning/tracing/int_calls.py): no check."""
+    model = PositionTable()
+    split = split_and_verify(model, (batch(2, 3, 16, 16),))
+    assert "check_size" not in split.stage2.code + split.stage1.code
+    other = batch(2, 3, 16, 8, seed=1)
+    torch.manual_seed(0)
+    assert torch.equal(split.stage2(**split.stage1(other)), model(other))
+    assert len(split.plans) == 1
 
 
 def test_the_checks_pass_at_the_size_the_plan_was_made_for():

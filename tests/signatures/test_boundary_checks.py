@@ -18,8 +18,10 @@ from tests.signatures.epoch import epoch_exact
 
 
 class NoisyPackedWidth(torch.nn.Module):
-    """FLUX's packing in small: ``int()`` of a size of a tensor stage 2 computes (the latents
-    are drawn in stage 2), so the literal is checked in stage 2, never in stage 1."""
+    """FLUX's packing in small, its width scaled by a float: ``int()`` of a float computed from
+    a size of a tensor stage 2 computes (the latents are drawn in stage 2) is a literal of the
+    plan (``int()`` of an int size stays traced, planning/tracing/int_calls.py), checked in
+    stage 2, never in stage 1."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -29,7 +31,7 @@ class NoisyPackedWidth(torch.nn.Module):
     def forward(self, pixels, target):
         h = self.encoder(pixels)
         h = h + 0.1 * torch.randn_like(h)
-        width = int(h.shape[-1] * 2)
+        width = int(h.shape[-1] * 2.0)
         packed = h.view(h.shape[0], 4, -1).transpose(1, 2)
         out = self.head(packed).transpose(1, 2).reshape(h.shape[0], 4, 8, width // 2)
         return F.mse_loss(out.mean(1), target)
@@ -51,8 +53,8 @@ def _split(**options) -> tuple[NoisyPackedWidth, graphsplit.Split]:
 
 def test_the_check_is_stage_2s_and_stage_1_runs_it_on_the_boundary_it_made():
     _, split = _split()
-    assert "graphsplit_runtime_check_size(" in split.stage2.code
-    assert "graphsplit_runtime_check_size(" not in split.stage1.code
+    assert "graphsplit_runtime_check_size_read(" in split.stage2.code
+    assert "graphsplit_runtime_check_size_read(" not in split.stage1.code
     checks = SizeChecks.of(split.plans[0].stage2)
     assert checks is not None and len(checks.checks) == 1
     assert "self.head" not in checks.checks[0].module.code  # no weight read
@@ -60,8 +62,8 @@ def test_the_check_is_stage_2s_and_stage_1_runs_it_on_the_boundary_it_made():
     split.stage1(**_batch(24, 1))
     assert torch.equal(torch.get_rng_state(), state)  # the meta run drew nothing
     assert [plan.signature.as_dict() for plan in split.plans] == [
-        {"(encoder + (0.1 * randn_like)).shape[-1] * 2": 32},
-        {"(encoder + (0.1 * randn_like)).shape[-1] * 2": 48},
+        {"int((encoder + (0.1 * randn_like)).shape[-1] * 2.0)": 32},
+        {"int((encoder + (0.1 * randn_like)).shape[-1] * 2.0)": 48},
     ]
 
 
@@ -82,10 +84,9 @@ def test_past_max_plans_cache_refuses_the_batch_before_writing_it(tmp_path):
     with pytest.raises(SplitError) as caught:
         graphsplit.cache(split, loader, tmp_path / "cache", progress=False)
     message = str(caught.value)
-    assert "this plan was made for (encoder + (0.1 * randn_like)).shape[-1] * 2 = 32, got 48" in (
-        message
-    )
-    assert "width = int(h.shape[-1] * 2)" in message
+    what = "int((encoder + (0.1 * randn_like)).shape[-1] * 2.0)"
+    assert f"this plan was made for {what} = 32, got 48" in message
+    assert "width = int(h.shape[-1] * 2.0)" in message
     assert "fix:    pass a larger max_plans to graphsplit.split" in message
     assert not (tmp_path / "cache" / "manifest.json").exists()
 
@@ -95,10 +96,10 @@ def test_the_report_plan_json_and_picture_list_the_signatures(tmp_path):
     split.stage1(**_batch(24, 1))
     report = split.report()
     assert "Shape signatures (2 plan(s) of max_plans=8" in report
-    what = "(encoder + (0.1 * randn_like)).shape[-1] * 2"
+    what = "int((encoder + (0.1 * randn_like)).shape[-1] * 2.0)"
     assert f"    {what}  tests/signatures/test_boundary_checks.py:" in report
     assert ": the check at test_boundary_checks.py:" in report
-    assert " (width = int(h.shape[-1] * 2)) = 48\n" in report
+    assert " (width = int(h.shape[-1] * 2.0)) = 48\n" in report
     entries = json.loads(json.dumps(split.to_json()))["signatures"]
     assert [entry["checks"][0]["expected"] for entry in entries] == [32, 48]
     assert [entry["first"] for entry in entries] == [True, False]

@@ -4,10 +4,11 @@ the first plan filled, planning/meta/shared_memos.py), is exactly the plan a fre
 the boundary, the signature; and training on it gives the fresh split's loss and gradients,
 bit for bit.
 
-Steps: diffusers' FLUX full fine-tune (tests/conformance, tiny: the packing's ``int(width)``
-makes 32x48 images a plan of their own) and DiffSynth-Studio's Wan 2.1 LoRA step (tiny: 9
-frames against 5, needs ``diffsynth``), the two real steps ``benchmarks/bench_signatures.py``
-times.
+Steps: DiffSynth-Studio's Wan 2.1 LoRA step (tiny: 9 frames against 5, needs ``diffsynth``),
+a real step ``benchmarks/bench_signatures.py`` times. diffusers' FLUX full fine-tune
+(tests/conformance, tiny), whose unpacking's ``int(width)`` once made 32x48 images a plan of
+their own, now makes none (planning/tracing/int_calls.py): its first plan's code is the code a
+fresh split of a 32x48 batch makes, and trains that batch exactly.
 """
 
 from __future__ import annotations
@@ -93,10 +94,30 @@ def _flux_batch(seed: int, width: int) -> dict[str, torch.Tensor]:
     }
 
 
-def test_flux_plan_for_a_new_width_is_the_plan_a_fresh_split_makes():
+def test_flux_at_a_new_width_runs_the_first_plan_whose_code_a_fresh_split_of_it_makes():
     torch.manual_seed(0)
     step = FluxFineTuneStep(sigmas_by_index=True)  # prompts: None, as the batches carry none
-    _assert_new_plan_is_the_fresh_splits(step, _flux_batch(0, 32), _flux_batch(1, 48))
+    split = graphsplit.split(step, kwargs=_flux_batch(0, 32))
+    wide = _flux_batch(1, 48)
+    boundary = split.stage1(**wide)
+    assert len(split.plans) == 1 and "graphsplit_signature" not in boundary
+    fresh = graphsplit.split(step, kwargs=wide)
+    assert split.stage1.code == fresh.stage1.code and split.stage2.code == fresh.stage2.code
+    assert [(spec.name, spec.batch_dim) for spec in split.boundary.values()] == [
+        (spec.name, spec.batch_dim) for spec in fresh.boundary.values()
+    ]  # their example shapes are the examples'
+    assert split.plans[0].signature == fresh.plans[0].signature
+    with torch.no_grad():
+        fresh_boundary = fresh.stage1(**wide)
+    assert boundary.keys() == fresh_boundary.keys()
+    for name, value in fresh_boundary.items():
+        assert torch.equal(boundary[name], value), name
+    loss, grads = _trained(step, lambda: split.stage2(**boundary))
+    eager_loss, eager_grads = _trained(step, lambda: step(**wide))
+    assert torch.equal(loss, eager_loss)
+    assert grads.keys() == eager_grads.keys() and grads
+    for name, grad in grads.items():
+        assert torch.equal(grad, eager_grads[name]), name
 
 
 @pytest.mark.skipif(not DIFFSYNTH, reason=WHY_NOT)

@@ -1,7 +1,8 @@
 """Recheck the Python values the trace derived from sizes: a plan is made for one size.
 
 Tracing turns some traced sizes into Python values: ints (a slice bound through
-``__index__``, ``int(h)``, ``range(frames)``), booleans (``if h.shape[-1] % 16 != 0``),
+``__index__``, ``range(frames)``; ``int(h)`` of an int size stays traced where
+planning/tracing/int_calls.py can rebind the caller), booleans (``if h.shape[-1] % 16 != 0``),
 floats (``float(w) / 16``), ``int()`` of size arithmetic (``int(w * 1.5)``) and strings
 (``f"block_{w}"``); the plan then holds that value: a plan made for 64×64 latents holds ``64``.
 The analysis refuses values that follow the batch size; values that follow the resolution or

@@ -14,11 +14,13 @@ as ``file:line  code`` on every node so reports and errors can point at it.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import linecache
 import os
 import sys
 import sysconfig
 from types import FrameType
+from typing import Any
 
 import torch
 
@@ -115,6 +117,15 @@ def current_location() -> tuple[str, str]:
 def current_line() -> str:
     """:func:`current_location` as one string, ``file:line  code``, for error messages."""
     return describe(current_location())
+
+
+def definition_of(function: Any) -> tuple[str, str]:
+    """``("file:line", "def forward(...)")`` of a function (the step's forward: where its
+    inputs come from), ``("<unknown>", "")`` for one without Python code."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    if code is None:
+        return "<unknown>", ""
+    return frame_location_of(code.co_filename, code.co_firstlineno)
 
 
 def describe(location: tuple[str, str]) -> str:

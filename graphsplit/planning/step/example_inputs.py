@@ -22,6 +22,7 @@ In: the model and the example batch. Out: :class:`~graphsplit.artifacts.ExampleI
     bind_examples(model, args, kwargs) -> ExampleInputs
     one_sample_examples(examples) -> ExampleInputs      # the same batch, analysed at batch 1
     check_one_sample(value, name) -> value               # stage 1's run-time check
+    defaults_not_given(model, values) -> {name: default} | None   # the trace's concrete_args
 """
 
 from __future__ import annotations
@@ -224,3 +225,16 @@ def _home_device(model: nn.Module, inputs: dict[str, Any]) -> torch.device:
         if not param.is_meta:
             return param.device
     return torch.device("cpu")
+
+
+def defaults_not_given(model: nn.Module, example_values: dict[str, Any]) -> dict[str, Any] | None:
+    """Parameters of ``forward`` the caller did not pass keep their defaults as constants."""
+    signature = inspect.signature(model.forward)
+    missing = {
+        name: parameter.default
+        for name, parameter in signature.parameters.items()
+        if name not in example_values
+        and parameter.default is not inspect.Parameter.empty
+        and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
+    }
+    return missing or None

@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import math
 import operator
+import sys
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -81,11 +81,13 @@ from graphsplit.planning.rules.size_guards import GUARDS
 from graphsplit.planning.rules.user_lines import (
     current_line,
     current_location,
+    definition_of,
     frame_location,
-    frame_location_of,
     user_frame,
 )
+from graphsplit.planning.step.example_inputs import defaults_not_given
 from graphsplit.planning.tracing.inplace import functionalize_inplace
+from graphsplit.planning.tracing.int_calls import INT_SITES
 from graphsplit.planning.tracing.proxies import (
     PLAIN_ARGUMENTS,
     TracedAttribute,
@@ -315,6 +317,8 @@ class StepTracer(fx.Tracer):
             )
             error.read_at = current_line()
             raise error
+        if convert is int and type(value) is int:  # int(size): traced from now on (int_calls)
+            INT_SITES.note(sys._getframe(2))  # the frame that called int()
         result = convert(value)
         frame = user_frame()
         guard = Guard(node, convert, result, frame_location(frame)[0])
@@ -402,6 +406,16 @@ def trace_step(
     tensors are meta). ``example_values`` maps each forward parameter name to its meta example
     value. Nodes that ``record`` accepts get ``node.meta["op_record"]`` for the analysis to reuse.
     """
+    once = functools.partial(_trace_step_once, model, example_values, leaf_names, record)
+    return INT_SITES.traced(once)
+
+
+def _trace_step_once(
+    model: nn.Module,
+    example_values: dict[str, Any],
+    leaf_names: frozenset[str],
+    record: Callable[[fx.Node], bool] | None,
+) -> Traced:
     states = generator_states()
     before = set(vars(model))
     retrace = functools.partial(_retrace, model, example_values, leaf_names)  # error path only
@@ -445,13 +459,14 @@ def _trace_graph(
 ) -> tuple[StepTracer, fx.Graph]:
     tracer = StepTracer(leaf_names, example_values)
     tracer.record = record
-    tracer.forward_location = _definition_of(type(model).forward)
+    tracer.forward_location = definition_of(type(model).forward)
     to_int = lambda size: tracer.concrete(size, operator.index)  # noqa: E731
     # Python conversions of traced values (int(), __index__, range()) are guarded ints; one
     # that depends on the batch size is refused by the analysis (analyze._check_guards).
     # Everything the trace changes in the process goes through one patcher, undone when the
     # block ends however it ends; a trace in another thread waits for this one (patcher.py).
     with Patcher() as patcher:
+        INT_SITES.rebind(patcher)
         record_leaf_methods(patcher, tracer, model, leaf_names)
         replace_range(patcher, to_int)
         accept_traced_sizes(patcher)
@@ -464,7 +479,7 @@ def _trace_graph(
         replace_python_builtins(patcher, (TracedValue, TracedAttribute))
         tracer.module_writes = record_module_writes(patcher, tracer, model)
         try:
-            graph = tracer.trace(model, concrete_args=_concrete_args(model, example_values))
+            graph = tracer.trace(model, concrete_args=defaults_not_given(model, example_values))
         except KeyError as error:
             refuse_a_size_as_key(error)
             raise
@@ -473,24 +488,3 @@ def _trace_graph(
             raise
     tracer.keep_pending_guards()
     return tracer, graph
-
-
-def _definition_of(function: Any) -> tuple[str, str]:
-    """``("file:line", "def forward(...)")`` of the step's forward: where inputs come from."""
-    code = getattr(inspect.unwrap(function), "__code__", None)
-    if code is None:
-        return "<unknown>", ""
-    return frame_location_of(code.co_filename, code.co_firstlineno)
-
-
-def _concrete_args(model: nn.Module, example_values: dict[str, Any]) -> dict[str, Any] | None:
-    """Parameters of ``forward`` the caller did not pass keep their defaults as constants."""
-    signature = inspect.signature(model.forward)
-    missing = {
-        name: parameter.default
-        for name, parameter in signature.parameters.items()
-        if name not in example_values
-        and parameter.default is not inspect.Parameter.empty
-        and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD)
-    }
-    return missing or None
