@@ -26,22 +26,34 @@ Cases: ``branch`` (the issue's size branch, tiny: ``if h.shape[-1] % 16 != 0``),
 ``wan`` (DiffSynth-Studio's own Wan 2.1 LoRA step, tiny: 5 against 9 frames; needs
 ``diffsynth``).
 
+With ``--baseline`` (a git revision or a folder holding a graphsplit package), each case is
+instead split in fresh child processes (``--child``), this graphsplit's and the baseline's in
+``--rounds`` alternating pairs: the first ``split()`` of the process (where a step with an
+int site, planning/tracing/int_calls.py, is traced a second time) and a second one (the site
+known), as same-round ratios current / baseline.
+
     python -m benchmarks.bench_signatures --help
 """
 
 from __future__ import annotations
 
+import argparse
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
+    Timings,
+    baseline_code,
     environment,
     interleaved,
     markdown_table,
     parser,
+    reply_to_parent,
     report,
+    run_child,
     spread,
     timing_options,
     torch_threads,
@@ -51,6 +63,7 @@ from benchmarks.common import (
 Batch = dict[str, Any]
 NEW = "new shape, first stage-1 batch"
 AGAIN = "new shape, stage-1 batch again"
+SPLITS = ("first", "again")  # --baseline: the first split of a fresh process, and a later one
 
 
 def _branch() -> tuple[Any, Callable[[int, int], Batch], tuple[int, int]]:
@@ -268,6 +281,86 @@ def to_markdown(results: list[dict[str, Any]]) -> str:
     return table + "\n" + markdown_table(header, profile_rows, "lrrrr")
 
 
+# -- the first split in a fresh process, against a baseline (children) ----------------------------
+def _child(case: str, threads: int) -> None:
+    """One fresh process: the step's first ``split()`` (where an int site is found and the
+    trace made again), then a second (the site known): seconds on both clocks, plan digest."""
+    import graphsplit
+    from benchmarks.bench_plan_scale import plan_digest
+
+    with torch_threads(threads):
+        step, make_batch, shapes = CASES[case]()
+        example = make_batch(shapes[0], 0)
+        row: dict[str, Any] = {}
+        for name in ("first", "again"):
+            wall, cpu = time.perf_counter(), time.process_time()
+            split = graphsplit.split(step, kwargs=example)
+            row[name] = (time.perf_counter() - wall, time.process_time() - cpu)
+        row["digest"] = plan_digest(split)
+    reply_to_parent(row)
+
+
+def versus(case: str, spec: str, rounds: int, threads: int) -> dict[str, Any]:
+    """``rounds`` pairs of children, this graphsplit's and the baseline's, alternating which
+    goes first: same-round ratios current / baseline of the first and the second split."""
+    names = ("current", "baseline")
+    timings = {split: Timings({n: [] for n in names}, {n: [] for n in names}) for split in SPLITS}
+    digests: dict[str, set[str]] = {name: set() for name in names}
+    with tempfile.TemporaryDirectory() as folder:
+        where = {"current": None, "baseline": baseline_code(spec, Path(folder))}
+        for index in range(rounds):
+            for name in names if index % 2 == 0 else names[::-1]:
+                argv = ["--child", case, "--threads", str(threads)]
+                row = run_child("benchmarks.bench_signatures", argv, cwd=where[name])
+                digests[name].add(row["digest"])
+                for split in SPLITS:
+                    timings[split].wall[name].append(row[split][0])
+                    timings[split].cpu[name].append(row[split][1])
+    return {
+        "case": case,
+        "baseline": spec,
+        "rounds": rounds,
+        "same_plan": len(digests["current"] | digests["baseline"]) == 1,
+        **{
+            split: {
+                "current_s": timings[split].spread("current", "cpu").to_json(),
+                "cpu_ratio": timings[split].ratio("current", "baseline", "cpu").to_json(),
+                "wall_ratio": timings[split].ratio("current", "baseline", "wall").to_json(),
+            }
+            for split in SPLITS
+        },
+    }
+
+
+def versus_markdown(rows: list[dict[str, Any]]) -> str:
+    header = [
+        "case",
+        "same plan",
+        "first split in the process, CPU s",
+        "current / baseline (CPU)",
+        "current / baseline (wall)",
+        "a later split, CPU s",
+        "current / baseline (CPU)",
+    ]
+
+    def ratio(value: dict[str, float]) -> str:
+        return f"{value['median']:.3f} ({value['q1']:.3f}–{value['q3']:.3f})"
+
+    table = [
+        [
+            r["case"],
+            "yes" if r["same_plan"] else "no",
+            f"{r['first']['current_s']['median']:.2f}",
+            ratio(r["first"]["cpu_ratio"]),
+            ratio(r["first"]["wall_ratio"]),
+            f"{r['again']['current_s']['median']:.2f}",
+            ratio(r["again"]["cpu_ratio"]),
+        ]
+        for r in rows
+    ]
+    return markdown_table(header, table, "llrrrrr")
+
+
 def main(argv: list[str] | None = None) -> int:
     command = timing_options(parser("bench_signatures", __doc__), rounds=5)
     command.add_argument("--cases", nargs="+", choices=sorted(CASES), default=["flux", "wan"])
@@ -275,7 +368,23 @@ def main(argv: list[str] | None = None) -> int:
     command.add_argument(
         "--profile", action="store_true", help="where one more new plan goes, by node run"
     )
+    command.add_argument(
+        "--baseline",
+        metavar="REVISION_OR_FOLDER",
+        help="time instead the first and a later split() of each case in fresh child processes, "
+        "this graphsplit against another (a git revision, or a folder holding a graphsplit "
+        "package), --rounds alternating pairs",
+    )
+    command.add_argument("--child", choices=sorted(CASES), help=argparse.SUPPRESS)
     args = command.parse_args(argv)
+    if args.child:
+        _child(args.child, args.threads)
+        return 0
+    if args.baseline:
+        rows = [versus(case, args.baseline, args.rounds, args.threads) for case in args.cases]
+        payload = report("signatures_first_split", rows, environment("torch", "diffusers"))
+        write_results(args.out, "signatures_first_split", payload, versus_markdown(rows))
+        return 0
     rounds, batches = (1, 1) if args.quick else (args.rounds, args.batches)
     cases = ["branch"] if args.quick else args.cases
     with torch_threads(args.threads) as threads:
