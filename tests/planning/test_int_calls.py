@@ -1,7 +1,8 @@
 """``int()`` of a traced size stays traced (graphsplit/planning/tracing/int_calls.py): a step
 whose Python turns a size into an int gets one plan for every size, exact; a size Python reads
 (``range``), a function that names ``int`` other than to call it, and a site whose traced int a
-library cannot take (a dict key) keep the guard and a plan per size, as before."""
+library cannot take (json.dumps) or reads as a number (a dict key) keep the guard and a plan
+per size, as before."""
 
 from __future__ import annotations
 
@@ -76,8 +77,8 @@ SCALES = {8: 1.0, 12: 2.0, 16: 3.0}
 
 
 def scale_of(width: int) -> float:
-    """A table keyed by ``int()`` of a size: a traced int is no key, so the trace that tried
-    it fails and is made again with Python's ``int`` here."""
+    """A table keyed by ``int()`` of a size: the traced int hashes as its number, guarded
+    (int_calls._reads_its_number), and the lookup's ``==`` is guarded too: a plan per width."""
     return SCALES[int(width)]
 
 
@@ -147,14 +148,14 @@ def test_a_function_naming_int_otherwise_is_not_rebound():
     assert len(split.plans) == 2
 
 
-def test_a_site_whose_traced_int_fails_the_trace_is_traced_again_with_pythons_int():
+def test_a_site_whose_traced_int_is_a_dict_key_reads_its_number_guarded():
     torch.manual_seed(0)
     model = Keyed()
     split = graphsplit.split(model, kwargs=_batch(8, 0))  # accepted, as before int_calls
-    assert list(split.plans[0].signature.as_dict().values()) == [8]
+    assert list(split.plans[0].signature.as_dict().values()) == [8, True]  # the number, == 8
     _assert_trains_exactly(model, split, _batch(12, 1))
     assert len(split.plans) == 2
-    # Declined for that split only: every split of the step is made the same way, in this
+    # Every split of the step is made the same way, in this
     # process or a fresh one (a cache's code fingerprint must match across processes).
     assert scale_of in INT_SITES._rebound
     again = graphsplit.split(Keyed(), kwargs=_batch(8, 0))

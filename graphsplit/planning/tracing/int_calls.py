@@ -14,7 +14,11 @@ is an ``int`` (a size, or arithmetic on sizes). Every later trace runs that func
 global name ``int`` bound to :func:`traced_int`, which returns such a traced value itself (the
 same number: ``int`` of an ``int`` is that ``int``) and is Python's ``int`` for anything else. The
 size then flows on as a traced value, the way ``x.shape[2]`` does: torch ops record it, and
-every place Python reads its number (``range``, ``bool``, a slice, ``str``) still guards it.
+every place Python reads its number (``range``, ``bool``, a slice, ``str``; ``hash`` and
+``repr`` too, for the stand-in's values and arithmetic on them: :func:`_reads_its_number`)
+still guards it. Not ``type(n) is int`` in a function the value is passed to, nor the length
+of ``f"{n}"`` taken in Python (a size text is guarded once it reaches a node): those would see
+the proxy, unguarded (tests/planning/test_int_calls_adversarial.py pins them as known holes).
 The trace that found a new site is made again at once (:func:`trace_step`'s loop), so the
 first plan is already the one without the guard.
 
@@ -22,8 +26,10 @@ Only code that uses the name ``int`` for calls alone is rebound (``isinstance(x,
 ``type(x) is int`` in the same function would see the stand-in): :func:`_rebound_code` checks
 every instruction that names it. Functions that cannot be found from their frame (a closure, a
 comprehension) keep Python's ``int`` and the guard. A trace that fails while an int site
-answered a traced value is made again without those sites (:meth:`IntSites.traced`), so a
-step is never refused because of them.
+answered a traced value is made again without those sites (:meth:`IntSites.traced`, a
+library that rejects it: ``json.dumps(int(h))``), so a step is not refused because of them
+during the trace (a refusal of the analysis after it, ``int(h).bit_length()`` read back by
+``float()``, is not made again).
 
 Glossary:
     int site: a function whose code called ``int()`` on a traced int-valued value; held by
@@ -45,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import dis
 import gc
+import operator
 import sys
 import threading
 import types
@@ -62,7 +69,14 @@ __all__ = ["INT_SITES", "STAND_IN_NAME", "IntSites", "traced_int"]
 STAND_IN_NAME = "_graphsplit_traced_int"
 _CALL_LOADS = ("NULL + int", "int + NULL")  # LOAD_GLOBAL's call form: 3.11-3.12, 3.13+
 _PYTHON_INT = int
-_MAX_TRACES = 4  # a trace, again with the sites it found, again without those that failed
+_HANDED_OUT = "graphsplit_int_of_a_site"  # node.meta: the stand-in returned it (_handed_out)
+# A trace, again with the sites it found, again without those that failed. Each trace but the
+# last finds a new site or declines one, so the bound is only met by a chain of sites each
+# reached only once the one before is traced (f(int(h)) -> g(int(n)) -> ...): a process that
+# already knows the first sites goes further in as many traces, so the bound is set well above
+# any such chain seen for every process to make the same plan (4 made a chain of five sites
+# trace differently in a fresh process and in one that had split the step before).
+_MAX_TRACES = 32
 _Traced = TypeVar("_Traced")
 
 
@@ -72,8 +86,54 @@ def traced_int(*args: Any, **kwargs: Any) -> Any:
         value = args[0]
         if type(value.eager_value()) is _PYTHON_INT:  # not a bool, a float, a tensor
             INT_SITES.used(sys._getframe(1).f_code)
+            value.node.meta[_HANDED_OUT] = True
             return value
     return _PYTHON_INT(*args, **kwargs)
+
+
+def _reads_its_number(patcher: Patcher, name: str) -> Callable[[TracedValue], Any]:
+    """``hash()`` or ``repr()`` of a traced int the stand-in returned (or arithmetic on one):
+    the number's, guarded.
+
+    A proxy hashes by identity and shows ``Proxy(name)``, so ``int(w) in {8, 16}``,
+    ``table.get(int(w), 1.0)`` or ``"%r" % int(w)`` would silently take the branch or text of
+    no number at all (no guard records it) where eager code, given Python's int, took the
+    number's. The stand-in hands such code a traced int where it had a Python one, so on the
+    values it returned these reads read the number, as ``str`` does (torch's, graphsplit's
+    and Python's own code keep the proxy's answers; a size read straight off a shape keeps
+    its own rules, planning/tracing/proxies.py)."""
+    original = getattr(TracedValue, name)
+    number_read = getattr(_PYTHON_INT, name)
+
+    def read(self: TracedValue) -> Any:
+        if (
+            type(self) is TracedValue  # not an attribute: reading it would make its node
+            and patcher.traces_here()
+            and type(self.eager_value()) is _PYTHON_INT
+            and not is_internal(sys._getframe(1).f_code.co_filename)
+            and _handed_out(self.node)
+        ):
+            return number_read(self.tracer.concrete(self, operator.index))
+        return original(self)
+
+    return read
+
+
+def _handed_out(node: Any) -> bool:
+    """The stand-in returned ``node``, or Python arithmetic made it from such a value
+    (``2 * (int(h) // 2)``): the nodes above it that hold Python numbers, up to the tensors."""
+    stack, seen = [node], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.meta.get(_HANDED_OUT):
+            return True
+        value = node.meta.get("val")
+        if type(value) in (_PYTHON_INT, float, bool):
+            stack.extend(node.all_input_nodes)
+    return False
 
 
 def _rebound_code(code: types.CodeType) -> types.CodeType | None:
@@ -167,6 +227,8 @@ class IntSites:
 
     def rebind(self, patcher: Patcher) -> None:
         """Run every site's function with the stand-in until ``patcher`` exits."""
+        for name in ("__hash__", "__repr__"):
+            patcher.patch_method(TracedValue, name, _reads_its_number(patcher, name))
         with self._lock:
             sites = [
                 (function, code)
