@@ -40,6 +40,7 @@ from graphsplit.planning.step.callables import as_step_module
 from graphsplit.planning.step.example_inputs import bind_examples
 from graphsplit.planning.step.frozen import FrozenSpec, resolve_frozen
 from graphsplit.planning.step.ragged_lists import refuse_ragged_lists
+from graphsplit.planning.tracing.int_calls import INT_SITES
 from graphsplit.planning.tracing.rewrites import restore_devices
 from graphsplit.planning.tracing.weight_constants import refuse_weight_constants
 from graphsplit.report import plan_json, render_report
@@ -386,6 +387,18 @@ class _Planner:
     memos: SharedMemos = field(default_factory=SharedMemos, repr=False, compare=False)
 
     def plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+        """:meth:`_plan`; refused where int sites answered (planning/tracing/int_calls.py: the
+        analysis may refuse what a traced ``int()`` made), made again with Python's int there."""
+        with INT_SITES.collecting() as used:
+            try:
+                return self._plan(args, kwargs)
+            except Exception:
+                if not used:
+                    raise
+        with INT_SITES.declining(used):
+            return self._plan(args, kwargs)
+
+    def _plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
         started = time.perf_counter()
         model = self.model
         # 1. Bind the example batch to forward's parameters; meta twins at two batch sizes.

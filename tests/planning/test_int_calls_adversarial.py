@@ -276,32 +276,23 @@ def as_text(width):
     return float(len(f"{int(width)}"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="silent wrong: f'{int(w)}' of the stand-in's value is a size text, made a guard "
-    "only once a string holding it reaches a node (size_guards); its length taken in Python "
-    "never does, so the plan for width 8 runs width 12 with len('8'); before int_calls int() "
-    "gave a guarded int",
-)
 def test_text_of_a_site_value_read_in_python():
-    _, exact = _split_and_check(as_text)
-    assert exact == [True, True, True]
+    """``f"{int(w)}"`` of an int site's value is guarded when read, not once a string holding
+    it reaches a node (its length taken in Python never does): a plan per width, exact."""
+    split, exact = _split_and_check(as_text)
+    assert exact == [True, True, True] and len(split.plans) == 3
 
 
 def bit_length_of(width):
     return float(int(width).bit_length())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="regression, refused: int(w).bit_length() becomes a call_method node on the proxy "
-    "whose float() the analysis cannot recompute (refused after the trace, which the "
-    "fall-back in IntSites.traced does not see); before int_calls it was a guarded int and "
-    "the step split with a plan per width",
-)
 def test_an_int_method_on_a_site_value_still_splits():
-    _, exact = _split_and_check(bit_length_of)
-    assert exact == [True, True, True]
+    """``int(w).bit_length()`` read back by ``float()`` is refused by the analysis after the
+    trace; the planner plans again with Python's ``int`` at the sites that answered (api.py),
+    as before int_calls: a plan per width, exact."""
+    split, exact = _split_and_check(bit_length_of)
+    assert exact == [True, True, True] and len(split.plans) == 3
 
 
 SEEN: list = []

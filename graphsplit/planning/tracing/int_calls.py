@@ -16,9 +16,9 @@ same number: ``int`` of an ``int`` is that ``int``) and is Python's ``int`` for 
 size then flows on as a traced value, the way ``x.shape[2]`` does: torch ops record it, and
 every place Python reads its number (``range``, ``bool``, a slice, ``str``; ``hash`` and
 ``repr`` too, for the stand-in's values and arithmetic on them: :func:`_reads_its_number`)
-still guards it. Not ``type(n) is int`` in a function the value is passed to, nor the length
-of ``f"{n}"`` taken in Python (a size text is guarded once it reaches a node): those would see
-the proxy, unguarded (tests/planning/test_int_calls_adversarial.py pins them as known holes).
+still guards it, and its text (``f"{n}"``) is guarded when read (the tracer's ``concrete``),
+not once it reaches a node. Not ``type(n) is int`` in a function the value is passed to: that
+sees the proxy, unguarded (tests/planning/test_int_calls_adversarial.py pins it as a hole).
 The trace that found a new site is made again at once (:func:`trace_step`'s loop), so the
 first plan is already the one without the guard.
 
@@ -27,9 +27,10 @@ Only code that uses the name ``int`` for calls alone is rebound (``isinstance(x,
 every instruction that names it. Functions that cannot be found from their frame (a closure, a
 comprehension) keep Python's ``int`` and the guard. A trace that fails while an int site
 answered a traced value is made again without those sites (:meth:`IntSites.traced`, a
-library that rejects it: ``json.dumps(int(h))``), so a step is not refused because of them
-during the trace (a refusal of the analysis after it, ``int(h).bit_length()`` read back by
-``float()``, is not made again).
+library that rejects it: ``json.dumps(int(h))``); a plan the analysis refuses after such a
+trace (``float(int(h).bit_length())``) is made again by the planner with those sites declined
+(:meth:`IntSites.collecting`, :meth:`IntSites.declining`, used by ``api._Planner.plan``). So
+a step is not refused because of them.
 
 Glossary:
     int site: a function whose code called ``int()`` on a traced int-valued value; held by
@@ -43,6 +44,9 @@ In: the frame that called ``int()`` on a traced value (from ``TracedValue.__int_
     INT_SITES.traced(trace_once) -> Traced  # the trace, made again as said above
     INT_SITES.note(frame) -> bool           # a new site: the trace must be made again
     INT_SITES.rebind(patcher) -> None       # at the start of a trace: every site's code
+    with INT_SITES.collecting() as used: ...   # the planner: sites that answered, any trace
+    with INT_SITES.declining(used): ...        # the planner again, Python's int there
+    handed_out(node) -> bool                # the stand-in returned it, or arithmetic on one
     traced_int(*args, **kwargs)             # what the rebound code calls
 """
 
@@ -64,12 +68,12 @@ from graphsplit.planning.patching.patcher import Patcher
 from graphsplit.planning.rules.user_lines import is_internal
 from graphsplit.planning.tracing.proxies import TracedValue
 
-__all__ = ["INT_SITES", "STAND_IN_NAME", "IntSites", "traced_int"]
+__all__ = ["INT_SITES", "STAND_IN_NAME", "IntSites", "handed_out", "traced_int"]
 
 STAND_IN_NAME = "_graphsplit_traced_int"
 _CALL_LOADS = ("NULL + int", "int + NULL")  # LOAD_GLOBAL's call form: 3.11-3.12, 3.13+
 _PYTHON_INT = int
-_HANDED_OUT = "graphsplit_int_of_a_site"  # node.meta: the stand-in returned it (_handed_out)
+_HANDED_OUT = "graphsplit_int_of_a_site"  # node.meta: the stand-in returned it (handed_out)
 # A trace, again with the sites it found, again without those that failed. Each trace but the
 # last finds a new site or declines one, so the bound is only met by a chain of sites each
 # reached only once the one before is traced (f(int(h)) -> g(int(n)) -> ...): a process that
@@ -111,7 +115,7 @@ def _reads_its_number(patcher: Patcher, name: str) -> Callable[[TracedValue], An
             and patcher.traces_here()
             and type(self.eager_value()) is _PYTHON_INT
             and not is_internal(sys._getframe(1).f_code.co_filename)
-            and _handed_out(self.node)
+            and handed_out(self.node)
         ):
             return number_read(self.tracer.concrete(self, operator.index))
         return original(self)
@@ -119,7 +123,7 @@ def _reads_its_number(patcher: Patcher, name: str) -> Callable[[TracedValue], An
     return read
 
 
-def _handed_out(node: Any) -> bool:
+def handed_out(node: Any) -> bool:
     """The stand-in returned ``node``, or Python arithmetic made it from such a value
     (``2 * (int(h) // 2)``): the nodes above it that hold Python numbers, up to the tensors."""
     stack, seen = [node], set()
@@ -206,6 +210,7 @@ class IntSites:
         self._declined: set[types.CodeType] = set()  # rebound codes, this traced() call
         self._new = False
         self._used: set[types.CodeType] = set()
+        self._collectors: list[set[types.CodeType]] = []  # collecting() blocks now open
 
     def note(self, frame: types.FrameType | None) -> bool:
         """Record the function running ``frame`` (it called ``int()`` on a traced int) as an
@@ -242,7 +247,7 @@ class IntSites:
         """``trace_once()``, made again while it finds new int sites (so the trace returned
         holds them traced) or fails having used some (made again without them)."""
         outer = self._declined, self._new, self._used  # a trace inside a trace keeps its own
-        self._declined = set()
+        self._declined = set(outer[0])  # and those its caller declined (:meth:`declining`)
         try:
             for attempt in range(1, _MAX_TRACES + 1):
                 self._new, self._used = False, set()
@@ -262,6 +267,29 @@ class IntSites:
     def used(self, code: types.CodeType) -> None:
         """The stand-in answered a traced value in ``code`` (a rebound code) this trace."""
         self._used.add(code)
+        for collected in self._collectors:
+            collected.add(code)
+
+    @contextlib.contextmanager
+    def collecting(self) -> Iterator[set[types.CodeType]]:
+        """The (rebound) codes whose stand-in answered a traced value during the block, over
+        every trace in it: the planner's analysis after a trace may refuse what they made."""
+        collected: set[types.CodeType] = set()
+        self._collectors.append(collected)
+        try:
+            yield collected
+        finally:
+            self._collectors.remove(collected)
+
+    @contextlib.contextmanager
+    def declining(self, codes: set[types.CodeType]) -> Iterator[None]:
+        """Every trace in the block runs these (rebound) codes' functions with Python's int."""
+        outer = self._declined
+        self._declined = outer | codes
+        try:
+            yield
+        finally:
+            self._declined = outer
 
 
 INT_SITES = IntSites()

@@ -87,7 +87,7 @@ from graphsplit.planning.rules.user_lines import (
 )
 from graphsplit.planning.step.example_inputs import defaults_not_given
 from graphsplit.planning.tracing.inplace import functionalize_inplace
-from graphsplit.planning.tracing.int_calls import INT_SITES
+from graphsplit.planning.tracing.int_calls import INT_SITES, handed_out
 from graphsplit.planning.tracing.proxies import (
     PLAIN_ARGUMENTS,
     TracedAttribute,
@@ -322,7 +322,7 @@ class StepTracer(fx.Tracer):
         result = convert(value)
         frame = user_frame()
         guard = Guard(node, convert, result, frame_location(frame)[0])
-        if isinstance(result, str):
+        if isinstance(result, str) and not handed_out(node):  # an int site's text: read now
             self.texts.append(guard)
         elif pending:
             self.pending_guards.append((guard, _instruction(frame)))
