@@ -429,7 +429,8 @@ def baseline_code(spec: str, folder: Path) -> Path:
 
     Returns:
         ``folder``, holding ``graphsplit`` (the baseline's) and links to this checkout's
-        ``benchmarks`` and ``tests``, so both versions run the same builders and measurements.
+        ``benchmarks``, ``tests`` and ``examples``, so both versions run the same builders and
+        measurements.
     """
     given = Path(spec).expanduser()
     package = given / "graphsplit" if (given / "graphsplit").is_dir() else given
@@ -447,7 +448,7 @@ def baseline_code(spec: str, folder: Path) -> Path:
                 f"revision of {REPOSITORY}: {archive.stderr.decode().strip()}"
             )
         subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
-    for name in ("benchmarks", "tests"):
+    for name in ("benchmarks", "tests", "examples"):
         (folder / name).symlink_to(REPOSITORY / name, target_is_directory=True)
     return folder
 
