@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import graphsplit
 from graphsplit.planning.tracing.int_calls import INT_SITES, STAND_IN_NAME, traced_int
 from graphsplit.planning.tracing.proxies import TracedValue
+from tests.planning.test_int_calls import trains_exactly
 
 
 class Base(torch.nn.Module):
@@ -60,24 +61,12 @@ def _batch(width: int, seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _trains_exactly(model: torch.nn.Module, split, batch: dict) -> bool:
-    results = []
-    for run in (lambda: split.stage2(**split.stage1(**batch)), lambda: model(**batch)):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(3)
-        loss = run()
-        loss.backward()
-        results.append((loss.detach(), model.head.weight.grad.clone()))
-    (loss, grad), (eager_loss, eager_grad) = results
-    return bool(torch.equal(loss, eager_loss) and torch.equal(grad, eager_grad))
-
-
 def _split_and_check(function, widths=(8, 12, 16)):
     torch.manual_seed(0)
     model = _stepping(function)()
     split = graphsplit.split(model, kwargs=_batch(8, 0))
     assert split.plans, getattr(split, "reason", "")
-    exact = [_trains_exactly(model, split, _batch(w, seed)) for seed, w in enumerate(widths)]
+    exact = [trains_exactly(model, split, _batch(w, seed)) for seed, w in enumerate(widths)]
     return split, exact
 
 
