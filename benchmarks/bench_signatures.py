@@ -51,6 +51,7 @@ from benchmarks.common import (
     interleaved,
     markdown_table,
     parser,
+    ratio_text,
     reply_to_parent,
     report,
     run_child,
@@ -343,18 +344,15 @@ def versus_markdown(rows: list[dict[str, Any]]) -> str:
         "current / baseline (CPU)",
     ]
 
-    def ratio(value: dict[str, float]) -> str:
-        return f"{value['median']:.3f} ({value['q1']:.3f}–{value['q3']:.3f})"
-
     table = [
         [
             r["case"],
             "yes" if r["same_plan"] else "no",
             f"{r['first']['current_s']['median']:.2f}",
-            ratio(r["first"]["cpu_ratio"]),
-            ratio(r["first"]["wall_ratio"]),
+            ratio_text(r["first"]["cpu_ratio"]),
+            ratio_text(r["first"]["wall_ratio"]),
             f"{r['again']['current_s']['median']:.2f}",
-            ratio(r["again"]["cpu_ratio"]),
+            ratio_text(r["again"]["cpu_ratio"]),
         ]
         for r in rows
     ]

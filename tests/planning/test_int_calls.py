@@ -21,6 +21,7 @@ from graphsplit.planning.tracing.int_calls import (
     _rebound_code,
     traced_int,
 )
+from tests.signatures.test_boundary_checks import _batch  # pixels (2, 3, 8, w), target (2, 8, w)
 
 
 def unpack(h: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -87,14 +88,6 @@ class Keyed(Unpacking):
         latents = self.encoder(pixels)
         out = self.head(latents.transpose(1, 3)).transpose(1, 3) * scale_of(latents.shape[3])
         return F.mse_loss(out.mean(1), target)
-
-
-def _batch(width: int, seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        "pixels": torch.randn(2, 3, 8, width, generator=generator),
-        "target": torch.randn(2, 8, width, generator=generator),
-    }
 
 
 def trains_exactly(model: torch.nn.Module, split: graphsplit.Split, batch: dict) -> bool:

@@ -461,8 +461,9 @@ def _trace_graph(
     tracer.record = record
     tracer.forward_location = definition_of(type(model).forward)
     to_int = lambda size: tracer.concrete(size, operator.index)  # noqa: E731
-    # Python conversions of traced values (int(), __index__, range()) are guarded ints; one
-    # that depends on the batch size is refused by the analysis (analyze._check_guards).
+    # Python conversions of traced values (__index__, range(), int() but of an int at an int
+    # site: int_calls.py) are guarded ints; one that depends on the batch size is refused by
+    # the analysis (analyze._check_guards).
     # Everything the trace changes in the process goes through one patcher, undone when the
     # block ends however it ends; a trace in another thread waits for this one (patcher.py).
     with Patcher() as patcher:
