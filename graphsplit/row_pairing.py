@@ -13,7 +13,8 @@ Glossary:
     meet: rows of the batch meet at an op where one of its output rows (along dim 0) turned
         NaN in the runs of each of them but not in every row's run. Reached from every row, it
         is a reduction over the batch (a mean loss, in-batch negatives, BatchNorm): regrouping
-        changes which rows share a batch, as any shuffled loader does, and nothing else.
+        changes which rows share a batch, as any shuffled loader does, and nothing else. Only
+        ops that compute count: a view (a slice, a transpose) reads no row.
     by position: the rows that meet depend on where they stand, not on what they hold. With
         two rows swapped (one of a group that meets and one outside it; else one of the same
         group) other rows meet. Rows grouped by their values (a mean per label; a loss over the
@@ -98,7 +99,10 @@ class _RowMarks(TorchDispatchMode):
         for leaf in pytree.tree_leaves(out):
             if self.stop is not None and len(self.marks) == self.stop and not self.source:
                 self.source = _user_source()
-            self.marks.append((func.__name__, _nan_rows(leaf)))
+            # A view reads nothing: what it shows is its base's memory, which may hold what no
+            # row of this run wrote (a scratch buffer's leftovers, memory the allocator hands
+            # back from a freed NaN tensor, as in TRL's chunked log-prob kernel).
+            self.marks.append((func.__name__, None if func.is_view else _nan_rows(leaf)))
         return out
 
 

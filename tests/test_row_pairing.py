@@ -151,6 +151,30 @@ def test_rows_a_mask_leaves_out_are_not_paired(path):
     assert graphsplit.split(MaskedRows(), (X, keep), path=path).paired_rows is None
 
 
+class Leftovers(Scored):
+    """A row-wise loss that keeps its last value in a scratch tensor and slices the scratch on
+    the next call. The slice shows the last call's leftovers, which no row of this batch wrote:
+    TRL's chunked log-prob kernel slices a ``torch.empty`` buffer the allocator may hand back
+    holding a freed tensor's NaN, so a NaN run's leftovers showed in the next run's slice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scratch = torch.zeros(len(X), 8)
+
+    def forward(self, x):
+        self.scratch[: len(x)]  # a view of what the last call left: nothing of this batch
+        loss = self.score(x).square().mean()
+        with torch.no_grad():
+            self.scratch.fill_(loss)
+        return loss
+
+
+def test_a_view_of_memory_no_row_wrote_is_not_a_meeting():
+    step = Leftovers()
+    assert graphsplit.split(step, (X,), path="calls").paired_rows is None
+    assert not step.scratch.isnan().any()  # the runs' NaN put back
+
+
 def test_below_three_rows_nothing_is_claimed():
     assert MIN_ROWS == 3
     assert graphsplit.split(Preference(), (X[:2],)).paired_rows is None
