@@ -310,6 +310,10 @@ class Cut:
     # boundary tensor computed from it instead (read -> that tensor), checked in stage 1
     # (graphsplit.planning.cut.twin_reads).
     twin_reads: Mapping[fx.Node, fx.Node] = field(default_factory=dict)
+    # Numbers stage 2 reads as a size of a boundary tensor made from what they were read from
+    # (number -> (tensor, dim)) instead of baking them, checked in stage 1
+    # (graphsplit.planning.cut.number_twins).
+    number_twins: Mapping[fx.Node, tuple[fx.Node, int]] = field(default_factory=dict)
 
 
 # -- split -> cache, loader ---------------------------------------------------------------------

@@ -339,14 +339,19 @@ def baked_lines(cut: Cut) -> list[str]:
 
 def twin_read_lines(cut: Cut) -> list[str]:
     """The sizes and devices stage 2 reads off a cached tensor in place of a frozen output it
-    does not have (:mod:`graphsplit.planning.cut.twin_reads`)."""
-    if not cut.twin_reads:
+    does not have (:mod:`graphsplit.planning.cut.twin_reads`), and the numbers it reads as a
+    size of one (:mod:`graphsplit.planning.cut.number_twins`)."""
+    if not cut.twin_reads and not cut.number_twins:
         return []
     lines = ["", "Sizes stage 2 reads off a cached tensor (stage 1 checks on every batch):"]
     for read, twin in cut.twin_reads.items():
         lines.append(
             f"  {expression(read):<40} {'read off ' + twin.name:<34} {read.meta.get('source', '')}"
         )
+    # Numbers read as a size of a twin (graphsplit.planning.cut.number_twins).
+    for number, (twin, dim) in cut.number_twins.items():
+        off = f"read as {twin.name}.shape[{dim}]"
+        lines.append(f"  {expression(number):<40} {off:<34} {number.meta.get('source', '')}")
     return lines
 
 

@@ -9,7 +9,9 @@ checked and are no part of it: one plan serves every value of them.
 Glossary:
     signature: ``{what: expected value}`` for every check a plan's two stages hold, ``what``
         written as the user wrote it (``((video.shape[2] - 1) // 4) + 1``); empty for a plan
-        without size checks.
+        without size checks. A size stage 2 reads off a cached tensor
+        (:func:`graphsplit.runtime.check_same_read`) expects ``{"read off": that tensor's
+        read}``: no value, but which read stage 2 makes is the plan's.
     signature key: a short digest of the signature's canonical JSON: what a cache records per
         sample and what a batch carries to stage 2 (:data:`SIGNATURE_KEY`).
     example record: the shapes, dtypes and plain values of the example batch a plan was made
@@ -34,7 +36,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphsplit.runtime import check_size, check_size_read, check_value
+from graphsplit.runtime import check_same_read, check_size, check_size_read, check_value
 
 __all__ = [
     "SIGNATURE_KEY",
@@ -100,6 +102,11 @@ def signature_of(stage1: fx.GraphModule, stage2: fx.GraphModule) -> Signature:
                 _, read, expected, where = node.args
                 what = f"the value read at {_where(stage, where)} ({read})"
                 reads_values = True
+            elif node.target is check_same_read:
+                # Stage 2 reads ``what`` off a cached tensor: which one, and where, is part of
+                # the plan (two plans may read a length off two different sizes).
+                _, _, what, twin, where = node.args
+                expected = {"read off": str(twin)}
             else:
                 continue
             values[str(what)] = json.dumps(_plain(expected), sort_keys=True)

@@ -30,20 +30,21 @@ Plans: one for every length, except
 - GPT-BigCode: ``wpe(position_ids)`` is a frozen embedding's rows for ``arange(length)``, a
   per-dataset constant read through a frozen module, stored and guarded per length (as GPT-2
   in test_unseen14_learned_positions_lengths.py): a plan per length, by design.
-- Falcon with ALiBi and 2 heads: the bias ``slopes.bfloat16() * positions`` (B, 2, L) in
-  bfloat16 is 4 bytes a token, fewer than the int64 ``attention_mask`` (8), so the min-cut
-  caches the bias and not the mask; stage 2 then needs ``seq_length = attention_mask.shape[1]``
-  for ``alibi.reshape(batch * heads, 1, seq_length)``, and no boundary tensor computed from the
-  mask holds that length at index 1 (the bias holds it at index 2, the 4-d padding mask at 3):
-  ``twins_for`` matches a read only at the same index, so the number is baked, a plan per
-  length (exact). With 4 heads or more (the Falcon RW ALiBi checkpoints have tens) the mask
-  is the cheaper tensor, it is on the boundary, and one plan serves every length. The
-  minimal reproduction below is marked xfail.
+Falcon with ALiBi and 2 heads: the bias ``slopes.bfloat16() * positions`` (B, 2, L) in
+bfloat16 is 4 bytes a token, fewer than the int64 ``attention_mask`` (8), so the min-cut caches
+the bias and not the mask; stage 2 then needs ``seq_length = attention_mask.shape[1]`` for
+``alibi.reshape(batch * heads, 1, seq_length)``, and no boundary tensor computed from the mask
+holds that length at index 1 (the bias holds it at index 2, the 4-d padding mask at 3). The
+number is read as the bias's ``shape[2]`` (planning/cut/number_twins.py), checked in stage 1:
+one plan serves every length, as with 4 heads or more (the Falcon RW ALiBi checkpoints have
+tens), where the mask is the cheaper tensor and is on the boundary. Before, it was baked, a
+plan per length.
 
 Twin chosen by coincidence: ``twins_for`` compares reads at the example batch only. Split at
 length 2, the 2-head bias's heads dimension equals the length and is taken as the mask's twin;
-stage 1's check refuses every other length for that plan (a plan each, exact). Checked on the
-minimal model below (and seen on Falcon ALiBi split at length 2, not pinned here).
+stage 1's check refuses every other length for that plan, and the plan made at the next length
+reads it at index 2, serving every length after. Checked on the minimal model below (and seen
+on Falcon ALiBi split at length 2, not pinned here).
 """
 
 from __future__ import annotations
@@ -208,9 +209,9 @@ CASES = {
     # word_embeddings' .shape[1] / .device read off word_embeddings_layernorm's output
     "bloom-alibi": (_bloom, 1, True),
     "falcon-rotary": (_falcon_rotary, 1, False),
-    # seq_length = attention_mask.shape[1] baked: the bf16 bias is cached, not the mask (see
-    # the module docstring and test_minimal_a_number_read_off_a_placeholder_at_another_index).
-    "falcon-alibi-2-heads": (_falcon_alibi_2_heads, EVERY_LENGTH, False),
+    # seq_length = attention_mask.shape[1] read off the bf16 bias at index 2 (see the module
+    # docstring and test_minimal_a_number_read_off_a_placeholder_at_another_index).
+    "falcon-alibi-2-heads": (_falcon_alibi_2_heads, 1, False),
     "falcon-alibi-4-heads": (_falcon_alibi_4_heads, 1, False),
     "gptj": (_gptj, 1, False),
     "codegen": (_codegen, 1, False),
@@ -284,7 +285,7 @@ def _mask_batch(length):
     return ids, mask
 
 
-def test_minimal_alibi_from_the_mask_is_exact_with_the_length_baked():
+def test_minimal_alibi_from_the_mask_is_exact_at_every_length_from_one_plan():
     torch.manual_seed(0)
     step = AlibiFromTheMask()
     split = graphsplit.split(step, _mask_batch(5))
@@ -292,24 +293,18 @@ def test_minimal_alibi_from_the_mask_is_exact_with_the_length_baked():
     for length in (7, 3, 5):
         checks = graphsplit.verify(step, split, _mask_batch(length), seed=0)
         assert checks and all(c.ok for c in checks), [c for c in checks if not c.ok]
-    # mask.shape[1] baked into stage 2 (for the reshape): a plan per length, see the xfail below
-    assert len(split.plans) == 3, signatures(split)
+    assert len(split.plans) == 1, signatures(split)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "twins_for (graphsplit/planning/cut/twin_reads.py) matches a read only at its own "
-        "index: numbers_read_off_twins finds no boundary tensor computed from the mask whose "
-        "shape[1] is mask.shape[1] (the cached bias (B, 2, L) holds L at index 2), so "
-        "seq_length is baked into stage 2 and every padded length is a plan of its own "
-        "(exact); reading it as bias.shape[2], checked in stage 1, would serve every length"
-    ),
-)
 def test_minimal_a_number_read_off_a_placeholder_at_another_index():
+    """``mask.shape[1]``, which stage 2 needs for the reshape, is the cached bias's index 2:
+    stage 2 reads it there, stage 1 checks the two agree."""
     torch.manual_seed(0)
     step = AlibiFromTheMask()
     split = graphsplit.split(step, _mask_batch(5))
+    ((number, (twin, dim)),) = split.cut.number_twins.items()
+    assert (number.name, twin.name, dim) == ("shape_1", "mul_1", 2) and not split.cut.baked
+    assert "mask.shape[1]" in split.report() and "read as mul_1.shape[2]" in split.report()
     for length in (7, 3):
         split.stage1(*_mask_batch(length))
     assert len(split.plans) == 1, signatures(split)
@@ -319,7 +314,8 @@ def test_a_twin_matching_by_coincidence_at_the_example_is_caught_in_stage_1():
     """At length 2 the bias (B, 2, L) has 2 heads at index 1, the length the mask holds there:
     ``twins_for`` takes the bias as the mask's twin for ``mask.shape[1]`` (the heads, not the
     length). Stage 1's ``check_same_read`` refuses every other length for that plan, so each
-    gets a plan of its own (with the length baked) and every step stays exact."""
+    gets a plan of its own, and every step stays exact. The plan made at 7 reads the length off
+    the bias's index 2 (planning/cut/number_twins.py) and serves 3 and 5 too."""
     torch.manual_seed(0)
     step = AlibiFromTheMask()
     split = graphsplit.split(step, _mask_batch(2))
@@ -328,5 +324,6 @@ def test_a_twin_matching_by_coincidence_at_the_example_is_caught_in_stage_1():
     for length in (7, 3, 2, 5):
         checks = graphsplit.verify(step, split, _mask_batch(length), seed=0)
         assert checks and all(c.ok for c in checks), [c for c in checks if not c.ok]
-    assert len(split.plans) == 4, signatures(split)
-    assert all(not plan.cut.twin_reads for plan in split.plans[1:])
+    assert len(split.plans) == 2, signatures(split)
+    (later,) = split.plans[1:]
+    assert not later.cut.twin_reads and [dim for _, dim in later.cut.number_twins.values()] == [2]

@@ -1,5 +1,7 @@
 """Numbers cross as numbers (issue 11 item 4): a size stage 2 reads from frozen-only data is
-baked into stage 2 and checked in stage 1; the tensor it was read from is not cached."""
+baked into stage 2 and checked in stage 1; the tensor it was read from is not cached. Where a
+cached tensor made from that data holds the number as one of its sizes, stage 2 reads it there
+instead, checked in stage 1, and one plan serves every size (planning/cut/number_twins.py)."""
 
 from __future__ import annotations
 
@@ -46,6 +48,28 @@ class PixelShapedNoiseStep(nn.Module):
         return F.mse_loss(model_pred.float(), noise.float(), reduction="mean")
 
 
+class PyramidNoiseStep(PixelShapedNoiseStep):
+    """Noise drawn at the pixels' resolution and pooled to the latents' (as multi-resolution
+    noise is drawn): no cached tensor made from the pixels holds their size, so stage 2 holds
+    it as a literal, checked in stage 1."""
+
+    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        latents = self.vae.encode(pixel_values).latent_dist.sample()
+        latents = latents * self.vae.config.scaling_factor
+        encoder_hidden_states = self.text_encoder(input_ids, return_dict=False)[0]
+        bsz = latents.shape[0]
+        height = pixel_values.shape[2]
+        width = pixel_values.shape[3]
+        noise = torch.randn(bsz, self.unet.config.in_channels, height, width, device=latents.device)
+        noise = F.avg_pool2d(noise, self.vae_scale_factor) * self.vae_scale_factor
+        timesteps = torch.randint(
+            0, self.noise_scheduler.config.num_train_timesteps, (bsz,), device=latents.device
+        )
+        noisy_latents = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        model_pred = self.unet(noisy_latents, timesteps, encoder_hidden_states).sample
+        return F.mse_loss(model_pred.float(), noise.float(), reduction="mean")
+
+
 def sd_batch(size: int, resolution: int = 32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     pixels = torch.rand(size, 3, resolution, resolution, generator=generator) * 2 - 1
@@ -53,8 +77,8 @@ def sd_batch(size: int, resolution: int = 32, seed: int = 0) -> tuple[torch.Tens
 
 
 @pytest.fixture(scope="module")
-def pixel_step() -> tuple[PixelShapedNoiseStep, graphsplit.Split]:
-    step = PixelShapedNoiseStep()
+def pixel_step() -> tuple[PyramidNoiseStep, graphsplit.Split]:
+    step = PyramidNoiseStep()
     split = split_and_verify(step, sd_batch(2))
     split.plan_set.max_plans = 1  # another resolution is refused, not given a plan of its own
     return step, split
@@ -68,9 +92,30 @@ def test_the_raw_pixels_are_not_cached_for_their_shape(pixel_step):
         "text_encoder_0": 16 * 32 * 4,
     }
     baked = {node.name: value for node, value in split.cut.baked.items()}
-    assert baked == {"floordiv": 16, "floordiv_1": 16}
-    assert "torch.randn((mul_shape_0, 4, 16, 16)" in split.stage2.code
+    assert baked == {"shape_2": 32, "shape_3_3": 32} and not split.cut.number_twins
+    assert "torch.randn((mul_shape_0, 4, 32, 32)" in split.stage2.code
     assert "pixel_values" not in split.stage2.code
+
+
+def test_a_size_the_latents_hold_is_read_off_them_and_one_plan_serves_every_resolution():
+    """``pixel_values.shape[2] // vae_scale_factor`` is the latents' height: stage 2 reads it
+    as ``latents.size(2)`` (the noise's index 2 of 4 says which of the two equal sizes), stage
+    1 checks the two agree, and 64 x 48 pixels train exactly on the plan made at 32 x 32."""
+    step = PixelShapedNoiseStep()
+    split = split_and_verify(step, sd_batch(2))
+    split.plan_set.max_plans = 1  # a second plan would be refused
+    assert "pixel_values" not in split.boundary and not split.cut.baked
+    twins = {n.name: (twin.name, dim) for n, (twin, dim) in split.cut.number_twins.items()}
+    latents = "vae_encode_latent_dist_parameters"
+    assert twins == {"floordiv": (latents, 2), "floordiv_1": (latents, 3)}
+    assert f"floordiv = {latents}.size(2)" in split.stage2.code
+    assert split.stage1.code.count("graphsplit_runtime_check_same_read(") == 2
+    assert "Sizes stage 2 reads off a cached tensor" in split.report()
+    assert f"pixel_values.shape[3] // 2{' ' * 15}read as {latents}.shape[3]" in split.report()
+    pixels, ids = sd_batch(2, seed=1)
+    checks = graphsplit.verify(step, split, (F.interpolate(pixels, (64, 48)), ids), seed=0)
+    assert checks and all(c.ok for c in checks), [c for c in checks if not c.ok]
+    assert len(split.plans) == 1
 
 
 def test_verify_is_exact_at_another_batch_size(pixel_step):
@@ -80,10 +125,10 @@ def test_verify_is_exact_at_another_batch_size(pixel_step):
 
 
 def test_a_plan_traced_at_batch_3_is_exact_and_caches_no_pixels_either():
-    step = PixelShapedNoiseStep()
+    step = PyramidNoiseStep()
     split = split_and_verify(step, sd_batch(3, seed=2))
     assert "pixel_values" not in split.boundary
-    assert sorted(node.name for node in split.cut.baked) == ["floordiv", "floordiv_1"]
+    assert sorted(node.name for node in split.cut.baked) == ["shape_2", "shape_3_3"]
 
 
 def test_the_report_and_plan_show_the_baked_numbers(pixel_step):
@@ -91,11 +136,11 @@ def test_the_report_and_plan_show_the_baked_numbers(pixel_step):
     report = split.report()
     assert "Boundary: 2 tensors, 10.0 KiB per sample" in report
     assert "Numbers baked into stage 2 (not cached; stage 1 checks them on every batch):" in report
-    assert "pixel_values.shape[2] // 2 = 16" in report
+    assert "pixel_values.shape[2] = 32" in report
     numbers = split.to_json()["baked_numbers"]
     assert [(n["node"], n["expression"], n["value"]) for n in numbers] == [
-        ("floordiv", "pixel_values.shape[2] // 2", 16),
-        ("floordiv_1", "pixel_values.shape[3] // 2", 16),
+        ("shape_2", "pixel_values.shape[2]", 32),
+        ("shape_3_3", "pixel_values.shape[3]", 32),
     ]
 
 
@@ -105,10 +150,10 @@ def test_stage_1_at_another_resolution_names_the_size_the_line_and_the_fix(pixel
         split.stage1(*sd_batch(2, resolution=64))
     message = str(caught.value)
     assert (
-        "this plan was made for pixel_values.shape[2] // 2 = 16, got 32: the batch needs a plan of "
+        "this plan was made for pixel_values.shape[2] = 32, got 64: the batch needs a plan of "
         "its own, and graphsplit.split has made max_plans=1 plan(s) already" in message
     )
-    assert line_of(PixelShapedNoiseStep.forward, "height = pixel_values.shape[2]") in message
+    assert line_of(PyramidNoiseStep.forward, "height = pixel_values.shape[2]") in message
     assert "fix:    pass a larger max_plans to graphsplit.split" in message
 
 
@@ -235,8 +280,8 @@ def test_stage_1_code_names_no_file_the_checks_read_their_lines_beside_it(pixel_
     assert "test_numbers.py" not in split.stage1.code
     assert "graphsplit_check_sources[0]" in split.stage1.code
     height, width = split.stage1.graphsplit_check_sources
-    assert line_of(PixelShapedNoiseStep.forward, "height = pixel_values.shape[2]") in height
-    assert line_of(PixelShapedNoiseStep.forward, "width = pixel_values.shape[3]") in width
+    assert line_of(PyramidNoiseStep.forward, "height = pixel_values.shape[2]") in height
+    assert line_of(PyramidNoiseStep.forward, "width = pixel_values.shape[3]") in width
 
 
 def test_saved_stage_1_code_checks_the_baked_numbers(pixel_step, tmp_path):
@@ -251,7 +296,7 @@ def test_saved_stage_1_code_checks_the_baked_numbers(pixel_step, tmp_path):
     example = sd_batch(2)
     saved, live = stage1(*example), split.stage1(*example)
     assert saved.keys() == live.keys() and all(torch.equal(saved[k], live[k]) for k in live)
-    with pytest.raises(SplitError, match=r"made for pixel_values.shape\[2\] // 2 = 16, got 32"):
+    with pytest.raises(SplitError, match=r"made for pixel_values.shape\[2\] = 32, got 64"):
         stage1(*sd_batch(2, resolution=64))
 
 
@@ -277,5 +322,5 @@ def test_the_cache_holds_no_pixels_and_stage_2_trains_from_it_exactly(pixel_step
 def test_caching_a_batch_at_another_resolution_stops_before_writing_it(pixel_step, tmp_path):
     _, split = pixel_step
     batches = [dict(zip(("pixel_values", "input_ids"), sd_batch(2, resolution=64)))]
-    with pytest.raises(SplitError, match=r"made for pixel_values.shape\[2\] // 2 = 16, got 32"):
+    with pytest.raises(SplitError, match=r"made for pixel_values.shape\[2\] = 32, got 64"):
         graphsplit.cache(split, batches, tmp_path / "cache", progress=False)

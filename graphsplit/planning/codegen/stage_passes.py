@@ -24,6 +24,8 @@ output, which checks the sizes stage 1 can read (before anything is cached):
   stage 2 (sizes read from frozen-only data) are recomputed from the batch and checked;
 - :func:`~graphsplit.planning.cut.twin_reads.check_twin_reads`: each read stage 2 makes on a
   boundary tensor in place of a tensor it lacks gives the same value on both;
+- :func:`~graphsplit.planning.cut.number_twins.check_number_twins`: each number stage 2 reads
+  as a size of a boundary tensor equals that size;
 - :func:`~graphsplit.planning.rules.size_guards.recheck_size_guards_in_stage1`: every size guard
   stage 1 can recompute, stage 2's included, is rechecked here, so ``cache()`` never writes a
   batch no plan could train;
@@ -45,6 +47,7 @@ from typing import Any
 import torch.fx as fx
 
 from graphsplit.artifacts import Cut
+from graphsplit.planning.cut.number_twins import check_number_twins
 from graphsplit.planning.cut.twin_reads import check_twin_reads
 from graphsplit.planning.opaque.value_reads import hold_check_sources
 from graphsplit.planning.rules.baked_sizes import check_numbers
@@ -77,6 +80,7 @@ def finish_stage1(
     sources = CheckSources(stage)
     check_numbers(stage, graph, cut, env, sources)
     check_twin_reads(stage, cut, env, sources)
+    check_number_twins(stage, cut, env, sources)
     recheck_size_guards_in_stage1(stage, graph, cut, env, sources, as_in_0_2=as_in_0_2)
     hold_check_sources(stage, sources)  # the value checks' lines (planning/opaque/value_reads.py)
     hoist_checks(stage)

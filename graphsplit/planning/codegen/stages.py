@@ -29,6 +29,7 @@ from graphsplit.planning.codegen.stage_passes import (
     finish_stage2,
     finish_stage2_module,
 )
+from graphsplit.planning.cut.number_twins import size_on_twin
 from graphsplit.planning.cut.twin_reads import read_on
 from graphsplit.planning.meta.meta_interpreter import fetch
 from graphsplit.planning.rules.baked_sizes import bake_numbers
@@ -307,6 +308,11 @@ def build_stage2(
                 "call_method", "size", (env[cut.anchor], batch_dim), name=node.name
             )
             env[node].meta = dict(node.meta)
+        elif node in cut.number_twins:
+            # A number the step read off a tensor stage 2 lacks, read as a size of its twin.
+            env[node] = size_on_twin(
+                stage, node, env[cut.number_twins[node][0]], cut.number_twins[node][1]
+            )
         elif node in cut.twin_reads:
             # ``x.shape`` of a tensor stage 2 lacks, read off its twin on the boundary.
             env[node] = read_on(stage, node, env[cut.twin_reads[node]])

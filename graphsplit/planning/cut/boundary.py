@@ -59,6 +59,7 @@ from torch import nn
 from graphsplit.artifacts import BoundarySpec, Cut, Recomputation, Taint
 from graphsplit.errors import Fix, SplitError, user_error
 from graphsplit.planning.cut.min_cut import Unbounded, sink_side
+from graphsplit.planning.cut.number_twins import numbers_on_twins
 from graphsplit.planning.cut.recompute import (
     AUTO,
     CostModel,
@@ -191,17 +192,20 @@ def cheapest_cut(
 def _recompute_sized_constants(graph: fx.Graph, cut: Cut) -> Cut:
     """``cut`` less the constants made from a batch size that stage 2 computes itself
     (:mod:`graphsplit.planning.cut.sized_constants`), and less the baked numbers stage 2 reads
-    off a twin (:mod:`graphsplit.planning.cut.twin_reads`): stored or baked, each would make
-    every padded length a plan of its own."""
+    off a twin (:mod:`graphsplit.planning.cut.twin_reads`) or as a twin's size
+    (:mod:`graphsplit.planning.cut.number_twins`): stored or baked, each would make every
+    padded length a plan of its own."""
     constants, twin_reads = recomputable_constants(graph, cut)
     numbers, number_reads = numbers_read_off_twins(cut)
-    if not constants and not numbers:
+    on_twins = numbers_on_twins(cut, (node for node in cut.baked if node not in numbers))
+    if not constants and not numbers and not on_twins:
         return cut
     moved = set(constants)
     boundary = tuple(node for node in cut.boundary if node not in moved)
-    baked = tuple(node for node in cut.baked if node not in numbers)
+    baked = tuple(node for node in cut.baked if node not in numbers and node not in on_twins)
+    reads = {**twin_reads, **number_reads}
     recomputed = stages_for(
-        graph, boundary, cut.taint, baked=baked, twin_reads={**twin_reads, **number_reads}
+        graph, boundary, cut.taint, baked=baked, twin_reads=reads, number_twins=on_twins
     )
     if recomputed.reanchored and recomputed.anchor is None:
         return cut  # a batch size stage 2 would need has nothing per-sample to be read off
@@ -309,15 +313,18 @@ def stages_for(
     *,
     baked: tuple[fx.Node, ...] = (),
     twin_reads: Mapping[fx.Node, fx.Node] | None = None,
+    number_twins: Mapping[fx.Node, tuple[fx.Node, int]] | None = None,
 ) -> Cut:
     """The nodes each stage runs for a given boundary (any boundary: tests hand-write them).
 
     ``baked``: fixed numbers stage 2 holds as literals
     (:mod:`graphsplit.planning.rules.baked_sizes`); stage 1 computes them, to check them against the
     plan. ``twin_reads``: reads stage 2 makes on a boundary tensor instead of the tensor they
-    read (:mod:`graphsplit.planning.cut.twin_reads`); stage 1 checks them.
+    read (:mod:`graphsplit.planning.cut.twin_reads`), and ``number_twins`` numbers it reads as
+    a size of one (:mod:`graphsplit.planning.cut.number_twins`); stage 1 checks them.
     """
-    twin_reads = twin_reads or {}
+    twin_reads, number_twins = twin_reads or {}, number_twins or {}
+    read_off = {**twin_reads, **{number: twin for number, (twin, _) in number_twins.items()}}
     taint = taint if taint is not None else {}
     assert all(is_fixed_number(node, taint) for node in baked), "only fixed numbers are baked"
     # Stage 1 also runs the checks of values the plan holds (nothing uses them: value_reads).
@@ -336,7 +343,7 @@ def stages_for(
         if node.op == "placeholder":
             raise AssertionError(f"stage 2 would need input {node.name}: boundary is not a cut")
         stage2.add(node)
-        pending.extend((twin_reads[node],) if node in twin_reads else node.all_input_nodes)
+        pending.extend((read_off[node],) if node in read_off else node.all_input_nodes)
     reanchored = set()
     for node in deferred:
         needed = _size_inputs(node, stage2 | boundary_set)
@@ -347,7 +354,7 @@ def stages_for(
     anchor = next((n for n in boundary if "facts" in n.meta and facts(n).per_sample), None)
     stage2 |= reanchored
     stage1: set[fx.Node] = {node for node in graph.nodes if node.op == "placeholder"}
-    pending = list(boundary_set)
+    pending = [*boundary_set, *number_twins]
     while pending:
         node = pending.pop()
         if node not in stage1:
@@ -364,6 +371,7 @@ def stages_for(
         anchor,
         baked=numbers,
         twin_reads=dict(twin_reads),
+        number_twins=dict(number_twins),
     )
 
 
