@@ -73,6 +73,12 @@ NO_STAGE2_PLAN_FIX = Fix(
     "their plan and whose cache records each plan's example"
 )
 
+# A cache's plan that this split plans differently (dispatch's _plan_for).
+STALE_PLAN_FIX = Fix(
+    "write the cache again with this graphsplit and step: graphsplit.cache(split, loader, "
+    "path, overwrite=True); or read it where the graphsplit and step that wrote it are installed"
+)
+
 
 @dataclass
 class Plan:
@@ -379,8 +385,9 @@ class PlanSet:
             raise user_error(
                 SplitError,
                 f"rebuilding the plan {key!r} from the cache's example made another plan "
-                f"({self.name(plan)}).",
-                fix=NO_STAGE2_PLAN_FIX,
+                f"({plan.key}: {self.name(plan)}): the cache was written by another version "
+                "of graphsplit or of the step, which planned that example differently.",
+                fix=STALE_PLAN_FIX,
             )
         self.plans[key] = plan
         del self.recorded[key]

@@ -109,6 +109,39 @@ def test_one_cache_over_both_widths_trains_exactly_in_a_process_that_never_saw_w
     assert seen == 10 and len(fresh.plans) == 2  # width 24's plan built from the manifest
 
 
+def test_a_cache_whose_plan_this_split_plans_differently_names_the_plan_and_the_fix(tmp_path):
+    """A cache names its plans by signature key. Where the example a plan was recorded with
+    makes another plan here (the cache written by another graphsplit whose keys differ, or
+    before the step changed), stage 2 refuses its batches, naming the plan and how to
+    rebuild the cache."""
+    model = _model()
+    split = graphsplit.split(model, kwargs=_batch(16, 2, 0))
+    loader = [
+        {**_batch(width, 2, i), "key": [f"{i}a", f"{i}b"]} for i, width in enumerate((16, 24))
+    ]
+    graphsplit.cache(split, loader, tmp_path / "cache", progress=False)
+    manifest_file = tmp_path / "cache" / "manifest.json"
+    other = split.plans[1].key
+    # As a graphsplit that wrote another key for the same plan would have.
+    manifest_file.write_text(manifest_file.read_text().replace(other, "0123456789abcdef"))
+    fresh = graphsplit.split(model, kwargs=_batch(16, 2, 0))  # a stage-2 process
+    cached = graphsplit.CachedDataset(tmp_path / "cache", fresh)
+    batch = graphsplit.collate([cached[cached.keys.index(key)] for key in ("1a", "1b")])
+    assert batch[SIGNATURE_KEY] == "0123456789abcdef"
+    with pytest.raises(SplitError) as caught:
+        fresh.stage2(**batch)
+    message = str(caught.value)
+    assert (
+        "rebuilding the plan '0123456789abcdef' from the cache's example made another plan "
+        f"({other}: (encoder.shape[-1] % 16) != 0 = true): the cache was written by another "
+        "version of graphsplit or of the step" in message
+    ), message
+    assert "fix:    write the cache again with this graphsplit and step: graphsplit.cache(" in (
+        message
+    )
+    assert "overwrite=True" in message
+
+
 def test_a_mixed_single_plan_cache_records_no_plans(tmp_path):
     model = _model()
     split = graphsplit.split(model, kwargs=_batch(24, 2, 0))
