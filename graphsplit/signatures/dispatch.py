@@ -48,7 +48,7 @@ import torch.fx as fx
 from graphsplit.artifacts import BoundarySpec, Cut
 from graphsplit.errors import Fix, SplitError, user_error
 from graphsplit.planning.rules.random_draws import generator_states, set_generator_states
-from graphsplit.runtime import PlanMismatch
+from graphsplit.runtime import PlanMismatch, check_same_read
 from graphsplit.signatures.boundary_checks import SizeChecks
 from graphsplit.signatures.names import short_name
 from graphsplit.signatures.signature import (
@@ -71,6 +71,12 @@ NO_STAGE2_PLAN_FIX = Fix(
     "run split.stage1 on a raw batch of this signature first (graphsplit.cache does), or "
     "read the batches from CachedDataset(path, split).loader(...), whose batches name "
     "their plan and whose cache records each plan's example"
+)
+
+# Two different plans whose signatures are equal (_new_plan): nothing the user did.
+SAME_KEY_FIX = Fix(
+    "report it with the step and the two batches' shapes; meanwhile split with an example "
+    "of this batch's shape and cache its batches apart (graphsplit.split(step, batch))"
 )
 
 # A cache's plan that this split plans differently (dispatch's _plan_for).
@@ -218,6 +224,7 @@ class PlanSet:
         self.recorded: dict[str, tuple[str, str | None]] = {}
         # Per plan key: stage 2's checks of boundary sizes, cut out once (None: it has none).
         self._size_checks: dict[str, SizeChecks | None] = {}
+        self._late: dict[str, bool] = {}  # per plan key: see _refuses_late
 
     # -- wiring --------------------------------------------------------------------------------
     def install(self) -> None:
@@ -241,7 +248,7 @@ class PlanSet:
     def run_stage1_signed(self, *args: Any, **kwargs: Any) -> tuple[dict[str, Any], Plan]:
         """Stage 1's outputs for this batch, and the plan that made them (made if needed)."""
         refusals: list[PlanMismatch] = []
-        for plan in self._by_recency():
+        for plan in sorted(self._by_recency(), key=self._refuses_late):
             try:
                 outputs = self._checked_stage1(plan, args, kwargs)
             except PlanMismatch as refusal:
@@ -253,6 +260,15 @@ class PlanSet:
         outputs = self._checked_stage1(plan, args, kwargs)
         self._used(plan)
         return outputs, plan
+
+    def _refuses_late(self, plan: Plan) -> bool:
+        """Whether the plan's stage 1 may refuse a batch only after its frozen work: a check of
+        a size stage 2 reads off a cached tensor needs that tensor. Stage 1 tries such plans
+        last, so that a batch another plan takes runs the frozen work once."""
+        if plan.key not in self._late:
+            nodes = plan.stage1.graph.nodes
+            self._late[plan.key] = any(node.target is check_same_read for node in nodes)
+        return self._late[plan.key]
 
     def _checked_stage1(
         self, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -275,6 +291,18 @@ class PlanSet:
         # cache() runs stage 1 under inference_mode; the planner needs the modes split() had.
         with torch.inference_mode(False), torch.enable_grad():
             plan = self._make_plan(args, kwargs)
+        if plan.key in self.plans:
+            # Every plan refused the batch, so the new one differs from them: the same key
+            # would send batches of one to the other's stage 2.
+            raise user_error(
+                SplitError,
+                f"the plan made for this batch has the signature key {plan.key!r} of a plan "
+                f"that refused the batch ({refusal.reason.split(';')[0]}): their signatures do "
+                "not tell them apart, and a batch naming that key could train on the wrong "
+                "one. This is a graphsplit bug.",
+                fix=SAME_KEY_FIX,
+                source=refusal.difference.where if refusal.difference else None,
+            )
         self.plans[plan.key] = plan
         self.recorded.pop(plan.key, None)
         return plan
@@ -333,7 +361,10 @@ class PlanSet:
         return self._tried_in_turn(batch)
 
     def _tried_in_turn(self, batch: dict[str, Any]) -> Any:
-        candidates = [p for p in self._by_recency() if not p.signature.reads_values]
+        # The first plan first: a batch graphsplit made names no plan only where the first
+        # plan was the only one (a cache of it alone, stage 1's outputs before a second plan).
+        ordered = [self.first] + [p for p in self._by_recency() if p is not self.first]
+        candidates = [p for p in ordered if not p.signature.reads_values]
         refusals: list[PlanMismatch] = []
         for plan in candidates:
             states = _rng_states()

@@ -87,7 +87,7 @@ class Signature:
 
 def signature_of(stage1: fx.GraphModule, stage2: fx.GraphModule) -> Signature:
     """The values a plan's stage checks expect (see the module glossary)."""
-    values: dict[str, str] = {}
+    values: dict[str, list[str]] = {}
     lines: dict[str, str] = {}
     reads_values = False
     for stage in (stage1, stage2):
@@ -109,9 +109,22 @@ def signature_of(stage1: fx.GraphModule, stage2: fx.GraphModule) -> Signature:
                 expected = {"read off": str(twin)}
             else:
                 continue
-            values[str(what)] = json.dumps(_plain(expected), sort_keys=True)
+            seen = values.setdefault(str(what), [])
+            text = json.dumps(_plain(expected), sort_keys=True)
+            if text not in seen:
+                seen.append(text)
             lines.setdefault(str(what), _where(stage, where))
-    return Signature(tuple(sorted(values.items())), tuple(sorted(lines.items())), reads_values)
+    entries = {what: _one_entry(texts) for what, texts in values.items()}
+    return Signature(tuple(sorted(entries.items())), tuple(sorted(lines.items())), reads_values)
+
+
+def _one_entry(texts: list[str]) -> str:
+    """A ``what``'s entry: its expected value, or every value where checks of the same text
+    expect different ones (a number baked at one line and read off a cached tensor at
+    another): each is part of the plan, and a plan differing in any must have another key."""
+    if len(texts) == 1:
+        return texts[0]
+    return json.dumps({"each of": [json.loads(text) for text in sorted(texts)]}, sort_keys=True)
 
 
 def _where(stage: fx.GraphModule, where: Any) -> str:

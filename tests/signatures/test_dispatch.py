@@ -142,6 +142,27 @@ def test_a_cache_whose_plan_this_split_plans_differently_names_the_plan_and_the_
     assert "overwrite=True" in message
 
 
+def test_a_new_plan_with_an_existing_plans_key_is_refused_not_swapped_in(monkeypatch):
+    """Two plans with one key would send batches of one to the other's stage 2: a plan made
+    for a batch every plan refused must not take a key one of them holds."""
+    from graphsplit.signatures.signature import Signature
+
+    monkeypatch.setattr(Signature, "key", property(lambda self: "0" * 16))
+    model = _model()
+    split = graphsplit.split(model, kwargs=_batch(16, 2, 0))
+    with pytest.raises(SplitError) as caught:
+        split.stage1(**_batch(24, 2, 1))
+    message = str(caught.value)
+    assert (
+        "the plan made for this batch has the signature key '0000000000000000' of a plan that "
+        "refused the batch (this plan was made for (encoder.shape[-1] % 16) != 0 = False, got "
+        "True)" in message
+    ), message
+    assert "This is a graphsplit bug." in message and "if h.shape[-1] % 16 != 0:" in message
+    assert "fix:    report it with the step and the two batches' shapes" in message
+    assert len(split.plans) == 1
+
+
 def test_a_mixed_single_plan_cache_records_no_plans(tmp_path):
     model = _model()
     split = graphsplit.split(model, kwargs=_batch(24, 2, 0))
