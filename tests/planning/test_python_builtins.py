@@ -293,3 +293,30 @@ def test_a_list_subclass_made_while_traced_behaves_as_a_list_subclass_afterwards
     rows = rows_type([1, 2])
     assert type(rows) is rows_type and rows == [1, 2]
     assert isinstance(rows, list) and not isinstance([], rows_type)
+
+
+class RoundsItsSizes(nn.Module):
+    """``round()`` and ``divmod()`` of sizes, as patch and window code computes grids
+    (``round(h / patch)``, ``rows, rest = divmod(length, window)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = frozen(nn.Linear(4, 4))
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, tokens):
+        features = self.encoder(tokens)
+        grid = round(tokens.shape[1] / 2)
+        rows, rest = divmod(tokens.shape[1], 3)
+        return self.head(features).square().mean() * grid + rows - rest
+
+
+def test_round_and_divmod_of_a_size_stay_traced_and_one_plan_serves_every_length():
+    step = RoundsItsSizes()
+    split = split_and_verify(step, (batch(2, 6, 4),))
+    code = split.stage2.code
+    assert "round(truediv)" in code and "divmod(" in code, code
+    for length in (7, 9, 2):  # round(3.5) = 4 and round(4.5) = 4: Python's rounding, kept
+        checks = graphsplit.verify(step, split, (batch(3, length, 4, seed=length),), seed=1)
+        assert checks and all(c.ok for c in checks)
+    assert len(split.plans) == 1

@@ -67,7 +67,8 @@ class TracedValue(fx.Proxy):
       program eager runs;
     - ``bool``, ``int``, ``float``, ``__index__`` (a slice bound, ``[0] * n``) and ``len``
       called from C code read the meta value and record a guard (see
-      :meth:`graphsplit.planning.tracing.tracer.StepTracer.concrete`).
+      :meth:`graphsplit.planning.tracing.tracer.StepTracer.concrete`);
+    - ``round()`` and ``divmod()`` stay traced, as ``//`` and ``%`` do.
     """
 
     def __getattr__(self, name: str) -> Any:
@@ -138,6 +139,19 @@ class TracedValue(fx.Proxy):
 
     def __imul__(self, other: Any) -> Any:
         return self._augmented("mul_", operator.mul, other)
+
+    # Python calls these on its own (``round(h / 8)``, ``q, r = divmod(n, 4)``); fx's Proxy
+    # lacks them, so they raised a bare TypeError from the user's line. Traced: the number
+    # stays a node, as ``//`` and ``%`` do.
+    def __round__(self, ndigits: Any = None) -> Any:
+        args = (self,) if ndigits is None else (self, ndigits)
+        return self.tracer.create_proxy("call_function", round, args, {})
+
+    def __divmod__(self, other: Any) -> Any:
+        return self.tracer.create_proxy("call_function", divmod, (self, other), {})
+
+    def __rdivmod__(self, other: Any) -> Any:
+        return self.tracer.create_proxy("call_function", divmod, (other, self), {})
 
     def __itruediv__(self, other: Any) -> Any:
         return self._augmented("div_", operator.truediv, other)
