@@ -572,9 +572,12 @@ class RemembersTheFrameCount(nn.Module):
         "(graphsplit/planning/patching/module_writes.py) ignores, so the step's later read "
         "of encoder.frames is a plain int at trace time and stage 2 holds the example's 2 as a "
         "literal, unchecked: a 9-frame batch trains on loss * 2 instead of * 3, in the same "
-        "plan, silently (only graphsplit.verify notices). Fix: diff a leaf's plain attributes "
-        "around its meta run and, when the step reads a changed one afterwards, refuse it "
-        "with a SplitError, or check it in stage 1 (which runs the leaf) like a baked number"
+        "plan, silently (only graphsplit.verify notices; path='calls' is exact on this step, "
+        "path='auto' takes the trace). Fix: diff a leaf's plain attributes around its meta "
+        "run and, when the step reads a changed one afterwards (move it out of the module's "
+        "__dict__ so the read reaches nn.Module.__getattr__), refuse the trace so that "
+        "path='auto' takes the module-level path; checking every such write in stage 1 would "
+        "make a plan per length for modules that cache sizes only they read"
     ),
 )
 def test_a_size_a_frozen_module_remembers_on_itself_is_not_frozen_into_stage_2():
