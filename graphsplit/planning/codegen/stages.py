@@ -310,9 +310,8 @@ def build_stage2(
             env[node].meta = dict(node.meta)
         elif node in cut.number_twins:
             # A number the step read off a tensor stage 2 lacks, read as a size of its twin.
-            env[node] = size_on_twin(
-                stage, node, env[cut.number_twins[node][0]], cut.number_twins[node][1]
-            )
+            twin, dim = cut.number_twins[node]
+            env[node] = size_on_twin(stage, node, env[twin], dim)
         elif node in cut.twin_reads:
             # ``x.shape`` of a tensor stage 2 lacks, read off its twin on the boundary.
             env[node] = read_on(stage, node, env[cut.twin_reads[node]])

@@ -49,7 +49,7 @@ import torch
 import torch.fx as fx
 
 from graphsplit.artifacts import Cut
-from graphsplit.planning.cut.twin_reads import is_read
+from graphsplit.planning.cut.twin_reads import computed_from, is_read
 from graphsplit.planning.rules.node_inputs import reads_through
 from graphsplit.planning.rules.size_guards import CheckSources, expression, insert_check, where_read
 from graphsplit.planning.rules.taint import facts
@@ -96,12 +96,11 @@ def _twin(
     number: fx.Node, value: int, sources: set[fx.Node], boundary: Sequence[fx.Node]
 ) -> tuple[fx.Node, int] | None:
     position = {node: index for index, node in enumerate(number.graph.nodes)}
-    first = min(position[source] for source in sources)
     candidates = sorted(
         (node for node in boundary if _per_sample_tensor(node)), key=position.__getitem__
     )
     for twin in candidates:
-        if not all(_computed_from(twin, source, position, first) for source in sources):
+        if not all(computed_from(twin, source, position) for source in sources):
             continue
         shape = twin.meta["val"].shape
         batch_dim = facts(twin).batch_dim
@@ -120,15 +119,6 @@ def _per_sample_tensor(node: fx.Node) -> bool:
 
 def _equals(size: Any, value: int) -> bool:
     return type(size) is int and size == value
-
-
-def _computed_from(
-    node: fx.Node, source: fx.Node, position: dict[fx.Node, int], first: int
-) -> bool:
-    """Whether ``source`` is among the nodes ``node`` reads, transitively (nodes before the
-    first source cannot lead to it, so the walk stops there)."""
-    _, ends = reads_through(node, lambda read: read is not source and position[read] > first)
-    return source in ends
 
 
 def _aligned_dims(number: fx.Node, rank: int) -> set[int]:
@@ -161,14 +151,12 @@ def check_number_twins(
 ) -> None:
     """Insert into stage 1 the check of each number stage 2 reads off a twin: the number as
     the step computes it and the twin's size must agree for the batch."""
+    # The nodes' order before any check is inserted: only nodes that were there are compared.
+    order = {node: index for index, node in enumerate(stage.nodes)}
     for number, (twin, dim) in cut.number_twins.items():
-        later = max((env[number], env[twin]), key=_order(stage).__getitem__)
+        later = max((env[number], env[twin]), key=order.__getitem__)
         with stage.inserting_after(later):
             on_twin = size_on_twin(stage, number, env[twin], dim)
         what = f"{expression(twin)}.shape[{dim}]"
         arguments = (on_twin, env[number], expression(number), what)
         insert_check(stage, on_twin, arguments, where_read(number), sources, check_same_read)
-
-
-def _order(stage: fx.Graph) -> dict[fx.Node, int]:
-    return {node: index for index, node in enumerate(stage.nodes)}

@@ -55,7 +55,7 @@ from graphsplit.planning.rules.size_guards import (
 from graphsplit.planning.rules.taint import facts
 from graphsplit.runtime import check_same_read
 
-__all__ = ["check_twin_reads", "is_read", "read_on", "read_tensor", "twins_for"]
+__all__ = ["check_twin_reads", "computed_from", "is_read", "read_on", "read_tensor", "twins_for"]
 
 
 def is_read(node: fx.Node, tensor: fx.Node) -> bool:
@@ -124,12 +124,12 @@ def _candidates(end: fx.Node, boundary: Sequence[fx.Node]) -> list[fx.Node]:
         and facts(node).per_sample
         and facts(node).batch_dim == batch_dim
         and isinstance(node.meta.get("val"), torch.Tensor)
-        and _computed_from(node, end, position)
+        and computed_from(node, end, position)
     ]
     return sorted(found, key=position.__getitem__)
 
 
-def _computed_from(node: fx.Node, ancestor: fx.Node, position: dict[fx.Node, int]) -> bool:
+def computed_from(node: fx.Node, ancestor: fx.Node, position: dict[fx.Node, int]) -> bool:
     """Whether ``ancestor`` is among the nodes ``node`` reads, transitively (nodes before
     ``ancestor`` in the graph cannot lead to it, so the walk stops there)."""
     start = position[ancestor]
